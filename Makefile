@@ -1,0 +1,43 @@
+# qlab: two commands do all the set-up on a fresh machine.
+#   make figures   bootstrap .venv, run every notebook headless (default parameters)
+#   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode)
+# torch is installed first and pinned here, so pip never resolves a bare `torch` to the CUDA build.
+
+PYTHON        ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV          ?= .venv
+BIN           := $(VENV)/bin
+STAMP         := $(VENV)/.qlab-bootstrapped
+export MPLBACKEND := Agg
+
+.PHONY: help figures test lab sync bench kernel clean
+
+help:  ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m ipykernel install --sys-prefix --name qlab --display-name "Python (qlab)" >/dev/null
+	touch $@
+
+kernel: $(STAMP)  ## create .venv and register the `qlab` Jupyter kernel
+
+figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, figures/*.pdf|png
+	$(BIN)/qlab figures
+
+test: $(STAMP)  ## unit tests and every notebook in smoke mode
+	$(BIN)/python -m pytest
+
+lab: $(STAMP)  ## JupyterLab with the qlab kernel
+	$(BIN)/jupyter lab notebooks/
+
+sync: $(STAMP)  ## jupytext-sync notebooks/*.py <-> *.ipynb and strip outputs
+	$(BIN)/qlab sync
+
+bench: $(STAMP)  ## speed benchmarks (ratios against a baseline in the same run)
+	$(BIN)/python benchmarks/bench_numerics.py
+
+clean:  ## remove runs/ (executed notebooks); keeps .venv, data/ and figures/
+	rm -rf runs/

@@ -1,0 +1,122 @@
+"""The ``qlab`` command.
+
+    qlab list                                   the notebooks and their parameters
+    qlab run NOTEBOOK [-p NAME VALUE ...] [--smoke] [--timeout S] [--output PATH]
+    qlab figures [--smoke]                      every notebook, default parameters
+    qlab sweep NOTEBOOK GRID.yaml [-j N] [--smoke]
+    qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
+
+Parameter values are parsed as YAML scalars/lists (``-p n 1024 -p dtypes '[float32, bfloat16]'``).
+Exit status: 0 success, 1 a notebook or sweep point failed, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from qlab import notebooks, sweep
+from qlab.notebooks import DEFAULT_TIMEOUT_S, NotebookError
+
+
+def _parse_value(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qlab", description="qlab: low-precision training numerics lab bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("list", help="list the notebooks and their parameters")
+
+    run = sub.add_parser("run", help="execute one notebook headless with papermill")
+    run.add_argument("notebook", help="path, name (02_welford_vs_naive_variance) or number (02)")
+    run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
+    run.add_argument("--smoke", action="store_true", help="tiny sizes; results under runs/smoke/")
+    run.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
+    run.add_argument("--output", help="where the executed copy goes (default runs/NAME.ipynb)")
+
+    figures = sub.add_parser("figures", help="run every notebook with default parameters")
+    figures.add_argument("--smoke", action="store_true")
+    figures.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+
+    sw = sub.add_parser("sweep", help="run a notebook over the cartesian product of a YAML grid")
+    sw.add_argument("notebook")
+    sw.add_argument("grid", help="YAML mapping: parameter -> list of values")
+    sw.add_argument("-j", "--jobs", type=int, default=1, help="worker processes")
+    sw.add_argument("--smoke", action="store_true")
+    sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+
+    sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
+    return parser
+
+
+def _cmd_list(args) -> int:
+    for path in notebooks.list_notebooks():
+        print(path.stem)
+        for name, info in notebooks.notebook_parameters(path).items():
+            print(f"    {name}: {info['type'] or '?'} = {info['default']}")
+    return 0
+
+
+def _cmd_run(args) -> int:
+    params = {name: _parse_value(value) for name, value in args.parameter}
+    result = notebooks.run_notebook(args.notebook, params, smoke=args.smoke, timeout=args.timeout,
+                                    output=args.output)
+    print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s, executed copy {result.output}")
+    return 0
+
+
+def _cmd_figures(args) -> int:
+    from tqdm.auto import tqdm
+
+    failures = []
+    bar = tqdm(notebooks.list_notebooks(), desc="notebooks", unit="nb")
+    for path in bar:
+        bar.set_postfix_str(path.stem)
+        try:
+            notebooks.run_notebook(path, smoke=args.smoke, timeout=args.timeout)
+        except NotebookError as err:
+            failures.append(str(err))
+    for failure in failures:
+        print(f"qlab: {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _cmd_sweep(args) -> int:
+    outcomes = sweep.run_sweep(args.notebook, args.grid, jobs=args.jobs, smoke=args.smoke, timeout=args.timeout)
+    counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "skipped", "failed")}
+    print(f"sweep: {counts['ok']} ran, {counts['skipped']} already complete, {counts['failed']} failed")
+    for outcome in outcomes:
+        if outcome.status == "failed":
+            print(f"  FAILED {outcome.slug}: {outcome.detail}", file=sys.stderr)
+    return 1 if counts["failed"] else 0
+
+
+def _cmd_sync(args) -> int:
+    for path in notebooks.sync_notebooks():
+        print(f"synced {path.name}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    command = {"list": _cmd_list, "run": _cmd_run, "figures": _cmd_figures, "sweep": _cmd_sweep,
+               "sync": _cmd_sync}[args.command]
+    try:
+        return command(args)
+    except NotebookError as err:
+        print(f"qlab: {err}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"qlab: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

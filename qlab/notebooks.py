@@ -1,0 +1,187 @@
+"""Running the parameterized notebooks headless with papermill (used by the CLI and the tests).
+
+Conventions (see the README): ``notebooks/NN_topic.py`` (jupytext percent) is the source of truth,
+paired with ``NN_topic.ipynb`` stored without outputs; the first code cell is tagged
+``parameters`` and holds typed values, ``smoke: bool = False`` among them. Executed copies go to
+``runs/``. A smoke run writes its CSVs and figures under ``runs/smoke/`` so it never overwrites
+the committed results in ``data/`` and ``figures/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from qlab import paths
+
+KERNEL_NAME = "qlab"
+DEFAULT_TIMEOUT_S = 1800  # per cell
+
+
+class NotebookError(RuntimeError):
+    """A notebook failed to execute; the message names the notebook, the cell and the exception."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    notebook: Path
+    output: Path
+    seconds: float
+    parameters: dict = field(default_factory=dict)
+
+
+def list_notebooks() -> list[Path]:
+    """The paired notebooks, ``notebooks/NN_topic.ipynb``, in order."""
+    return sorted(p for p in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+def resolve_notebook(name: str | os.PathLike) -> Path:
+    """Find a notebook by path (.ipynb or its paired .py), by stem, or by its number ("02")."""
+    candidate = Path(name)
+    if candidate.suffix in (".ipynb", ".py") and candidate.exists():
+        ipynb = candidate.with_suffix(".ipynb").resolve()
+        if ipynb.exists():
+            return ipynb
+    available = list_notebooks()
+    stem = candidate.name.removesuffix(".ipynb").removesuffix(".py")
+    matches = [p for p in available if p.stem == stem or p.stem.split("_", 1)[0] == stem]
+    if len(matches) == 1:
+        return matches[0]
+    names = ", ".join(p.stem for p in available) or "(none)"
+    raise ValueError(f"unknown notebook {str(name)!r}; available: {names}")
+
+
+def notebook_parameters(notebook: Path) -> dict[str, dict]:
+    """The parameters cell's names -> {"default": source text, "type": annotation or None}."""
+    import papermill
+
+    if not any("parameters" in c.metadata.get("tags", []) for c in nbformat.read(notebook, as_version=4).cells):
+        raise ValueError(f"{notebook.name} has no cell tagged 'parameters'")
+    found = papermill.inspect_notebook(str(notebook))
+    return {name: {"default": info["default"], "type": info["inferred_type_name"]} for name, info in found.items()}
+
+
+_TYPE_CHECKS = {
+    "bool": lambda v: isinstance(v, bool),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+}
+
+
+def check_parameters(notebook: Path, parameters: dict) -> None:
+    """Raise ValueError for a parameter the notebook does not declare, TypeError for a value that
+    does not fit the declared type (bool, int, float, str; others are not checked)."""
+    declared = notebook_parameters(notebook)
+    unknown = sorted(set(parameters) - set(declared))
+    if unknown:
+        raise ValueError(
+            f"unknown parameter(s) {', '.join(unknown)} for {notebook.stem}; "
+            f"it declares: {', '.join(declared)}"
+        )
+    for name, value in parameters.items():
+        kind = (declared[name]["type"] or "").split("[")[0]
+        check = _TYPE_CHECKS.get(kind)
+        if check is not None and not check(value):
+            raise TypeError(f"parameter {name} of {notebook.stem} expects {kind}, got {value!r} ({type(value).__name__})")
+
+
+def _require_kernel() -> None:
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    try:
+        KernelSpecManager().get_kernel_spec(KERNEL_NAME)
+    except NoSuchKernel:
+        raise NotebookError(
+            f"the Jupyter kernel {KERNEL_NAME!r} is not installed: run `make kernel` "
+            f"(or `python -m ipykernel install --sys-prefix --name {KERNEL_NAME}`)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _results_dir(directory: Path | None):
+    """Point QLAB_RESULTS_DIR (inherited by the kernel) at ``directory`` for the duration."""
+    previous = os.environ.get(paths.RESULTS_ENV)
+    if directory is not None:
+        os.environ[paths.RESULTS_ENV] = str(directory)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(paths.RESULTS_ENV, None)
+        else:
+            os.environ[paths.RESULTS_ENV] = previous
+
+
+def run_notebook(notebook: str | os.PathLike, parameters: dict | None = None, *, smoke: bool = False,
+                 output: Path | None = None, results_dir: Path | None = None,
+                 timeout: int = DEFAULT_TIMEOUT_S) -> RunResult:
+    """Execute a notebook with papermill and the ``qlab`` kernel; return where the copy went.
+
+    ``smoke=True`` sets the notebook's ``smoke`` parameter and, unless ``results_dir`` is given,
+    sends data/ and figures/ to ``runs/smoke/``. The executed copy goes to ``output`` (default
+    ``runs/[smoke/]<name>.ipynb``) and is kept when a cell fails; the failure raises NotebookError
+    naming the notebook, the cell and the exception.
+    """
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    path = resolve_notebook(notebook)
+    params = dict(parameters or {})
+    if smoke:
+        params["smoke"] = True
+    check_parameters(path, params)
+    _require_kernel()
+    base = paths.RUNS_DIR / "smoke" if smoke else paths.RUNS_DIR
+    output = Path(output) if output is not None else base / f"{path.stem}.ipynb"
+    if results_dir is None and smoke:
+        results_dir = base
+    output.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        with _results_dir(results_dir):
+            papermill.execute_notebook(
+                str(path), str(output), parameters=params, kernel_name=KERNEL_NAME,
+                cwd=str(output.parent), execution_timeout=timeout, progress_bar=False, log_output=False,
+            )
+    except PapermillExecutionError as err:
+        source = "\n".join("    " + line for line in (err.source or "").splitlines()[:12])
+        raise NotebookError(
+            f"notebook {path.name} failed in cell In [{err.exec_count}]:\n{source}\n"
+            f"  {err.ename}: {err.evalue}\n  executed copy kept at {output}"
+        ) from None
+    return RunResult(path, output, time.perf_counter() - start, params)
+
+
+def strip_outputs(notebook: Path) -> bool:
+    """Remove outputs and execution counts from an .ipynb in place; return True if it changed."""
+    nb = nbformat.read(notebook, as_version=4)
+    changed = False
+    for cell in nb.cells:
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
+            cell.outputs, cell.execution_count = [], None
+            changed = True
+    if changed:
+        nbformat.write(nb, notebook)
+    return changed
+
+
+def sync_notebooks() -> list[Path]:
+    """jupytext --sync every notebooks/*.py with its .ipynb (the newer side wins), then strip outputs."""
+    from jupytext.cli import jupytext as jupytext_cli
+
+    synced = []
+    for source in sorted(paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py")):
+        ipynb = source.with_suffix(".ipynb")
+        if ipynb.exists():
+            jupytext_cli(["--quiet", "--sync", str(source)])
+        else:
+            jupytext_cli(["--quiet", "--set-formats", "ipynb,py:percent", str(source)])
+        strip_outputs(ipynb)
+        synced.append(ipynb)
+    return synced

@@ -1,0 +1,561 @@
+"""Variance and LayerNorm numerics: the algorithms, exact references and a gradient checker.
+
+Moments of a row x₁..xₙ are (n, M, S): the count, the mean and S = Σ(xᵢ − M)², so the biased
+variance (the one LayerNorm uses) is S/n. Algorithms, with u the unit roundoff of the
+accumulation dtype and κ = √(1 + M²/σ²) the condition number (Chan, Golub & LeVeque 1983):
+
+    textbook   E[X²] − E[X]² from running Σx and Σx²         rel. error of S ~ n·κ²·u
+    two_pass   M first, then Σ(x − M)²                        ~ n·u + n²·κ²·u²
+    welford    δ = x − M;  M += δ/k;  S += δ·(x − M)          ~ n·κ·u
+    pairwise   Chan's pairwise merge of single elements       n replaced by log₂ n
+    shifted    textbook on x − K, K = the row's first element (κ of the shifted data)
+
+Every arithmetic step runs in the accumulation dtype, rounded once per operation: PyTorch's CPU
+kernels compute fp16/bf16 +, −, × in fp32 and round the result once, which equals IEEE fp16/bf16
+arithmetic because fp32 carries at least 2p+2 bits of either. Counts are exact integers, as in
+real kernels; divisions by a count are rounded once to the accumulation dtype.
+
+Sequential algorithms loop in Python over the row (vectorised across rows), so they are
+references for measuring error, not fast paths. ``chunk`` splits each row into contiguous chunks,
+runs the algorithm inside each and merges the chunks pairwise with Chan's formula — PyTorch's CPU
+LayerNorm does this with Welford.
+"""
+
+from __future__ import annotations
+
+import decimal
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Sequence
+
+import pandas as pd
+import torch
+
+ALGORITHMS = ("textbook", "two_pass", "welford", "pairwise", "shifted")
+LAYER_NORM_STATS = ("welford", "two_pass", "textbook")
+LAYER_NORM_WELFORD_CHUNK = 16
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks shared by every public function
+# --------------------------------------------------------------------------------------------
+
+def _require_float_tensor(x, what: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{what} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+
+
+def _require_choice(value, choices: Sequence[str], what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of: {', '.join(choices)}")
+
+
+def _rows(x: torch.Tensor, dims: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Flatten the last ``dims`` dimensions: returns (rows × n view, leading shape)."""
+    if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= x.dim():
+        raise ValueError(f"dims must be an int between 1 and x.dim()={x.dim()}, got {dims!r}")
+    lead = tuple(x.shape[: x.dim() - dims])
+    n = math.prod(x.shape[x.dim() - dims:])
+    if n == 0:
+        raise ValueError(f"cannot take moments over zero elements (input shape {tuple(x.shape)})")
+    return x.reshape(-1, n), lead
+
+
+def _resolve_acc_dtype(x: torch.Tensor, acc_dtype) -> torch.dtype:
+    if acc_dtype is None:
+        return x.dtype
+    if not isinstance(acc_dtype, torch.dtype) or not acc_dtype.is_floating_point:
+        raise TypeError(f"acc_dtype must be a floating torch.dtype, got {acc_dtype!r}")
+    return acc_dtype
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u = 2^-p for a dtype with p significand bits: fp32 2^-24, fp16 2^-11, bf16 2^-8."""
+    return torch.finfo(dtype).eps / 2
+
+
+# --------------------------------------------------------------------------------------------
+# Moments and the algorithms
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Moments:
+    """Count, mean and S = Σ(x − mean)² of each row, in the accumulation dtype."""
+
+    count: int
+    mean: torch.Tensor
+    m2: torch.Tensor
+
+    def var(self, correction: int = 0) -> torch.Tensor:
+        """S / (count − correction), rounded once to the accumulation dtype."""
+        if self.count - correction <= 0:
+            raise ValueError(f"correction={correction} leaves no degrees of freedom for count={self.count}")
+        return _div(self.m2, self.count - correction)
+
+
+def _div(a: torch.Tensor, k) -> torch.Tensor:
+    """a / k for an exact integer (or integer tensor) k, rounded once to a's dtype."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        k = k.to(torch.float32) if isinstance(k, torch.Tensor) else k
+        return (a.to(torch.float32) / k).to(a.dtype)
+    return a / k
+
+
+def _ratio(num, den, dtype: torch.dtype) -> torch.Tensor:
+    """The exact quotient of integer tensors num/den, rounded to dtype (via float64)."""
+    return (num.to(torch.float64) / den.to(torch.float64)).to(dtype)
+
+
+def _sequential_sum(columns: torch.Tensor) -> torch.Tensor:
+    total = columns[0].clone()
+    for k in range(1, columns.shape[0]):
+        total = total + columns[k]
+    return total
+
+
+def _textbook(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = columns.shape[0]
+    s1 = _sequential_sum(columns)
+    s2 = columns[0] * columns[0]
+    for k in range(1, n):
+        s2 = s2 + columns[k] * columns[k]
+    mean = _div(s1, n)
+    var = _div(s2, n) - mean * mean
+    return mean, var * n
+
+
+def _two_pass(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    n = columns.shape[0]
+    mean = _div(_sequential_sum(columns), n)
+    d = columns[0] - mean
+    m2 = d * d
+    for k in range(1, n):
+        d = columns[k] - mean
+        m2 = m2 + d * d
+    return mean, m2
+
+
+def _welford(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = columns[0].clone()
+    m2 = torch.zeros_like(mean)
+    for k in range(1, columns.shape[0]):
+        x = columns[k]
+        delta = x - mean
+        mean = mean + _div(delta, k + 1)
+        m2 = m2 + delta * (x - mean)
+    return mean, m2
+
+
+def _shifted(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shift = columns[0]
+    mean, m2 = _textbook(columns - shift)
+    return shift + mean, m2
+
+
+_SEQUENTIAL = {"textbook": _textbook, "two_pass": _two_pass, "welford": _welford, "shifted": _shifted}
+
+
+def _merge_tree(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
+    """Merge moments along the last axis pairwise (adjacent pairs, a balanced tree)."""
+    while mean.shape[-1] > 1:
+        pairs = mean.shape[-1] // 2
+        carry = mean.shape[-1] % 2
+        na, nb = count[..., 0:2 * pairs:2], count[..., 1:2 * pairs:2]
+        ma, mb = mean[..., 0:2 * pairs:2], mean[..., 1:2 * pairs:2]
+        sa, sb = m2[..., 0:2 * pairs:2], m2[..., 1:2 * pairs:2]
+        n = na + nb
+        delta = mb - ma
+        merged_mean = ma + delta * _ratio(nb, n, mean.dtype)
+        merged_m2 = sa + sb + delta * delta * _ratio(na * nb, n, mean.dtype)
+        if carry:
+            n = torch.cat([n, count[..., -1:]], dim=-1)
+            merged_mean = torch.cat([merged_mean, mean[..., -1:]], dim=-1)
+            merged_m2 = torch.cat([merged_m2, m2[..., -1:]], dim=-1)
+        count, mean, m2 = n, merged_mean, merged_m2
+    return count[..., 0], mean[..., 0], m2[..., 0]
+
+
+def merge_moments(a: Moments, b: Moments) -> Moments:
+    """Chan et al.'s merge of two sets of moments (rows aligned): n = nA+nB, δ = M_B − M_A,
+    M = M_A + δ·nB/n, S = S_A + S_B + δ²·nA·nB/n, in the dtype of a."""
+    if a.mean.shape != b.mean.shape:
+        raise ValueError(f"moments to merge must have the same row shape, got {tuple(a.mean.shape)} and {tuple(b.mean.shape)}")
+    n = a.count + b.count
+    delta = b.mean.to(a.mean.dtype) - a.mean
+    mean = a.mean + delta * _ratio(torch.tensor(b.count), torch.tensor(n), a.mean.dtype)
+    m2 = a.m2 + b.m2.to(a.m2.dtype) + delta * delta * _ratio(torch.tensor(a.count * b.count), torch.tensor(n), a.mean.dtype)
+    return Moments(n, mean, m2)
+
+
+def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_dtype: torch.dtype | None = None,
+            chunk: int | None = None) -> Moments:
+    """Moments over the last ``dims`` dimensions of ``x`` by the named algorithm.
+
+    ``x`` is converted to ``acc_dtype`` (default: x's dtype) and every step is rounded in it.
+    ``chunk``: run the algorithm within contiguous chunks of this many elements and merge the chunks
+    pairwise (a trailing partial chunk is merged like the others). Returns moments shaped like x's
+    leading dimensions.
+    """
+    _require_float_tensor(x)
+    _require_choice(algorithm, ALGORITHMS, "algorithm")
+    acc = _resolve_acc_dtype(x, acc_dtype)
+    rows, lead = _rows(x.detach(), dims)
+    rows = rows.to(acc)
+    n = rows.shape[1]
+    if algorithm == "pairwise":
+        if chunk is not None:
+            raise ValueError("'pairwise' already merges single elements; chunk applies to the other algorithms")
+        count = torch.ones(n, dtype=torch.int64)
+        _, mean, m2 = _merge_tree(count, rows, torch.zeros_like(rows))
+        return Moments(n, mean.reshape(lead), m2.reshape(lead))
+    if chunk is None:
+        mean, m2 = _SEQUENTIAL[algorithm](rows.t().contiguous())
+        return Moments(n, mean.reshape(lead), m2.reshape(lead))
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    full, tail = divmod(n, chunk)
+    means, m2s, counts = [], [], []
+    if full:
+        blocks = rows[:, : full * chunk].reshape(-1, full, chunk).permute(2, 0, 1).contiguous()
+        mean, m2 = _SEQUENTIAL[algorithm](blocks)
+        means.append(mean), m2s.append(m2), counts.append(torch.full((full,), chunk, dtype=torch.int64))
+    if tail:
+        mean, m2 = _SEQUENTIAL[algorithm](rows[:, full * chunk:].t().contiguous())
+        means.append(mean[:, None]), m2s.append(m2[:, None]), counts.append(torch.tensor([tail]))
+    _, mean, m2 = _merge_tree(torch.cat(counts), torch.cat(means, dim=1), torch.cat(m2s, dim=1))
+    return Moments(n, mean.reshape(lead), m2.reshape(lead))
+
+
+def variance(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_dtype: torch.dtype | None = None,
+             chunk: int | None = None, correction: int = 0) -> torch.Tensor:
+    """Variance over the last ``dims`` dimensions (biased by default, as LayerNorm uses)."""
+    return moments(x, algorithm, dims=dims, acc_dtype=acc_dtype, chunk=chunk).var(correction)
+
+
+# --------------------------------------------------------------------------------------------
+# Exact references
+# --------------------------------------------------------------------------------------------
+
+def _exact_row_moments(row: list[float]) -> tuple[Fraction, Fraction]:
+    """Exact mean and biased variance of floats: each float is a dyadic rational, so scaling by
+    the largest denominator gives integers whose sums Python computes exactly."""
+    ratios = [v.as_integer_ratio() for v in row]
+    denominator = max(q for _, q in ratios)
+    ints = [p * (denominator // q) for p, q in ratios]
+    n = len(ints)
+    s1 = sum(ints)
+    s2 = sum(i * i for i in ints)
+    return Fraction(s1, n * denominator), Fraction(n * s2 - s1 * s1, n * n * denominator * denominator)
+
+
+def _rows_as_floats(x: torch.Tensor, dims: int) -> tuple[list[list[float]], tuple[int, ...]]:
+    _require_float_tensor(x)
+    rows, lead = _rows(x.detach(), dims)
+    rows = rows.to(torch.float64)
+    if not torch.isfinite(rows).all():
+        raise ValueError("exact moments need finite input; got inf or NaN")
+    return rows.tolist(), lead
+
+
+def exact_moments(x: torch.Tensor, *, dims: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance over the last ``dims`` dims, computed in exact rational arithmetic
+    and each correctly rounded to float64 (relative error ≤ 2^-53)."""
+    rows, lead = _rows_as_floats(x, dims)
+    exact = [_exact_row_moments(r) for r in rows]
+    mean = torch.tensor([float(m) for m, _ in exact], dtype=torch.float64).reshape(lead)
+    var = torch.tensor([float(v) for _, v in exact], dtype=torch.float64).reshape(lead)
+    return mean, var
+
+
+def rows_with_condition_number(kappas: Sequence[float], n: int, trials: int = 1, *,
+                               std: float | None = None, dtype: torch.dtype = torch.float32,
+                               generator: torch.Generator | None = None) -> torch.Tensor:
+    """Rows of length n whose condition number κ = √(1 + mean²/σ²) is each target, ``trials`` rows
+    per target (target-major order): shape (len(kappas)·trials, n).
+
+    Built in float64 from standardised normal draws (sample mean 0, biased std 1 exactly up to
+    float64 rounding), then rounded to ``dtype``; the rounded rows' κ differs from the target where
+    the dtype cannot resolve σ — measure it with ``condition_number``. With ``std=None`` the rows
+    have unit RMS (mean² + σ² = 1, safe in float16); with ``std`` given, σ = std and mean = σ·√(κ²−1).
+    """
+    if not isinstance(n, int) or n < 2 or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"need an int n >= 2 and trials >= 1, got n={n!r}, trials={trials!r}")
+    kappas = torch.as_tensor(kappas, dtype=torch.float64).reshape(-1, 1, 1)
+    if not torch.isfinite(kappas).all() or (kappas < 1).any():
+        raise ValueError(f"every target κ must be finite and >= 1, got {kappas.flatten().tolist()}")
+    z = torch.randn(kappas.shape[0], trials, n, dtype=torch.float64, generator=generator)
+    z = z - z.mean(dim=-1, keepdim=True)
+    z = z / z.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    if std is None:
+        sigma = 1 / kappas
+        mean = torch.sqrt(1 - sigma * sigma)
+    else:
+        sigma = torch.full_like(kappas, float(std))
+        mean = sigma * torch.sqrt(kappas * kappas - 1)
+    return (mean + sigma * z).reshape(-1, n).to(dtype)
+
+
+def condition_number(x: torch.Tensor, *, dims: int = 1) -> torch.Tensor:
+    """κ = √(1 + mean²/σ²) of each row from the exact moments (inf for a constant row)."""
+    mean, var = exact_moments(x, dims=dims)
+    return torch.sqrt(1 + mean * mean / var)
+
+
+def exact_layer_norm(x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, digits: int = 50) -> torch.Tensor:
+    """LayerNorm without affine, (x − M)/√(σ² + eps), from exact moments with the square root and
+    division in ``digits``-digit decimal arithmetic, rounded to float64. eps is taken as the exact
+    value of the Python float given."""
+    dims = len(_normalized_shape_tuple(normalized_shape))
+    _check_normalized_shape(x, normalized_shape)
+    rows, lead = _rows_as_floats(x, dims)
+    ctx = decimal.Context(prec=digits)
+    eps_exact = Fraction(eps)
+
+    def to_decimal(f: Fraction) -> decimal.Decimal:
+        return ctx.divide(decimal.Decimal(f.numerator), decimal.Decimal(f.denominator))
+
+    out = []
+    for row in rows:
+        mean, var = _exact_row_moments(row)
+        denominator = ctx.sqrt(to_decimal(var + eps_exact))
+        out.append([float(ctx.divide(to_decimal(Fraction(v) - mean), denominator)) for v in row])
+    return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# LayerNorm with selectable statistics and its own backward
+# --------------------------------------------------------------------------------------------
+
+def _normalized_shape_tuple(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
+        return (normalized_shape,)
+    if isinstance(normalized_shape, torch.Size) or (
+        isinstance(normalized_shape, (tuple, list))
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in normalized_shape)
+    ):
+        return tuple(normalized_shape)
+    raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+
+
+def _check_normalized_shape(x: torch.Tensor, normalized_shape) -> tuple[int, ...]:
+    _require_float_tensor(x, "input")
+    shape = _normalized_shape_tuple(normalized_shape)
+    if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape):]) != shape:
+        trailing = tuple(x.shape[max(x.dim() - len(shape), 0):])
+        raise ValueError(
+            f"normalized_shape {shape} does not match the input's trailing dimensions {trailing} "
+            f"(input shape {tuple(x.shape)})"
+        )
+    return shape
+
+
+def _layer_norm_stats(rows: torch.Tensor, stats: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance of each row of a rows × n tensor, in its dtype.
+
+    welford: Welford inside 16-element chunks merged pairwise (PyTorch's CPU scheme);
+    two_pass and textbook: PyTorch's (cascade) sums, so only the formula differs.
+    """
+    if stats == "welford":
+        m = moments(rows, "welford", chunk=LAYER_NORM_WELFORD_CHUNK)
+        return m.mean, m.var()
+    mean = rows.mean(dim=1)
+    if stats == "two_pass":
+        centered = rows - mean[:, None]
+        return mean, (centered * centered).mean(dim=1)
+    # textbook can go negative through cancellation; kernels clamp it at zero, so do we
+    return mean, ((rows * rows).mean(dim=1) - mean * mean).clamp_min(0)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, n_dims, eps, stats, acc):
+        shape = x.shape
+        n = math.prod(shape[x.dim() - n_dims:])
+        rows = x.reshape(-1, n).to(acc)
+        mean, var = _layer_norm_stats(rows, stats)
+        rstd = torch.rsqrt(var + eps)
+        y = (rows - mean[:, None]) * rstd[:, None]
+        if weight is not None:
+            y = y * weight.reshape(1, n).to(acc)
+        if bias is not None:
+            y = y + bias.reshape(1, n).to(acc)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.n, ctx.acc, ctx.affine_shape = n, acc, tuple(shape[x.dim() - n_dims:])
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.to(x.dtype).reshape(shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        n, acc = ctx.n, ctx.acc
+        rows = x.reshape(-1, n).to(acc)
+        dy_rows = dy.reshape(-1, n).to(acc)
+        xhat = (rows - mean[:, None]) * rstd[:, None]
+        g = dy_rows * weight.reshape(1, n).to(acc) if weight is not None else dy_rows
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            # dx = rstd · (g − mean(g) − x̂ · mean(g · x̂))
+            dx = rstd[:, None] * (g - g.mean(dim=1, keepdim=True) - xhat * (g * xhat).mean(dim=1, keepdim=True))
+            dx = dx.to(x.dtype).reshape(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = (dy_rows * xhat).sum(dim=0).to(weight.dtype).reshape(ctx.affine_shape)
+        if ctx.needs_input_grad[2]:
+            db = dy_rows.sum(dim=0).to(ctx.bias_dtype).reshape(ctx.affine_shape)
+        return dx, dw, db, None, None, None, None
+
+
+def _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype):
+    shape = _check_normalized_shape(x, normalized_shape)
+    _require_choice(stats, LAYER_NORM_STATS, "stats")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        _require_float_tensor(p, name)
+        if tuple(p.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(p.shape)} does not match normalized_shape {shape}")
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    if acc_dtype is None:
+        acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if acc_dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"layer_norm accumulates in float32 or float64, got acc_dtype={acc_dtype}")
+    return shape, acc_dtype
+
+
+def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, eps: float = 1e-5, *, stats: str = "welford",
+               acc_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """LayerNorm over the trailing ``normalized_shape`` with the statistics computed by ``stats``.
+
+    Same signature and semantics as ``torch.nn.functional.layer_norm`` (biased variance, eps inside
+    the square root). Computation in ``acc_dtype`` (float32, or float64 for float64 input); output
+    in x's dtype. Backward is analytic (not autograd through the statistics):
+    dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·weight, dweight = Σ dy·x̂, dbias = Σ dy.
+    """
+    shape, acc = _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype)
+    return _LayerNormFunction.apply(x, weight, bias, len(shape), float(eps), stats, acc)
+
+
+class _SwappedAffineGradsLayerNorm(_LayerNormFunction):
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw, db, *rest = _LayerNormFunction.backward(ctx, dy)
+        return (dx, db, dw, *rest)
+
+
+def layer_norm_swapped_affine_grads(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, stats="welford"):
+    """DELIBERATELY WRONG: ``layer_norm`` whose backward returns the weight and bias gradients in
+    each other's places — the argument-order bug of the OneFlow LayerNorm seed. The forward is
+    correct, so only a gradient check catches it (see ``check_layer_norm_grads``)."""
+    shape, acc = _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
+    if weight is None or bias is None:
+        raise ValueError("the swapped-gradient exhibit needs both weight and bias")
+    return _SwappedAffineGradsLayerNorm.apply(x, weight, bias, len(shape), float(eps), stats, acc)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradient checker for LayerNorm-like callables
+# --------------------------------------------------------------------------------------------
+
+def reference_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """Plain float64 LayerNorm written with elementary torch ops (two-pass statistics), so that
+    autograd through it is an independent reference for any LayerNorm's gradients."""
+    shape = _check_normalized_shape(x, normalized_shape)
+    dims = tuple(range(x.dim() - len(shape), x.dim()))
+    x64 = x.to(torch.float64)
+    mean = x64.mean(dim=dims, keepdim=True)
+    var = ((x64 - mean) ** 2).mean(dim=dims, keepdim=True)
+    y = (x64 - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * weight.to(torch.float64)
+    if bias is not None:
+        y = y + bias.to(torch.float64)
+    return y
+
+
+_GRADCHECK_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 1e-1}
+
+
+@dataclass(frozen=True)
+class GradCheckResult:
+    """Per-quantity normwise relative errors against the float64 reference, and a verdict."""
+
+    table: pd.DataFrame
+    diagnosis: str
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.table["ok"].all())
+
+    @property
+    def wrong(self) -> list[str]:
+        return list(self.table.loc[~self.table["ok"], "quantity"])
+
+
+def _normwise_error(value: torch.Tensor | None, reference: torch.Tensor) -> float:
+    if value is None:
+        return math.inf
+    if value.shape != reference.shape:
+        return math.inf
+    scale = reference.abs().max().item() or 1.0
+    return (value.detach().to(torch.float64) - reference).abs().max().item() / scale
+
+
+def check_layer_norm_grads(fn: Callable, *, shape: tuple[int, ...] = (8, 32), eps: float = 1e-5,
+                           dtype: torch.dtype = torch.float32, seed: int = 0,
+                           tolerance: float | None = None) -> GradCheckResult:
+    """Check a LayerNorm-like ``fn(x, normalized_shape, weight, bias, eps)`` against float64.
+
+    Draws x, weight (around 1), bias and an upstream gradient dy from ``seed``; compares the output
+    and the gradients of x, weight and bias with autograd through ``reference_layer_norm`` in
+    float64. Error = max|value − reference| / max|reference| (normwise relative); ``tolerance``
+    defaults to 1e-4 for float32 (a few hundred ulps of the largest entry: reductions of up to
+    thousands of terms in another order), 2e-2 for float16, 1e-1 for bfloat16, 1e-10 for float64.
+    The diagnosis names the wrong gradients and recognises weight/bias gradients that are swapped.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if dtype not in _GRADCHECK_TOLERANCE:
+        raise ValueError(f"dtype must be one of {list(_GRADCHECK_TOLERANCE)}, got {dtype}")
+    tol = _GRADCHECK_TOLERANCE[dtype] if tolerance is None else tolerance
+    generator = torch.Generator().manual_seed(seed)
+    normalized = shape[-1:]
+    x = torch.randn(shape, generator=generator, dtype=torch.float64) * 2 + 0.5
+    weight = 1 + 0.5 * torch.randn(normalized, generator=generator, dtype=torch.float64)
+    bias = torch.randn(normalized, generator=generator, dtype=torch.float64)
+    dy = torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    ref_inputs = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    ref_out = reference_layer_norm(ref_inputs[0], normalized, ref_inputs[1], ref_inputs[2], eps)
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, dy)
+
+    inputs = [t.to(dtype).requires_grad_(True) for t in (x, weight, bias)]
+    out = fn(inputs[0], normalized, inputs[1], inputs[2], eps)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        raise ValueError(f"fn must return a tensor of the input's shape {tuple(x.shape)}, got {getattr(out, 'shape', out)!r}")
+    grads = torch.autograd.grad(out, inputs, dy.to(dtype), allow_unused=True)
+
+    names = ["output", "d_input", "d_weight", "d_bias"]
+    values = [out, *grads]
+    references = [ref_out.detach(), *ref_grads]
+    errors = [_normwise_error(v, r) for v, r in zip(values, references)]
+    table = pd.DataFrame({"quantity": names, "error": errors, "tolerance": tol})
+    table["ok"] = table["error"] <= tol
+
+    wrong = [name for name, ok in zip(names, table["ok"]) if not ok]
+    swapped = (
+        not table["ok"][2] and not table["ok"][3]
+        and _normwise_error(grads[1], ref_grads[2]) <= tol
+        and _normwise_error(grads[2], ref_grads[1]) <= tol
+    )
+    if not wrong:
+        diagnosis = "all gradients match the float64 reference"
+    elif swapped:
+        diagnosis = "d_weight and d_bias are swapped: each matches the other's reference (forward is " + \
+            ("correct)" if table["ok"][0] else "also wrong)")
+    else:
+        diagnosis = "wrong: " + ", ".join(wrong)
+    return GradCheckResult(table=table, diagnosis=diagnosis)

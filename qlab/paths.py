@@ -1,0 +1,49 @@
+"""The one module that knows where things live.
+
+The repository root is found from this file (qlab is installed editable), so notebooks and
+scripts behave the same from any working directory. Results (data/ and figures/) go under the
+repository root unless ``QLAB_RESULTS_DIR`` points elsewhere: smoke runs, tests and sweep points
+set it so they never overwrite the committed results.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+RESULTS_ENV = "QLAB_RESULTS_DIR"
+
+
+def _find_root() -> Path:
+    override = os.environ.get("QLAB_ROOT")
+    if override:
+        return Path(override).resolve()
+    package_parent = Path(__file__).resolve().parent.parent
+    if (package_parent / "pyproject.toml").exists() and (package_parent / "notebooks").is_dir():
+        return package_parent
+    return Path.cwd().resolve()
+
+
+ROOT = _find_root()
+NOTEBOOKS_DIR = ROOT / "notebooks"
+RUNS_DIR = ROOT / "runs"
+
+
+def results_root() -> Path:
+    """Directory holding data/ and figures/: ``$QLAB_RESULTS_DIR`` if set, else the repo root."""
+    override = os.environ.get(RESULTS_ENV)
+    return Path(override).resolve() if override else ROOT
+
+
+def data_dir() -> Path:
+    """Where tidy CSV results go (created on demand)."""
+    path = results_root() / "data"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def figures_dir() -> Path:
+    """Where exported figures (PDF + PNG) go (created on demand)."""
+    path = results_root() / "figures"
+    path.mkdir(parents=True, exist_ok=True)
+    return path

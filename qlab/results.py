@@ -1,0 +1,52 @@
+"""Writing a notebook's results: tidy CSVs and the scalar metrics a sweep collects.
+
+CSV bytes are deterministic for the same DataFrame (fixed float format, no index, '\n' endings).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from qlab import paths
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        raise ValueError(f"expected a plain file stem like '02_topic_what', got {name!r}")
+
+
+def save_csv(df: pd.DataFrame, name: str) -> Path:
+    """Write ``df`` to ``data/<name>.csv`` (floats with 10 significant digits); return the path."""
+    _check_name(name)
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"expected a pandas DataFrame, got {type(df).__name__}")
+    path = paths.data_dir() / f"{name}.csv"
+    df.to_csv(path, index=False, float_format="%.10g", lineterminator="\n")
+    return path
+
+
+def save_metrics(name: str, **metrics) -> Path:
+    """Write scalar ``metrics`` to ``data/<name>.json`` (sorted keys); `qlab sweep` collects them.
+
+    Values must be JSON scalars (numbers, strings, booleans, None); numpy/torch scalars are
+    converted with ``.item()``. Non-finite floats are written as null.
+    """
+    _check_name(name)
+    clean = {}
+    for key, value in metrics.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        if not isinstance(value, (int, float, str, bool, type(None))):
+            raise TypeError(f"metric {key!r} must be a scalar, got {type(value).__name__}")
+        if isinstance(value, float) and not math.isfinite(value):
+            value = None
+        clean[key] = value
+    path = paths.data_dir() / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,133 @@
+"""Parameter sweeps: the cartesian product of a YAML grid, one executed notebook per point.
+
+Each point runs in ``runs/<notebook>/<point-slug>/`` with its own data/ and figures/ and, once it
+has finished, a ``metrics.json`` (parameters, seconds, and every ``data/*.json`` the notebook wrote
+through ``qlab.results.save_metrics``). A point with a metrics.json is complete and is skipped by
+the next invocation; a failing point leaves ``error.txt`` instead and is retried next time. Nothing
+a completed point wrote is ever deleted.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import itertools
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from qlab import paths
+from qlab.notebooks import check_parameters, resolve_notebook, run_notebook
+
+METRICS_FILE = "metrics.json"
+ERROR_FILE = "error.txt"
+
+
+def load_grid(path: str | os.PathLike) -> dict[str, list]:
+    """Read a grid: a YAML mapping of parameter name -> list of values (a scalar means one value)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"grid file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"malformed YAML in {path}: {err}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(f"grid {path} must be a non-empty mapping of parameter name -> list of values, "
+                         f"got {type(raw).__name__}")
+    grid = {}
+    for name, values in raw.items():
+        if not isinstance(name, str):
+            raise ValueError(f"grid {path}: parameter names must be strings, got {name!r}")
+        values = values if isinstance(values, list) else [values]
+        if not values:
+            raise ValueError(f"grid {path}: parameter {name!r} has an empty list of values")
+        grid[name] = values
+    return grid
+
+
+def grid_points(grid: dict[str, list]) -> list[dict]:
+    """The cartesian product, in the grid's key order (the last key varies fastest)."""
+    names = list(grid)
+    return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
+
+
+def point_slug(parameters: dict) -> str:
+    """A readable, filesystem-safe, deterministic directory name for a point: ``a=1__b=x``."""
+    text = "__".join(f"{name}={value}" for name, value in parameters.items())
+    slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
+    if len(slug) > 120:
+        slug = slug[:100] + "--" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    return slug
+
+
+@dataclass(frozen=True)
+class PointOutcome:
+    slug: str
+    status: str  # "ok", "skipped" (already complete) or "failed"
+    detail: str = ""
+
+
+def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, timeout: int) -> PointOutcome:
+    directory = Path(directory)
+    start = time.perf_counter()
+    try:
+        run_notebook(notebook, parameters, smoke=smoke, output=directory / f"{Path(notebook).stem}.ipynb",
+                     results_dir=directory, timeout=timeout)
+    except Exception as err:  # reported at the end of the sweep; other points go on
+        (directory / ERROR_FILE).write_text(f"{type(err).__name__}: {err}\n")
+        return PointOutcome(directory.name, "failed", str(err).splitlines()[0])
+    collected = {}
+    for metrics_file in sorted((directory / "data").glob("*.json")):
+        collected.update(json.loads(metrics_file.read_text()))
+    record = {"parameters": parameters, "smoke": smoke, "seconds": round(time.perf_counter() - start, 3),
+              "metrics": collected}
+    tmp = directory / (METRICS_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, directory / METRICS_FILE)
+    (directory / ERROR_FILE).unlink(missing_ok=True)
+    return PointOutcome(directory.name, "ok")
+
+
+def run_sweep(notebook: str, grid_file: str | os.PathLike, *, jobs: int = 1, smoke: bool = False,
+              timeout: int = 1800, progress: bool = True) -> list[PointOutcome]:
+    """Run every point of the grid not yet complete, ``jobs`` at a time; return one outcome per point.
+
+    Every parameter name is checked against the notebook before anything runs.
+    """
+    from tqdm.auto import tqdm
+
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive int, got {jobs!r}")
+    path = resolve_notebook(notebook)
+    grid = load_grid(grid_file)
+    points = grid_points(grid)
+    for params in points:
+        check_parameters(path, dict(params, **({"smoke": True} if smoke else {})))
+    root = paths.RUNS_DIR / path.stem
+    outcomes, pending = [], []
+    for params in points:
+        directory = root / point_slug(params)
+        if (directory / METRICS_FILE).exists():
+            outcomes.append(PointOutcome(directory.name, "skipped"))
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            pending.append((str(path), params, str(directory), smoke, timeout))
+    bar = tqdm(total=len(pending), desc=f"sweep {path.stem}", disable=not progress)
+    if jobs == 1:
+        for args in pending:
+            outcomes.append(_run_point(*args))
+            bar.update()
+    else:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
+            for future in concurrent.futures.as_completed([pool.submit(_run_point, *a) for a in pending]):
+                outcomes.append(future.result())
+                bar.update()
+    bar.close()
+    order = {point_slug(p): i for i, p in enumerate(points)}
+    return sorted(outcomes, key=lambda o: order[o.slug])

@@ -1,0 +1,120 @@
+"""The `qlab` command: run, sweep and their errors, on a tiny throw-away notebook."""
+
+import json
+
+import nbformat
+import pytest
+
+from qlab import cli, notebooks, paths, sweep
+
+TINY_PARAMETERS = '''smoke: bool = False  # tiny sizes
+device: str = "auto"  # unused here
+a: int = 1  # a number recorded in the results
+label: str = "x"  # a string recorded in the results
+fail: bool = False  # raise inside the notebook'''
+
+TINY_BODY = '''import pandas as pd
+from qlab.results import save_csv, save_metrics
+if fail:
+    raise RuntimeError(f"boom at a={a}")
+save_csv(pd.DataFrame({"a": [a], "square": [a * a]}), "tiny")
+save_metrics("tiny", a=a, square=a * a, label=label, smoke=smoke)'''
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """A two-cell notebook in tmp_path; runs/ redirected to tmp_path/runs."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "qlab", "display_name": "Python (qlab)", "language": "python"}
+    params = nbformat.v4.new_code_cell(TINY_PARAMETERS)
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(TINY_BODY)]
+    path = tmp_path / "99_tiny.ipynb"
+    nbformat.write(nb, path)
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path / "runs")
+    return path
+
+
+def test_run_passes_parameters_and_keeps_results_out_of_the_repo(tiny, tmp_path, capsys):
+    assert cli.main(["run", str(tiny), "-p", "a", "7", "-p", "label", "hello", "--smoke"]) == 0
+    metrics = json.loads((tmp_path / "runs" / "smoke" / "data" / "tiny.json").read_text())
+    assert metrics == {"a": 7, "square": 49, "label": "hello", "smoke": True}
+    assert (tmp_path / "runs" / "smoke" / "99_tiny.ipynb").exists()
+    assert "ok in" in capsys.readouterr().out
+
+
+def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_path, capsys):
+    assert cli.main(["run", str(tiny), "-p", "fail", "true", "-p", "a", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "99_tiny.ipynb failed in cell" in err
+    assert "RuntimeError: boom at a=3" in err
+    assert "raise RuntimeError" in err  # the failing cell's source
+    assert (tmp_path / "runs" / "99_tiny.ipynb").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "no_such_notebook"], "unknown notebook 'no_such_notebook'; available: 02_"),
+    (["run", "02", "-p", "no_such_parameter", "1"], "unknown parameter(s) no_such_parameter"),
+    (["run", "02", "-p", "n", "many"], "parameter n of 02_welford_vs_naive_variance expects int"),
+])
+def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [1, 2, 3]\nfail: [false, true]\nlabel: sweep\n")
+    assert cli.main(["sweep", str(tiny), str(grid), "-j", "2"]) == 1
+    out = capsys.readouterr()
+    assert "3 ran, 0 already complete, 3 failed" in out.out
+    assert "FAILED a=2__fail=True__label=sweep: " in out.err
+    root = tmp_path / "runs" / "99_tiny"
+    done = root / "a=2__fail=False__label=sweep"
+    record = json.loads((done / sweep.METRICS_FILE).read_text())
+    assert record["parameters"] == {"a": 2, "fail": False, "label": "sweep"}
+    assert record["metrics"]["square"] == 4
+    assert (done / "data" / "tiny.csv").read_text() == "a,square\n2,4\n"
+    assert "boom at a=3" in (root / "a=3__fail=True__label=sweep" / sweep.ERROR_FILE).read_text()
+    before = (done / sweep.METRICS_FILE).stat().st_mtime_ns
+
+    assert cli.main(["sweep", str(tiny), str(grid)]) == 1  # failing points are retried, the rest skipped
+    assert "0 ran, 3 already complete, 3 failed" in capsys.readouterr().out
+    assert (done / sweep.METRICS_FILE).stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: [1, 2\n", "malformed YAML"),
+    ("- 1\n- 2\n", "must be a non-empty mapping"),
+    ("a: []\n", "empty list of values"),
+    ("b: [1]\n", "unknown parameter(s) b"),
+])
+def test_sweep_rejects_bad_grids_before_running_anything(tiny, tmp_path, text, message, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(text)
+    assert cli.main(["sweep", str(tiny), str(grid)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_grid_points_product_and_slugs():
+    points = sweep.grid_points({"a": [1, 2], "b": ["x", "y z"]})
+    assert points == [{"a": 1, "b": "x"}, {"a": 1, "b": "y z"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y z"}]
+    assert sweep.point_slug(points[1]) == "a=1__b=y-z"
+    long = sweep.point_slug({"name": "v" * 300})
+    assert len(long) <= 120 and long != sweep.point_slug({"name": "v" * 301})
+
+
+def test_yaml_loader_is_safe(tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ValueError, match="malformed YAML"):
+        sweep.load_grid(grid)
+
+
+def test_list_and_resolve(capsys):
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "02_welford_vs_naive_variance" in out and "smoke: bool = False" in out
+    assert notebooks.resolve_notebook("02").name == "02_welford_vs_naive_variance.ipynb"
+    assert notebooks.resolve_notebook(paths.NOTEBOOKS_DIR / "02_welford_vs_naive_variance.py").suffix == ".ipynb"

@@ -1,0 +1,25 @@
+"""environment.yml names exactly the dependencies pyproject.toml declares (runtime + dev)."""
+
+import tomllib
+
+import yaml
+
+from qlab import paths
+
+
+def test_environment_yml_matches_pyproject():
+    project = tomllib.loads((paths.ROOT / "pyproject.toml").read_text())["project"]
+    declared = set(project["dependencies"]) | set(project["optional-dependencies"]["dev"])
+    env = yaml.safe_load((paths.ROOT / "environment.yml").read_text())
+    conda = [d for d in env["dependencies"] if isinstance(d, str)]
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert "python=3.11" in conda and "pip" in conda
+    assert pip[-1] == "-e .[dev]"
+    assert set(pip[:-1]) == declared
+
+
+def test_makefile_pins_torch_before_the_package():
+    makefile = (paths.ROOT / "Makefile").read_text()
+    assert "TORCH_VERSION ?=" in makefile
+    assert makefile.index('pip install -q "torch==$(TORCH_VERSION)"') < makefile.index('pip install -q -e ".[dev]"')
+    assert "make test" in (paths.ROOT / ".ci" / "run").read_text()

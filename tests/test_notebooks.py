@@ -1,0 +1,96 @@
+"""Notebook conventions (DESIGN.md) and a smoke run of every notebook.
+
+Conventions: notebooks/NN_topic.py (jupytext percent) is paired with NN_topic.ipynb, the two hold
+the same cells, the .ipynb carries no outputs, the first code cell is tagged `parameters` with
+typed, commented values including `smoke: bool = False`, and the kernel is `qlab`.
+"""
+
+import hashlib
+import json
+import re
+
+import jupytext
+import nbformat
+import pandas as pd
+import pytest
+
+from qlab import notebooks, paths
+
+SOURCES = sorted(paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py"))
+NOTEBOOKS = notebooks.list_notebooks()
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no notebooks/NN_topic.ipynb found"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_every_py_has_an_ipynb(source):
+    assert source.with_suffix(".ipynb").exists(), f"{source.name} has no paired .ipynb: run `make sync`"
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_pair_in_sync_and_without_outputs(ipynb):
+    source = ipynb.with_suffix(".py")
+    assert source.exists(), f"{ipynb.name} has no paired .py"
+    stored = nbformat.read(ipynb, as_version=4)
+    for cell in stored.cells:
+        if cell.cell_type == "code":
+            assert not cell.outputs and cell.execution_count is None, f"{ipynb.name} carries outputs: run `make sync`"
+    from_py = jupytext.read(source)
+    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in stored.cells], \
+        f"{ipynb.name} and {source.name} differ: run `make sync`"
+    assert stored.metadata["kernelspec"]["name"] == "qlab"
+    assert "py:percent" in from_py.metadata["jupytext"]["formats"]
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_parameters_cell_is_first_typed_and_commented(ipynb):
+    code_cells = [c for c in nbformat.read(ipynb, as_version=4).cells if c.cell_type == "code"]
+    assert "parameters" in code_cells[0].metadata.get("tags", []), "the first code cell must be tagged parameters"
+    lines = [line for line in code_cells[0].source.splitlines() if line.strip()]
+    assert "smoke: bool = False" in code_cells[0].source
+    for line in lines:
+        assert re.match(r"^\w+: [\w\[\], ]+ = .+  # .+", line), f"parameter line not 'name: type = value  # comment': {line!r}"
+    declared = notebooks.notebook_parameters(ipynb)
+    assert all(info["type"] for info in declared.values())
+    assert "device" in declared and "smoke" in declared
+
+
+def _smoke_outputs(notebook, results_dir, tmp_path):
+    result = notebooks.run_notebook(notebook, smoke=True, output=tmp_path / f"{notebook.stem}.ipynb",
+                                    results_dir=results_dir)
+    assert result.output.exists()
+    return {p.relative_to(results_dir): p.read_bytes() for p in sorted(results_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # notebooks must not depend on the working directory
+    first = _smoke_outputs(ipynb, tmp_path / "a", tmp_path)
+    csvs = [p for p in first if p.suffix == ".csv"]
+    assert csvs and all(str(p).startswith(f"data/{ipynb.stem}") for p in csvs)
+    figures = {p.stem for p in first if p.parent.name == "figures"}
+    assert figures and all((p.parent / (stem + ext)) in first for stem in figures for ext in (".pdf", ".png")
+                           for p in first if p.stem == stem)
+    # same parameters and seed on the same machine -> the same CSV and figure bytes
+    second = _smoke_outputs(ipynb, tmp_path / "b", tmp_path)
+    differing = [str(p) for p in first if hashlib.sha256(first[p]).digest() != hashlib.sha256(second.get(p, b"")).digest()]
+    assert not differing, f"outputs differ between two identical runs: {differing}"
+
+
+@pytest.mark.notebook
+def test_welford_notebook_reproduces_the_seed(tmp_path):
+    """The smoke run's seed table against the numbers printed in the OneFlow PR (seeds/001):
+    the E[X²]−E[X]² LayerNorm gave ±0.8428, the careful ones ±0.8454; Paddle's gradient of
+    sum(LayerNorm(x)) was [-0.00143835, 0.00143831]."""
+    notebook = notebooks.resolve_notebook("02")
+    notebooks.run_notebook(notebook, smoke=True, output=tmp_path / "nb.ipynb", results_dir=tmp_path)
+    table = pd.read_csv(tmp_path / "data" / "02_welford_vs_naive_variance_seed.csv")
+    fp32 = table[table["dtype"] == "float32"].set_index("implementation")
+    assert fp32.loc["textbook", "y1"] == pytest.approx(0.8428, abs=5e-5)
+    assert fp32.loc["welford", "y1"] == pytest.approx(0.8454, abs=5e-5)
+    assert fp32.loc["two_pass", "grad1"] == pytest.approx(0.00143831, rel=1e-3)
+    metrics = json.loads((tmp_path / "data" / "02_welford_vs_naive_variance.json").read_text())
+    assert metrics["swapped_grads_detected"] is True
