@@ -195,7 +195,9 @@ for label, _, acc_dtype in CONFIGS:
 # Sequential accumulation adds error at every step (~n·u in the worst case, √n·u typically);
 # a pairwise tree only log₂ n. PyTorch's CPU LayerNorm runs Welford inside chunks and merges the
 # chunks pairwise ("welford, chunk 16" below). In 16-bit accumulation a running sum stops growing
-# once the increments fall below half an ulp (at 2048 for float16, 256 for bfloat16).
+# once the increments fall below half an ulp (at 2048 for float16, 256 for bfloat16), and
+# Welford's running mean stops moving once δ/k does: sequential Welford degrades with n too,
+# while the chunked and pairwise merges stay flat.
 
 # %%
 LENGTH_CONFIGS = [c for c in CONFIGS if c[0] in ("fp32", "fp16", "bf16")]

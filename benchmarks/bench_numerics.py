@@ -1,0 +1,72 @@
+"""Speed of qlab.numerics' reference implementations, as ratios to PyTorch in the same run.
+
+    python benchmarks/bench_numerics.py [--rows 4096] [--hidden 1024] [--repeats 5]
+
+Prints a markdown table (copy it into the README with the machine it ran on). The references are
+for measuring numerical error, not for speed; the table says what they cost so a notebook author
+can size a sweep. Timings are medians of --repeats runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from qlab import numerics
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def layer_norm_fwd_bwd(impl, x, weight, bias, dy):
+    def run():
+        xg = x.detach().requires_grad_(True)
+        w, b = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
+        out = impl(xg, (x.shape[-1],), w, b, 1e-5)
+        torch.autograd.grad(out, (xg, w, b), dy)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(args.rows, args.hidden)
+    weight, bias, dy = torch.randn(args.hidden), torch.randn(args.hidden), torch.randn(args.rows, args.hidden)
+
+    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}; shape {args.rows}×{args.hidden} float32\n")
+    print("| operation | qlab (ms) | baseline (ms) | ratio qlab/baseline |")
+    print("|---|---:|---:|---:|")
+    baseline = median_seconds(layer_norm_fwd_bwd(F.layer_norm, x, weight, bias, dy), args.repeats)
+    for stats in numerics.LAYER_NORM_STATS:
+        impl = lambda *a, stats=stats: numerics.layer_norm(*a, stats=stats)  # noqa: E731
+        t = median_seconds(layer_norm_fwd_bwd(impl, x, weight, bias, dy), args.repeats)
+        print(f"| layer_norm fwd+bwd, stats={stats} vs F.layer_norm | {t * 1e3:.1f} | {baseline * 1e3:.1f} | {t / baseline:.1f} |")
+
+    rows = x[:256]
+    baseline = median_seconds(lambda: torch.var(rows, dim=-1, unbiased=False), args.repeats)
+    for algorithm in numerics.ALGORITHMS:
+        t = median_seconds(lambda: numerics.variance(rows, algorithm), args.repeats)
+        print(f"| variance, {algorithm}, sequential reference (256 rows) vs torch.var | {t * 1e3:.1f} | {baseline * 1e3:.3f} | {t / baseline:.0f} |")
+    t = median_seconds(lambda: numerics.exact_moments(rows[:16]), 1)
+    print(f"| exact_moments (16 rows, rational arithmetic) vs torch.var (256 rows) | {t * 1e3:.1f} | {baseline * 1e3:.3f} | {t / baseline:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
