@@ -301,7 +301,8 @@ def rows_with_condition_number(kappas: Sequence[float], n: int, trials: int = 1,
 def condition_number(x: torch.Tensor, *, dims: int = 1) -> torch.Tensor:
     """κ = √(1 + mean²/σ²) of each row from the exact moments (inf for a constant row)."""
     mean, var = exact_moments(x, dims=dims)
-    return torch.sqrt(1 + mean * mean / var)
+    kappa = torch.sqrt(1 + mean * mean / var)
+    return torch.where(var == 0, torch.inf, kappa)  # 0/0 for an all-zero row
 
 
 def exact_layer_norm(x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, digits: int = 50) -> torch.Tensor:
