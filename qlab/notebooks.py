@@ -74,9 +74,22 @@ _TYPE_CHECKS = {
 }
 
 
-def check_parameters(notebook: Path, parameters: dict) -> None:
-    """Raise ValueError for a parameter the notebook does not declare, TypeError for a value that
-    does not fit the declared type (bool, int, float, str; others are not checked)."""
+def _as_float(value):
+    """A float parameter may be written 1e6 (YAML 1.1 reads that as a string) or as an int."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def check_parameters(notebook: Path, parameters: dict) -> dict:
+    """Return the parameters with float-declared values as floats ("1e6" and 3 become 1e6 and 3.0).
+
+    Raises ValueError for a name the notebook does not declare and TypeError for a value that does
+    not fit the declared type (bool, int, float, str; other annotations are not checked).
+    """
     declared = notebook_parameters(notebook)
     unknown = sorted(set(parameters) - set(declared))
     if unknown:
@@ -84,11 +97,16 @@ def check_parameters(notebook: Path, parameters: dict) -> None:
             f"unknown parameter(s) {', '.join(unknown)} for {notebook.stem}; "
             f"it declares: {', '.join(declared)}"
         )
+    checked = {}
     for name, value in parameters.items():
         kind = (declared[name]["type"] or "").split("[")[0]
+        if kind == "float":
+            value = _as_float(value)
         check = _TYPE_CHECKS.get(kind)
         if check is not None and not check(value):
             raise TypeError(f"parameter {name} of {notebook.stem} expects {kind}, got {value!r} ({type(value).__name__})")
+        checked[name] = value
+    return checked
 
 
 def _require_kernel() -> None:
@@ -135,7 +153,7 @@ def run_notebook(notebook: str | os.PathLike, parameters: dict | None = None, *,
     params = dict(parameters or {})
     if smoke:
         params["smoke"] = True
-    check_parameters(path, params)
+    params = check_parameters(path, params)
     _require_kernel()
     base = paths.RUNS_DIR / "smoke" if smoke else paths.RUNS_DIR
     output = Path(output) if output is not None else base / f"{path.stem}.ipynb"

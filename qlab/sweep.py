@@ -106,9 +106,7 @@ def run_sweep(notebook: str, grid_file: str | os.PathLike, *, jobs: int = 1, smo
         raise ValueError(f"jobs must be a positive int, got {jobs!r}")
     path = resolve_notebook(notebook)
     grid = load_grid(grid_file)
-    points = grid_points(grid)
-    for params in points:
-        check_parameters(path, dict(params, **({"smoke": True} if smoke else {})))
+    points = [check_parameters(path, params) for params in grid_points(grid)]
     root = paths.RUNS_DIR / path.stem
     outcomes, pending = [], []
     for params in points:

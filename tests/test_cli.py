@@ -105,6 +105,15 @@ def test_grid_points_product_and_slugs():
     assert len(long) <= 120 and long != sweep.point_slug({"name": "v" * 301})
 
 
+def test_float_parameters_accept_exponent_notation_and_ints(tiny):
+    """YAML 1.1 reads `1e6` as a string; a float parameter must still take it."""
+    params = notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": "1e6", "eps": 1, "n": 8})
+    assert params == {"kappa_max": 1e6, "eps": 1.0, "n": 8}
+    assert type(params["eps"]) is float
+    with pytest.raises(TypeError, match="expects float"):
+        notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": "big"})
+
+
 def test_yaml_loader_is_safe(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("a: !!python/object/apply:os.system ['echo pwned']\n")
