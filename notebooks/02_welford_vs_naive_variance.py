@@ -100,8 +100,9 @@ save_csv(seed_table, f"{NAME}_seed")
 seed_table.style.format({c: "{:+.6g}" for c in ["y0", "y1", "max_abs_error", "grad0", "grad1"]})
 
 # %% [markdown]
-# The textbook formula in float32 reproduces the ±0.8428 of the seed; two-pass and Welford agree
-# with the exact value to float32 accuracy. So the seed's ±0.8428 came from an E[X²] − E[X]²
+# The textbook formula in float32 reproduces the ±0.8428 of the seed (error 2.6·10⁻³); two-pass and
+# Welford are within about 1.5·10⁻⁵ of the exact value — the ≈ κ·u expected for these two nearly
+# equal numbers (κ ≈ 370), some 200 float32 ulps. So the seed's ±0.8428 came from an E[X²] − E[X]²
 # implementation, not from Welford. The non-zero "gradients" are the rounding error of
 # mean(x̂) ≠ 0 in the analytic backward, times 1/σ; PyTorch's backward happens to cancel exactly here.
 
@@ -181,9 +182,13 @@ for label, _, acc_dtype in CONFIGS:
 # %% [markdown]
 # Textbook's error follows the u·κ² slope and reaches 100 % a little before the rule of thumb
 # κ ≈ u^(−1/2) (4096 in float32, 45 in float16, 16 in bfloat16) — earlier for longer rows, the n of
-# n·κ²·u (printed above). Two-pass, Welford and pairwise follow u·κ and stay usable until the data
-# itself can no longer resolve σ. Shifting by the first element removes the
-# mean, which is why the shifted textbook formula is as good as the others on such data.
+# n·κ²·u (printed above). In float32 and float16 (and in every float32-accumulation panel)
+# two-pass, Welford and pairwise follow u·κ and stay usable until the data itself can no longer
+# resolve σ; shifting by the first element removes most of the mean, so the shifted textbook
+# formula does as well. bfloat16 *accumulation* is different: its sequential sums stagnate at
+# n = 1024 (section 3), so two-pass loses every digit from κ ≈ 3, sequential Welford and the
+# shifted formula sit near 20 % error, and only the pairwise merge stays at a few per cent (up to
+# κ ≈ 100).
 # Accumulating half-precision inputs in float32 is the real fix for the 16-bit formats:
 # the float32-accumulation panels look like the float32 one. Where the input dtype can barely
 # resolve σ (the right end of each curve), the rounded rows take only a few distinct values near

@@ -10,6 +10,7 @@ the committed results in ``data/`` and ``figures/``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -78,9 +79,10 @@ def _as_float(value):
     """A float parameter may be written 1e6 (YAML 1.1 reads that as a string) or as an int."""
     if isinstance(value, str):
         try:
-            return float(value)
+            number = float(value)
         except ValueError:
             return value
+        return number if math.isfinite(number) else value
     return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 

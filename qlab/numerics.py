@@ -117,25 +117,17 @@ def _sequential_sum(columns: torch.Tensor) -> torch.Tensor:
 
 
 def _textbook(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # S = n·(E[x²] − E[x]²): the ·n, and Moments.var()'s /n, are exact when n is a power of two
     n = columns.shape[0]
-    s1 = _sequential_sum(columns)
-    s2 = columns[0] * columns[0]
-    for k in range(1, n):
-        s2 = s2 + columns[k] * columns[k]
-    mean = _div(s1, n)
-    var = _div(s2, n) - mean * mean
+    mean = _div(_sequential_sum(columns), n)
+    var = _div(_sequential_sum(columns * columns), n) - mean * mean
     return mean, var * n
 
 
 def _two_pass(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = columns.shape[0]
-    mean = _div(_sequential_sum(columns), n)
-    d = columns[0] - mean
-    m2 = d * d
-    for k in range(1, n):
-        d = columns[k] - mean
-        m2 = m2 + d * d
-    return mean, m2
+    mean = _div(_sequential_sum(columns), columns.shape[0])
+    centered = columns - mean
+    return mean, _sequential_sum(centered * centered)
 
 
 def _welford(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,18 +150,25 @@ def _shifted(columns: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _SEQUENTIAL = {"textbook": _textbook, "two_pass": _two_pass, "welford": _welford, "shifted": _shifted}
 
 
+def _chan_merge(na, nb, ma, mb, sa, sb):
+    """Chan et al.: n = nA+nB, δ = M_B − M_A, M = M_A + δ·nB/n, S = S_A + S_B + δ²·nA·nB/n.
+    Counts are exact integer tensors; the two count ratios are rounded once to the moments' dtype."""
+    n = na + nb
+    delta = mb - ma
+    mean = ma + delta * _ratio(nb, n, ma.dtype)
+    m2 = sa + sb + delta * delta * _ratio(na * nb, n, ma.dtype)
+    return n, mean, m2
+
+
 def _merge_tree(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
     """Merge moments along the last axis pairwise (adjacent pairs, a balanced tree)."""
     while mean.shape[-1] > 1:
         pairs = mean.shape[-1] // 2
         carry = mean.shape[-1] % 2
-        na, nb = count[..., 0:2 * pairs:2], count[..., 1:2 * pairs:2]
-        ma, mb = mean[..., 0:2 * pairs:2], mean[..., 1:2 * pairs:2]
-        sa, sb = m2[..., 0:2 * pairs:2], m2[..., 1:2 * pairs:2]
-        n = na + nb
-        delta = mb - ma
-        merged_mean = ma + delta * _ratio(nb, n, mean.dtype)
-        merged_m2 = sa + sb + delta * delta * _ratio(na * nb, n, mean.dtype)
+        n, merged_mean, merged_m2 = _chan_merge(
+            count[..., 0:2 * pairs:2], count[..., 1:2 * pairs:2],
+            mean[..., 0:2 * pairs:2], mean[..., 1:2 * pairs:2],
+            m2[..., 0:2 * pairs:2], m2[..., 1:2 * pairs:2])
         if carry:
             n = torch.cat([n, count[..., -1:]], dim=-1)
             merged_mean = torch.cat([merged_mean, mean[..., -1:]], dim=-1)
@@ -183,11 +182,10 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
     M = M_A + δ·nB/n, S = S_A + S_B + δ²·nA·nB/n, in the dtype of a."""
     if a.mean.shape != b.mean.shape:
         raise ValueError(f"moments to merge must have the same row shape, got {tuple(a.mean.shape)} and {tuple(b.mean.shape)}")
-    n = a.count + b.count
-    delta = b.mean.to(a.mean.dtype) - a.mean
-    mean = a.mean + delta * _ratio(torch.tensor(b.count), torch.tensor(n), a.mean.dtype)
-    m2 = a.m2 + b.m2.to(a.m2.dtype) + delta * delta * _ratio(torch.tensor(a.count * b.count), torch.tensor(n), a.mean.dtype)
-    return Moments(n, mean, m2)
+    device = a.mean.device
+    _, mean, m2 = _chan_merge(torch.tensor(a.count, device=device), torch.tensor(b.count, device=device),
+                              a.mean, b.mean.to(a.mean.dtype), a.m2, b.m2.to(a.m2.dtype))
+    return Moments(a.count + b.count, mean, m2)
 
 
 def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_dtype: torch.dtype | None = None,
@@ -208,7 +206,7 @@ def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_d
     if algorithm == "pairwise":
         if chunk is not None:
             raise ValueError("'pairwise' already merges single elements; chunk applies to the other algorithms")
-        count = torch.ones(n, dtype=torch.int64)
+        count = torch.ones(n, dtype=torch.int64, device=rows.device)
         _, mean, m2 = _merge_tree(count, rows, torch.zeros_like(rows))
         return Moments(n, mean.reshape(lead), m2.reshape(lead))
     if chunk is None:
@@ -221,10 +219,10 @@ def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_d
     if full:
         blocks = rows[:, : full * chunk].reshape(-1, full, chunk).permute(2, 0, 1).contiguous()
         mean, m2 = _SEQUENTIAL[algorithm](blocks)
-        means.append(mean), m2s.append(m2), counts.append(torch.full((full,), chunk, dtype=torch.int64))
+        means.append(mean), m2s.append(m2), counts.append(torch.full((full,), chunk, dtype=torch.int64, device=rows.device))
     if tail:
         mean, m2 = _SEQUENTIAL[algorithm](rows[:, full * chunk:].t().contiguous())
-        means.append(mean[:, None]), m2s.append(m2[:, None]), counts.append(torch.tensor([tail]))
+        means.append(mean[:, None]), m2s.append(m2[:, None]), counts.append(torch.tensor([tail], device=rows.device))
     _, mean, m2 = _merge_tree(torch.cat(counts), torch.cat(means, dim=1), torch.cat(m2s, dim=1))
     return Moments(n, mean.reshape(lead), m2.reshape(lead))
 
@@ -309,8 +307,7 @@ def exact_layer_norm(x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, di
     """LayerNorm without affine, (x − M)/√(σ² + eps), from exact moments with the square root and
     division in ``digits``-digit decimal arithmetic, rounded to float64. eps is taken as the exact
     value of the Python float given."""
-    dims = len(_normalized_shape_tuple(normalized_shape))
-    _check_normalized_shape(x, normalized_shape)
+    dims = len(_check_normalized_shape(x, normalized_shape))
     rows, lead = _rows_as_floats(x, dims)
     ctx = decimal.Context(prec=digits)
     eps_exact = Fraction(eps)
@@ -321,6 +318,8 @@ def exact_layer_norm(x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, di
     out = []
     for row in rows:
         mean, var = _exact_row_moments(row)
+        if var + eps_exact == 0:
+            raise ValueError("exact_layer_norm of a constant row with eps=0 divides by zero")
         denominator = ctx.sqrt(to_decimal(var + eps_exact))
         out.append([float(ctx.divide(to_decimal(Fraction(v) - mean), denominator)) for v in row])
     return torch.tensor(out, dtype=torch.float64).reshape(x.shape)
@@ -389,6 +388,7 @@ class _LayerNormFunction(torch.autograd.Function):
         return y.to(x.dtype).reshape(shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # mean/rstd are saved constants: no double backward
     def backward(ctx, dy):
         x, weight, mean, rstd = ctx.saved_tensors
         n, acc = ctx.n, ctx.acc
@@ -442,8 +442,9 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
 
 class _SwappedAffineGradsLayerNorm(_LayerNormFunction):
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        dx, dw, db, *rest = _LayerNormFunction.backward(ctx, dy)
+        dx, dw, db, *rest = _LayerNormFunction.backward.__wrapped__(ctx, dy)
         return (dx, db, dw, *rest)
 
 

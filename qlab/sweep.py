@@ -1,6 +1,6 @@
 """Parameter sweeps: the cartesian product of a YAML grid, one executed notebook per point.
 
-Each point runs in ``runs/<notebook>/<point-slug>/`` with its own data/ and figures/ and, once it
+Each point runs in ``runs/<notebook>/<point-slug>/`` (``runs/smoke/...`` for smoke sweeps) with its own data/ and figures/ and, once it
 has finished, a ``metrics.json`` (parameters, seconds, and every ``data/*.json`` the notebook wrote
 through ``qlab.results.save_metrics``). A point with a metrics.json is complete and is skipped by
 the next invocation; a failing point leaves ``error.txt`` instead and is retried next time. Nothing
@@ -79,12 +79,13 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
     try:
         run_notebook(notebook, parameters, smoke=smoke, output=directory / f"{Path(notebook).stem}.ipynb",
                      results_dir=directory, timeout=timeout)
+        collected = {}
+        for metrics_file in sorted((directory / "data").glob("*.json")):
+            collected.update(json.loads(metrics_file.read_text()))
     except Exception as err:  # reported at the end of the sweep; other points go on
-        (directory / ERROR_FILE).write_text(f"{type(err).__name__}: {err}\n")
-        return PointOutcome(directory.name, "failed", str(err).splitlines()[0])
-    collected = {}
-    for metrics_file in sorted((directory / "data").glob("*.json")):
-        collected.update(json.loads(metrics_file.read_text()))
+        message = f"{type(err).__name__}: {err}"
+        (directory / ERROR_FILE).write_text(message + "\n")
+        return PointOutcome(directory.name, "failed", message.splitlines()[0])
     record = {"parameters": parameters, "smoke": smoke, "seconds": round(time.perf_counter() - start, 3),
               "metrics": collected}
     tmp = directory / (METRICS_FILE + ".tmp")
@@ -107,7 +108,11 @@ def run_sweep(notebook: str, grid_file: str | os.PathLike, *, jobs: int = 1, smo
     path = resolve_notebook(notebook)
     grid = load_grid(grid_file)
     points = [check_parameters(path, params) for params in grid_points(grid)]
-    root = paths.RUNS_DIR / path.stem
+    slugs = [point_slug(p) for p in points]
+    if len(set(slugs)) != len(slugs):
+        repeated = sorted({s for s in slugs if slugs.count(s) > 1})
+        raise ValueError(f"grid {grid_file} lists the same point more than once: {', '.join(repeated)}")
+    root = (paths.RUNS_DIR / "smoke" if smoke else paths.RUNS_DIR) / path.stem
     outcomes, pending = [], []
     for params in points:
         directory = root / point_slug(params)

@@ -110,8 +110,25 @@ def test_float_parameters_accept_exponent_notation_and_ints(tiny):
     params = notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": "1e6", "eps": 1, "n": 8})
     assert params == {"kappa_max": 1e6, "eps": 1.0, "n": 8}
     assert type(params["eps"]) is float
-    with pytest.raises(TypeError, match="expects float"):
-        notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": "big"})
+    for bad in ("big", "nan", "inf"):
+        with pytest.raises(TypeError, match="expects float"):
+            notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": bad})
+
+
+def test_sweep_refuses_a_grid_with_repeated_points(tiny, tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [1, 2, 1]\n")
+    assert cli.main(["sweep", str(tiny), str(grid)]) == 2
+    assert "the same point more than once: a=1" in capsys.readouterr().err
+
+
+def test_smoke_sweeps_never_share_directories_with_full_ones(tiny, tmp_path):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [5]\n")
+    assert cli.main(["sweep", str(tiny), str(grid), "--smoke"]) == 0
+    record = json.loads((tmp_path / "runs" / "smoke" / "99_tiny" / "a=5" / sweep.METRICS_FILE).read_text())
+    assert record["metrics"]["smoke"] is True
+    assert not (tmp_path / "runs" / "99_tiny").exists()
 
 
 def test_yaml_loader_is_safe(tmp_path):
