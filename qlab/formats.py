@@ -1,25 +1,37 @@
-"""Element formats and exact casts with named rounding (OCP FP8 / OCP Microscaling v1.0).
+"""Element formats, exact casts with named rounding, and their integer codes.
 
 | format | exp bits | mantissa bits | bias | max finite | inf | NaN |
 |---|---|---|---|---|---|---|
 | e4m3 (fn) | 4 | 3 | 7  | 448   | none | S.1111.111 |
-| e5m2      | 5 | 2 | 15 | 57344 | yes  | yes |
+| e5m2      | 5 | 2 | 15 | 57344 | S.11111.00 | S.11111.{01,10,11} |
 | e3m2      | 3 | 2 | 3  | 28    | none | none |
 | e2m3      | 2 | 3 | 1  | 7.5   | none | none |
 | e2m1      | 2 | 1 | 1  | 6     | none | none |
 | bf16, fp16| IEEE binary formats (with inf and NaN) |
+| e8m0      | 8 | 0 | 127 | 2^127 | none | 0xFF (MX scale format: powers of two only, no zero) |
+| intN, uintN | N = 2..16 two's-complement / unsigned integers; intN spans [-2^(N-1), 2^(N-1)-1] |
 
-``cast(x, fmt)`` returns, in x's floating dtype, the value of x rounded to ``fmt``: the magnitude is
-split as m·2^e with e read from the bits (``torch.frexp``, never floor(log2)), clamped below at the
-format's minimum normal exponent (subnormals share its quantum), scaled by the quantum
-2^(e − mantissa_bits) exactly in float64, rounded to an integer by the named mode and scaled back.
+``cast(x, fmt)`` returns, in x's floating dtype, x rounded to ``fmt``. Two implementations give the
+same bits (tests check them against each other and against torch/torchao on every bf16 value):
+``reference_cast`` splits |x| as m·2^e with e read from the bits (``torch.frexp``, never
+floor(log2)), clamps e below at the format's minimum normal exponent (subnormals share its quantum),
+scales by the quantum 2^(e − mantissa_bits) exactly in float64, rounds to an integer by the named
+mode and scales back. The float32 fast path used for "rne" rounds by adding and subtracting
+C = 2^(e + 23 − mantissa_bits), whose float32 ulp is the quantum, so the hardware's own
+round-to-nearest-even does the work in two float32 additions.
 Overflow saturates to ±max by default; ``saturate=False`` follows the format's own rule (inf for
 e5m2/bf16/fp16, NaN for e4m3fn; formats without either always saturate).
+
+``encode`` turns values already representable in a format into its integer codes (uint8 for the
+8-bit-and-smaller float formats and e8m0; int16 bit patterns for bf16/fp16; the integers themselves
+for intN/uintN); ``decode`` turns codes back into float32. ``pack_fp4``/``unpack_fp4`` store two
+4-bit codes per byte, the first element in the low nibble (the OCP MX and torchao convention).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -37,6 +49,10 @@ class FloatFormat:
     max: float
     has_inf: bool
     has_nan: bool
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exponent_bits + self.mantissa_bits
 
     @property
     def min_normal(self) -> float:
@@ -60,7 +76,62 @@ class FloatFormat:
         return torch.tensor(sorted(v for v in values if v <= self.max), dtype=torch.float64)
 
 
-FORMATS = {
+@dataclass(frozen=True)
+class IntFormat:
+    """An N-bit integer grid: signed two's complement [-2^(N-1), 2^(N-1)-1] or unsigned [0, 2^N-1]."""
+
+    name: str
+    bits: int
+    signed: bool
+    has_inf = False
+    has_nan = False
+
+    @property
+    def min(self) -> int:
+        return -(2 ** (self.bits - 1)) if self.signed else 0
+
+    @property
+    def max(self) -> int:
+        return 2 ** (self.bits - 1) - 1 if self.signed else 2 ** self.bits - 1
+
+    @property
+    def code_dtype(self) -> torch.dtype:
+        if self.bits <= 8:
+            return torch.int8 if self.signed else torch.uint8
+        return torch.int16 if self.signed else torch.int32
+
+    def values(self) -> torch.Tensor:
+        """Every representable integer, ascending, as float64."""
+        return torch.arange(self.min, self.max + 1, dtype=torch.float64)
+
+
+@dataclass(frozen=True)
+class E8M0Format:
+    """The MX shared-scale format: the byte b means 2^(b − 127); 0xFF is NaN; there is no zero."""
+
+    name: str = "e8m0"
+    bits: int = 8
+    bias: int = 127
+    nan_code: int = 0xFF
+    has_inf = False
+    has_nan = True
+
+    @property
+    def max(self) -> float:
+        return 2.0 ** 127
+
+    @property
+    def min(self) -> float:
+        return 2.0 ** -127
+
+    def values(self) -> torch.Tensor:
+        """Every finite value 2^-127 .. 2^127, ascending, as float64."""
+        return torch.exp2(torch.arange(-127, 128, dtype=torch.float64))
+
+
+Format = FloatFormat | IntFormat | E8M0Format
+
+FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         FloatFormat("e4m3", 4, 3, 7, 448.0, has_inf=False, has_nan=True),
@@ -70,17 +141,27 @@ FORMATS = {
         FloatFormat("e2m1", 2, 1, 1, 6.0, has_inf=False, has_nan=False),
         FloatFormat("bf16", 8, 7, 127, float(torch.finfo(torch.bfloat16).max), has_inf=True, has_nan=True),
         FloatFormat("fp16", 5, 10, 15, float(torch.finfo(torch.float16).max), has_inf=True, has_nan=True),
+        E8M0Format(),
+        *(IntFormat(f"int{n}", n, signed=True) for n in range(2, 17)),
+        *(IntFormat(f"uint{n}", n, signed=False) for n in range(2, 17)),
     )
 }
+ELEMENT_FORMATS = tuple(name for name, f in FORMATS.items() if not isinstance(f, E8M0Format))
 
 
-def get_format(name: str | FloatFormat) -> FloatFormat:
-    """Look a format up by name ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "bf16", "fp16")."""
-    if isinstance(name, FloatFormat):
+def get_format(name: str | Format) -> Format:
+    """Look a format up by name: e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..int16, uint2..uint16."""
+    if isinstance(name, (FloatFormat, IntFormat, E8M0Format)):
         return name
-    if name not in FORMATS:
-        raise ValueError(f"unknown element format {name!r}; expected one of: {', '.join(FORMATS)}")
+    if not isinstance(name, str) or name not in FORMATS:
+        raise ValueError(f"unknown element format {name!r}; expected one of: e4m3, e5m2, e3m2, e2m3, e2m1, "
+                         f"bf16, fp16, e8m0, int2..int16, uint2..uint16")
     return FORMATS[name]
+
+
+def _check_floating(x, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"{what} expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
 
 
 def _round_integer(scaled: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -95,26 +176,47 @@ def _round_integer(scaled: torch.Tensor, rounding: str, generator: torch.Generat
     return torch.floor(scaled + noise)
 
 
-def cast(x: torch.Tensor, fmt: str | FloatFormat, *, rounding: str = "rne", saturate: bool = True,
-         generator: torch.Generator | None = None) -> torch.Tensor:
-    """x rounded to ``fmt``, returned in x's dtype (every result exactly representable in fmt).
+def round_to_integer(x: torch.Tensor, rounding: str = "rne", generator: torch.Generator | None = None) -> torch.Tensor:
+    """x rounded to an integer by the named mode (unbounded; "stochastic" is floor(x + U[0,1)))."""
+    if rounding == "rne":
+        return torch.round(x)
+    if rounding == "stochastic":
+        return _round_integer(x.double(), rounding, generator).to(x.dtype)
+    return torch.copysign(_round_integer(x.abs(), rounding, generator), x)
 
-    ``rounding``: "rne" (ties to even, the hardware default), "away" (ties away from zero, as some
-    emulators do), "toward_zero", or "stochastic" (floor(x/q + U[0,1)) with U from ``generator``,
-    unbiased). NaN stays NaN where the format has one; a NaN input to a format without NaN raises.
-    """
+
+def _check_cast_arguments(x, fmt, rounding, generator) -> Format:
     fmt = get_format(fmt)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"cast expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    _check_floating(x, "cast")
+    if isinstance(fmt, E8M0Format):
+        raise ValueError("e8m0 is a scale format (powers of two); MX scales come from qlab.scaling.mx_scale_codes")
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of: {', '.join(ROUNDING_MODES)}")
     if generator is not None and rounding != "stochastic":
         raise ValueError("a generator only makes sense with rounding='stochastic'")
-    nan = torch.isnan(x)
-    if nan.any() and not fmt.has_nan:
+    if not fmt.has_nan and torch.isnan(x).any():
         raise ValueError(f"{fmt.name} has no NaN encoding, but the input holds NaN")
+    return fmt
 
+
+def reference_cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne", saturate: bool = True,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """``cast`` computed in float64 for every format and rounding mode (the reference path)."""
+    fmt = _check_cast_arguments(x, fmt, rounding, generator)
+    return _reference_cast(x, fmt, rounding, saturate, generator)
+
+
+def _reference_cast(x, fmt, rounding, saturate, generator):
     x64 = x.to(torch.float64)
+    if isinstance(fmt, IntFormat):
+        beyond = torch.full_like(x64, 2.0 ** 20)  # ±inf clamp to the ends of any 16-bit grid
+        x64 = torch.where(torch.isfinite(x64), x64, torch.copysign(beyond, x64))
+        if rounding == "stochastic":  # floor(x + U) on the signed value: unbiased on both sides of zero
+            rounded = _round_integer(x64, rounding, generator)
+        else:
+            rounded = torch.copysign(_round_integer(x64.abs(), rounding, generator), x64)
+        return rounded.clamp(fmt.min, fmt.max).to(x.dtype)
+
     magnitude = x64.abs()
     finite = torch.isfinite(magnitude)
     exponent = torch.frexp(torch.where(finite, magnitude, 1.0)).exponent.to(torch.float64) - 1
@@ -129,4 +231,151 @@ def cast(x: torch.Tensor, fmt: str | FloatFormat, *, rounding: str = "rne", satu
         too_big = torch.full_like(rounded, torch.inf if fmt.has_inf else torch.nan)
     rounded = torch.where(overflow, too_big, rounded)
     result = torch.copysign(rounded, x64)
-    return torch.where(nan, x64, result).to(x.dtype)
+    return torch.where(torch.isnan(x64), x64, result).to(x.dtype)
+
+
+def _fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
+    if rounding != "rne" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if isinstance(fmt, IntFormat):
+        return True
+    # C = 2^(e + 23 - m) must stay a finite float32 for the largest binade we round in
+    return fmt.emax + 1 + 23 - fmt.mantissa_bits <= 127
+
+
+def _cast_rne_float32(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+    """RNE cast of a float32 tensor by the add-and-subtract trick (no checks; see the module doc)."""
+    if isinstance(fmt, IntFormat):
+        return torch.round(x.clamp(fmt.min, fmt.max))  # |x| < 2^23 after the clamp: round is exact RNE
+    overflows = not saturate and (fmt.has_inf or fmt.has_nan)
+    limit = 2.0 ** (fmt.emax + 1) if overflows else fmt.max
+    magnitude = x.abs().clamp(max=limit)  # keeps NaN; round(min(a, max)) == min(round(a), max)
+    biased_exponent = (magnitude.view(torch.int32) >> 23).clamp(min=128 - fmt.bias)
+    magic = ((biased_exponent + (23 - fmt.mantissa_bits)) << 23).view(torch.float32)
+    rounded = (magnitude + magic) - magic
+    if overflows:
+        rounded = torch.where(rounded > fmt.max, torch.inf if fmt.has_inf else torch.nan, rounded)
+    return torch.copysign(rounded, x)
+
+
+def cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne", saturate: bool = True,
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """x rounded to ``fmt``, returned in x's dtype (every result exactly representable in fmt).
+
+    ``rounding``: "rne" (ties to even, the hardware default), "away" (ties away from zero, as some
+    emulators do), "toward_zero", or "stochastic" (floor(x/q + U[0,1)) with U from ``generator``,
+    unbiased). NaN stays NaN where the format has one; a NaN input to a format without NaN raises.
+    Integer formats round to the integer grid and clamp to [min, max].
+    """
+    fmt = _check_cast_arguments(x, fmt, rounding, generator)
+    return _cast(x, fmt, rounding, saturate, generator)
+
+
+def _cast(x, fmt, rounding="rne", saturate=True, generator=None):
+    """``cast`` without argument checks (callers have checked; NaN never reaches a no-NaN format)."""
+    if _fast_path_applies(x, fmt, rounding):
+        return _cast_rne_float32(x.float(), fmt, saturate).to(x.dtype)
+    return _reference_cast(x, fmt, rounding, saturate, generator)
+
+
+# --- integer codes -------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _decode_table(fmt: FloatFormat) -> torch.Tensor:
+    """float32 value of every code of a float format of at most 8 bits, from the format's definition."""
+    values = []
+    for code in range(2 ** fmt.bits):
+        sign = -1.0 if code >> (fmt.bits - 1) else 1.0
+        field = (code >> fmt.mantissa_bits) & (2 ** fmt.exponent_bits - 1)
+        mantissa = code & (2 ** fmt.mantissa_bits - 1)
+        if field == 0:
+            value = mantissa * fmt.min_subnormal
+        else:
+            value = (1 + mantissa / 2 ** fmt.mantissa_bits) * 2.0 ** (field - fmt.bias)
+        if fmt.name == "e4m3" and field == 15 and mantissa == 7:
+            value = float("nan")
+        elif fmt.name == "e5m2" and field == 31:
+            value = float("inf") if mantissa == 0 else float("nan")
+        values.append(sign * value)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _nan_code(fmt: FloatFormat) -> int:
+    return 2 ** (fmt.bits - 1) - 1  # S.111..1: what torch's float8 casts produce for a positive NaN
+
+
+def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """Integer codes of ``values``, which must already be representable in ``fmt`` (e.g. from cast).
+
+    Float formats of ≤ 8 bits and e8m0 give uint8 (sign in the format's top bit; NaN as S.11..1, the
+    pattern torch's float8 casts produce); bf16/fp16 give their int16 bit patterns; intN/uintN give
+    the integers in int8/uint8/int16/int32. Raises ValueError for a value not in the format.
+    """
+    fmt = get_format(fmt)
+    _check_floating(values, "encode")
+    x = values.float()
+    if isinstance(fmt, IntFormat):
+        if not torch.equal(_cast(x, fmt), x):
+            raise ValueError(f"values are not all {fmt.name} integers in [{fmt.min}, {fmt.max}]")
+        return x.to(fmt.code_dtype)
+    if isinstance(fmt, E8M0Format):
+        nan = torch.isnan(x)
+        mantissa, exponent = torch.frexp(torch.where(nan, 1.0, x).double())
+        if not (torch.all(mantissa == 0.5) and torch.all((exponent >= -126) & (exponent <= 128))):
+            raise ValueError("e8m0 holds only powers of two 2^-127 .. 2^127 (and NaN)")
+        return torch.where(nan, fmt.nan_code, exponent - 1 + fmt.bias).to(torch.uint8)
+    if fmt.name in ("bf16", "fp16"):
+        dtype = torch.bfloat16 if fmt.name == "bf16" else torch.float16
+        return values.to(dtype).view(torch.int16)
+    if not torch.equal(torch.nan_to_num(_cast(x, fmt, saturate=False)), torch.nan_to_num(x)):
+        raise ValueError(f"values are not all representable in {fmt.name}; cast them first")
+    return _encode_float(x, fmt)
+
+
+def _encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """uint8 codes of float32 values representable in fmt (no checks)."""
+    bits = x.view(torch.int32)
+    sign = (bits >> 31) & 1
+    magnitude = x.abs()
+    magnitude_bits = magnitude.view(torch.int32)
+    field = (magnitude_bits >> 23) - (127 - fmt.bias)
+    mantissa = (magnitude_bits >> (23 - fmt.mantissa_bits)) & (2 ** fmt.mantissa_bits - 1)
+    normal = (field << fmt.mantissa_bits) | mantissa
+    subnormal = (magnitude * (1.0 / fmt.min_subnormal)).to(torch.int32)  # exact: k·quantum with k < 2^m
+    code = torch.where(magnitude < fmt.min_normal, subnormal, normal)
+    if fmt.has_inf:
+        code = torch.where(torch.isinf(magnitude), (2 ** fmt.exponent_bits - 1) << fmt.mantissa_bits, code)
+    if fmt.has_nan:
+        code = torch.where(torch.isnan(magnitude), _nan_code(fmt), code)
+    return (code | (sign << (fmt.bits - 1))).to(torch.uint8)
+
+
+def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """float32 values of integer ``codes`` of ``fmt`` (the inverse of ``encode``)."""
+    fmt = get_format(fmt)
+    if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"decode expects an integer tensor of codes, got {getattr(codes, 'dtype', type(codes).__name__)}")
+    if isinstance(fmt, IntFormat):
+        return codes.float()
+    if isinstance(fmt, E8M0Format):
+        byte = codes.to(torch.int32)
+        return torch.where(byte == fmt.nan_code, torch.nan, torch.exp2((byte - fmt.bias).double())).float()
+    if fmt.name in ("bf16", "fp16"):
+        return codes.to(torch.int16).view(torch.bfloat16 if fmt.name == "bf16" else torch.float16).float()
+    return _decode_table(fmt).to(codes.device)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit codes per byte along the last axis (even index in the low nibble); last axis must be even."""
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"pack_fp4 expects uint8 codes, got {codes.dtype}")
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4 needs an even last axis, got shape {tuple(codes.shape)}")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_fp4``: uint8 bytes → twice as many uint8 codes along the last axis."""
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_fp4 expects uint8 bytes, got {packed.dtype}")
+    return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)

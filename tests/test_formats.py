@@ -79,10 +79,12 @@ def test_e2m1_values_are_the_published_eight():
 
 def test_every_listed_value_casts_to_itself():
     for fmt in formats.FORMATS.values():
-        if fmt.name in ("bf16", "fp16"):
+        if fmt.name in ("bf16", "fp16", "e8m0"):
             continue
         v = fmt.values().float()
-        assert torch.equal(formats.cast(v, fmt), v) and torch.equal(formats.cast(-v, fmt), -v)
+        assert torch.equal(formats.cast(v, fmt), v)
+        if isinstance(fmt, formats.FloatFormat):
+            assert torch.equal(formats.cast(-v, fmt), -v)
 
 
 # --- rounding modes: a table of ties and special cases ----------------------------------------

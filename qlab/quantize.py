@@ -1,0 +1,423 @@
+"""quantize / dequantize / qdq for every recipe, behind one API.
+
+    q = quantize(x, MXSpec("e4m3", mode="rceil"), axis=-1)   # QTensor: codes, scales, spec, axis
+    x_hat = dequantize(q)                                      # back to x's dtype and shape
+    x_hat = qdq(x, "nvfp4")                                    # the same numbers in one call
+
+``axis`` is the axis a scale is shared along: MX and NVFP4 blocks run along it (the GEMM's
+reduction axis), an "axis"-granularity scale covers one whole slice along it (per-token scaling of
+activations (tokens, features) is axis=-1; the seed's per-channel is axis=0). Tensor granularity
+ignores it. Internally x is moved so that ``axis`` is last and, for block formats, zero-padded to a
+whole number of blocks; ``QTensor.codes`` keep that blocked layout. A QTensor remembers its axis
+and (by reference) its high-precision source, so ``q.along(other_axis)`` re-quantizes from high
+precision; it never transposes blocked codes.
+
+Specs (frozen dataclasses, hashable, usable as papermill strings through ``SPECS``):
+
+| spec | elements | scales |
+|---|---|---|
+| TensorwiseSpec | e4m3/e5m2 (any float format) | FP8 current scaling per tensor or per slice; or a given scale (delayed) |
+| IntSpec | intN/uintN | symmetric amax/qmax, or asymmetric with a zero point |
+| MXSpec | e4m3, e5m2, e3m2, e2m3, e2m1 | one E8M0 per 32 elements, mode floor/rceil/ceil/even |
+| NVFP4Spec | e2m1 | one E4M3 per 16 (1×16) or per 16×16 tile, FP32 global; optional RHT |
+
+Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elements and RNE
+rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
+memory passes), compiled lazily per (spec, dtype, shape) and skipped silently if compilation is
+unavailable; it is bit-identical to eager (tested). Set ``QLAB_COMPILE=0`` to turn it off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from qlab import scaling
+from qlab.formats import (ROUNDING_MODES, FloatFormat, _cast, _encode_float, decode, get_format, pack_fp4,
+                          round_to_integer)
+
+GRANULARITIES = ("tensor", "axis")
+
+
+def _check_rounding(rounding):
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"unknown rounding {rounding!r}; expected one of: {', '.join(ROUNDING_MODES)}")
+
+
+def _check_granularity(granularity):
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; expected one of: {', '.join(GRANULARITIES)}")
+
+
+@dataclass(frozen=True)
+class TensorwiseSpec:
+    """FP8-style scaling: stored = cast(x · scale), scale = fmt_max / amax (TE current scaling)."""
+
+    element: str = "e4m3"
+    granularity: str = "tensor"
+    pow2: bool = False
+    eps: float = 0.0
+    rounding: str = "rne"
+
+    def __post_init__(self):
+        scaling._float_format(self.element)
+        _check_granularity(self.granularity)
+        _check_rounding(self.rounding)
+
+
+@dataclass(frozen=True)
+class IntSpec:
+    """Integer affine quantization (the seed's Quantizer, with clamping and safe zero ranges)."""
+
+    bits: int = 8
+    signed: bool = True
+    symmetric: bool = True
+    granularity: str = "tensor"
+    rounding: str = "rne"
+
+    def __post_init__(self):
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
+            raise ValueError(f"IntSpec bits must be an int in 2..16, got {self.bits!r}")
+        _check_granularity(self.granularity)
+        _check_rounding(self.rounding)
+
+    @property
+    def element(self) -> str:
+        return f"{'int' if self.signed else 'uint'}{self.bits}"
+
+
+@dataclass(frozen=True)
+class MXSpec:
+    """OCP Microscaling: blocks of ``block_size`` along the axis share one E8M0 scale."""
+
+    element: str = "e4m3"
+    block_size: int = 32
+    mode: str = "floor"
+    pad: bool = True
+    rounding: str = "rne"
+
+    def __post_init__(self):
+        if self.element not in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"):
+            raise ValueError(f"MX elements are e4m3, e5m2, e3m2, e2m3 or e2m1, got {self.element!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.mode not in scaling.MX_SCALE_MODES:
+            raise ValueError(f"unknown MX scale mode {self.mode!r}; expected one of: {', '.join(scaling.MX_SCALE_MODES)}")
+        _check_rounding(self.rounding)
+
+
+@dataclass(frozen=True)
+class NVFP4Spec:
+    """NVFP4: E2M1 elements, E4M3 scales per 16 (or per 16×16 tile), one FP32 global scale."""
+
+    block_2d: bool = False
+    hadamard: bool = False
+    hadamard_seed: int = 0
+    global_scale: bool = True
+    pad: bool = True
+    rounding: str = "rne"
+
+    element = "e2m1"
+    block_size = scaling.NVFP4_BLOCK
+
+    def __post_init__(self):
+        _check_rounding(self.rounding)
+
+
+Spec = TensorwiseSpec | IntSpec | MXSpec | NVFP4Spec
+
+SPECS: dict[str, Spec] = {
+    "fp8_e4m3": TensorwiseSpec("e4m3"),
+    "fp8_e5m2": TensorwiseSpec("e5m2"),
+    "fp8_e4m3_pow2": TensorwiseSpec("e4m3", pow2=True),
+    "fp8_e4m3_rowwise": TensorwiseSpec("e4m3", granularity="axis"),
+    "int8": IntSpec(8),
+    "int8_rowwise": IntSpec(8, granularity="axis"),
+    "int4_rowwise": IntSpec(4, granularity="axis"),
+    "uint8_asymmetric": IntSpec(8, signed=False, symmetric=False),
+    "mxfp8": MXSpec("e4m3"),
+    "mxfp8_rceil": MXSpec("e4m3", mode="rceil"),
+    "mxfp8_e5m2": MXSpec("e5m2"),
+    "mxfp6_e3m2": MXSpec("e3m2"),
+    "mxfp6_e2m3": MXSpec("e2m3"),
+    "mxfp4": MXSpec("e2m1"),
+    "mxfp4_rceil": MXSpec("e2m1", mode="rceil"),
+    "nvfp4": NVFP4Spec(),
+    "nvfp4_2d": NVFP4Spec(block_2d=True),
+    "nvfp4_rht": NVFP4Spec(hadamard=True),
+}
+
+
+def get_spec(spec: str | Spec) -> Spec:
+    """A spec object, or one of the named presets in ``SPECS``."""
+    if isinstance(spec, (TensorwiseSpec, IntSpec, MXSpec, NVFP4Spec)):
+        return spec
+    if isinstance(spec, str) and spec in SPECS:
+        return SPECS[spec]
+    raise ValueError(f"unknown quantization spec {spec!r}; expected a spec object or one of: {', '.join(SPECS)}")
+
+
+@dataclass
+class QTensor:
+    """A quantized tensor in the blocked layout (``axis`` moved last, padded to whole blocks).
+
+    codes: integer codes of the elements (uint8 for float elements, int for integer elements).
+    scales: float32 scales; for TensorwiseSpec and IntSpec the multiplier applied before rounding
+      (dequantize divides; TE's "scale"), for MXSpec and NVFP4Spec the block value X that
+      dequantize multiplies by. scale_codes: E8M0 bytes (MX) or E4M3 codes (NVFP4).
+    zero_point (asymmetric IntSpec) and global_scale (NVFP4) where they apply.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    spec: Spec
+    axis: int
+    shape: torch.Size
+    dtype: torch.dtype
+    scale_codes: torch.Tensor | None = None
+    zero_point: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    source: torch.Tensor | None = field(default=None, repr=False)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self, dtype)
+
+    def along(self, axis: int) -> "QTensor":
+        """The same high-precision tensor quantized with blocks along ``axis`` (never transposed codes)."""
+        if self.source is None:
+            raise ValueError("this QTensor kept no high-precision source (keep_source=False); "
+                             "re-quantizing along another axis needs the original tensor")
+        return quantize(self.source, self.spec, axis=axis)
+
+    def packed_codes(self) -> torch.Tensor:
+        """Element codes with two 4-bit codes per byte (e2m1 elements only)."""
+        if self.spec.element != "e2m1":
+            raise ValueError(f"packing two codes per byte needs 4-bit e2m1 elements, not {self.spec.element}")
+        return pack_fp4(self.codes)
+
+
+# --- layout ---------------------------------------------------------------------------------------
+
+def _check_input(x, spec, axis):
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise TypeError(f"quantize expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    if x.dtype == torch.float64 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"quantize expects float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("quantize expects at least one dimension, got a 0-d tensor")
+    if not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {axis!r}")
+    if isinstance(spec, NVFP4Spec) and spec.block_2d and x.dim() < 2:
+        raise ValueError("2D 16x16 NVFP4 blocks need a tensor with at least 2 dimensions")
+    element = get_format(spec.element)
+    if not element.has_nan and torch.isnan(x).any() and not isinstance(spec, (MXSpec, NVFP4Spec)):
+        raise ValueError(f"{element.name} has no NaN encoding, but the input holds NaN")
+    return axis % x.dim()
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int, pad: bool) -> torch.Tensor:
+    length = x.shape[dim]
+    extra = -length % multiple
+    if extra == 0:
+        return x
+    if not pad:
+        raise ValueError(f"axis length {length} is not a multiple of the block size {multiple}; "
+                         f"pass pad=True in the spec or use a length divisible by {multiple}")
+    widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return torch.nn.functional.pad(x, widths)
+
+
+def _to_layout(x: torch.Tensor, spec, axis: int) -> torch.Tensor:
+    """float32, axis last; for block specs padded and shaped (..., n_blocks, block)."""
+    moved = x.float().movedim(axis, -1)
+    if isinstance(spec, (MXSpec, NVFP4Spec)):
+        moved = _pad_to(moved, -1, spec.block_size, spec.pad)
+        if isinstance(spec, NVFP4Spec) and spec.block_2d:
+            moved = _pad_to(moved, -2, scaling.NVFP4_BLOCK, spec.pad)
+        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+            moved = scaling.hadamard_transform(moved, spec.hadamard_seed)
+        return moved.reshape(*moved.shape[:-1], -1, spec.block_size)
+    return moved.contiguous()
+
+
+def _from_layout(values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    moved_shape = list(shape)
+    moved_shape.append(moved_shape.pop(axis))
+    if isinstance(spec, (MXSpec, NVFP4Spec)):
+        values = values.flatten(-2)
+        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+            values = scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True)
+        values = values[..., : moved_shape[-1]]
+        if isinstance(spec, NVFP4Spec) and spec.block_2d:
+            values = values[..., : moved_shape[-2], :]
+    return values.reshape(moved_shape).movedim(-1, axis).to(dtype)
+
+
+# --- the recipes, each on the layout tensor -----------------------------------------------------------
+
+def _amax(x: torch.Tensor, spec) -> torch.Tensor:
+    if spec.granularity == "tensor":
+        return x.abs().amax()
+    return x.abs().amax(-1, keepdim=True)
+
+
+def _tensorwise(x, spec: TensorwiseSpec, generator, scale):
+    if scale is None:
+        scale = scaling.fp8_current_scale(_amax(x, spec), spec.element, eps=spec.eps, pow2=spec.pow2)
+    values = _cast(x * scale, get_format(spec.element), spec.rounding, True, generator)
+    return {"values": values, "scales": scale}, values / scale
+
+
+def _int(x, spec: IntSpec, generator, scale):
+    fmt = get_format(spec.element)
+    if spec.symmetric:
+        scale = scaling.int_symmetric_scale(_amax(x, spec), fmt.max) if scale is None else scale
+        values = _cast(x / scale, fmt, spec.rounding, True, generator)
+        return {"values": values, "scales": scale}, values * scale
+    if scale is not None:
+        raise ValueError("a fixed scale is only supported for symmetric IntSpec")
+    if spec.granularity == "tensor":
+        lo, hi = x.amin(), x.amax()
+    else:
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale, zero_point = scaling.int_affine_parameters(lo, hi, fmt.min, fmt.max)
+    values = _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt)  # clamps to the grid
+    return {"values": values, "scales": scale, "zero_point": zero_point}, (values - zero_point) * scale
+
+
+def _mx(x, spec: MXSpec, generator, scale):
+    fmt = get_format(spec.element)
+    codes = scaling.mx_scale_codes(x.abs().amax(-1), fmt, spec.mode)
+    inverse = scaling.mx_scale_values(codes, inverse=True)[..., None]
+    scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
+    values = _cast(scaled, fmt, spec.rounding, True, generator)
+    scales = scaling.mx_scale_values(codes)
+    return {"values": values, "scales": scales, "scale_codes": codes}, values * scales[..., None]
+
+
+def _nvfp4(x, spec: NVFP4Spec, generator, scale):
+    fmt = get_format("e2m1")
+    magnitude = x.abs()
+    global_scale = scaling.nvfp4_global_scale(magnitude.amax()) if spec.global_scale else None
+    if spec.block_2d:  # (..., R, C/16, 16) → tiles (..., R/16, 16, C/16, 16)
+        tiles = magnitude.reshape(*x.shape[:-3], x.shape[-3] // 16, 16, x.shape[-2], 16)
+        tile_amax = tiles.amax(dim=(-3, -1))
+        scales = scaling.nvfp4_block_scales(tile_amax, global_scale)
+        block_scales = scales.repeat_interleave(16, dim=-2)
+    else:
+        scales = block_scales = scaling.nvfp4_block_scales(magnitude.amax(-1), global_scale)
+    inverse = (1.0 / block_scales) if global_scale is None else (1.0 / global_scale) / block_scales
+    scaled = torch.clamp(x * inverse[..., None], -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX)
+    scaled = torch.where(torch.isnan(scaled), 0.0, scaled)  # only in NaN/inf blocks, whose scale is NaN
+    values = _cast(scaled, fmt, spec.rounding, True, generator)
+    full = block_scales if global_scale is None else global_scale * block_scales
+    parts = {"values": values, "scales": scales, "global_scale": global_scale}
+    return parts, values * full[..., None]
+
+
+_RECIPES = {TensorwiseSpec: _tensorwise, IntSpec: _int, MXSpec: _mx, NVFP4Spec: _nvfp4}
+
+
+def _check_scale(scale, spec):
+    if scale is None:
+        return None
+    if isinstance(spec, (MXSpec, NVFP4Spec)):
+        raise ValueError("a fixed scale is only supported for TensorwiseSpec and IntSpec (delayed scaling)")
+    scale = torch.as_tensor(scale, dtype=torch.float32)
+    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+        raise ValueError("a fixed scale must be finite and positive")
+    return scale
+
+
+def _check_generator(spec, generator):
+    if generator is not None and spec.rounding != "stochastic":
+        raise ValueError("a generator only makes sense with a spec whose rounding is 'stochastic'")
+
+
+# --- public API ------------------------------------------------------------------------------------
+
+def quantize(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
+             scale: torch.Tensor | float | None = None, keep_source: bool = True) -> QTensor:
+    """Quantize x (float32/bf16/fp16) by ``spec`` with scales shared along ``axis``.
+
+    ``scale`` fixes the tensorwise/int scale (delayed scaling passes ``DelayedScaling.scale``);
+    ``generator`` drives stochastic rounding; ``keep_source`` keeps a reference to x for ``along``.
+    """
+    spec = get_spec(spec)
+    axis = _check_input(x, spec, axis)
+    _check_generator(spec, generator)
+    layout = _to_layout(x, spec, axis)
+    parts, _ = _RECIPES[type(spec)](layout, spec, generator, _check_scale(scale, spec))
+    values = parts.pop("values")
+    fmt = get_format(spec.element)
+    codes = _encode_float(values, fmt) if isinstance(fmt, FloatFormat) else values.to(fmt.code_dtype)
+    scale_codes = parts.pop("scale_codes", None)
+    if isinstance(spec, NVFP4Spec):
+        scale_codes = _encode_float(parts["scales"], get_format("e4m3"))
+    return QTensor(codes=codes, scales=parts.pop("scales"), spec=spec, axis=axis, shape=x.shape, dtype=x.dtype,
+                   scale_codes=scale_codes, source=x if keep_source else None, **parts)
+
+
+def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The values q represents, in ``dtype`` (default: the source's dtype) and the source's shape."""
+    if not isinstance(q, QTensor):
+        raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
+    spec = q.spec
+    values = decode(q.codes, spec.element)
+    if isinstance(spec, TensorwiseSpec):
+        out = values / q.scales
+    elif isinstance(spec, IntSpec):
+        out = values * q.scales if spec.symmetric else (values - q.zero_point) * q.scales
+    elif isinstance(spec, MXSpec):
+        out = values * q.scales[..., None]
+    else:
+        block_scales = q.scales.repeat_interleave(16, dim=-2) if spec.block_2d else q.scales
+        full = block_scales if q.global_scale is None else q.global_scale * block_scales
+        out = values * full[..., None]
+    return _from_layout(out, spec, q.axis, q.shape, dtype or q.dtype)
+
+
+def _qdq_layout(layout: torch.Tensor, spec: Spec, generator=None, scale=None) -> torch.Tensor:
+    return _RECIPES[type(spec)](layout, spec, generator, scale)[1]
+
+
+COMPILE_MIN_NUMEL = 1 << 20
+_compiled: dict = {}
+_compile_failed: set = set()
+
+
+def _compile_enabled() -> bool:
+    return os.environ.get("QLAB_COMPILE", "1") != "0"
+
+
+def _fast_qdq(spec: Spec):
+    """The compiled qdq function for ``spec`` (None if compilation is off or failed before)."""
+    if spec in _compile_failed or not _compile_enabled():
+        return None
+    if spec not in _compiled:
+        _compiled[spec] = torch.compile(lambda layout: _qdq_layout(layout, spec), dynamic=False, fullgraph=True)
+    return _compiled[spec]
+
+
+def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
+        scale: torch.Tensor | float | None = None, fast: bool | None = None) -> torch.Tensor:
+    """dequantize(quantize(x, spec, axis)) without materializing codes; same bits, x's dtype and shape.
+
+    ``fast``: None picks the compiled path for large RNE inputs, True forces it, False forces eager.
+    """
+    spec = get_spec(spec)
+    axis = _check_input(x, spec, axis)
+    _check_generator(spec, generator)
+    scale = _check_scale(scale, spec)
+    layout = _to_layout(x, spec, axis)
+    use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
+    if use_fast and spec.rounding == "rne" and scale is None:
+        compiled = _fast_qdq(spec)
+        if compiled is not None:
+            try:
+                return _from_layout(compiled(layout), spec, axis, x.shape, x.dtype)
+            except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
+                _compile_failed.add(spec)
+    return _from_layout(_qdq_layout(layout, spec, generator, scale), spec, axis, x.shape, x.dtype)

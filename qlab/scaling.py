@@ -1,0 +1,232 @@
+"""Scale computation for every recipe: integer affine, FP8 current and delayed, MX (E8M0), NVFP4.
+
+Each function maps amaxes (float32) to scales and guarantees what it returns for the awkward inputs
+(zero, inf, NaN), because those are where emulators silently disagree:
+
+| recipe | scale | amax 0 | amax inf / NaN |
+|---|---|---|---|
+| integer symmetric | amax / qmax (dequant = q·scale) | 1 | 1 |
+| FP8 current (TE) | fmt_max / max(amax, eps) (stored = x·scale) | 1 | 1 |
+| FP8 delayed (TE) | (fmt_max / amax_history) / 2^margin | previous scale | previous scale |
+| MX (OCP v1.0) | E8M0 byte b, X = 2^(b − 127) | byte 0 (2^-127) | byte 0xFF (NaN) |
+| NVFP4 global | amax_tensor / (448·6) | 1 | 1 |
+| NVFP4 block | E4M3(clamp(amax_block / 6 / global, 2^-6, 448)) | 2^-6 | NaN (E4M3 code 0x7F) |
+
+Exponents are read from float32 bits, never from float log2 (which is wrong for values just above or
+below a power of two at large magnitudes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qlab.formats import FloatFormat, get_format
+
+MX_SCALE_MODES = ("floor", "rceil", "ceil", "even")
+E8M0_NAN = 0xFF
+NVFP4_BLOCK = 16
+NVFP4_ELEMENT_MAX = 6.0
+NVFP4_SCALE_MAX = 448.0
+NVFP4_SCALE_MIN = 2.0 ** -6  # the smallest normal E4M3 value, the floor torchao's reference clamps to
+
+
+def _float_format(name) -> FloatFormat:
+    fmt = get_format(name)
+    if not isinstance(fmt, FloatFormat):
+        raise ValueError(f"expected a floating-point element format (e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16), got {fmt.name}")
+    return fmt
+
+
+def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 x) for positive normal float32 x: the mantissa bits zeroed."""
+    return (x.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+# --- integer affine ------------------------------------------------------------------------------
+
+def int_symmetric_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """amax / qmax in float32; 1 where amax is zero or not finite (so q = round(x / scale) is safe)."""
+    amax = amax.float()
+    scale = amax / qmax
+    usable = torch.isfinite(amax) & (scale > 0)
+    return torch.where(usable, scale, 1.0)
+
+
+def int_affine_parameters(lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) for asymmetric quantization of values in [lo, hi].
+
+    The range is widened to include 0 so that zero is exact; scale = (hi − lo) / (qmax − qmin)
+    (1 for an empty or non-finite range); zero_point = qmin − round(lo / scale) with round-half-even,
+    clamped to [qmin, qmax], as float32 holding an integer. q = clamp(round(x / scale) + zero_point).
+    """
+    lo = torch.clamp(lo.float(), max=0.0)
+    hi = torch.clamp(hi.float(), min=0.0)
+    scale = (hi - lo) / (qmax - qmin)
+    usable = torch.isfinite(scale) & (scale > 0)
+    scale = torch.where(usable, scale, 1.0)
+    zero_point = torch.where(usable, qmin - torch.round(lo / scale), float(qmin))
+    return scale, zero_point.clamp(qmin, qmax)
+
+
+# --- FP8 current and delayed scaling --------------------------------------------------------------
+
+def fp8_current_scale(amax: torch.Tensor, fmt="e4m3", *, eps: float = 0.0, pow2: bool = False) -> torch.Tensor:
+    """TE's current scaling: fmt_max / max(amax, eps) in float32, applied as stored = cast(x · scale).
+
+    An amax of 0 (after eps), inf or NaN gives 1. A scale that overflows float32 (tiny amax) becomes
+    the float32 max. ``pow2`` rounds the scale down to a power of two (mantissa bits zeroed).
+    """
+    fmt_max = _float_format(fmt).max
+    amax = amax.float()
+    floored = torch.clamp(amax, min=eps)
+    scale = fmt_max / floored
+    scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
+    scale = torch.where(torch.isfinite(amax) & (floored > 0), scale, 1.0)
+    return _pow2_floor(scale) if pow2 else scale
+
+
+AMAX_ALGORITHMS = ("max", "most_recent")
+
+
+class DelayedScaling:
+    """TE's delayed scaling: the scale for step t comes from the amaxes seen before step t.
+
+    ``observe(amax)`` records an amax during a step (several calls per step, e.g. micro-batches, are
+    max-reduced); ``step()`` rolls the history once, puts the step's amax first and recomputes
+    ``scale = (fmt_max / amax_hist) / 2^margin`` with amax_hist the history's max ("max") or its
+    newest entry ("most_recent"). A zero or non-finite amax_hist keeps the previous scale. Starts at 1.
+    """
+
+    def __init__(self, fmt="e4m3", history_len: int = 1024, algorithm: str = "max", margin: int = 0):
+        self.fmt = _float_format(fmt)
+        if not isinstance(history_len, int) or history_len < 1:
+            raise ValueError(f"history_len must be a positive int, got {history_len!r}")
+        if algorithm not in AMAX_ALGORITHMS:
+            raise ValueError(f"unknown amax algorithm {algorithm!r}; expected one of: {', '.join(AMAX_ALGORITHMS)}")
+        self.algorithm = algorithm
+        self.margin = margin
+        self.history = torch.zeros(history_len, dtype=torch.float32)
+        self.scale = torch.tensor(1.0)
+        self._step_amax: torch.Tensor | None = None
+
+    def observe(self, amax: torch.Tensor) -> None:
+        amax = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
+        self._step_amax = amax if self._step_amax is None else torch.maximum(self._step_amax, amax)
+
+    def step(self) -> torch.Tensor:
+        """Roll the history with this step's amax (0 if none was observed); return the new scale."""
+        newest = self._step_amax if self._step_amax is not None else torch.tensor(0.0)
+        self.history = torch.cat([newest.reshape(1), self.history[:-1]])
+        self._step_amax = None
+        amax = self.history.max() if self.algorithm == "max" else self.history[0]
+        candidate = (self.fmt.max / amax) / 2.0 ** self.margin
+        if torch.isfinite(amax) and amax > 0 and torch.isfinite(candidate):
+            self.scale = candidate.float()
+        return self.scale
+
+
+# --- MX block scales --------------------------------------------------------------------------------
+
+def _unbiased_exponent(x: torch.Tensor) -> torch.Tensor:
+    """The float32 exponent field minus 127 (−127 for zero and subnormals), as int32."""
+    return ((x.view(torch.int32) >> 23) & 0xFF) - 127
+
+
+def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Tensor:
+    """E8M0 bytes (uint8) for MX blocks with the given float32 amaxes, by torchao's mode definitions.
+
+    floor: e = floor(log2 amax) − emax (OCP v1.0; the largest values may saturate);
+    ceil:  e = ceil(log2 amax) − emax;
+    even:  amax first rounded to the element's mantissa width, then floor;
+    rceil: e = ceil(log2(amax / elem_max)) with the division rounded in float32 (cuBLAS/TE MXFP8;
+           nothing saturates).
+    e is clamped to [−127, 127] and stored as e + 127. A zero block gets byte 0; a block whose amax
+    is inf or NaN gets 0xFF (NaN). torchao 0.18 differs on inf (FLOOR/CEIL/EVEN give a finite byte,
+    RCEIL 254) and its RCEIL takes a float32 log2; the tests pin our behaviour for those cases.
+    """
+    fmt = _float_format(element)
+    if mode not in MX_SCALE_MODES:
+        raise ValueError(f"unknown MX scale mode {mode!r}; expected one of: {', '.join(MX_SCALE_MODES)}")
+    amax = amax.float()
+    if mode == "rceil":
+        descale = amax / fmt.max
+        exponent = _unbiased_exponent(descale) + ((descale.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+        # a float32-subnormal descale: ceil(log2) is -126 above 2^-127 and at most -127 otherwise
+        subnormal = descale < 2.0 ** -126
+        exponent = torch.where(subnormal, torch.where(descale > 2.0 ** -127, -126, -127), exponent)
+    else:
+        if mode == "even":  # round the mantissa to the element's width (half up) before taking floor
+            rounded = amax.view(torch.int32) + (1 << (22 - fmt.mantissa_bits))
+            amax = (rounded & 0x7F800000).view(torch.float32)
+        exponent = _unbiased_exponent(amax)
+        if mode == "ceil":
+            exponent = exponent + ((amax.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+        exponent = exponent - fmt.emax
+    codes = (exponent.clamp(-127, 127) + 127).to(torch.uint8)
+    return torch.where(torch.isfinite(amax), codes, E8M0_NAN)
+
+
+def _power_of_two_table(sign: int) -> torch.Tensor:
+    """float32 2^(sign·(b − 127)) for every byte b (NaN at 0xFF), exact down to 2^-127."""
+    values = [2.0 ** (sign * (b - 127)) for b in range(255)] + [float("nan")]
+    return torch.tensor(values, dtype=torch.float32)
+
+
+_MX_SCALE = _power_of_two_table(+1)
+_MX_INVERSE_SCALE = _power_of_two_table(-1)
+
+
+def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """float32 X = 2^(b − 127) for E8M0 bytes (or 1/X with ``inverse``); NaN for 0xFF."""
+    table = _MX_INVERSE_SCALE if inverse else _MX_SCALE
+    return table.to(codes.device)[codes.long()]
+
+
+# --- NVFP4 ---------------------------------------------------------------------------------------
+
+def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax_tensor / (448·6) in float32; 1 when that is zero or amax is not finite."""
+    amax = amax.float()
+    scale = amax / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
+    return torch.where(torch.isfinite(amax) & (scale > 0), scale, 1.0)
+
+
+def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """float32 E4M3 block scales: RNE(clamp(amax / 6 / global, 2^-6, 448)); NaN for a non-finite amax.
+
+    Matches torchao's reference op for op (amax/6, then /global, clamp, cast), so its bits agree.
+    """
+    block_amax = block_amax.float()
+    scale = block_amax / NVFP4_ELEMENT_MAX
+    if global_scale is not None:
+        scale = scale / global_scale
+    scale = torch.clamp(scale, NVFP4_SCALE_MIN, NVFP4_SCALE_MAX).to(torch.float8_e4m3fn).float()
+    return torch.where(torch.isfinite(block_amax), scale, torch.nan)
+
+
+# --- random Hadamard transform -----------------------------------------------------------------------
+
+def hadamard_matrix(size: int = NVFP4_BLOCK, seed: int = 0) -> torch.Tensor:
+    """The orthonormal randomized Hadamard matrix D·H/√size (float32, size×size), signs D from ``seed``.
+
+    H is Sylvester's; D = diag(±1) drawn from torch.Generator(seed). Rows are orthonormal, so
+    applying it to both GEMM operands along their shared axis leaves the product unchanged.
+    """
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    generator = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1
+    return (signs[:, None] * h / size ** 0.5).float()
+
+
+def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False) -> torch.Tensor:
+    """x's last axis, in chunks of 16, multiplied by the seeded randomized Hadamard matrix (or its inverse)."""
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"the Hadamard transform needs the axis length to be a multiple of {NVFP4_BLOCK}, got {x.shape[-1]}")
+    matrix = hadamard_matrix(NVFP4_BLOCK, seed).to(x.device)
+    matrix = matrix.T if inverse else matrix
+    chunks = x.float().reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
+    return (chunks @ matrix).reshape(x.shape)
