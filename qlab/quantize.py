@@ -29,6 +29,7 @@ unavailable; it is bit-identical to eager (tested). Set ``QLAB_COMPILE=0`` to tu
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -421,3 +422,38 @@ def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.G
             except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
                 _compile_failed.add(spec)
     return _from_layout(_qdq_layout(layout, spec, generator, scale), spec, axis, x.shape, x.dtype)
+
+
+# --- measurements ---------------------------------------------------------------------------------
+
+def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64 (inf if exact)."""
+    x64, error = x.double(), (x.double() - x_hat.double())
+    noise = float((error * error).sum())
+    signal = float((x64 * x64).sum())
+    return math.inf if noise == 0 else 10.0 * math.log10(signal / noise)
+
+
+def clipped_block_fraction(x: torch.Tensor, spec: str | Spec, axis: int = -1) -> float:
+    """Fraction of MX/NVFP4 blocks with at least one element beyond the element max after scaling.
+
+    Those elements saturate (lose more than rounding); FLOOR scales can do this, RCEIL cannot.
+    Blocks with NaN/inf are left out.
+    """
+    spec = get_spec(spec)
+    if not isinstance(spec, (MXSpec, NVFP4Spec)):
+        raise ValueError(f"clipping is measured for MXSpec or NVFP4Spec blocks, got {type(spec).__name__}")
+    axis = _check_input(x, spec, axis)
+    layout = _to_layout(x, spec, axis)
+    block_amax = layout.abs().amax(-1)
+    if isinstance(spec, MXSpec):
+        fmt = get_format(spec.element)
+        inverse = scaling.mx_scale_values(scaling.mx_scale_codes(block_amax, fmt, spec.mode), inverse=True)
+        scaled, limit = block_amax * inverse, fmt.max
+    else:
+        parts, _ = _nvfp4(layout, spec, None, None)
+        block_scales = parts["scales"].repeat_interleave(16, dim=-2) if spec.block_2d else parts["scales"]
+        full = block_scales if parts["global_scale"] is None else parts["global_scale"] * block_scales
+        scaled, limit = block_amax / full, scaling.NVFP4_ELEMENT_MAX
+    finite = torch.isfinite(block_amax)
+    return float(((scaled > limit) & finite).sum() / finite.sum().clamp(min=1))

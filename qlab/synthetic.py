@@ -1,0 +1,40 @@
+"""Synthetic activations with the shapes of trouble seen in real models (generated, never downloaded).
+
+Every function returns float32 of the requested shape, drawn from ``generator`` only, so the same
+seed gives the same bytes on the same machine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DISTRIBUTIONS = ("gaussian", "laplace", "student_t3", "outlier_channels")
+
+
+def activations(kind: str, shape: tuple[int, ...], generator: torch.Generator, *,
+                outlier_channels: int = 8, outlier_scale: float = 100.0) -> torch.Tensor:
+    """Draw activations of one kind, unit scale (standard deviation ≈ 1 before outliers):
+
+    gaussian — N(0, 1); laplace — Laplace(0, 1/√2) (unit variance, exponential tails);
+    student_t3 — Student's t with 3 degrees of freedom (heavy, polynomial tails);
+    outlier_channels — N(0, 1) with ``outlier_channels`` evenly spaced last-axis channels scaled by
+    ``outlier_scale`` (the per-channel outliers of LLM activations).
+    """
+    if kind not in DISTRIBUTIONS:
+        raise ValueError(f"unknown distribution {kind!r}; expected one of: {', '.join(DISTRIBUTIONS)}")
+    normal = torch.randn(shape, generator=generator)
+    if kind == "gaussian":
+        return normal
+    if kind == "laplace":
+        uniform = torch.rand(shape, generator=generator) - 0.5
+        return -torch.sign(uniform) * torch.log1p(-2 * uniform.abs()) / 2 ** 0.5
+    if kind == "student_t3":
+        chi2 = (torch.randn((*shape, 3), generator=generator) ** 2).sum(-1)
+        return normal / torch.sqrt(chi2 / 3)
+    channels = shape[-1]
+    if not 0 <= outlier_channels <= channels:
+        raise ValueError(f"outlier_channels must be in [0, {channels}], got {outlier_channels}")
+    scale = torch.ones(channels)
+    if outlier_channels:
+        scale[torch.linspace(0, channels - 1, outlier_channels).round().long()] = outlier_scale
+    return normal * scale
