@@ -89,6 +89,22 @@ ax.set_title("Element grids: precision is where the ticks crowd, range is how fa
 save_figure(fig, f"{NAME}_grids")
 
 # %% [markdown]
+# A quantized tensor is integer codes plus scales. Below, one row of 64 values in MXFP8 (E4M3,
+# FLOOR): two blocks of 32, each with one E8M0 byte b meaning 2^(b − 127), and one uint8 code per
+# element. The same row as NVFP4 has four 16-element blocks with E4M3 scales and one FP32 global
+# scale. `dequantize` multiplies them back; `qdq` gives the same bits without storing codes.
+
+# %%
+row = torch.linspace(-3.0, 5.0, 64)[None, :]
+q_mx = Q.quantize(row, "mxfp8")
+q_nv = Q.quantize(row, "nvfp4")
+print("MXFP8 scale bytes", q_mx.scale_codes.tolist(), "-> X =", q_mx.scales.tolist())
+print("MXFP8 first codes", q_mx.codes[0, 0, :6].tolist())
+print("NVFP4 block scales", q_nv.scales.tolist(), "global", q_nv.global_scale.item())
+print("max |error|: MXFP8", (Q.dequantize(q_mx) - row).abs().max().item(),
+      " NVFP4", (Q.dequantize(q_nv) - row).abs().max().item())
+
+# %% [markdown]
 # ## 2. SQNR of every format × scaling recipe
 #
 # Four activation shapes, all with standard deviation ≈ 1 before outliers: Gaussian, Laplace

@@ -5,6 +5,10 @@ Modules:
     plotting  the paper style and save_figure()
     results   save_csv() and save_metrics() for notebooks
     numerics  variance algorithms, exact references, LayerNorm with selectable statistics
+    formats   element formats (FP8/FP6/FP4/E8M0/INTn), exact casts, integer codes
+    scaling   scale computation: integer affine, FP8 current/delayed, MX E8M0, NVFP4, Hadamard
+    quantize  specs, quantize/dequantize/qdq, QTensor, SQNR and clipping measurements
+    synthetic generated activations (Gaussian, Laplace, Student-t, outlier channels)
     notebooks running parameterized notebooks with papermill (used by the CLI and the tests)
     cli       the `qlab` command: run, figures, sweep, sync
 """
