@@ -313,23 +313,23 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """
     fmt = get_format(fmt)
     _check_floating(values, "encode")
-    x = values.float()
-    if isinstance(fmt, IntFormat):
-        if not torch.equal(_cast(x, fmt), x):
-            raise ValueError(f"values are not all {fmt.name} integers in [{fmt.min}, {fmt.max}]")
-        return x.to(fmt.code_dtype)
     if isinstance(fmt, E8M0Format):
-        nan = torch.isnan(x)
-        mantissa, exponent = torch.frexp(torch.where(nan, 1.0, x).double())
+        nan = torch.isnan(values)
+        mantissa, exponent = torch.frexp(torch.where(nan, 1.0, values).double())
         if not (torch.all(mantissa == 0.5) and torch.all((exponent >= -126) & (exponent <= 128))):
             raise ValueError("e8m0 holds only powers of two 2^-127 .. 2^127 (and NaN)")
         return torch.where(nan, fmt.nan_code, exponent - 1 + fmt.bias).to(torch.uint8)
+    if not fmt.has_nan and torch.isnan(values).any():
+        raise ValueError(f"{fmt.name} has no NaN encoding, but the values hold NaN")
+    # checked in the values' own dtype, so a float64 value off the grid is refused, not rounded
+    if not torch.equal(torch.nan_to_num(_cast(values, fmt, saturate=False)), torch.nan_to_num(values)):
+        raise ValueError(f"values are not all representable in {fmt.name} (range [{fmt.min if isinstance(fmt, IntFormat) else -fmt.max}, "
+                         f"{fmt.max}]); cast them first")
+    if isinstance(fmt, IntFormat):
+        return values.to(fmt.code_dtype)
     if fmt.name in ("bf16", "fp16"):
-        dtype = torch.bfloat16 if fmt.name == "bf16" else torch.float16
-        return values.to(dtype).view(torch.int16)
-    if not torch.equal(torch.nan_to_num(_cast(x, fmt, saturate=False)), torch.nan_to_num(x)):
-        raise ValueError(f"values are not all representable in {fmt.name}; cast them first")
-    return _encode_float(x, fmt)
+        return values.to(torch.bfloat16 if fmt.name == "bf16" else torch.float16).view(torch.int16)
+    return _encode_float(values.float(), fmt)
 
 
 def _encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:

@@ -23,8 +23,9 @@ Specs (frozen dataclasses, hashable, usable as papermill strings through ``SPECS
 
 Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elements and RNE
 rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
-memory passes), compiled lazily per (spec, dtype, shape) and skipped silently if compilation is
-unavailable; it is bit-identical to eager (tested). Set ``QLAB_COMPILE=0`` to turn it off.
+memory passes), compiled lazily per (spec, dtype, shape) (up to 8 shapes per spec; more run
+eagerly) and skipped silently if compilation is unavailable; it is bit-identical to eager (tested).
+Set ``QLAB_COMPILE=0`` to turn it off.
 """
 
 from __future__ import annotations
@@ -165,9 +166,10 @@ class QTensor:
     """A quantized tensor in the blocked layout (``axis`` moved last, padded to whole blocks).
 
     codes: integer codes of the elements (uint8 for float elements, int for integer elements).
-    scales: float32 scales; for TensorwiseSpec and IntSpec the multiplier applied before rounding
-      (dequantize divides; TE's "scale"), for MXSpec and NVFP4Spec the block value X that
-      dequantize multiplies by. scale_codes: E8M0 bytes (MX) or E4M3 codes (NVFP4).
+    scales: float32 scales. TensorwiseSpec: TE's multiplier, stored = cast(x · scale), dequantize
+      divides by it. IntSpec: the step, q = round(x / scale), dequantize multiplies. MXSpec and
+      NVFP4Spec: the block value X that dequantize multiplies by.
+    scale_codes: E8M0 bytes (MX) or E4M3 codes (NVFP4).
     zero_point (asymmetric IntSpec) and global_scale (NVFP4) where they apply.
     """
 
@@ -275,7 +277,7 @@ def _int(x, spec: IntSpec, generator, scale):
     fmt = get_format(spec.element)
     if spec.symmetric:
         scale = scaling.int_symmetric_scale(_amax(x, spec), fmt.max) if scale is None else scale
-        values = _cast(x / scale, fmt, spec.rounding, True, generator)
+        values = _cast(x / scale, fmt, spec.rounding, True, generator) + 0.0  # -0 → +0: integer codes have no -0
         return {"values": values, "scales": scale}, values * scale
     if scale is not None:
         raise ValueError("a fixed scale is only supported for symmetric IntSpec")
@@ -284,7 +286,7 @@ def _int(x, spec: IntSpec, generator, scale):
     else:
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
     scale, zero_point = scaling.int_affine_parameters(lo, hi, fmt.min, fmt.max)
-    values = _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt)  # clamps to the grid
+    values = _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt) + 0.0  # clamp; -0 → +0
     return {"values": values, "scales": scale, "zero_point": zero_point}, (values - zero_point) * scale
 
 
@@ -309,7 +311,11 @@ def _nvfp4(x, spec: NVFP4Spec, generator, scale):
         block_scales = scales.repeat_interleave(16, dim=-2)
     else:
         scales = block_scales = scaling.nvfp4_block_scales(magnitude.amax(-1), global_scale)
-    inverse = (1.0 / block_scales) if global_scale is None else (1.0 / global_scale) / block_scales
+    if global_scale is None:
+        inverse = 1.0 / block_scales
+    else:  # torchao's order; for amax < 2688·2^-128 the reciprocal of the (subnormal) global scale overflows
+        reciprocal = 1.0 / global_scale
+        inverse = torch.where(torch.isinf(reciprocal), 1.0 / (global_scale * block_scales), reciprocal / block_scales)
     scaled = torch.clamp(x * inverse[..., None], -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX)
     scaled = torch.where(torch.isnan(scaled), 0.0, scaled)  # only in NaN/inf blocks, whose scale is NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
@@ -343,7 +349,8 @@ def quantize(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: to
              scale: torch.Tensor | float | None = None, keep_source: bool = True) -> QTensor:
     """Quantize x (float32/bf16/fp16) by ``spec`` with scales shared along ``axis``.
 
-    ``scale`` fixes the tensorwise/int scale (delayed scaling passes ``DelayedScaling.scale``);
+    ``scale`` fixes the scale: for TensorwiseSpec the multiplier (delayed scaling passes
+    ``DelayedScaling.scale``), for symmetric IntSpec the step;
     ``generator`` drives stochastic rounding; ``keep_source`` keeps a reference to x for ``along``.
     """
     spec = get_spec(spec)
@@ -398,7 +405,11 @@ def _fast_qdq(spec: Spec):
     if spec in _compile_failed or not _compile_enabled():
         return None
     if spec not in _compiled:
-        _compiled[spec] = torch.compile(lambda layout: _qdq_layout(layout, spec), dynamic=False, fullgraph=True)
+        def qdq_layout(layout):
+            return _qdq_layout(layout, spec)
+        # dynamo counts its recompile limit (8 shapes) per code object: give every spec its own
+        qdq_layout.__code__ = qdq_layout.__code__.replace(co_name=f"qdq_layout_{len(_compiled)}")
+        _compiled[spec] = torch.compile(qdq_layout, dynamic=False, fullgraph=True)
     return _compiled[spec]
 
 

@@ -156,7 +156,7 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
     fmt = _float_format(element)
     if mode not in MX_SCALE_MODES:
         raise ValueError(f"unknown MX scale mode {mode!r}; expected one of: {', '.join(MX_SCALE_MODES)}")
-    amax = amax.float()
+    amax = finite_check = amax.float()
     if mode == "rceil":
         descale = amax / fmt.max
         exponent = _unbiased_exponent(descale) + ((descale.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
@@ -172,7 +172,7 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
             exponent = exponent + ((amax.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
         exponent = exponent - fmt.emax
     codes = (exponent.clamp(-127, 127) + 127).to(torch.uint8)
-    return torch.where(torch.isfinite(amax), codes, E8M0_NAN)
+    return torch.where(torch.isfinite(finite_check), codes, E8M0_NAN)
 
 
 def _power_of_two_table(sign: int) -> torch.Tensor:
@@ -194,7 +194,7 @@ def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 # --- NVFP4 ---------------------------------------------------------------------------------------
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax_tensor / (448·6) in float32; 1 when that is zero or amax is not finite."""
+    """amax_tensor / (448·6) in float32; 1 when that is zero (amax < 3.8e-42) or amax is not finite."""
     amax = amax.float()
     scale = amax / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
     return torch.where(torch.isfinite(amax) & (scale > 0), scale, 1.0)

@@ -152,3 +152,224 @@ def test_output_dtype_follows_input_and_nan_is_kept():
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+# =================================================================================================
+# The float32 fast path against the float64 reference path
+# =================================================================================================
+
+FLOAT_FORMATS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "bf16", "fp16"]
+RANDOM_FLOAT32 = torch.randint(-(2 ** 31), 2 ** 31 - 1, (200_000,), generator=torch.Generator().manual_seed(1),
+                               dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "no_saturate"])
+@pytest.mark.parametrize("name", FLOAT_FORMATS)
+def test_fast_rne_cast_equals_float64_reference_cast(name, saturate):
+    # every bf16 value (all binades, ±0, ±inf) and 200k random float32 bit patterns; NaN inputs only
+    # where the format has a NaN (a NaN input to a NaN-less format is an error by design)
+    fmt = formats.get_format(name)
+    for x in (ALL_BF16, RANDOM_FLOAT32):
+        if not fmt.has_nan:
+            x = x[~torch.isnan(x)]
+        assert_same_bits(formats.cast(x, name, saturate=saturate), formats.reference_cast(x, name, saturate=saturate))
+        # the fast path also runs for bfloat16 inputs (widened to float32); the results must agree there too
+        xb = x.to(torch.bfloat16)
+        assert_same_bits(formats.cast(xb, name, saturate=saturate).float(),
+                         formats.reference_cast(xb, name, saturate=saturate).float())
+
+
+# =================================================================================================
+# Integer formats
+# =================================================================================================
+
+@pytest.mark.parametrize("name, bits, signed, lo, hi", [
+    ("int2", 2, True, -2, 1),
+    ("int8", 8, True, -128, 127),
+    ("uint4", 4, False, 0, 15),
+    ("int16", 16, True, -32768, 32767),
+    ("uint16", 16, False, 0, 65535),
+])
+def test_int_format_range_table(name, bits, signed, lo, hi):
+    fmt = formats.get_format(name)
+    # two's complement / unsigned ranges from the textbook formula
+    formula = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    assert (fmt.min, fmt.max) == formula == (lo, hi)
+    assert fmt.values().tolist() == list(range(lo, hi + 1))
+    # the code dtype holds every value of the grid
+    info = torch.iinfo(fmt.code_dtype)
+    assert info.min <= lo and hi <= info.max
+    assert torch.equal(formats.encode(fmt.values().float(), fmt), torch.arange(lo, hi + 1).to(fmt.code_dtype))
+
+
+def test_int8_cast_equals_round_half_even_and_clamp_in_float64():
+    x = torch.cat([FINITE_BF16, RANDOM_FLOAT32[torch.isfinite(RANDOM_FLOAT32)] * 1e-37,
+                   torch.tensor([math.inf, -math.inf, 126.5, 127.5, -128.5, -127.5])])
+    expected = torch.round(x.double()).clamp(-128, 127).float()  # torch.round is half-to-even; inf clamps
+    assert_same_bits(formats.cast(x, "int8") + 0.0, expected + 0.0)  # + 0.0: -0 and 0 are the same integer
+    assert_same_bits(formats.reference_cast(x, "int8") + 0.0, expected + 0.0)
+
+
+@pytest.mark.parametrize("name, x, rne, away, toward_zero", [
+    ("int8", 2.5, 2, 3, 2),
+    ("int8", -2.5, -2, -3, -2),
+    ("int8", 3.5, 4, 4, 3),
+    ("int8", 0.5, 0, 1, 0),
+    ("int8", -0.5, 0, -1, 0),
+    ("int8", 2.4999998, 2, 2, 2),
+    ("int8", 127.5, 127, 127, 127),       # rne 128 and away 128 saturate to max
+    ("int8", -128.5, -128, -128, -128),
+    ("int8", math.inf, 127, 127, 127),
+    ("int8", -math.inf, -128, -128, -128),
+    ("int8", 1e30, 127, 127, 127),
+    ("uint4", -3.0, 0, 0, 0),             # unsigned: negatives clamp to 0
+    ("uint4", 15.5, 15, 15, 15),
+    ("int2", 1.5, 1, 1, 1),
+    ("int2", -1.5, -2, -2, -1),
+])
+def test_int_rounding_table(name, x, rne, away, toward_zero):
+    t = torch.tensor([x])
+    for mode, expected in (("rne", rne), ("away", away), ("toward_zero", toward_zero)):
+        assert formats.cast(t, name, rounding=mode).item() == expected, mode
+        assert formats.reference_cast(t, name, rounding=mode).item() == expected, mode
+
+
+# =================================================================================================
+# E8M0
+# =================================================================================================
+
+def test_e8m0_values_are_the_255_powers_of_two():
+    fmt = formats.get_format("e8m0")
+    values = fmt.values()
+    assert len(values) == 255
+    assert values.tolist() == [math.ldexp(1.0, k) for k in range(-127, 128)]
+    assert (fmt.min, fmt.max) == (math.ldexp(1.0, -127), math.ldexp(1.0, 127))
+
+
+def test_e8m0_encode_decode_round_trip_of_every_code():
+    # byte b means 2^(b - 127) (OCP MX v1.0 §5.4.1); 0xFF is NaN
+    values = torch.tensor([math.ldexp(1.0, b - 127) for b in range(255)] + [math.nan], dtype=torch.float32)
+    codes = formats.encode(values, "e8m0")
+    assert codes.dtype == torch.uint8 and codes.tolist() == list(range(256))
+    assert_same_bits(formats.decode(codes, "e8m0"), values)
+
+
+@pytest.mark.parametrize("value", [3.0, 0.0, -2.0, 2.0 ** -128, math.inf])
+def test_e8m0_encode_of_a_non_power_of_two_raises(value):
+    with pytest.raises(ValueError, match="powers of two"):
+        formats.encode(torch.tensor([value]), "e8m0")
+
+
+# =================================================================================================
+# encode / decode against torch and torchao
+# =================================================================================================
+
+def signed_values(name):
+    """Every finite value of a float format with both signs (incl. -0), as float32."""
+    v = formats.get_format(name).values().float()
+    return torch.cat([v, -v])
+
+
+@pytest.mark.parametrize("name, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_fp8_encode_equals_torch_float8_bits(name, dtype):
+    v = signed_values(name)
+    if name == "e5m2":
+        v = torch.cat([v, torch.tensor([math.inf, -math.inf])])
+    expected = v.to(dtype).view(torch.uint8)
+    assert torch.equal(formats.encode(v, name), expected)
+    assert_same_bits(formats.decode(formats.encode(v, name), name), v)
+    assert formats.encode(torch.tensor([math.nan]), name).item() == 0x7F == \
+        torch.tensor([math.nan]).to(dtype).view(torch.uint8).item()
+
+
+@pytest.mark.parametrize("name, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_fp8_decode_of_all_256_codes_equals_torch(name, dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    assert_same_bits(formats.decode(codes, name), codes.view(dtype).float())
+
+
+@pytest.mark.parametrize("name, to_bits, from_bits, n_codes", [
+    ("e2m1", "f32_to_f4_unpacked", "f4_unpacked_to_f32", 16),
+    ("e3m2", "f32_to_f6_e3m2_unpacked", "f6_e3m2_unpacked_to_f32", 64),
+    ("e2m3", "f32_to_f6_e2m3_unpacked", "f6_e2m3_unpacked_to_f32", 64),
+])
+def test_fp4_fp6_encode_decode_equal_torchao_codes(name, to_bits, from_bits, n_codes):
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    v = signed_values(name)
+    codes = formats.encode(v, name)
+    assert codes.dtype == torch.uint8
+    assert torch.equal(codes, getattr(kernels, to_bits)(v))
+    assert_same_bits(formats.decode(codes, name), v)
+    every_code = torch.arange(n_codes, dtype=torch.int32).to(torch.uint8)
+    assert_same_bits(formats.decode(every_code, name), getattr(kernels, from_bits)(every_code).float())
+
+
+@pytest.mark.parametrize("name, value", [
+    ("e4m3", 1.1), ("e4m3", 464.0), ("e4m3", 2.0 ** -10), ("e5m2", 1e6), ("e5m2", 1.1),
+    ("e3m2", 0.3), ("e2m3", 7.75), ("e2m1", 2.5), ("e2m1", 0.25), ("int8", 0.5), ("int8", 200.0), ("uint4", -1.0),
+])
+def test_encode_of_a_non_representable_value_raises(name, value):
+    with pytest.raises(ValueError, match=f"{name}"):
+        formats.encode(torch.tensor([value]), name)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_ieee_16_bit_encode_of_a_non_representable_value_raises(name):
+    with pytest.raises(ValueError):
+        formats.encode(torch.tensor([1.0001]), name)  # 1 + 2^-13.3: between bf16 and fp16 neighbours
+
+
+@pytest.mark.parametrize("name", ["e4m3", "int8", "e8m0"])
+def test_encode_of_a_float64_value_off_the_grid_raises(name):
+    with pytest.raises(ValueError):
+        formats.encode(torch.tensor([1.0 + 2.0 ** -40], dtype=torch.float64), name)
+
+
+def test_pack_fp4_equals_torchao_pack_uint4_and_round_trips():
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    codes = torch.randint(0, 16, (7, 64), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
+    packed = formats.pack_fp4(codes)
+    assert packed.shape == (7, 32) and torch.equal(packed, kernels.pack_uint4(codes))
+    assert torch.equal(formats.unpack_fp4(packed), kernels.unpack_uint4(packed))
+    assert torch.equal(formats.unpack_fp4(packed), codes)
+    # the OCP/torchao convention: the first element in the low nibble
+    assert formats.pack_fp4(torch.tensor([0x1, 0x2], dtype=torch.uint8)).tolist() == [0x21]
+
+
+def test_bf16_encode_is_the_bit_pattern_of_every_non_nan_value():
+    codes = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    keep = ~torch.isnan(ALL_BF16)
+    assert torch.equal(formats.encode(ALL_BF16[keep], "bf16"), codes[keep])
+    assert_same_bits(formats.decode(codes[keep], "bf16"), ALL_BF16[keep])
+    assert torch.isnan(formats.decode(codes[~keep], "bf16")).all()
+
+
+def test_fp16_encode_is_the_bit_pattern_of_every_non_nan_value():
+    codes = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    values = codes.view(torch.float16).float()  # float16 -> float32 is exact
+    keep = ~torch.isnan(values)
+    assert torch.equal(formats.encode(values[keep], "fp16"), codes[keep])
+    assert_same_bits(formats.decode(codes[keep], "fp16"), values[keep])
+    assert torch.isnan(formats.decode(codes[~keep], "fp16")).all()
+
+
+# =================================================================================================
+# bad inputs
+# =================================================================================================
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: formats.get_format("e9m9"), ValueError, r"unknown element format 'e9m9'; expected one of: e4m3, e5m2"),
+    (lambda: formats.get_format(7), ValueError, r"expected one of: .*int2\.\.int16"),
+    (lambda: formats.cast(torch.tensor([1.0]), "e8m0"), ValueError, "e8m0 is a scale format"),
+    (lambda: formats.reference_cast(torch.tensor([1.0]), "e8m0"), ValueError, "e8m0 is a scale format"),
+    (lambda: formats.decode(torch.tensor([1.0]), "e4m3"), TypeError, "integer tensor of codes, got torch.float32"),
+    (lambda: formats.decode(torch.tensor([True]), "e4m3"), TypeError, "integer tensor of codes, got torch.bool"),
+    (lambda: formats.encode(torch.tensor([1]), "e4m3"), TypeError, "floating-point tensor, got torch.int64"),
+    (lambda: formats.pack_fp4(torch.zeros(3, dtype=torch.uint8)), ValueError, r"even last axis, got shape \(3,\)"),
+    (lambda: formats.pack_fp4(torch.zeros(4, dtype=torch.int32)), TypeError, "uint8 codes, got torch.int32"),
+    (lambda: formats.unpack_fp4(torch.zeros(4, dtype=torch.int8)), TypeError, "uint8 bytes, got torch.int8"),
+    (lambda: formats.cast(torch.tensor([1.0]), "int8", rounding="up"), ValueError, "expected one of: rne, away"),
+])
+def test_bad_format_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
