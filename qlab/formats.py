@@ -243,10 +243,16 @@ def _fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
     return fmt.emax + 1 + 23 - fmt.mantissa_bits <= 127
 
 
+_TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
 def _cast_rne_float32(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """RNE cast of a float32 tensor by the add-and-subtract trick (no checks; see the module doc)."""
     if isinstance(fmt, IntFormat):
         return torch.round(x.clamp(fmt.min, fmt.max))  # |x| < 2^23 after the clamp: round is exact RNE
+    if fmt.name in _TORCH_FLOAT8 and saturate and not torch.compiler.is_compiling():
+        # eager: torch's own float8 cast is one fused pass (same bits; compiled code keeps the trick)
+        return x.clamp(-fmt.max, fmt.max).to(_TORCH_FLOAT8[fmt.name]).float()
     overflows = not saturate and (fmt.has_inf or fmt.has_nan)
     limit = 2.0 ** (fmt.emax + 1) if overflows else fmt.max
     magnitude = x.abs().clamp(max=limit)  # keeps NaN; round(min(a, max)) == min(round(a), max)

@@ -175,20 +175,17 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
     return torch.where(torch.isfinite(finite_check), codes, E8M0_NAN)
 
 
-def _power_of_two_table(sign: int) -> torch.Tensor:
-    """float32 2^(sign·(b − 127)) for every byte b (NaN at 0xFF), exact down to 2^-127."""
-    values = [2.0 ** (sign * (b - 127)) for b in range(255)] + [float("nan")]
-    return torch.tensor(values, dtype=torch.float32)
-
-
-_MX_SCALE = _power_of_two_table(+1)
-_MX_INVERSE_SCALE = _power_of_two_table(-1)
-
-
 def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """float32 X = 2^(b − 127) for E8M0 bytes (or 1/X with ``inverse``); NaN for 0xFF."""
-    table = _MX_INVERSE_SCALE if inverse else _MX_SCALE
-    return table.to(codes.device)[codes.long()]
+    """float32 X = 2^(b − 127) for E8M0 bytes (or 1/X with ``inverse``); NaN for 0xFF.
+
+    Built from the float32 bits (biased exponent field = b, or 254 − b for 1/X); the one value
+    below float32's normal range, 2^-127, is the subnormal with bit pattern 2^22.
+    """
+    byte = codes.to(torch.int32)
+    field = 254 - byte if inverse else byte
+    bits = torch.where(field == 0, 1 << 22, field << 23)
+    values = bits.view(torch.float32)
+    return torch.where(byte == E8M0_NAN, torch.nan, values)
 
 
 # --- NVFP4 ---------------------------------------------------------------------------------------
