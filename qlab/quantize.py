@@ -391,6 +391,44 @@ def _qdq_layout(layout: torch.Tensor, spec: Spec, generator=None, scale=None) ->
     return _RECIPES[type(spec)](layout, spec, generator, scale)[1]
 
 
+def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor:
+    """True where an element was not clipped: its scaled value lies within the element format's range.
+
+    Float elements compare the scaled value before rounding (|x·s| ≤ max); integer elements follow
+    torch's FakeQuantize and compare the rounded value (qmin ≤ round(x/s) + zero_point ≤ qmax).
+    """
+    fmt = get_format(spec.element)
+    if isinstance(spec, TensorwiseSpec):
+        return (layout * parts["scales"]).abs() <= fmt.max
+    if isinstance(spec, IntSpec):
+        rounded = torch.round(layout / parts["scales"]) + parts.get("zero_point", 0.0)
+        return (rounded >= fmt.min) & (rounded <= fmt.max)
+    if isinstance(spec, MXSpec):
+        return layout.abs() / parts["scales"][..., None] <= fmt.max
+    block_scales = parts["scales"].repeat_interleave(16, dim=-2) if spec.block_2d else parts["scales"]
+    full = block_scales if parts["global_scale"] is None else parts["global_scale"] * block_scales
+    return layout.abs() / full[..., None] <= scaling.NVFP4_ELEMENT_MAX
+
+
+def qdq_with_mask(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
+                  scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qdq(x), inside): inside is True where x was within the representable range (not clipped).
+
+    The mask is what a clipped straight-through estimator passes gradients through. Eager only;
+    not defined for Hadamard-rotated specs, whose clipping happens in the rotated domain.
+    """
+    spec = get_spec(spec)
+    if isinstance(spec, NVFP4Spec) and spec.hadamard:
+        raise ValueError("a clipping mask is not defined for hadamard=True specs (clipping happens after rotation)")
+    axis = _check_input(x, spec, axis)
+    _check_generator(spec, generator)
+    layout = _to_layout(x, spec, axis)
+    parts, out = _RECIPES[type(spec)](layout, spec, generator, _check_scale(scale, spec))
+    inside = _inside_range(layout, spec, parts)
+    return (_from_layout(out, spec, axis, x.shape, x.dtype),
+            _from_layout(inside.to(torch.uint8), spec, axis, x.shape, torch.uint8).bool())
+
+
 COMPILE_MIN_NUMEL = 1 << 20
 _compiled: dict = {}
 _compile_failed: set = set()
