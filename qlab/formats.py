@@ -16,7 +16,9 @@ same bits (tests check them against each other and against torch/torchao on ever
 ``reference_cast`` splits |x| as m·2^e with e read from the bits (``torch.frexp``, never
 floor(log2)), clamps e below at the format's minimum normal exponent (subnormals share its quantum),
 scales by the quantum 2^(e − mantissa_bits) exactly in float64, rounds to an integer by the named
-mode and scales back. The float32 fast path used for "rne" rounds by adding and subtracting
+mode and scales back. Stochastic rounding of float32/bf16/fp16 inputs uses float32 noise
+(``_cast_stochastic_float32``); the reference draws float64 noise. The float32 fast path used for
+"rne" rounds by adding and subtracting
 C = 2^(e + 23 − mantissa_bits), whose float32 ulp is the quantum, so the hardware's own
 round-to-nearest-even does the work in two float32 additions.
 Overflow saturates to ±max by default; ``saturate=False`` follows the format's own rule (inf for
@@ -234,8 +236,10 @@ def _reference_cast(x, fmt, rounding, saturate, generator):
     return torch.where(torch.isnan(x64), x64, result).to(x.dtype)
 
 
-def _fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str) -> bool:
-    if rounding != "rne" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+def _fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str, saturate: bool = True) -> bool:
+    if rounding not in ("rne", "stochastic") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if rounding == "stochastic" and not saturate:
         return False
     if isinstance(fmt, IntFormat):
         return True
@@ -277,9 +281,35 @@ def cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne", saturate:
     return _cast(x, fmt, rounding, saturate, generator)
 
 
+def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> torch.Tensor:
+    """The float32 uniform [0, 1) draws the float32 stochastic cast consumes, one per element."""
+    return torch.rand(shape, generator=generator, dtype=torch.float32, device=device)
+
+
+def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.Tensor:
+    """Saturating stochastic rounding of float32: floor(|x|/q + U) · q with U ~ float32 uniform [0, 1).
+
+    |x|/q is exact (q is a power of two). U has 24 random bits and the sum is rounded to float32,
+    so P(round up) is the exact fraction to within 2^-20 of a step (the float64 reference: 2^-49).
+    ``generator`` may also be the noise itself (``stochastic_noise``), drawn before compiled code.
+    """
+    noise = generator if isinstance(generator, torch.Tensor) else stochastic_noise(x.shape, generator, x.device)
+    if isinstance(fmt, IntFormat):
+        rounded = torch.minimum(torch.floor(x + noise), torch.floor(x) + 1)
+        return rounded.clamp(fmt.min, fmt.max)
+    magnitude = x.abs().clamp(max=fmt.max)
+    biased_exponent = (magnitude.view(torch.int32) >> 23).clamp(min=128 - fmt.bias)
+    quantum = ((biased_exponent - fmt.mantissa_bits) << 23).view(torch.float32)
+    scaled = magnitude / quantum
+    steps = torch.minimum(torch.floor(scaled + noise), torch.floor(scaled) + 1)  # never two steps up
+    return torch.copysign((steps * quantum).clamp(max=fmt.max), x)
+
+
 def _cast(x, fmt, rounding="rne", saturate=True, generator=None):
     """``cast`` without argument checks (callers have checked; NaN never reaches a no-NaN format)."""
-    if _fast_path_applies(x, fmt, rounding):
+    if _fast_path_applies(x, fmt, rounding, saturate):
+        if rounding == "stochastic":
+            return _cast_stochastic_float32(x.float(), fmt, generator).to(x.dtype)
         return _cast_rne_float32(x.float(), fmt, saturate).to(x.dtype)
     return _reference_cast(x, fmt, rounding, saturate, generator)
 

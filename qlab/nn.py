@@ -2,7 +2,10 @@
 main_grad accumulation), fake_quant with straight-through estimators, and model conversion.
 
 Every GEMM is emulated: operands are quantize→dequantized (``qlab.quantize.qdq``) and multiplied
-in float32 at "highest" matmul precision, so the only rounding is the recipe's.
+in float32 (float64 for float64 layers) at "highest" matmul precision, so the only rounding besides
+the recipe's is the float32 GEMM's. With delayed scaling the backward re-quantizes x and W with
+the scales the forward used; each forward and each backward rolls its amax history once (so once
+per micro-batch under gradient accumulation).
 
 Weight-gradient delivery (REFERENCE §4), for QuantLinear with any recipe (bf16 = plain precision):
 
@@ -48,9 +51,15 @@ def highest_matmul_precision():
         torch.set_float32_matmul_precision(previous)
 
 
+def _compute_dtype(*tensors) -> torch.dtype:
+    """float64 if any operand is float64, else float32 (16-bit operands are multiplied in float32)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    dtype = _compute_dtype(a, b)
     with highest_matmul_precision():
-        return a.float() @ b.float()
+        return a.to(dtype) @ b.to(dtype)
 
 
 # --- fake quantization with a straight-through estimator -------------------------------------------
@@ -89,11 +98,13 @@ def fake_quant(x: torch.Tensor, spec, axis: int = -1, *, ste: str = "identity",
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, is_first_microbatch):
-        x_q = layer._qdq(x, "input", axis=-1)
-        w_q = layer._qdq(weight, "weight", axis=-1)
+        # delayed scaling: backward re-quantizes x and W with the scales this forward used
+        ctx.scales = {role: scaler.scale for role, scaler in layer.scalers.items()}
+        x_q = layer._qdq(x, "input", axis=-1, scales=ctx.scales)
+        w_q = layer._qdq(weight, "weight", axis=-1, scales=ctx.scales)
         y = _gemm(x_q, w_q.T)
         if bias is not None:
-            y = y + bias.float()
+            y = y + bias.to(y.dtype)
         layer._step_scalers("input", x, "weight", weight)
         if layer.recipe.backward_override == "dequantized":
             ctx.save_for_backward(x_q, w_q)
@@ -112,14 +123,14 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if need_x:
             dy_d = layer._qdq(dy, "dgrad_grad_output", axis=-1) if quantized else dy
-            w_d = layer._qdq(w_saved, "dgrad_weight", axis=0) if quantized else w_saved
+            w_d = layer._qdq(w_saved, "dgrad_weight", axis=0, scales=ctx.scales) if quantized else w_saved
             dx = _gemm(dy_d, w_d).to(ctx.dtypes[0])
         if need_w:
             dy_w = layer._qdq(dy, "wgrad_grad_output", axis=0) if quantized else dy
-            x_w = layer._qdq(x_saved, "wgrad_input", axis=0) if quantized else x_saved
-            dw = layer._deliver_wgrad(lambda: _gemm(dy_w.T, x_w), ctx.is_first_microbatch)
+            x_w = layer._qdq(x_saved, "wgrad_input", axis=0, scales=ctx.scales) if quantized else x_saved
+            dw = layer._deliver_wgrad(dy_w, x_w, ctx.is_first_microbatch)
         if need_b:
-            db = dy.float().sum(0).to(ctx.dtypes[2])
+            db = dy.to(_compute_dtype(dy)).sum(0).to(ctx.dtypes[2])
         if quantized:
             layer._step_scalers("grad_output", dy)
         return dx, dw, db, None, None
@@ -167,6 +178,7 @@ class QuantLinear(nn.Linear):
                          options.pop("seed", 0))
         if options:
             raise TypeError(f"unexpected QuantLinear options: {sorted(options)}")
+        layer.train(linear.training)  # hooks registered on the nn.Linear are not carried over
         return layer
 
     def extra_repr(self) -> str:
@@ -192,12 +204,16 @@ class QuantLinear(nn.Linear):
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _qdq(self, t: torch.Tensor, role: str, axis: int) -> torch.Tensor:
+    def _qdq(self, t: torch.Tensor, role: str, axis: int, scales: dict | None = None) -> torch.Tensor:
+        """qdq by the role's spec; delayed scaling takes the scale from ``scales`` or the live scaler."""
         spec = self.recipe.spec(role)
         if spec is None:
             return t
         generator = self._generator(t.device) if spec.rounding == "stochastic" else None
-        scale = self.scalers[_SCALER_OF_ROLE[role]].scale if self.recipe.delayed else None
+        scale = None
+        if self.recipe.delayed:
+            scaler = _SCALER_OF_ROLE[role]
+            scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
         return Q.qdq(t, spec, axis, generator=generator, scale=scale)
 
     def _step_scalers(self, *roles_and_tensors) -> None:
@@ -212,38 +228,42 @@ class QuantLinear(nn.Linear):
             self._dummy = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
         return self._dummy.zero_()  # autograd may have stolen it as .grad; it is meaningless there
 
-    def _write_main_grad(self, wgrad: torch.Tensor, overwrite: bool) -> None:
+    def _write_main_grad(self, dy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+        """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x, as one GEMM into main_grad (no temporary)."""
         weight = self.weight
         if getattr(weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        if overwrite:
-            weight.main_grad.copy_(wgrad)
-        else:
-            weight.main_grad.add_(wgrad)
+        dtype = weight.main_grad.dtype
+        with highest_matmul_precision():
+            if overwrite:
+                torch.mm(dy.T.to(dtype), x.to(dtype), out=weight.main_grad)
+            else:
+                weight.main_grad.addmm_(dy.T.to(dtype), x.to(dtype))
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
 
-    def _deliver_wgrad(self, compute, is_first_microbatch):
+    def _deliver_wgrad(self, dy: torch.Tensor, x: torch.Tensor, is_first_microbatch):
         flagged = hasattr(self.weight, "grad_added_to_main_grad")
         if self.delay_wgrad:
-            self._deferred.append((compute, bool(is_first_microbatch)))
+            self._deferred.append((dy, x, bool(is_first_microbatch)))
             return self._dummy_wgrad() if self.fuse_wgrad_accumulation and flagged else None
         if self.fuse_wgrad_accumulation:
-            self._write_main_grad(compute(), overwrite=bool(is_first_microbatch))
+            self._write_main_grad(dy, x, overwrite=bool(is_first_microbatch))
             return self._dummy_wgrad() if flagged else None
-        return compute().to(self.weight.dtype)
+        return _gemm(dy.T, x).to(self.weight.dtype)
 
     def backward_dw(self) -> None:
         """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivering them per the table."""
         deferred, self._deferred = self._deferred, []
-        for compute, overwrite in deferred:
-            wgrad = compute()
+        for dy, x, overwrite in deferred:
             if self.fuse_wgrad_accumulation:
-                self._write_main_grad(wgrad, overwrite)
-            elif self.weight.grad is None:
-                self.weight.grad = wgrad.to(self.weight.dtype)
+                self._write_main_grad(dy, x, overwrite)
+                continue
+            wgrad = _gemm(dy.T, x).to(self.weight.dtype)
+            if self.weight.grad is None:
+                self.weight.grad = wgrad
             else:
-                self.weight.grad.add_(wgrad.to(self.weight.dtype))
+                self.weight.grad.add_(wgrad)
 
 
 # --- model conversion ---------------------------------------------------------------------------
@@ -258,13 +278,15 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     recipe = get_recipe(recipe)
     if isinstance(keep_high_precision, str):
         keep_high_precision = [keep_high_precision]
-    report = []
-    for name, module in list(model.named_modules()):
+    report, replacements = [], {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
         if type(module) is not nn.Linear:
             continue
         keep = any(fnmatch.fnmatchcase(name, pattern) for pattern in keep_high_precision)
-        if not keep:
-            _set_submodule(model, name, QuantLinear.from_linear(module, recipe, **options))
+        if not keep:  # a Linear registered under several names becomes one shared QuantLinear
+            if id(module) not in replacements:
+                replacements[id(module)] = QuantLinear.from_linear(module, recipe, **options)
+            _set_submodule(model, name, replacements[id(module)])
         report.append({"name": name, "action": "kept" if keep else "quantized", "recipe": recipe.name,
                        "in_features": module.in_features, "out_features": module.out_features})
     return report
@@ -272,14 +294,17 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
 
 def unquantize_model(model: nn.Module) -> list[str]:
     """The inverse of quantize_model: every QuantLinear back to an nn.Linear with the same Parameters."""
-    names = []
-    for name, module in list(model.named_modules()):
+    names, replacements = [], {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
         if isinstance(module, QuantLinear):
-            linear = nn.Linear.__new__(nn.Linear)
-            nn.Module.__init__(linear)
-            linear.in_features, linear.out_features = module.in_features, module.out_features
-            linear.weight, linear.bias = module.weight, module.bias
-            _set_submodule(model, name, linear)
+            if id(module) not in replacements:
+                linear = nn.Linear.__new__(nn.Linear)
+                nn.Module.__init__(linear)
+                linear.in_features, linear.out_features = module.in_features, module.out_features
+                linear.weight, linear.bias = module.weight, module.bias
+                linear.train(module.training)
+                replacements[id(module)] = linear
+            _set_submodule(model, name, replacements[id(module)])
             names.append(name)
     return names
 

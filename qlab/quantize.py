@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from qlab import scaling
-from qlab.formats import (ROUNDING_MODES, FloatFormat, _cast, _encode_float, decode, get_format, pack_fp4,
-                          round_to_integer)
+from qlab.formats import (ROUNDING_MODES, FloatFormat, _cast, _encode_float, _fast_path_applies, decode,
+                          get_format, pack_fp4, round_to_integer, stochastic_noise)
 
 GRANULARITIES = ("tensor", "axis")
 
@@ -232,8 +232,15 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int, pad: bool) -> torch.Tensor
     return torch.nn.functional.pad(x, widths)
 
 
+def _moves_axis(spec) -> bool:
+    """Per-tensor scales do not care about the axis, so their layout is x itself (no transpose copy)."""
+    return isinstance(spec, (MXSpec, NVFP4Spec)) or spec.granularity == "axis"
+
+
 def _to_layout(x: torch.Tensor, spec, axis: int) -> torch.Tensor:
     """float32, axis last; for block specs padded and shaped (..., n_blocks, block)."""
+    if not _moves_axis(spec):
+        return x.float()
     moved = x.float().movedim(axis, -1)
     if isinstance(spec, (MXSpec, NVFP4Spec)):
         moved = _pad_to(moved, -1, spec.block_size, spec.pad)
@@ -246,6 +253,8 @@ def _to_layout(x: torch.Tensor, spec, axis: int) -> torch.Tensor:
 
 
 def _from_layout(values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    if not _moves_axis(spec):
+        return values.to(dtype)
     moved_shape = list(shape)
     moved_shape.append(moved_shape.pop(axis))
     if isinstance(spec, (MXSpec, NVFP4Spec)):
@@ -438,38 +447,63 @@ def _compile_enabled() -> bool:
     return os.environ.get("QLAB_COMPILE", "1") != "0"
 
 
-def _fast_qdq(spec: Spec):
-    """The compiled qdq function for ``spec`` (None if compilation is off or failed before)."""
-    if spec in _compile_failed or not _compile_enabled():
+def _fast_qdq(spec: Spec, axis: int):
+    """The compiled qdq function for (spec, axis) (None if compilation is off or failed before).
+
+    Layout changes (transpose to the blocked axis, padding, Hadamard) are compiled too, so inductor
+    reads x in place instead of copying it first.
+    """
+    key = (spec, axis)
+    if key in _compile_failed or not _compile_enabled():
         return None
-    if spec not in _compiled:
-        def qdq_layout(layout):
-            return _qdq_layout(layout, spec)
-        # dynamo counts its recompile limit (8 shapes) per code object: give every spec its own
-        qdq_layout.__code__ = qdq_layout.__code__.replace(co_name=f"qdq_layout_{len(_compiled)}")
-        _compiled[spec] = torch.compile(qdq_layout, dynamic=False, fullgraph=True)
-    return _compiled[spec]
+    if key not in _compiled:
+        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+            scaling._cached_hadamard(scaling.NVFP4_BLOCK, spec.hadamard_seed)  # fill the cache outside tracing
+
+        def qdq_full(x, scale, noise):
+            layout = _to_layout(x, spec, axis)
+            return _from_layout(_qdq_layout(layout, spec, noise, scale), spec, axis, x.shape, x.dtype)
+        # dynamo counts its recompile limit (8 shapes) per code object: give every (spec, axis) its own
+        qdq_full.__code__ = qdq_full.__code__.replace(co_name=f"qdq_{len(_compiled)}")
+        _compiled[key] = torch.compile(qdq_full, dynamic=False, fullgraph=True)
+    return _compiled[key]
+
+
+def _compilable(spec: Spec) -> bool:
+    """RNE always; stochastic rounding when its float32 noise can be drawn up front (eagerly)."""
+    if spec.rounding == "rne":
+        return True
+    fast_stochastic = _fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
+    return spec.rounding == "stochastic" and fast_stochastic and not (isinstance(spec, IntSpec) and not spec.symmetric)
 
 
 def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
         scale: torch.Tensor | float | None = None, fast: bool | None = None) -> torch.Tensor:
     """dequantize(quantize(x, spec, axis)) without materializing codes; same bits, x's dtype and shape.
 
-    ``fast``: None picks the compiled path for large RNE inputs, True forces it, False forces eager.
+    ``fast``: None picks the compiled path for large inputs, True forces it, False forces eager.
+    Stochastic rounding draws its noise eagerly from ``generator`` in both paths, so the compiled
+    path consumes the same random numbers and gives the same bits.
     """
     spec = get_spec(spec)
     axis = _check_input(x, spec, axis)
     _check_generator(spec, generator)
     scale = _check_scale(scale, spec)
-    layout = _to_layout(x, spec, axis)
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
-    if use_fast and spec.rounding == "rne" and scale is None:
-        compiled = _fast_qdq(spec)
+    if use_fast and _compilable(spec):
+        compiled = _fast_qdq(spec, axis)
         if compiled is not None:
+            noise = None
+            if spec.rounding == "stochastic":
+                layout_shape = _to_layout(torch.empty(x.shape, device="meta"), spec, axis).shape
+                noise = stochastic_noise(layout_shape, generator, x.device)
             try:
-                return _from_layout(compiled(layout), spec, axis, x.shape, x.dtype)
+                return compiled(x, scale, noise)
             except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
-                _compile_failed.add(spec)
+                _compile_failed.add((spec, axis))
+                if noise is not None:  # the draws are spent: use them, so the stream stays the same
+                    generator = noise
+    layout = _to_layout(x, spec, axis)
     return _from_layout(_qdq_layout(layout, spec, generator, scale), spec, axis, x.shape, x.dtype)
 
 

@@ -66,15 +66,20 @@ class Recipe:
                 object.__setattr__(self, role, get_spec(value))
         if self.backward_override == _FROM_ENVIRONMENT:
             object.__setattr__(self, "backward_override", _override_from_environment())
+        elif isinstance(self.backward_override, str) and self.backward_override.strip().lower() == "none":
+            object.__setattr__(self, "backward_override", None)  # YAML's `none` is a string
         if self.backward_override not in BACKWARD_OVERRIDES:
             raise ValueError(f"unknown backward_override {self.backward_override!r}; expected None, "
                              f"'high_precision' or 'dequantized'")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
+        if self.amax_algorithm not in AMAX_ALGORITHMS:
+            raise ValueError(f"unknown amax_algorithm {self.amax_algorithm!r}; expected 'max' or 'most_recent'")
         if self.delayed:
             used = [getattr(self, role) for role in ROLES if getattr(self, role) is not None]
             if not all(isinstance(spec, TensorwiseSpec) and spec.granularity == "tensor" for spec in used):
                 raise ValueError("delayed scaling needs per-tensor TensorwiseSpec operands")
-            if self.amax_algorithm not in AMAX_ALGORITHMS:
-                raise ValueError(f"unknown amax_algorithm {self.amax_algorithm!r}; expected 'max' or 'most_recent'")
             if self.backward_override is not None:
                 raise ValueError(f"backward_override={self.backward_override!r} is not supported with delayed scaling "
                                  f"(refused rather than silently ignored); use current scaling, e.g. 'fp8_tensorwise'")
@@ -126,6 +131,9 @@ def _spec_from_dict(value):
     kind = fields.pop("kind", None)
     if kind not in _SPEC_CLASSES:
         raise ValueError(f"unknown spec kind {kind!r}; expected one of: {', '.join(_SPEC_CLASSES)}")
+    known = {f.name for f in dataclasses.fields(_SPEC_CLASSES[kind])}
+    if set(fields) - known:
+        raise ValueError(f"unknown {kind} fields {sorted(set(fields) - known)}; expected some of: {', '.join(sorted(known))}")
     return _SPEC_CLASSES[kind](**fields)
 
 

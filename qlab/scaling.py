@@ -220,6 +220,20 @@ def hadamard_matrix(size: int = NVFP4_BLOCK, seed: int = 0) -> torch.Tensor:
     """
     if size < 1 or size & (size - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    return _cached_hadamard(size, seed).clone()
+
+
+_HADAMARD_CACHE: dict = {}
+
+
+def _cached_hadamard(size: int, seed: int) -> torch.Tensor:
+    """The same matrix, shared and read-only (compiled qdq reads it as a constant)."""
+    if (size, seed) not in _HADAMARD_CACHE:
+        _HADAMARD_CACHE[size, seed] = _randomized_hadamard(size, seed)
+    return _HADAMARD_CACHE[size, seed]
+
+
+def _randomized_hadamard(size: int, seed: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < size:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -232,7 +246,7 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False) ->
     """x's last axis, in chunks of 16, multiplied by the seeded randomized Hadamard matrix (or its inverse)."""
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform needs the axis length to be a multiple of {NVFP4_BLOCK}, got {x.shape[-1]}")
-    matrix = hadamard_matrix(NVFP4_BLOCK, seed).to(x.device)
+    matrix = _cached_hadamard(NVFP4_BLOCK, seed).to(x.device)
     matrix = matrix.T if inverse else matrix
     chunks = x.float().reshape(*x.shape[:-1], -1, NVFP4_BLOCK)
     return (chunks @ matrix).reshape(x.shape)

@@ -881,12 +881,20 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
     x = mixed_magnitudes((256, 256), 32, -12, 12, seed=12)
     x[0] = 0.0
     x[1, :5] = torch.tensor([2.0 ** -149, 3.3e38, -2.0 ** -130, 480.0, -957.0])
-    for name in ("mxfp8", "nvfp4", "fp8_e4m3"):
+    # axis 0 compiles the transpose into the kernel; RHT compiles a matmul; 2D tiles a reshape
+    for name, axis in (("mxfp8", -1), ("mxfp8", 0), ("nvfp4", -1), ("nvfp4_rht", 0), ("nvfp4_2d", 0),
+                       ("fp8_e4m3", -1), ("int8_rowwise", 0)):
         graphs = counters["stats"]["unique_graphs"]
-        fast = qdq(x, name, fast=True)
-        assert Q.get_spec(name) in Q._compiled and Q.get_spec(name) not in Q._compile_failed, name
+        fast = qdq(x, name, axis, fast=True)
+        key = (Q.get_spec(name), axis % x.dim())
+        assert key in Q._compiled and key not in Q._compile_failed, name
         assert counters["stats"]["unique_graphs"] > graphs, f"{name} did not run through torch.compile"
-        assert_same_bits(fast, qdq(x, name, fast=False))
+        assert_same_bits(fast, qdq(x, name, axis, fast=False))
+    # stochastic rounding: the noise is drawn eagerly from the generator, so the bits match too
+    for spec, axis in ((NVFP4Spec(hadamard=True, rounding="stochastic"), 0), (MXSpec("e2m1", rounding="stochastic"), -1)):
+        fast = qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=True)
+        assert (spec, axis % x.dim()) in Q._compiled and (spec, axis % x.dim()) not in Q._compile_failed
+        assert_same_bits(fast, qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=False))
 
 
 # =================================================================================================
