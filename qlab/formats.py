@@ -16,8 +16,8 @@ same bits (tests check them against each other and against torch/torchao on ever
 ``reference_cast`` splits |x| as m·2^e with e read from the bits (``torch.frexp``, never
 floor(log2)), clamps e below at the format's minimum normal exponent (subnormals share its quantum),
 scales by the quantum 2^(e − mantissa_bits) exactly in float64, rounds to an integer by the named
-mode and scales back. Stochastic rounding of float32/bf16/fp16 inputs uses float32 noise
-(``_cast_stochastic_float32``); the reference draws float64 noise. The float32 fast path used for
+mode and scales back. Stochastic rounding of float32/bf16/fp16 inputs uses 15-bit noise
+(``stochastic_noise``, ``_cast_stochastic_float32``); the reference draws float64 noise. The float32 fast path used for
 "rne" rounds by adding and subtracting
 C = 2^(e + 23 − mantissa_bits), whose float32 ulp is the quantum, so the hardware's own
 round-to-nearest-even does the work in two float32 additions.
@@ -32,6 +32,7 @@ for intN/uintN); ``decode`` turns codes back into float32. ``pack_fp4``/``unpack
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -281,16 +282,29 @@ def cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne", saturate:
     return _cast(x, fmt, rounding, saturate, generator)
 
 
+NOISE_BITS = 15
+
+
 def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> torch.Tensor:
-    """The float32 uniform [0, 1) draws the float32 stochastic cast consumes, one per element."""
-    return torch.rand(shape, generator=generator, dtype=torch.float32, device=device)
+    """Uniform draws k·2^-15 (k = 0 … 2^15 − 1) as float32, one per element, from ``generator``.
+
+    Each 31-bit integer the generator produces gives two 15-bit draws (about 3× faster than
+    torch.rand on CPU, which dominates stochastic rounding's cost). With 15 random bits the
+    probability of rounding up is the exact fraction rounded up to a multiple of 2^-15, so the bias
+    is below 2^-15 of a grid step; hardware SR units likewise use a limited number of random bits.
+    """
+    count = math.prod(shape)
+    bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
+    mask = (1 << NOISE_BITS) - 1
+    draws = torch.cat([bits & mask, (bits >> NOISE_BITS) & mask])[:count]
+    return (draws.float() * 2.0 ** -NOISE_BITS).reshape(shape)
 
 
 def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.Tensor:
-    """Saturating stochastic rounding of float32: floor(|x|/q + U) · q with U ~ float32 uniform [0, 1).
+    """Saturating stochastic rounding of float32: floor(|x|/q + U) · q with U from ``stochastic_noise``.
 
-    |x|/q is exact (q is a power of two). U has 24 random bits and the sum is rounded to float32,
-    so P(round up) is the exact fraction to within 2^-20 of a step (the float64 reference: 2^-49).
+    |x|/q is exact (q is a power of two); U has 15 random bits, so P(round up) is the exact
+    fraction to within 2^-15 of a step (the float64 reference draws 53 bits).
     ``generator`` may also be the noise itself (``stochastic_noise``), drawn before compiled code.
     """
     noise = generator if isinstance(generator, torch.Tensor) else stochastic_noise(x.shape, generator, x.device)

@@ -269,23 +269,27 @@ def _from_layout(values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype
 
 # --- the recipes, each on the layout tensor -----------------------------------------------------------
 
-def _amax(x: torch.Tensor, spec) -> torch.Tensor:
+# Each recipe takes the layout tensor and ``dim``, the axis its scales are shared along: −1 in the
+# blocked layout (…, n_blocks, block) that quantize() stores, −2 in qdq's in-place layout
+# (outer, n_blocks, block, inner) that avoids transposing x (see _inplace_layout).
+
+def _amax(x: torch.Tensor, spec, dim: int) -> torch.Tensor:
     if spec.granularity == "tensor":
         return x.abs().amax()
-    return x.abs().amax(-1, keepdim=True)
+    return x.abs().amax(dim, keepdim=True)
 
 
-def _tensorwise(x, spec: TensorwiseSpec, generator, scale):
+def _tensorwise(x, spec: TensorwiseSpec, generator, scale, dim=-1):
     if scale is None:
-        scale = scaling.fp8_current_scale(_amax(x, spec), spec.element, eps=spec.eps, pow2=spec.pow2)
+        scale = scaling.fp8_current_scale(_amax(x, spec, dim), spec.element, eps=spec.eps, pow2=spec.pow2)
     values = _cast(x * scale, get_format(spec.element), spec.rounding, True, generator)
     return {"values": values, "scales": scale}, values / scale
 
 
-def _int(x, spec: IntSpec, generator, scale):
+def _int(x, spec: IntSpec, generator, scale, dim=-1):
     fmt = get_format(spec.element)
     if spec.symmetric:
-        scale = scaling.int_symmetric_scale(_amax(x, spec), fmt.max) if scale is None else scale
+        scale = scaling.int_symmetric_scale(_amax(x, spec, dim), fmt.max) if scale is None else scale
         values = _cast(x / scale, fmt, spec.rounding, True, generator) + 0.0  # -0 → +0: integer codes have no -0
         return {"values": values, "scales": scale}, values * scale
     if scale is not None:
@@ -293,44 +297,44 @@ def _int(x, spec: IntSpec, generator, scale):
     if spec.granularity == "tensor":
         lo, hi = x.amin(), x.amax()
     else:
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     scale, zero_point = scaling.int_affine_parameters(lo, hi, fmt.min, fmt.max)
     values = _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt) + 0.0  # clamp; -0 → +0
     return {"values": values, "scales": scale, "zero_point": zero_point}, (values - zero_point) * scale
 
 
-def _mx(x, spec: MXSpec, generator, scale):
+def _mx(x, spec: MXSpec, generator, scale, dim=-1):
     fmt = get_format(spec.element)
-    codes = scaling.mx_scale_codes(x.abs().amax(-1), fmt, spec.mode)
-    inverse = scaling.mx_scale_values(codes, inverse=True)[..., None]
+    codes = scaling.mx_scale_codes(x.abs().amax(dim, keepdim=True), fmt, spec.mode)
+    inverse = scaling.mx_scale_values(codes, inverse=True)
     scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
     scales = scaling.mx_scale_values(codes)
-    return {"values": values, "scales": scales, "scale_codes": codes}, values * scales[..., None]
+    return {"values": values, "scales": scales.squeeze(dim), "scale_codes": codes.squeeze(dim)}, values * scales
 
 
-def _nvfp4(x, spec: NVFP4Spec, generator, scale):
+def _nvfp4(x, spec: NVFP4Spec, generator, scale, dim=-1):
     fmt = get_format("e2m1")
     magnitude = x.abs()
     global_scale = scaling.nvfp4_global_scale(magnitude.amax()) if spec.global_scale else None
-    if spec.block_2d:  # (..., R, C/16, 16) → tiles (..., R/16, 16, C/16, 16)
+    if spec.block_2d:  # (..., R, C/16, 16) → tiles (..., R/16, 16, C/16, 16); always the blocked layout
         tiles = magnitude.reshape(*x.shape[:-3], x.shape[-3] // 16, 16, x.shape[-2], 16)
-        tile_amax = tiles.amax(dim=(-3, -1))
-        scales = scaling.nvfp4_block_scales(tile_amax, global_scale)
-        block_scales = scales.repeat_interleave(16, dim=-2)
+        scales = scaling.nvfp4_block_scales(tiles.amax(dim=(-3, -1)), global_scale)
+        block_scales = scales.repeat_interleave(16, dim=-2)[..., None]
     else:
-        scales = block_scales = scaling.nvfp4_block_scales(magnitude.amax(-1), global_scale)
+        block_scales = scaling.nvfp4_block_scales(magnitude.amax(dim, keepdim=True), global_scale)
+        scales = block_scales.squeeze(dim)
     if global_scale is None:
         inverse = 1.0 / block_scales
     else:  # torchao's order; for amax < 2688·2^-128 the reciprocal of the (subnormal) global scale overflows
         reciprocal = 1.0 / global_scale
         inverse = torch.where(torch.isinf(reciprocal), 1.0 / (global_scale * block_scales), reciprocal / block_scales)
-    scaled = torch.clamp(x * inverse[..., None], -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX)
+    scaled = torch.clamp(x * inverse, -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX)
     scaled = torch.where(torch.isnan(scaled), 0.0, scaled)  # only in NaN/inf blocks, whose scale is NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
     full = block_scales if global_scale is None else global_scale * block_scales
     parts = {"values": values, "scales": scales, "global_scale": global_scale}
-    return parts, values * full[..., None]
+    return parts, values * full
 
 
 _RECIPES = {TensorwiseSpec: _tensorwise, IntSpec: _int, MXSpec: _mx, NVFP4Spec: _nvfp4}
@@ -396,8 +400,50 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return _from_layout(out, spec, q.axis, q.shape, dtype or q.dtype)
 
 
-def _qdq_layout(layout: torch.Tensor, spec: Spec, generator=None, scale=None) -> torch.Tensor:
-    return _RECIPES[type(spec)](layout, spec, generator, scale)[1]
+def _qdq_layout(layout: torch.Tensor, spec: Spec, generator=None, scale=None, dim: int = -1) -> torch.Tensor:
+    return _RECIPES[type(spec)](layout, spec, generator, scale, dim)[1]
+
+
+def _inplace_applies(x: torch.Tensor, spec: Spec, axis: int) -> bool:
+    """qdq can block ``axis`` where it lies (no transpose) for 1-D blocks and per-slice scales."""
+    if axis == x.dim() - 1 or not _moves_axis(spec):
+        return False
+    return not (isinstance(spec, NVFP4Spec) and spec.block_2d)
+
+
+def _inplace_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
+    """x as (outer, n_blocks, block, inner) float32 with blocks along ``axis`` (scale dim −2), zero-padded."""
+    outer = math.prod(x.shape[:axis])
+    inner = math.prod(x.shape[axis + 1:])
+    view = x.float().reshape(outer, x.shape[axis], inner)
+    if isinstance(spec, (MXSpec, NVFP4Spec)):
+        view = _pad_to(view, 1, spec.block_size, spec.pad)
+        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+            view = scaling.hadamard_transform(view, spec.hadamard_seed, dim=1)
+        return view.reshape(outer, -1, spec.block_size, inner)
+    return view.reshape(outer, 1, x.shape[axis], inner)
+
+
+def _from_inplace_layout(values: torch.Tensor, spec: Spec, axis: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    outer, inner = values.shape[0], values.shape[-1]
+    values = values.reshape(outer, -1, inner)
+    if isinstance(spec, NVFP4Spec) and spec.hadamard:
+        values = scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True, dim=1)
+    return values[:, : shape[axis], :].reshape(shape).to(dtype)
+
+
+def _qdq_any_layout(x: torch.Tensor, spec: Spec, axis: int, generator, scale) -> torch.Tensor:
+    """qdq in the in-place layout where it applies, else in the blocked layout; same bits either way."""
+    if _inplace_applies(x, spec, axis):
+        out = _qdq_layout(_inplace_layout(x, spec, axis), spec, generator, scale, dim=-2)
+        return _from_inplace_layout(out, spec, axis, x.shape, x.dtype)
+    return _from_layout(_qdq_layout(_to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, x.dtype)
+
+
+def _noise_shape(x: torch.Tensor, spec: Spec, axis: int) -> torch.Size:
+    meta = torch.empty(x.shape, device="meta")
+    layout = _inplace_layout(meta, spec, axis) if _inplace_applies(x, spec, axis) else _to_layout(meta, spec, axis)
+    return layout.shape
 
 
 def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor:
@@ -461,8 +507,7 @@ def _fast_qdq(spec: Spec, axis: int):
             scaling._cached_hadamard(scaling.NVFP4_BLOCK, spec.hadamard_seed)  # fill the cache outside tracing
 
         def qdq_full(x, scale, noise):
-            layout = _to_layout(x, spec, axis)
-            return _from_layout(_qdq_layout(layout, spec, noise, scale), spec, axis, x.shape, x.dtype)
+            return _qdq_any_layout(x, spec, axis, noise, scale)
         # dynamo counts its recompile limit (8 shapes) per code object: give every (spec, axis) its own
         qdq_full.__code__ = qdq_full.__code__.replace(co_name=f"qdq_{len(_compiled)}")
         _compiled[key] = torch.compile(qdq_full, dynamic=False, fullgraph=True)
@@ -495,16 +540,14 @@ def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.G
         if compiled is not None:
             noise = None
             if spec.rounding == "stochastic":
-                layout_shape = _to_layout(torch.empty(x.shape, device="meta"), spec, axis).shape
-                noise = stochastic_noise(layout_shape, generator, x.device)
+                noise = stochastic_noise(_noise_shape(x, spec, axis), generator, x.device)
             try:
                 return compiled(x, scale, noise)
             except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
                 _compile_failed.add((spec, axis))
                 if noise is not None:  # the draws are spent: use them, so the stream stays the same
                     generator = noise
-    layout = _to_layout(x, spec, axis)
-    return _from_layout(_qdq_layout(layout, spec, generator, scale), spec, axis, x.shape, x.dtype)
+    return _qdq_any_layout(x, spec, axis, generator, scale)
 
 
 # --- measurements ---------------------------------------------------------------------------------

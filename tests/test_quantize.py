@@ -727,6 +727,9 @@ def test_qdq_equals_dequantize_of_quantize_for_every_preset(name):
             q = quantize(x, name)
             assert q.shape == x.shape and q.dtype == dtype
             assert dequantize(q, torch.float32).dtype == torch.float32
+            # qdq blocks a non-last axis in place (no transpose); quantize moves it last: same bits
+            for axis in range(len(shape) - 1):
+                assert_same_bits(qdq(x, name, axis), dequantize(quantize(x, name, axis)))
 
 
 @pytest.mark.parametrize("name", list(Q.SPECS))
