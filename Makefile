@@ -39,6 +39,7 @@ sync: $(STAMP)  ## jupytext-sync notebooks/*.py <-> *.ipynb and strip outputs
 bench: $(STAMP)  ## speed benchmarks (ratios against a baseline in the same run)
 	$(BIN)/python benchmarks/bench_numerics.py
 	$(BIN)/python benchmarks/bench_quantize.py
+	$(BIN)/python benchmarks/bench_linear.py
 
 clean:  ## remove runs/ (executed notebooks); keeps .venv, data/ and figures/
 	rm -rf runs/
