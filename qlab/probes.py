@@ -1,0 +1,327 @@
+"""Probes: record what tensors look like inside a model, per step, as a tidy DataFrame.
+
+    with ProbeSet(model, modules=["blocks.*.attn.*"], what_if={"mxfp8": "mxfp8"}) as probes:
+        for step in range(steps):
+            loss = model(x).sum(); loss.backward()
+            probes.record_param_grads()          # param.grad after accumulation
+            optimizer.step(); probes.step()      # advance the step counter
+    probes.to_frame()                            # step, rank, module, role, stat, value
+
+Roles: ``input``/``output`` (module activations), ``grad_input``/``grad_output`` (module
+gradients), ``grad_flow`` (a parameter's gradient as it flows through backward, before
+accumulation), ``param_grad`` (``param.grad`` when ``record_param_grads`` is called: after
+accumulation, or at optimizer-step time after unscaling), ``probe`` (anything passed to
+``probe(tensor, name)``, e.g. from inside a custom autograd.Function's backward).
+
+A ProbeSet installs hooks only while attached (``with`` or ``attach()``/``detach()``); detached,
+the model carries no hooks at all. ``probe()`` with no active set does nothing.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import pandas as pd
+import torch
+from torch import nn
+
+from qlab import quantize as Q
+
+STATS = ("min", "max", "mean", "std", "l1", "l2", "amax", "dynamic_range", "zero_fraction")
+WHAT_IF_STATS = ("underflow_fraction", "saturation_fraction", "qdq_mse", "sqnr_db")
+ROLES = ("input", "output", "grad_input", "grad_output", "grad_flow", "param_grad", "probe")
+_ACTIVE: list["ProbeSet"] = []
+
+
+def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
+    """Statistics of a floating-point tensor, computed in float64.
+
+    std is the population standard deviation; dynamic_range is log2(amax) − log2(smallest non-zero
+    |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros.
+    """
+    unknown = set(stats) - set(STATS)
+    if unknown:
+        raise ValueError(f"unknown statistics {sorted(unknown)}; expected some of: {', '.join(STATS)}")
+    x = tensor.detach().double().flatten()
+    if x.numel() == 0:
+        return {name: math.nan for name in stats}
+    magnitude = x.abs()
+    nonzero = magnitude[magnitude > 0]
+    values = {}
+    for name in stats:
+        if name == "min":
+            values[name] = x.min().item()
+        elif name == "max":
+            values[name] = x.max().item()
+        elif name == "mean":
+            values[name] = x.mean().item()
+        elif name == "std":
+            values[name] = x.std(unbiased=False).item()
+        elif name == "l1":
+            values[name] = magnitude.sum().item()
+        elif name == "l2":
+            values[name] = torch.linalg.vector_norm(x).item()
+        elif name == "amax":
+            values[name] = magnitude.max().item()
+        elif name == "dynamic_range":
+            values[name] = (math.log2(nonzero.max().item()) - math.log2(nonzero.min().item())
+                            if nonzero.numel() else math.nan)
+        elif name == "zero_fraction":
+            values[name] = (x == 0).double().mean().item()
+    return values
+
+
+def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float]:
+    """What quantizing ``tensor`` by ``spec`` along ``axis`` would do to it.
+
+    underflow_fraction: non-zero elements that become zero; saturation_fraction: elements outside
+    the representable range (clipped); qdq_mse and sqnr_db of the quantize→dequantize round trip.
+    Tensors that cannot be blocked along ``axis`` (e.g. a length not divisible with pad=False) raise.
+    """
+    x = tensor.detach()
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()
+    spec = Q.get_spec(spec)
+    if isinstance(spec, Q.NVFP4Spec) and spec.hadamard:
+        x_hat, inside = Q.qdq(x, spec, axis), torch.ones_like(x, dtype=torch.bool)
+    else:
+        x_hat, inside = Q.qdq_with_mask(x, spec, axis)
+    nonzero = x != 0
+    count = max(x.numel(), 1)
+    return {
+        "underflow_fraction": ((x_hat == 0) & nonzero).sum().item() / count,
+        "saturation_fraction": (~inside).sum().item() / count,
+        "qdq_mse": ((x_hat.double() - x.double()) ** 2).mean().item(),
+        "sqnr_db": Q.sqnr_db(x, x_hat),
+    }
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+def probe(tensor: torch.Tensor, name: str) -> None:
+    """Record ``tensor`` under ``name`` (role "probe") in every active ProbeSet; a no-op when none is."""
+    for probes in _ACTIVE:
+        probes._record(name, "probe", tensor)
+
+
+class ProbeSet:
+    """Hooks on selected modules and their parameters that record statistics per sampled step.
+
+    modules: fnmatch patterns of qualified module names and/or module classes ("*" or None: every
+    module with parameters or the model itself); roles: which of ROLES to record; stats: which of
+    STATS; what_if: {label: spec} adds WHAT_IF_STATS per spec (stat names "<label>/<stat>");
+    sampling: steps start ≤ s < end with (s − start) % every == 0; ranks: record only on these
+    torch.distributed ranks (records carry the rank either way).
+    """
+
+    def __init__(self, model: nn.Module | None = None, modules=None, *, roles=ROLES, stats=STATS, what_if=None,
+                 what_if_axis: int = -1, every: int = 1, start: int = 0, end: int | None = None, ranks=None):
+        unknown = set(roles) - set(ROLES)
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)}; expected some of: {', '.join(ROLES)}")
+        tensor_stats(torch.zeros(1), stats)  # validates the names
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"every must be a positive int, got {every!r}")
+        self.model, self.roles, self.stats = model, tuple(roles), tuple(stats)
+        self.what_if = {label: Q.get_spec(spec) for label, spec in (what_if or {}).items()}
+        self.what_if_axis = what_if_axis
+        self.every, self.start, self.end = every, start, end
+        self.ranks = None if ranks is None else set(ranks)
+        self.current_step = 0
+        self.records: list[tuple] = []
+        self._handles: list = []
+        self.selected = self._select(modules) if model is not None else {}
+
+    # --- selection and hooks ---
+
+    def _select(self, modules) -> dict[str, nn.Module]:
+        patterns = ["*"] if modules in (None, "*") else ([modules] if isinstance(modules, (str, type)) else list(modules))
+        chosen = {}
+        for name, module in self.model.named_modules():
+            for pattern in patterns:
+                if isinstance(pattern, type):
+                    hit = isinstance(module, pattern)
+                elif pattern == "*":
+                    hit = any(True for _ in module.parameters(recurse=False)) or module is self.model
+                else:
+                    hit = fnmatch.fnmatchcase(name, pattern)
+                if hit:
+                    chosen[name or "model"] = module
+                    break
+        if not chosen:
+            names = [name for name, _ in self.model.named_modules() if name][:8]
+            raise ValueError(f"module patterns {patterns!r} match no module; names look like: {', '.join(names)}")
+        return chosen
+
+    def attach(self) -> "ProbeSet":
+        if self._handles:
+            return self
+        for name, module in self.selected.items():
+            if {"input", "output"} & set(self.roles):
+                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+            if {"grad_input", "grad_output"} & set(self.roles):
+                self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
+            if "grad_flow" in self.roles:
+                for param_name, param in module.named_parameters(recurse=False):
+                    if param.requires_grad:
+                        self._handles.append(param.register_hook(self._grad_hook(f"{name}.{param_name}")))
+        _ACTIVE.append(self)
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def __enter__(self) -> "ProbeSet":
+        return self.attach()
+
+    def __exit__(self, *exc) -> None:
+        self.detach()
+
+    @property
+    def attached(self) -> bool:
+        return self in _ACTIVE
+
+    def _forward_hook(self, name):
+        def hook(module, inputs, output):
+            if "input" in self.roles:
+                self._record_first(name, "input", inputs)
+            if "output" in self.roles:
+                self._record_first(name, "output", output)
+        return hook
+
+    def _backward_hook(self, name):
+        def hook(module, grad_input, grad_output):
+            if "grad_input" in self.roles:
+                self._record_first(name, "grad_input", grad_input)
+            if "grad_output" in self.roles:
+                self._record_first(name, "grad_output", grad_output)
+        return hook
+
+    def _grad_hook(self, name):
+        def hook(grad):
+            self._record(name, "grad_flow", grad)
+        return hook
+
+    # --- recording ---
+
+    def sampling(self) -> bool:
+        """Whether the current step is recorded (and this rank is one of ``ranks``)."""
+        step = self.current_step
+        if step < self.start or (self.end is not None and step >= self.end) or (step - self.start) % self.every:
+            return False
+        return self.ranks is None or _rank() in self.ranks
+
+    def _record_first(self, name, role, value):
+        if isinstance(value, (tuple, list)):
+            value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+        if isinstance(value, torch.Tensor):
+            self._record(name, role, value)
+
+    def _record(self, name: str, role: str, tensor: torch.Tensor) -> None:
+        if not self.sampling() or not tensor.is_floating_point():
+            return
+        rank = _rank()
+        for stat, value in tensor_stats(tensor, self.stats).items():
+            self.records.append((self.current_step, rank, name, role, stat, value))
+        for label, spec in self.what_if.items():
+            for stat, value in what_if_stats(tensor, spec, self.what_if_axis).items():
+                self.records.append((self.current_step, rank, name, role, f"{label}/{stat}", value))
+
+    def record_param_grads(self, role: str = "param_grad") -> None:
+        """Record ``param.grad`` of every selected module's parameters (after accumulation/unscaling)."""
+        for name, module in self.selected.items():
+            for param_name, param in module.named_parameters(recurse=False):
+                if param.grad is not None:
+                    self._record(f"{name}.{param_name}", role, param.grad)
+
+    def step(self) -> None:
+        """Advance to the next step (call once per optimizer step)."""
+        self.current_step += 1
+
+    def to_frame(self) -> pd.DataFrame:
+        """Records as a tidy DataFrame with columns step, rank, module, role, stat, value."""
+        return pd.DataFrame(self.records, columns=["step", "rank", "module", "role", "stat", "value"])
+
+
+# --- the gradient audit -------------------------------------------------------------------------------
+
+class GradientAudit:
+    """Compare the gradient seen inside backward with the final ``param.grad`` the optimizer uses.
+
+    During backward, ``GradientAudit`` sums, per parameter, the gradient flowing into it (a hook on
+    the parameter), or what ``observe(name, grad)`` is given from inside a custom backward (with
+    ``hook_parameters=False``: the view the seed's researcher probed). ``report`` then predicts
+    the final gradient from the known factors and reports what is left unexplained:
+
+        predicted = clip_coefficient · Σ_ranks Σ_microbatches inside / (loss_scale · world_size)
+
+    loss_scale: the GradScaler scale during those backwards (``scaler.get_scale()``); micro-batches
+    enter through the sum (a loss divided by their count is already inside the observed gradients);
+    world_size: DDP averaging (under torch.distributed the inside sums are all-reduced first);
+    clip_coefficient: min(1, max_norm / total_norm) as clip_grad_norm_ applied it.
+    """
+
+    def __init__(self, model: nn.Module, *, hook_parameters: bool = True):
+        self.model = model
+        self.hook_parameters = hook_parameters
+        self.inside: dict[str, torch.Tensor] = {}
+        self._handles = []
+
+    def __enter__(self) -> "GradientAudit":
+        if not self.hook_parameters:  # the caller observes from inside its own backward
+            return self
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_hook(lambda grad, name=name: self.observe(name, grad)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def observe(self, name: str, grad: torch.Tensor) -> None:
+        """Add one backward's gradient for ``name`` (in float64)."""
+        grad = grad.detach().double()
+        self.inside[name] = grad.clone() if name not in self.inside else self.inside[name] + grad
+
+    def report(self, *, loss_scale: float = 1.0, world_size: int | None = None, clip_coefficient: float = 1.0,
+               tolerance: float = 1e-3) -> pd.DataFrame:
+        """One row per parameter: observed ratio ‖inside‖/‖final‖, the explained factor, what remains.
+
+        ``unexplained`` is ‖final − predicted‖ / ‖final‖; a row whose unexplained part exceeds
+        ``tolerance`` is flagged — a scale the known factors cannot account for (e.g. a backward
+        that multiplies by a quantization scale it should not).
+        """
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if world_size is None:
+            world_size = torch.distributed.get_world_size() if distributed else 1
+        params = dict(self.model.named_parameters())
+        rows = []
+        for name, inside in self.inside.items():
+            final = params[name].grad
+            if final is None:
+                continue
+            total = inside.clone()
+            if distributed:
+                torch.distributed.all_reduce(total)
+            predicted = clip_coefficient * total / (loss_scale * world_size)
+            final64 = final.detach().double()
+            final_norm = torch.linalg.vector_norm(final64).item()
+            unexplained = torch.linalg.vector_norm(final64 - predicted).item() / final_norm if final_norm else math.nan
+            rows.append({"parameter": name, "inside_norm": torch.linalg.vector_norm(inside).item(),
+                         "final_norm": final_norm,
+                         "observed_ratio": torch.linalg.vector_norm(inside).item() / final_norm if final_norm else math.nan,
+                         "loss_scale": loss_scale, "world_size": world_size, "clip_coefficient": clip_coefficient,
+                         "explained_ratio": loss_scale * world_size / clip_coefficient,
+                         "unexplained": unexplained, "flagged": not unexplained <= tolerance})
+        return pd.DataFrame(rows)

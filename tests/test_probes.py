@@ -1,0 +1,156 @@
+"""qlab.probes: statistics against direct computation, hook hygiene, probe(), the gradient audit.
+
+(Issue 5 groundwork: the DDP audit, notebook 01 and the overhead benchmark are still to come.)
+"""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from qlab import quantize as Q
+from qlab.probes import STATS, GradientAudit, ProbeSet, probe, tensor_stats, what_if_stats
+
+
+def small_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def test_tensor_stats_equal_direct_float64_computation():
+    x = torch.tensor([0.0, -3.0, 0.25, 0.0, 5.0, -2.0 ** -10])
+    s = tensor_stats(x)
+    x64 = x.double()
+    assert (s["min"], s["max"], s["amax"]) == (-3.0, 5.0, 5.0)  # exact
+    assert s["zero_fraction"] == 2 / 6
+    assert s["dynamic_range"] == math.log2(5.0) + 10  # log2(5) − log2(2^-10)
+    assert s["mean"] == pytest.approx(x64.mean().item(), rel=1e-15)
+    assert s["std"] == pytest.approx(math.sqrt(((x64 - x64.mean()) ** 2).mean().item()), rel=1e-14)
+    assert s["l1"] == pytest.approx(8.25 + 2.0 ** -10, rel=1e-15)
+    assert s["l2"] == pytest.approx(math.sqrt(9 + 0.0625 + 25 + 2.0 ** -20), rel=1e-15)
+    assert math.isnan(tensor_stats(torch.zeros(3))["dynamic_range"])
+
+
+def test_what_if_counts_underflow_and_saturation_by_hand():
+    # MXFP8 FLOOR on one block: amax 480 → X = 1, so 480 saturates to 448 and 2^-11 (below e4m3's
+    # smallest subnormal 2^-9, under X = 1) flushes to zero; the other 30 zeros are not underflow
+    x = torch.zeros(32)
+    x[0], x[1] = 480.0, 2.0 ** -11
+    stats = what_if_stats(x, "mxfp8")
+    assert stats["underflow_fraction"] == 1 / 32 and stats["saturation_fraction"] == 1 / 32
+    expected_mse = ((480.0 - 448.0) ** 2 + (2.0 ** -11) ** 2) / 32
+    assert stats["qdq_mse"] == pytest.approx(expected_mse, rel=1e-15)
+    assert stats["sqnr_db"] == pytest.approx(Q.sqnr_db(x, Q.qdq(x, "mxfp8")), rel=1e-15)
+
+
+def test_recorded_statistics_equal_statistics_of_the_same_tensors():
+    model = small_model()
+    x = torch.randn(5, 8)
+    with ProbeSet(model, modules=["0"], roles=("input", "output", "param_grad")) as probes:
+        model(x).sum().backward()
+        probes.record_param_grads()
+    frame = probes.to_frame().set_index(["module", "role", "stat"]).value
+    assert frame["0", "input", "amax"] == x.abs().max().item()
+    assert frame["0", "output", "l2"] == pytest.approx(torch.linalg.vector_norm(model[0](x).double()).item(), rel=1e-12)
+    assert frame["0.weight", "param_grad", "max"] == model[0].weight.grad.max().item()
+
+
+def test_hooks_are_removed_on_exit_and_change_nothing():
+    def run(with_probes):
+        model = small_model(seed=3)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        if with_probes:
+            with ProbeSet(model, what_if={"nv": "nvfp4"}):
+                y = model(x)
+                y.sum().backward()
+        else:
+            y = model(x)
+            y.sum().backward()
+        return model, y, [p.grad for p in model.parameters()]
+
+    model, y_probed, grads_probed = run(True)
+    _, y_plain, grads_plain = run(False)
+    assert torch.equal(y_probed, y_plain) and all(torch.equal(a, b) for a, b in zip(grads_probed, grads_plain))
+    assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())
+
+
+def test_probe_records_into_the_active_set_with_the_step_and_is_a_no_op_otherwise():
+    probe(torch.ones(3), "nobody listens")  # no active set: nothing happens, nothing raises
+    probes = ProbeSet(small_model(), stats=("l1",))
+    with probes:
+        probes.step()
+        probe(torch.ones(3), "inside backward")
+    probe(torch.ones(3), "after exit")
+    frame = probes.to_frame()
+    assert frame[["step", "module", "role", "stat", "value"]].values.tolist() == [[1, "inside backward", "probe", "l1", 3.0]]
+
+
+def test_sampling_every_n_steps_between_start_and_end():
+    probes = ProbeSet(small_model(), stats=("amax",), every=3, start=2, end=9)
+    with probes:
+        for _ in range(12):
+            probe(torch.ones(1), "x")
+            probes.step()
+    assert sorted(probes.to_frame().step.tolist()) == [2, 5, 8]
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: ProbeSet(small_model(), modules=["encoder.*"]), "match no module"),
+    (lambda: ProbeSet(small_model(), stats=("median",)), "unknown statistics \\['median'\\]"),
+    (lambda: ProbeSet(small_model(), roles=("activations",)), "unknown roles"),
+    (lambda: ProbeSet(small_model(), every=0), "every must be a positive int"),
+])
+def test_bad_input(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_audit_explains_grad_scaler_accumulation_and_clipping():
+    model = small_model(seed=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    microbatches = 4
+    with GradientAudit(model) as audit:
+        for i in range(microbatches):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(i))
+            scaler.scale(model(x).pow(2).mean() / microbatches).backward()
+    scaler.unscale_(optimizer)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+    coefficient = min(1.0, 0.05 / (total.item() + 1e-6))  # what clip_grad_norm_ multiplied by
+    assert coefficient < 1  # clipping really happened
+    report = audit.report(loss_scale=scaler.get_scale(), clip_coefficient=coefficient, tolerance=1e-5)
+    assert len(report) == 4 and not report.flagged.any()
+    # float32 gradients against a float64 prediction: a few float32 ulps
+    assert (report.unexplained < 1e-5).all()
+    assert report.explained_ratio.iloc[0] == pytest.approx(2.0 ** 16 / coefficient)
+
+
+def test_audit_flags_an_injected_scale_bug():
+    weight = nn.Parameter(torch.randn(3, 5))
+    model = nn.Module()
+    model.weight = weight
+    audit = GradientAudit(model, hook_parameters=False)
+
+    class DoubledBackward(torch.autograd.Function):  # a custom backward that mis-scales its weight gradient
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.T
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w = ctx.saved_tensors
+            audit.observe("weight", dy.T @ x)  # what a probe inside backward sees
+            return dy @ w, 2.0 * dy.T @ x  # ...and the bug: twice that goes to autograd
+
+    with audit:
+        DoubledBackward.apply(torch.randn(4, 5), weight).sum().backward()
+    report = audit.report()
+    # final = 2g, predicted = g: unexplained ‖2g − g‖ / ‖2g‖ = 1/2, far beyond the tolerance
+    assert report.flagged.all() and report.unexplained.iloc[0] == pytest.approx(0.5, rel=1e-12)
+
+
+def test_stats_names_are_the_documented_ones():
+    assert set(tensor_stats(torch.ones(2))) == set(STATS)
