@@ -13,8 +13,9 @@ accumulation), ``param_grad`` (``param.grad`` when ``record_param_grads`` is cal
 accumulation, or at optimizer-step time after unscaling), ``probe`` (anything passed to
 ``probe(tensor, name)``, e.g. from inside a custom autograd.Function's backward).
 
-A ProbeSet installs hooks only while attached (``with`` or ``attach()``/``detach()``); detached,
-the model carries no hooks at all. ``probe()`` with no active set does nothing.
+A ProbeSet installs hooks only while attached (``with`` or ``attach()``/``detach()``) and only
+for sampled steps: between samples and after detaching the model carries no hooks at all.
+``probe()`` with no active set, or on a step that is not sampled, does nothing.
 """
 
 from __future__ import annotations
@@ -159,8 +160,25 @@ class ProbeSet:
         return chosen
 
     def attach(self) -> "ProbeSet":
-        if self._handles:
-            return self
+        """Activate the set; hooks are installed only for sampled steps (none in between)."""
+        if self not in _ACTIVE:
+            _ACTIVE.append(self)
+        self._sync_hooks()
+        return self
+
+    def detach(self) -> None:
+        self._remove_hooks()
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
+    def _sync_hooks(self) -> None:
+        if self.attached and self.sampling():
+            if not self._handles:
+                self._install_hooks()
+        else:
+            self._remove_hooks()
+
+    def _install_hooks(self) -> None:
         for name, module in self.selected.items():
             if {"input", "output"} & set(self.roles):
                 self._handles.append(module.register_forward_hook(self._forward_hook(name)))
@@ -170,15 +188,11 @@ class ProbeSet:
                 for param_name, param in module.named_parameters(recurse=False):
                     if param.requires_grad:
                         self._handles.append(param.register_hook(self._grad_hook(f"{name}.{param_name}")))
-        _ACTIVE.append(self)
-        return self
 
-    def detach(self) -> None:
+    def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
 
     def __enter__(self) -> "ProbeSet":
         return self.attach()
@@ -244,8 +258,9 @@ class ProbeSet:
                     self._record(f"{name}.{param_name}", role, param.grad)
 
     def step(self) -> None:
-        """Advance to the next step (call once per optimizer step)."""
+        """Advance to the next step (call once per optimizer step, after its backward)."""
         self.current_step += 1
+        self._sync_hooks()
 
     def to_frame(self) -> pd.DataFrame:
         """Records as a tidy DataFrame with columns step, rank, module, role, stat, value."""

@@ -1,6 +1,6 @@
 """qlab.probes: statistics against direct computation, hook hygiene, probe(), the gradient audit.
 
-(Issue 5 groundwork: the DDP audit, notebook 01 and the overhead benchmark are still to come.)
+(Issue 5 groundwork: notebook 01 is still to come.)
 """
 
 import math
@@ -154,3 +154,50 @@ def test_audit_flags_an_injected_scale_bug():
 
 def test_stats_names_are_the_documented_ones():
     assert set(tensor_stats(torch.ones(2))) == set(STATS)
+
+
+def _ddp_audit_worker(rank, world_size, init_file, result_file):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)  # the same initial weights on both ranks
+        model = DistributedDataParallel(small_model(seed=7))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        with GradientAudit(model.module) as audit:
+            for micro in range(2):  # each rank its own data, two micro-batches
+                x = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * rank + micro))
+                scaler.scale(model(x).pow(2).mean() / 2).backward()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.unscale_(optimizer)
+        report = audit.report(loss_scale=scaler.get_scale(), tolerance=1e-5)
+        if rank == 0:
+            report.to_csv(result_file, index=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_audit_explains_two_rank_gloo_ddp_averaging(tmp_path):
+    import pandas as pd
+    import torch.multiprocessing as mp
+
+    result = tmp_path / "report.csv"
+    mp.spawn(_ddp_audit_worker, args=(2, str(tmp_path / "init"), str(result)), nprocs=2, join=True)
+    report = pd.read_csv(result)
+    # DDP averages the ranks' summed micro-batch gradients: world_size 2 and the loss scale explain it
+    assert len(report) == 4 and (report.world_size == 2).all() and not report.flagged.any()
+    assert (report.unexplained < 1e-5).all()
+
+
+def test_hooks_exist_only_on_sampled_steps():
+    model = small_model()
+    probes = ProbeSet(model, every=2)
+    with probes:
+        assert model[0]._forward_hooks  # step 0 is sampled
+        probes.step()
+        assert not any(m._forward_hooks or m._backward_hooks for m in model.modules())
+        assert not any(p._backward_hooks for p in model.parameters())
+        probes.step()
+        assert model[0]._forward_hooks
+    assert not model[0]._forward_hooks
