@@ -160,9 +160,12 @@ def timed(step):
 rows = []
 for method, options in METHODS.items():
     layer = make_layer(options["dtype"], options["fused"])
-    x, dy = xs[0].to(device, options["dtype"]), dys[0].to(device, options["dtype"])
+    # x needs a gradient, as a layer inside a network does: each step computes dx as well
+    x = xs[0].to(device, options["dtype"]).requires_grad_(True)
+    dy = dys[0].to(device, options["dtype"])
 
     def step():
+        x.grad = None
         layer(x).backward(dy)
 
     layer(x, is_first_microbatch=True).backward(dy)  # warm-up; the gradient now exists

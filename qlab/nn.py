@@ -2,8 +2,10 @@
 main_grad accumulation), fake_quant with straight-through estimators, and model conversion.
 
 Every GEMM is emulated: operands are quantize→dequantized (``qlab.quantize.qdq``) and multiplied
-in float32 (float64 for float64 layers) at "highest" matmul precision, so the only rounding besides
-the recipe's is the float32 GEMM's. With delayed scaling the backward re-quantizes x and W with
+in float32 (float64 for unquantized float64 layers; the quantizers take float32/bf16/fp16) at
+"highest" matmul precision, so the only rounding besides the recipe's is the float32 GEMM's: 16-bit
+operands are dequantized straight to float32. Under autocast the operands are cast to the autocast
+dtype first, as nn.Linear's are. With delayed scaling the backward re-quantizes x and W with
 the scales the forward used; each forward and each backward rolls its amax history once (so once
 per micro-batch under gradient accumulation).
 
@@ -191,10 +193,16 @@ class QuantLinear(nn.Linear):
         if x.dim() not in (2, 3) or x.shape[-1] != self.in_features:
             raise ValueError(f"QuantLinear expects input of shape (tokens, {self.in_features}) or "
                              f"(batch, tokens, {self.in_features}), got {tuple(x.shape)}")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"input dtype {x.dtype} does not match the weight's {self.weight.dtype}; "
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        if x.dtype != weight.dtype:
+            raise TypeError(f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
                             f"cast one of them (QuantLinear does not mix dtypes silently)")
-        y = _LinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, self, is_first_microbatch)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     # --- helpers used by the autograd function ---
@@ -210,11 +218,12 @@ class QuantLinear(nn.Linear):
         if spec is None:
             return t
         generator = self._generator(t.device) if spec.rounding == "stochastic" else None
+        compute = _compute_dtype(t)  # dequantized values stay in the GEMM's dtype, not rounded back to 16 bits
         scale = None
         if self.recipe.delayed:
             scaler = _SCALER_OF_ROLE[role]
             scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
-        return Q.qdq(t, spec, axis, generator=generator, scale=scale)
+        return Q.qdq(t, spec, axis, generator=generator, scale=scale, dtype=compute)
 
     def _step_scalers(self, *roles_and_tensors) -> None:
         """Delayed scaling: record this use's amax and roll the history (once per forward/backward)."""
@@ -224,7 +233,9 @@ class QuantLinear(nn.Linear):
                 self.scalers[role].step()
 
     def _dummy_wgrad(self) -> torch.Tensor:
-        if self._dummy is None or self._dummy.shape != self.weight.shape:
+        dummy = self._dummy
+        if dummy is None or (dummy.shape, dummy.dtype, dummy.device) != (self.weight.shape, self.weight.dtype,
+                                                                         self.weight.device):
             self._dummy = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
         return self._dummy.zero_()  # autograd may have stolen it as .grad; it is meaningless there
 
@@ -278,6 +289,7 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     recipe = get_recipe(recipe)
     if isinstance(keep_high_precision, str):
         keep_high_precision = [keep_high_precision]
+    base_seed = options.pop("seed", 0)  # layer i gets seed base + i: no two layers share SR noise
     report, replacements = [], {}
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if type(module) is not nn.Linear:
@@ -285,7 +297,8 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
         keep = any(fnmatch.fnmatchcase(name, pattern) for pattern in keep_high_precision)
         if not keep:  # a Linear registered under several names becomes one shared QuantLinear
             if id(module) not in replacements:
-                replacements[id(module)] = QuantLinear.from_linear(module, recipe, **options)
+                replacements[id(module)] = QuantLinear.from_linear(module, recipe, seed=base_seed + len(replacements),
+                                                                   **options)
             _set_submodule(model, name, replacements[id(module)])
         report.append({"name": name, "action": "kept" if keep else "quantized", "recipe": recipe.name,
                        "in_features": module.in_features, "out_features": module.out_features})

@@ -82,6 +82,9 @@ class IntSpec:
     def __post_init__(self):
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
             raise ValueError(f"IntSpec bits must be an int in 2..16, got {self.bits!r}")
+        if not self.signed and self.symmetric:
+            raise ValueError("an unsigned symmetric IntSpec would zero every negative value; "
+                             "use signed=True, or symmetric=False for an unsigned grid with a zero point")
         _check_granularity(self.granularity)
         _check_rounding(self.rounding)
 
@@ -183,16 +186,21 @@ class QTensor:
     zero_point: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
     source: torch.Tensor | None = field(default=None, repr=False)
+    fixed_scale: torch.Tensor | None = field(default=None, repr=False)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
 
-    def along(self, axis: int) -> "QTensor":
-        """The same high-precision tensor quantized with blocks along ``axis`` (never transposed codes)."""
+    def along(self, axis: int, *, generator: torch.Generator | None = None) -> "QTensor":
+        """The same high-precision tensor quantized along ``axis`` (never transposed codes).
+
+        A fixed scale given to ``quantize`` (delayed scaling) is kept; stochastic rounding needs
+        ``generator`` again.
+        """
         if self.source is None:
             raise ValueError("this QTensor kept no high-precision source (keep_source=False); "
                              "re-quantizing along another axis needs the original tensor")
-        return quantize(self.source, self.spec, axis=axis)
+        return quantize(self.source, self.spec, axis=axis, generator=generator, scale=self.fixed_scale)
 
     def packed_codes(self) -> torch.Tensor:
         """Element codes with two 4-bit codes per byte (e2m1 elements only)."""
@@ -369,8 +377,11 @@ def quantize(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: to
     spec = get_spec(spec)
     axis = _check_input(x, spec, axis)
     _check_generator(spec, generator)
+    if x.numel() == 0:
+        raise ValueError(f"quantize needs a non-empty tensor, got shape {tuple(x.shape)}")
+    scale = _check_scale(scale, spec)
     layout = _to_layout(x, spec, axis)
-    parts, _ = _RECIPES[type(spec)](layout, spec, generator, _check_scale(scale, spec))
+    parts, _ = _RECIPES[type(spec)](layout, spec, generator, scale)
     values = parts.pop("values")
     fmt = get_format(spec.element)
     codes = _encode_float(values, fmt) if isinstance(fmt, FloatFormat) else values.to(fmt.code_dtype)
@@ -378,7 +389,7 @@ def quantize(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: to
     if isinstance(spec, NVFP4Spec):
         scale_codes = _encode_float(parts["scales"], get_format("e4m3"))
     return QTensor(codes=codes, scales=parts.pop("scales"), spec=spec, axis=axis, shape=x.shape, dtype=x.dtype,
-                   scale_codes=scale_codes, source=x if keep_source else None, **parts)
+                   scale_codes=scale_codes, source=x if keep_source else None, fixed_scale=scale, **parts)
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -432,12 +443,12 @@ def _from_inplace_layout(values: torch.Tensor, spec: Spec, axis: int, shape: tor
     return values[:, : shape[axis], :].reshape(shape).to(dtype)
 
 
-def _qdq_any_layout(x: torch.Tensor, spec: Spec, axis: int, generator, scale) -> torch.Tensor:
+def _qdq_any_layout(x: torch.Tensor, spec: Spec, axis: int, generator, scale, dtype) -> torch.Tensor:
     """qdq in the in-place layout where it applies, else in the blocked layout; same bits either way."""
     if _inplace_applies(x, spec, axis):
         out = _qdq_layout(_inplace_layout(x, spec, axis), spec, generator, scale, dim=-2)
-        return _from_inplace_layout(out, spec, axis, x.shape, x.dtype)
-    return _from_layout(_qdq_layout(_to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, x.dtype)
+        return _from_inplace_layout(out, spec, axis, x.shape, dtype)
+    return _from_layout(_qdq_layout(_to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, dtype)
 
 
 def _noise_shape(x: torch.Tensor, spec: Spec, axis: int) -> torch.Size:
@@ -493,13 +504,13 @@ def _compile_enabled() -> bool:
     return os.environ.get("QLAB_COMPILE", "1") != "0"
 
 
-def _fast_qdq(spec: Spec, axis: int):
+def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
     """The compiled qdq function for (spec, axis) (None if compilation is off or failed before).
 
     Layout changes (transpose to the blocked axis, padding, Hadamard) are compiled too, so inductor
     reads x in place instead of copying it first.
     """
-    key = (spec, axis)
+    key = (spec, axis, dtype)
     if key in _compile_failed or not _compile_enabled():
         return None
     if key not in _compiled:
@@ -507,7 +518,7 @@ def _fast_qdq(spec: Spec, axis: int):
             scaling._cached_hadamard(scaling.NVFP4_BLOCK, spec.hadamard_seed)  # fill the cache outside tracing
 
         def qdq_full(x, scale, noise):
-            return _qdq_any_layout(x, spec, axis, noise, scale)
+            return _qdq_any_layout(x, spec, axis, noise, scale, dtype)
         # dynamo counts its recompile limit (8 shapes) per code object: give every (spec, axis) its own
         qdq_full.__code__ = qdq_full.__code__.replace(co_name=f"qdq_{len(_compiled)}")
         _compiled[key] = torch.compile(qdq_full, dynamic=False, fullgraph=True)
@@ -523,20 +534,27 @@ def _compilable(spec: Spec) -> bool:
 
 
 def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
-        scale: torch.Tensor | float | None = None, fast: bool | None = None) -> torch.Tensor:
-    """dequantize(quantize(x, spec, axis)) without materializing codes; same bits, x's dtype and shape.
+        scale: torch.Tensor | float | None = None, dtype: torch.dtype | None = None,
+        fast: bool | None = None) -> torch.Tensor:
+    """dequantize(quantize(x, spec, axis), dtype) without materializing codes: same bits and shape.
 
-    ``fast``: None picks the compiled path for large inputs, True forces it, False forces eager.
-    Stochastic rounding draws its noise eagerly from ``generator`` in both paths, so the compiled
-    path consumes the same random numbers and gives the same bits.
+    ``dtype``: the result's dtype (default x's; float32 keeps dequantized values that a 16-bit
+    dtype cannot hold exactly). ``fast``: None picks the compiled path for large inputs, True
+    forces it, False forces eager. Stochastic rounding draws its noise eagerly from ``generator``
+    in both paths, so the compiled path consumes the same random numbers and gives the same bits;
+    on a non-last axis qdq maps the draws to elements in a different order than quantize does
+    (both are valid draws, but not the same ones).
     """
     spec = get_spec(spec)
     axis = _check_input(x, spec, axis)
     _check_generator(spec, generator)
     scale = _check_scale(scale, spec)
+    dtype = dtype or x.dtype
+    if x.numel() == 0:
+        return x.to(dtype).clone()
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
     if use_fast and _compilable(spec):
-        compiled = _fast_qdq(spec, axis)
+        compiled = _fast_qdq(spec, axis, dtype)
         if compiled is not None:
             noise = None
             if spec.rounding == "stochastic":
@@ -544,10 +562,10 @@ def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.G
             try:
                 return compiled(x, scale, noise)
             except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
-                _compile_failed.add((spec, axis))
+                _compile_failed.add((spec, axis, dtype))
                 if noise is not None:  # the draws are spent: use them, so the stream stays the same
                     generator = noise
-    return _qdq_any_layout(x, spec, axis, generator, scale)
+    return _qdq_any_layout(x, spec, axis, generator, scale, dtype)
 
 
 # --- measurements ---------------------------------------------------------------------------------

@@ -247,15 +247,17 @@ def _randomized_hadamard(size: int, seed: int) -> torch.Tensor:
 def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, dim: int = -1) -> torch.Tensor:
     """x along ``dim``, in chunks of 16, times the seeded randomized Hadamard matrix (or its inverse).
 
-    Computed in float32 as signs, four butterfly stages of sums and differences (Sylvester's
-    H₁₆ = H₂⊗H₂⊗H₂⊗H₂), and an exact ×1/4: the same values as ``chunk @ hadamard_matrix(16, seed)``
+    Computed in float32 as an exact ×1/4 (first, so no partial sum can overflow), signs, and four
+    butterfly stages of sums and differences (Sylvester's H₁₆ = H₂⊗H₂⊗H₂⊗H₂): the same values as ``chunk @ hadamard_matrix(16, seed)``
     up to float32 rounding of the partial sums, in one elementwise pass that needs no transpose.
     """
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {dim}")
     dim = dim % x.dim()
     if x.shape[dim] % NVFP4_BLOCK:
         raise ValueError(f"the Hadamard transform needs the axis length to be a multiple of {NVFP4_BLOCK}, got {x.shape[dim]}")
     lead, trail = x.shape[:dim], math.prod(x.shape[dim + 1:])
-    chunks = x.float().reshape(*lead, -1, NVFP4_BLOCK, trail)
+    chunks = x.float().reshape(*lead, -1, NVFP4_BLOCK, trail) * 0.25  # first, as x·M does: no overflow
     signs = _cached_hadamard_signs(seed).to(x.device)[:, None]
     if not inverse:
         chunks = chunks * signs
@@ -265,7 +267,7 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
         chunks = torch.stack([first + second, first - second], dim=-3).reshape(*lead, -1, NVFP4_BLOCK, trail)
     if inverse:
         chunks = chunks * signs
-    return (chunks * 0.25).reshape(x.shape)
+    return chunks.reshape(x.shape)
 
 
 def _cached_hadamard_signs(seed: int) -> torch.Tensor:

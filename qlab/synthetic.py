@@ -26,7 +26,8 @@ def activations(kind: str, shape: tuple[int, ...], generator: torch.Generator, *
     if kind == "gaussian":
         return normal
     if kind == "laplace":
-        uniform = torch.rand(shape, generator=generator) - 0.5
+        # u in the open interval (−1/2, 1/2): torch.rand can return 0, and log1p(−1) = −inf
+        uniform = torch.rand(shape, generator=generator) * (1 - 2.0 ** -24) + 2.0 ** -25 - 0.5
         return -torch.sign(uniform) * torch.log1p(-2 * uniform.abs()) / 2 ** 0.5
     if kind == "student_t3":
         chi2 = (torch.randn((*shape, 3), generator=generator) ** 2).sum(-1)

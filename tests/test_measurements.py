@@ -76,3 +76,8 @@ def test_nvfp4_clipping_when_the_block_scale_rounds_down():
 def test_clipping_is_only_for_block_formats():
     with pytest.raises(ValueError, match="MXSpec or NVFP4Spec"):
         Q.clipped_block_fraction(torch.ones(4, 32), "fp8_e4m3")
+
+
+def test_laplace_is_finite_even_when_the_uniform_draw_is_zero(monkeypatch):
+    monkeypatch.setattr(torch, "rand", lambda shape, generator=None: torch.zeros(shape))
+    assert torch.isfinite(synthetic.activations("laplace", (4,), torch.Generator())).all()

@@ -740,3 +740,49 @@ def test_converted_layers_keep_the_training_mode():
     assert not model[0].training
     unquantize_model(model)
     assert type(model[0]) is nn.Linear and not model[0].training
+
+
+# --- fixes from review -----------------------------------------------------------------------------
+
+def test_bf16_layers_dequantize_straight_to_float32():
+    # a bf16 layer's dequantized operands are not rounded back to bf16 before the float32 GEMM
+    torch.manual_seed(0)
+    layer = QuantLinear(64, 32, bias=False, recipe="fp8_tensorwise", dtype=torch.bfloat16)
+    x = torch.randn(16, 64).bfloat16()
+    x_q = qdq(x, TensorwiseSpec("e4m3"), dtype=torch.float32)
+    w_q = qdq(layer.weight.detach(), TensorwiseSpec("e4m3"), dtype=torch.float32)
+    torch.set_float32_matmul_precision("highest")
+    assert torch.equal(layer(x), (x_q @ w_q.T).bfloat16())
+
+
+def test_zero_tokens_pass_through():
+    layer = QuantLinear(64, 32, recipe="mxfp8")
+    x = torch.empty(0, 64, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 32) and x.grad.shape == (0, 64) and torch.equal(layer.weight.grad, torch.zeros(32, 64))
+
+
+def test_dummy_wgrad_follows_the_weights_dtype_and_device():
+    layer = QuantLinear(8, 4, bias=False, fuse_wgrad_accumulation=True)
+    layer.weight.grad_added_to_main_grad = False
+    layer(torch.ones(2, 8)).sum().backward()
+    layer.weight.grad = None
+    layer.double()
+    layer.weight.grad_added_to_main_grad = False
+    layer(torch.ones(2, 8, dtype=torch.float64)).sum().backward()  # a float32 dummy would be refused here
+    assert layer.weight.grad.dtype == torch.float64 and torch.count_nonzero(layer.weight.grad) == 0
+
+
+def test_quantized_model_runs_under_autocast_like_nn_linear():
+    model = nn.Sequential(nn.Linear(IN_FEATURES, 16), nn.ReLU(), nn.Linear(16, 4))
+    quantize_model(model, "fp8_tensorwise", keep_high_precision=["0"])
+    with torch.autocast("cpu", torch.bfloat16):
+        y = model(torch.randn(3, IN_FEATURES))
+    assert y.dtype == torch.bfloat16
+
+
+def test_each_converted_layer_gets_its_own_rounding_seed():
+    model = nn.Sequential(nn.Linear(IN_FEATURES, IN_FEATURES), nn.Linear(IN_FEATURES, IN_FEATURES))
+    quantize_model(model, "nvfp4", seed=10)
+    assert [model[0].seed, model[1].seed] == [10, 11]

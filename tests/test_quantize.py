@@ -889,14 +889,15 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
                        ("fp8_e4m3", -1), ("int8_rowwise", 0)):
         graphs = counters["stats"]["unique_graphs"]
         fast = qdq(x, name, axis, fast=True)
-        key = (Q.get_spec(name), axis % x.dim())
+        key = (Q.get_spec(name), axis % x.dim(), x.dtype)
         assert key in Q._compiled and key not in Q._compile_failed, name
         assert counters["stats"]["unique_graphs"] > graphs, f"{name} did not run through torch.compile"
         assert_same_bits(fast, qdq(x, name, axis, fast=False))
     # stochastic rounding: the noise is drawn eagerly from the generator, so the bits match too
     for spec, axis in ((NVFP4Spec(hadamard=True, rounding="stochastic"), 0), (MXSpec("e2m1", rounding="stochastic"), -1)):
         fast = qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=True)
-        assert (spec, axis % x.dim()) in Q._compiled and (spec, axis % x.dim()) not in Q._compile_failed
+        key = (spec, axis % x.dim(), x.dtype)
+        assert key in Q._compiled and key not in Q._compile_failed
         assert_same_bits(fast, qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=False))
 
 
@@ -943,3 +944,27 @@ BAD_INPUTS = [
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+# --- fixes from review -----------------------------------------------------------------------------
+
+def test_unsigned_symmetric_int_is_refused():
+    with pytest.raises(ValueError, match="symmetric=False"):
+        IntSpec(8, signed=False)
+
+
+def test_along_keeps_a_fixed_scale():
+    x = mixed_magnitudes((32, 48), 16, -2, 2, seed=3)
+    q = quantize(x, "fp8_e4m3", scale=2.0).along(0)
+    assert q.scales.item() == 2.0 and torch.equal(dequantize(q), qdq(x, "fp8_e4m3", 0, scale=2.0))
+
+
+def test_empty_tensors():
+    assert qdq(torch.empty(0, 64), "mxfp8").shape == (0, 64)
+    with pytest.raises(ValueError, match="non-empty"):
+        quantize(torch.empty(0, 64), "mxfp8")
+
+
+def test_hadamard_dim_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"dim must be in \[-2, 1\]"):
+        scaling.hadamard_transform(torch.ones(2, 16), dim=5)
