@@ -36,41 +36,32 @@ _ACTIVE: list["ProbeSet"] = []
 
 
 def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
-    """Statistics of a floating-point tensor, computed in float64.
+    """Statistics of a floating-point tensor; sums in float64 (std two-pass), min/max/amax exact.
 
     std is the population standard deviation; dynamic_range is log2(amax) − log2(smallest non-zero
-    |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros.
+    |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros. All
+    reductions are stacked and moved to the host in one transfer.
     """
     unknown = set(stats) - set(STATS)
     if unknown:
         raise ValueError(f"unknown statistics {sorted(unknown)}; expected some of: {', '.join(STATS)}")
-    x = tensor.detach().double().flatten()
+    x = tensor.detach().flatten()
     if x.numel() == 0:
         return {name: math.nan for name in stats}
     magnitude = x.abs()
-    nonzero = magnitude[magnitude > 0]
-    values = {}
-    for name in stats:
-        if name == "min":
-            values[name] = x.min().item()
-        elif name == "max":
-            values[name] = x.max().item()
-        elif name == "mean":
-            values[name] = x.mean().item()
-        elif name == "std":
-            values[name] = x.std(unbiased=False).item()
-        elif name == "l1":
-            values[name] = magnitude.sum().item()
-        elif name == "l2":
-            values[name] = torch.linalg.vector_norm(x).item()
-        elif name == "amax":
-            values[name] = magnitude.max().item()
-        elif name == "dynamic_range":
-            values[name] = (math.log2(nonzero.max().item()) - math.log2(nonzero.min().item())
-                            if nonzero.numel() else math.nan)
-        elif name == "zero_fraction":
-            values[name] = (x == 0).double().mean().item()
-    return values
+    wide = x.double()
+    smallest = torch.where(magnitude > 0, magnitude, torch.inf).min()
+    mean = wide.mean()
+    variance = (wide - mean).square().mean()  # two-pass: E[x²] − E[x]² would cancel (see notebook 02)
+    reduced = torch.stack([x.min().double(), x.max().double(), mean, variance, wide.square().sum(),
+                           magnitude.sum(dtype=torch.float64), magnitude.max().double(), smallest.double(),
+                           (x == 0).sum().double()]).tolist()
+    low, high, mean, variance, squares, l1, amax, smallest, zeros = reduced
+    values = {"min": low, "max": high, "mean": mean, "std": math.sqrt(variance),
+              "l1": l1, "l2": math.sqrt(squares), "amax": amax,
+              "dynamic_range": math.log2(amax) - math.log2(smallest) if math.isfinite(smallest) and amax > 0 else math.nan,
+              "zero_fraction": zeros / x.numel()}
+    return {name: values[name] for name in stats}
 
 
 def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float]:
