@@ -139,7 +139,7 @@ class _LinearFunction(torch.autograd.Function):
 
 
 class QuantLinear(nn.Linear):
-    """Drop-in nn.Linear whose three GEMMs follow a ``Recipe`` (see qlab.recipe), for 2D/3D inputs.
+    """Drop-in nn.Linear whose three GEMMs follow a ``Recipe`` (see qlab.recipe); inputs (..., in_features).
 
     fuse_wgrad_accumulation: write wgrad into fp32 ``weight.main_grad`` (created as zeros if
     missing) instead of returning it; ``forward(x, is_first_microbatch=True)`` overwrites instead
@@ -190,9 +190,9 @@ class QuantLinear(nn.Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError(f"QuantLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-        if x.dim() not in (2, 3) or x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantLinear expects input of shape (tokens, {self.in_features}) or "
-                             f"(batch, tokens, {self.in_features}), got {tuple(x.shape)}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"QuantLinear expects input of shape (..., {self.in_features}) like nn.Linear, "
+                             f"got {tuple(x.shape)}")
         weight, bias = self.weight, self.bias
         if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
             dtype = torch.get_autocast_dtype(x.device.type)
