@@ -64,6 +64,20 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     return {name: values[name] for name in stats}
 
 
+def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict[str, float]:
+    """Counts of |x| per binade: key "hist/2^k" counts low ≤ k = floor(log2|x|) < high; values below
+    2^low (and zeros) go to "hist/below", at or above 2^high to "hist/above". Exponents from frexp."""
+    magnitude = tensor.detach().abs().flatten().float()
+    exponent = torch.frexp(magnitude).exponent - 1  # floor(log2 |x|) read from the bits
+    nonzero = magnitude > 0
+    counts = torch.bincount((exponent[nonzero & (exponent >= low) & (exponent < high)] - low).long(),
+                            minlength=high - low).tolist()
+    values = {f"hist/2^{low + i}": float(c) for i, c in enumerate(counts)}
+    values["hist/below"] = float((~nonzero | (exponent < low)).sum())
+    values["hist/above"] = float((nonzero & (exponent >= high)).sum())
+    return values
+
+
 def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float]:
     """What quantizing ``tensor`` by ``spec`` along ``axis`` would do to it.
 
@@ -108,11 +122,13 @@ class ProbeSet:
     module with parameters or the model itself); roles: which of ROLES to record; stats: which of
     STATS; what_if: {label: spec} adds WHAT_IF_STATS per spec (stat names "<label>/<stat>");
     sampling: steps start ≤ s < end with (s − start) % every == 0; ranks: record only on these
-    torch.distributed ranks (records carry the rank either way).
+    torch.distributed ranks (records carry the rank either way); histograms: add log2_histogram
+    counts per tensor.
     """
 
     def __init__(self, model: nn.Module | None = None, modules=None, *, roles=ROLES, stats=STATS, what_if=None,
-                 what_if_axis: int = -1, every: int = 1, start: int = 0, end: int | None = None, ranks=None):
+                 what_if_axis: int = -1, every: int = 1, start: int = 0, end: int | None = None, ranks=None,
+                 histograms: bool = False):
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}; expected some of: {', '.join(ROLES)}")
@@ -124,6 +140,7 @@ class ProbeSet:
         self.what_if_axis = what_if_axis
         self.every, self.start, self.end = every, start, end
         self.ranks = None if ranks is None else set(ranks)
+        self.histograms = histograms
         self.current_step = 0
         self.records: list[tuple] = []
         self._handles: list = []
@@ -240,6 +257,9 @@ class ProbeSet:
         for label, spec in self.what_if.items():
             for stat, value in what_if_stats(tensor, spec, self.what_if_axis).items():
                 self.records.append((self.current_step, rank, name, role, f"{label}/{stat}", value))
+        if self.histograms:
+            for stat, value in log2_histogram(tensor).items():
+                self.records.append((self.current_step, rank, name, role, stat, value))
 
     def record_param_grads(self, role: str = "param_grad") -> None:
         """Record ``param.grad`` of every selected module's parameters (after accumulation/unscaling)."""
@@ -256,6 +276,12 @@ class ProbeSet:
     def to_frame(self) -> pd.DataFrame:
         """Records as a tidy DataFrame with columns step, rank, module, role, stat, value."""
         return pd.DataFrame(self.records, columns=["step", "rank", "module", "role", "stat", "value"])
+
+    def save(self, name: str):
+        """Write the records to data/<name>.csv (qlab.results.save_csv); return the path."""
+        from qlab.results import save_csv
+
+        return save_csv(self.to_frame(), name)
 
 
 # --- the gradient audit -------------------------------------------------------------------------------

@@ -128,10 +128,124 @@ class SeedTransformer(nn.Module):
 
 
 def permutation_task_batch(batch: int, tokens: int, vocab: int, generator: torch.Generator, seed: int = 0):
-    """Random token sequences and, as targets, each token mapped through a fixed random permutation.
+    """Random token sequences; the target at position t is the *previous* token through a fixed
+    random permutation (position 0: its own token), so the model must attend one step back.
 
-    The permutation depends only on ``seed`` (and vocab); the model has to learn it: (inputs, targets).
+    The permutation depends only on ``seed`` (and vocab). Returns (inputs, targets).
     """
     permutation = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
     ids = torch.randint(0, vocab, (batch, tokens), generator=generator)
-    return ids, permutation[ids]
+    previous = torch.cat([ids[:, :1], ids[:, :-1]], dim=1)
+    return ids, permutation[previous]
+
+
+# --- training and auditing --------------------------------------------------------------------------
+
+def train(mode: str = "corrected", optimizer: str = "adam", steps: int = 150, *, lr: float | None = None,
+          loss_scale: float | None = None, growth_interval: int = 50, microbatches: int = 1,
+          clip_norm: float | None = None, batch: int = 16, tokens: int = 32, vocab: int = 32, width: int = 64,
+          depth: int = 2, seed: int = 0, watch: str = "blocks.0.fc1") -> "pd.DataFrame":
+    """Train a SeedTransformer on the permutation task; one row per step.
+
+    Columns: step, loss, loss_scale (GradScaler's scale during that step's backward, 1 without),
+    inside_norm (‖wgrad‖ the probe sees inside the first micro-batch's backward of layer ``watch``),
+    final_norm (‖param.grad‖ after unscaling and clipping: what the optimizer uses), ratio, and
+    audit_unexplained (largest over parameters; GradientAudit given the scale, clip coefficient).
+    """
+    import pandas as pd
+
+    from qlab.probes import GradientAudit, ProbeSet
+
+    if optimizer not in ("adam", "sgd"):
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'sgd'")
+    model = SeedTransformer(vocab=vocab, width=width, depth=depth, tokens=tokens, mode=mode, seed=seed)
+    lr = lr if lr is not None else (3e-3 if optimizer == "adam" else 0.5)
+    opt = torch.optim.Adam(model.parameters(), lr) if optimizer == "adam" else torch.optim.SGD(model.parameters(), lr)
+    scaler = (torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=growth_interval)
+              if loss_scale is not None else None)
+    generator = torch.Generator().manual_seed(seed + 1)
+    watched = model.get_submodule(watch)
+    rows = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        scale = scaler.get_scale() if scaler is not None else 1.0
+        probes = ProbeSet(model, modules=[watch], roles=("probe",), stats=("l2",))
+        loss_total = 0.0
+        with GradientAudit(model) as audit:
+            for micro in range(microbatches):
+                x, y = permutation_task_batch(batch, tokens, vocab, generator, seed)
+                loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) / microbatches
+                loss_total += loss.item()
+                with probes if micro == 0 else _nothing():
+                    (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        coefficient = 1.0
+        if clip_norm is not None:
+            total = nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            coefficient = min(1.0, clip_norm / (total.item() + 1e-6))
+        report = audit.report(loss_scale=scale, clip_coefficient=coefficient)
+        frame = probes.to_frame()
+        inside = frame[frame.module == f"{watch}.weight.grad_inside"].value.iloc[0]
+        final = watched.weight.grad.norm().item()
+        rows.append({"step": step, "loss": loss_total, "loss_scale": scale, "inside_norm": inside,
+                     "final_norm": final, "ratio": inside / final, "clip_coefficient": coefficient,
+                     "audit_unexplained": report.unexplained.max()})
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return pd.DataFrame(rows)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+
+def _ddp_worker(rank: int, world_size: int, init_file: str, result_file: str, steps: int, seed: int) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from qlab.probes import GradientAudit
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        model = DistributedDataParallel(SeedTransformer(mode="corrected", seed=seed))
+        opt = torch.optim.Adam(model.parameters(), 3e-3)
+        generator = torch.Generator().manual_seed(seed + 100 * (rank + 1))  # each rank its own data
+        rows = []
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            with GradientAudit(model.module) as audit:
+                x, y = permutation_task_batch(16, 32, 32, generator, seed)
+                nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            report = audit.report()
+            local = audit.inside["blocks.0.fc1.weight"].norm().item()
+            final = model.module.blocks[0].fc1.weight.grad.norm().item()
+            rows.append({"step": step, "rank": rank, "local_norm": local, "final_norm": final,
+                         "ratio": local / final, "world_size": world_size,
+                         "audit_unexplained": report.unexplained.max()})
+            opt.step()
+        import pandas as pd
+        pd.DataFrame(rows).to_csv(f"{result_file}.{rank}", index=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_audit(world_size: int = 2, steps: int = 5, seed: int = 0) -> "pd.DataFrame":
+    """Train the corrected SeedTransformer under DDP (gloo, ``world_size`` CPU processes) and audit
+    every step on every rank: the local gradient against the averaged ``param.grad``."""
+    import tempfile
+
+    import pandas as pd
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = f"{folder}/audit"
+        mp.spawn(_ddp_worker, args=(world_size, f"{folder}/init", result, steps, seed), nprocs=world_size, join=True)
+        return pd.concat([pd.read_csv(f"{result}.{rank}") for rank in range(world_size)], ignore_index=True)

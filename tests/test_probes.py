@@ -201,3 +201,30 @@ def test_hooks_exist_only_on_sampled_steps():
         probes.step()
         assert model[0]._forward_hooks
     assert not model[0]._forward_hooks
+
+
+def test_log2_histogram_counts_binades_by_hand():
+    from qlab.probes import log2_histogram
+
+    h = log2_histogram(torch.tensor([0.0, 1.0, 1.5, -3.0, 2.0 ** -50, 2.0 ** 30]), low=-2, high=4)
+    # 1 and 1.5 in [2^0, 2^1); -3 in [2^1, 2^2); 0 and 2^-50 below 2^-2; 2^30 at or above 2^4
+    assert (h["hist/2^0"], h["hist/2^1"], h["hist/below"], h["hist/above"]) == (2.0, 1.0, 2.0, 1.0)
+    assert sum(h.values()) == 6
+
+
+def test_probe_set_saves_a_tidy_csv(tmp_path, monkeypatch):
+    monkeypatch.setenv("QLAB_RESULTS_DIR", str(tmp_path))
+    with ProbeSet(small_model(), stats=("amax",), histograms=True) as probes:
+        probe(torch.tensor([4.0]), "x")
+    path = probes.save("probes_test")
+    text = path.read_text().splitlines()
+    assert text[0] == "step,rank,module,role,stat,value" and "0,0,x,probe,amax,4" in text
+    assert "0,0,x,probe,hist/2^2,1" in text
+
+
+def test_seed_model_training_ratio_is_the_loss_scale():
+    from qlab import seed_model
+
+    run = seed_model.train("corrected", "adam", 3, loss_scale=2.0 ** 10, width=32, depth=1, tokens=8, batch=4)
+    # the probe inside backward sees ×scale; param.grad is unscaled: the ratio is the scale to float32 rounding
+    assert ((run.ratio / run.loss_scale - 1).abs() < 1e-5).all() and (run.audit_unexplained < 1e-6).all()
