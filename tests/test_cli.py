@@ -53,7 +53,7 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["run", "no_such_notebook"], "unknown notebook 'no_such_notebook'; available: 00_formats_and_scaling, 02_"),
+    (["run", "no_such_notebook"], "unknown notebook 'no_such_notebook'; available: 00_"),
     (["run", "02", "-p", "no_such_parameter", "1"], "unknown parameter(s) no_such_parameter"),
     (["run", "02", "-p", "n", "many"], "parameter n of 02_welford_vs_naive_variance expects int"),
 ])
