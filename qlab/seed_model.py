@@ -16,6 +16,8 @@ where autograd records nothing (``SeedQuantizerFunction.backward_calls`` counts 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -176,7 +178,7 @@ def train(mode: str = "corrected", optimizer: str = "adam", steps: int = 150, *,
                 x, y = permutation_task_batch(batch, tokens, vocab, generator, seed)
                 loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) / microbatches
                 loss_total += loss.item()
-                with probes if micro == 0 else _nothing():
+                with probes if micro == 0 else contextlib.nullcontext():
                     (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
@@ -197,14 +199,6 @@ def train(mode: str = "corrected", optimizer: str = "adam", steps: int = 150, *,
         else:
             opt.step()
     return pd.DataFrame(rows)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
 
 
 def _ddp_worker(rank: int, world_size: int, init_file: str, result_file: str, steps: int, seed: int) -> None:
