@@ -405,10 +405,14 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     elif isinstance(spec, MXSpec):
         out = values * q.scales[..., None]
     else:
-        block_scales = q.scales.repeat_interleave(16, dim=-2) if spec.block_2d else q.scales
-        full = block_scales if q.global_scale is None else q.global_scale * block_scales
-        out = values * full[..., None]
+        out = values * _nvfp4_element_scales(spec, q.scales, q.global_scale)[..., None]
     return _from_layout(out, spec, q.axis, q.shape, dtype or q.dtype)
+
+
+def _nvfp4_element_scales(spec: NVFP4Spec, scales: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The per-block multiplier global·block (…, n_blocks) from stored NVFP4 scales (16×16 tiles expanded)."""
+    block_scales = scales.repeat_interleave(16, dim=-2) if spec.block_2d else scales
+    return block_scales if global_scale is None else global_scale * block_scales
 
 
 def _qdq_layout(layout: torch.Tensor, spec: Spec, generator=None, scale=None, dim: int = -1) -> torch.Tensor:
@@ -471,8 +475,7 @@ def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor
         return (rounded >= fmt.min) & (rounded <= fmt.max)
     if isinstance(spec, MXSpec):
         return layout.abs() / parts["scales"][..., None] <= fmt.max
-    block_scales = parts["scales"].repeat_interleave(16, dim=-2) if spec.block_2d else parts["scales"]
-    full = block_scales if parts["global_scale"] is None else parts["global_scale"] * block_scales
+    full = _nvfp4_element_scales(spec, parts["scales"], parts["global_scale"])
     return layout.abs() / full[..., None] <= scaling.NVFP4_ELEMENT_MAX
 
 
@@ -589,15 +592,7 @@ def clipped_block_fraction(x: torch.Tensor, spec: str | Spec, axis: int = -1) ->
         raise ValueError(f"clipping is measured for MXSpec or NVFP4Spec blocks, got {type(spec).__name__}")
     axis = _check_input(x, spec, axis)
     layout = _to_layout(x, spec, axis)
-    block_amax = layout.abs().amax(-1)
-    if isinstance(spec, MXSpec):
-        fmt = get_format(spec.element)
-        inverse = scaling.mx_scale_values(scaling.mx_scale_codes(block_amax, fmt, spec.mode), inverse=True)
-        scaled, limit = block_amax * inverse, fmt.max
-    else:
-        parts, _ = _nvfp4(layout, spec, None, None)
-        block_scales = parts["scales"].repeat_interleave(16, dim=-2) if spec.block_2d else parts["scales"]
-        full = block_scales if parts["global_scale"] is None else parts["global_scale"] * block_scales
-        scaled, limit = block_amax / full, scaling.NVFP4_ELEMENT_MAX
-    finite = torch.isfinite(block_amax)
-    return float(((scaled > limit) & finite).sum() / finite.sum().clamp(min=1))
+    parts, _ = _RECIPES[type(spec)](layout, spec, None, None)
+    clipped = ~_inside_range(layout, spec, parts).all(-1)
+    finite = torch.isfinite(layout.abs().amax(-1))
+    return float((clipped & finite).sum() / finite.sum().clamp(min=1))
