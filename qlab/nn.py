@@ -205,6 +205,25 @@ class QuantLinear(nn.Linear):
             y = _LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def quant_state(self) -> dict:
+        """What a checkpoint needs besides the Parameters for an exact resume: the stochastic-rounding
+        generators' states and the delayed-scaling histories (plain tensors: ``weights_only`` loadable)."""
+        return {"generators": {str(device): generator.get_state() for device, generator in self._generators.items()},
+                "scalers": {role: {"history": scaler.history.clone(), "scale": scaler.scale.clone()}
+                            for role, scaler in self.scalers.items()}}
+
+    def load_quant_state(self, state: dict) -> None:
+        """Restore ``quant_state()``'s output (same recipe); generators are recreated on their devices."""
+        unknown = set(state.get("scalers", {})) - set(self.scalers)
+        if unknown:
+            raise ValueError(f"checkpoint has delayed-scaling state for {sorted(unknown)}, "
+                             f"but this layer's recipe {self.recipe.name!r} scales {sorted(self.scalers) or 'nothing'}")
+        for device, generator_state in state.get("generators", {}).items():
+            self._generators[torch.device(device)] = torch.Generator(device=device).set_state(generator_state)
+        for role, saved in state.get("scalers", {}).items():
+            self.scalers[role].history = saved["history"].clone()
+            self.scalers[role].scale = saved["scale"].clone()
+
     # --- helpers used by the autograd function ---
 
     def _generator(self, device: torch.device) -> torch.Generator:
