@@ -5,6 +5,7 @@
     qlab figures [--smoke]                      every notebook, default parameters
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--smoke]
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
+    qlab train [--config F.yaml] [--set key=value ...] [--nproc N]   train a model (qlab.train)
 
 Parameter values are parsed as YAML scalars/lists (``-p n 1024 -p dtypes '[float32, bfloat16]'``).
 Exit status: 0 success, 1 a notebook or sweep point failed, 2 bad input.
@@ -53,6 +54,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
+
+    from qlab.train import launch
+
+    launch.add_arguments(sub.add_parser("train", help="train a model (qlab.train); --nproc N runs DDP via torchrun"))
     return parser
 
 
@@ -104,16 +109,22 @@ def _cmd_sync(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from qlab.train import launch
+
+    return launch.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     command = {"list": _cmd_list, "run": _cmd_run, "figures": _cmd_figures, "sweep": _cmd_sweep,
-               "sync": _cmd_sync}[args.command]
+               "sync": _cmd_sync, "train": _cmd_train}[args.command]
     try:
         return command(args)
     except NotebookError as err:
         print(f"qlab: {err}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"qlab: error: {err}", file=sys.stderr)
         return 2
 

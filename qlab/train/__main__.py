@@ -1,0 +1,5 @@
+import sys
+
+from qlab.train.launch import main
+
+sys.exit(main())

@@ -1,0 +1,160 @@
+"""TrainConfig: every setting of a training run, validated on construction; YAML in, YAML out.
+
+The same field names are the notebook's parameters, ``qlab train --set key=value`` keys and the
+YAML file's keys; an unknown key is an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from qlab.recipe import PRESETS, get_recipe
+
+TASKS = ("shakespeare", "digits")
+BASELINES = ("fp32", "bf16")  # no quantization; bf16 runs the model under bf16 autocast
+RECIPES = BASELINES + tuple(name for name in PRESETS if name != "bf16")
+AUTOCAST_DTYPES = (None, "bf16", "fp16")
+
+
+@dataclass
+class TrainConfig:
+    """A training run. ``batch_size`` is the global batch (sequences or images per optimizer step),
+    split over ``nproc`` processes and ``grad_accum`` micro-batches; lr follows linear warmup then a
+    cosine decay to ``lr * min_lr_ratio`` at ``steps``."""
+
+    task: str = "shakespeare"
+    recipe: str = "fp32"  # fp32, bf16 or a qlab.recipe preset
+    backward_override: str | None = None  # None, "high_precision" or "dequantized"
+    keep_high_precision: list[str] | dict[str, list[str]] = field(default_factory=lambda: ["head"])
+    # model (CharGPT for shakespeare, MLP for digits)
+    context: int = 128
+    layers: int = 5
+    width: int = 128
+    heads: int = 4
+    tied_head: bool = True
+    hidden: list[int] = field(default_factory=lambda: [128, 128])
+    # optimization
+    steps: int = 1000
+    batch_size: int = 32
+    grad_accum: int = 1
+    nproc: int = 1
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float | None = 1.0
+    autocast: str | None = None  # None, "bf16" or "fp16"
+    grad_scaler: bool = False  # torch.amp.GradScaler (dynamic loss scaling)
+    # evaluation, logging, checkpoints
+    eval_every: int = 100
+    eval_batches: int = 8
+    fidelity_every: int = 0  # 0 = off; else per-layer weight-gradient fidelity against fp32 every N steps
+    checkpoint_every: int = 0  # 0 = only at the end (when out_dir is set)
+    out_dir: str | None = None
+    resume: bool = False
+    progress: bool = True
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self):
+        if isinstance(self.backward_override, str) and self.backward_override.strip().lower() == "none":
+            self.backward_override = None
+        self._check_types()
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; expected one of: {', '.join(TASKS)}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"unknown recipe {self.recipe!r}; expected one of: {', '.join(RECIPES)}")
+        if self.recipe in BASELINES and self.backward_override is not None:
+            raise ValueError(f"backward_override={self.backward_override!r} needs a quantized recipe, "
+                             f"got the unquantized baseline {self.recipe!r}")
+        if self.recipe not in BASELINES:
+            get_recipe(self.recipe, backward_override=self.backward_override)  # refuses bad combinations
+        if self.autocast not in AUTOCAST_DTYPES:
+            raise ValueError(f"unknown autocast {self.autocast!r}; expected None, 'bf16' or 'fp16'")
+        for name in ("steps", "batch_size", "grad_accum", "nproc", "eval_batches", "context", "layers", "width",
+                     "heads", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)}")
+        for name in ("warmup_steps", "fidelity_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+        if self.batch_size % (self.nproc * self.grad_accum):
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by nproc × grad_accum = "
+                             f"{self.nproc} × {self.grad_accum}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0:
+            raise ValueError(f"need lr > 0, 0 ≤ min_lr_ratio ≤ 1 and weight_decay ≥ 0; got lr={self.lr}, "
+                             f"min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
+        if self.width % self.heads:
+            raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        if self.resume and not self.out_dir:
+            raise ValueError("resume=True needs out_dir (where the checkpoint is)")
+
+    def _check_types(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(type(f.default))
+            if f.name in ("grad_clip",):
+                expected = (int, float, type(None))
+            if f.name in ("backward_override", "autocast", "out_dir"):
+                expected = (str, type(None))
+            if expected and (not isinstance(value, expected) or (bool not in expected and isinstance(value, bool))):
+                raise TypeError(f"{f.name} must be {' or '.join(t.__name__ for t in expected)}, "
+                                f"got {type(value).__name__} {value!r}")
+        if not isinstance(self.keep_high_precision, (list, tuple, dict)):
+            raise TypeError(f"keep_high_precision must be a list of patterns or a dict recipe -> list, "
+                            f"got {type(self.keep_high_precision).__name__}")
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences (or images) per process per micro-batch."""
+        return self.batch_size // (self.nproc * self.grad_accum)
+
+    def keep_patterns(self) -> list[str]:
+        """The layers this run's recipe keeps in high precision (fnmatch patterns)."""
+        keep = self.keep_high_precision
+        if isinstance(keep, dict):
+            keep = keep.get(self.recipe, keep.get("default", []))
+        return list(keep)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        if not isinstance(data, dict):
+            raise TypeError(f"a training config is a mapping of fields, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}; expected some of: {', '.join(sorted(known))}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """A TrainConfig from a YAML file (optional) with ``key=value`` overrides (values parsed as YAML)."""
+    data = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a YAML mapping of config keys, got {type(loaded).__name__}")
+        data.update(loaded or {})
+    if isinstance(overrides, dict):
+        data.update(overrides)
+    else:
+        for item in overrides or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"expected key=value, got {item!r}")
+            data[key.strip()] = yaml.safe_load(value)
+    return TrainConfig.from_dict(data)

@@ -1,0 +1,62 @@
+"""Command line for training: ``qlab train`` and ``python -m qlab.train`` (what torchrun runs).
+
+    qlab train [--config FILE.yaml] [--set key=value ...] [--nproc N]
+
+With ``--nproc N > 1`` the command re-launches itself through ``torch.distributed.run``
+(torchrun, single node, rendezvous on localhost) with N processes; gloo on CPU, NCCL on CUDA.
+``nproc`` may also come from the config file or ``--set nproc=N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML file of TrainConfig fields")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field (value parsed as YAML); repeatable")
+    parser.add_argument("--nproc", type=int, help="processes (DDP through torchrun); overrides the config's nproc")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the config, then train here (one process or already under torchrun) or launch torchrun."""
+    from qlab.train.config import load_config
+
+    overrides = list(args.overrides) + ([f"nproc={args.nproc}"] if args.nproc is not None else [])
+    config = load_config(args.config, overrides)  # errors surface before any process starts
+    under_torchrun = "LOCAL_RANK" in os.environ
+    if config.nproc > 1 and not under_torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.nproc}",
+                   "-m", "qlab.train"] + (["--config", args.config] if args.config else [])
+        for item in overrides:
+            command += ["--set", item]
+        return subprocess.call(command)
+    from qlab.train.loop import train
+
+    result = train(config)
+    if int(os.environ.get("RANK", "0")) == 0:
+        last = result.metrics.iloc[-1]
+        print(f"qlab train: {config.recipe} step {int(last.step)} train_loss {last.train_loss:.4f} "
+              f"val_loss {last.val_loss:.4f} in {result.seconds:.1f} s"
+              + (f"; results in {config.out_dir}" if config.out_dir else ""))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m qlab.train", description="train a qlab model")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as err:
+        print(f"qlab train: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

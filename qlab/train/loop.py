@@ -1,0 +1,358 @@
+"""The training loop: one function, ``train(config)``, that runs on a laptop CPU or under torchrun.
+
+Per optimizer step: ``grad_accum`` micro-batches (loss / grad_accum, backward; DDP syncs only on
+the last), optional GradScaler unscale, gradient clipping, AdamW with warmup + cosine lr. Batches
+are drawn statelessly from (seed, step): step s's global batch is the same whatever the number of
+processes, each rank taking its slice (the distributed sampler), so a resumed or a 2-process run
+sees exactly the batches of the uninterrupted 1-process run. Validation loss is measured every
+``eval_every`` steps (and at the last) on a fixed validation subset.
+
+Outputs (rank 0, when ``out_dir`` is set): metrics.csv (step, tokens, train_loss, val_loss,
+grad_norm, lr, time_s, plus val_accuracy for digits), fidelity.csv, config.yaml, vocab.json and
+checkpoint.pt (state dicts, loadable with ``torch.load(weights_only=True)``). Metrics files are
+replaced atomically, so a crash never leaves a half-written CSV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+import yaml
+from torch import nn
+from torch.nn import functional as F
+
+from qlab.nn import QuantLinear, quantize_model, unquantize_model
+from qlab.recipe import get_recipe
+from qlab.train import data as D
+from qlab.train.config import BASELINES, TrainConfig
+from qlab.train.models import MLP, CharGPT
+
+CHECKPOINT = "checkpoint.pt"
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns: the metric rows, the fidelity rows, the trained model and its wall time."""
+
+    metrics: pd.DataFrame
+    fidelity: pd.DataFrame
+    model: nn.Module
+    seconds: float
+    probes: object | None = None
+
+
+# --- set-up ------------------------------------------------------------------------------------------
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return device
+
+
+def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
+    """(rank, world_size, device); joins the process group when launched by torchrun."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != config.nproc:
+        raise ValueError(f"config.nproc={config.nproc} but {world_size} processes were launched; "
+                         f"use `qlab train --nproc {config.nproc}` (or torchrun --nproc_per_node {config.nproc})")
+    device = resolve_device(config.device)
+    if world_size == 1:
+        return 0, 1, device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return dist.get_rank(), world_size, device
+
+
+def build_model(config: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    """The config's model, seeded with ``config.seed``, quantized by its recipe (kept layers excepted)."""
+    torch.manual_seed(config.seed)
+    if config.task == "shakespeare":
+        model = CharGPT(vocab_size, context=config.context, layers=config.layers, width=config.width,
+                        heads=config.heads, tied_head=config.tied_head)
+    else:
+        model = MLP(64, tuple(config.hidden), 10)
+    if config.recipe not in BASELINES:
+        keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
+        quantize_model(model, get_recipe(config.recipe, backward_override=config.backward_override),
+                       keep_high_precision=keep, seed=config.seed)
+    return model
+
+
+def _expand(model: nn.Module, pattern: str) -> list[str]:
+    """'first_block' / 'last_block' name CharGPT's first / last block; anything else is an fnmatch pattern."""
+    if pattern in ("first_block", "last_block") and isinstance(model, CharGPT):
+        return model.block_patterns(first=int(pattern == "first_block"), last=int(pattern == "last_block"))
+    return [pattern]
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine from lr to lr·min_lr_ratio at ``steps``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    low = config.lr * config.min_lr_ratio
+    return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+# --- data ----------------------------------------------------------------------------------------------
+
+class Batches:
+    """Stateless batches: ``train(step, micro, rank)`` depends only on (seed, step), never on history."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        if config.task == "shakespeare":
+            corpus = D.shakespeare()
+            self.vocabulary = corpus.vocabulary
+            self.train_data, self.val_data = corpus.train, corpus.val
+        else:
+            images = D.digits(config.seed)
+            self.vocabulary = None
+            self.train_data, self.val_data = (images.train_x, images.train_y), (images.val_x, images.val_y)
+
+    def _draw(self, indices: torch.Tensor, split: str):
+        if self.config.task == "shakespeare":
+            stream = self.train_data if split == "train" else self.val_data
+            window = indices[:, None] + torch.arange(self.config.context + 1)
+            tokens = stream[window]
+            return tokens[:, :-1], tokens[:, 1:]
+        x, y = self.train_data if split == "train" else self.val_data
+        return x[indices], y[indices]
+
+    def _population(self, split: str) -> int:
+        if self.config.task == "shakespeare":
+            stream = self.train_data if split == "train" else self.val_data
+            return len(stream) - self.config.context - 1
+        return len((self.train_data if split == "train" else self.val_data)[1])
+
+    def global_indices(self, step: int) -> torch.Tensor:
+        """Step ``step``'s whole batch, shaped (grad_accum, nproc, micro_batch)."""
+        c = self.config
+        generator = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
+        indices = torch.randint(self._population("train"), (c.batch_size,), generator=generator)
+        return indices.view(c.grad_accum, c.nproc, c.micro_batch)
+
+    def train(self, step: int, micro: int, rank: int):
+        return self._draw(self.global_indices(step)[micro, rank], "train")
+
+    def validation(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The fixed validation subset: eval_batches × batch_size windows (digits: the whole split)."""
+        c = self.config
+        if c.task == "digits":
+            return [self.val_data]
+        generator = torch.Generator().manual_seed(c.seed + 7919)
+        indices = torch.randint(self._population("val"), (c.eval_batches, c.batch_size), generator=generator)
+        return [self._draw(row, "val") for row in indices]
+
+    def fidelity_batch(self):
+        """One fixed training batch (batch_size items) on which gradients are compared."""
+        generator = torch.Generator().manual_seed(self.config.seed + 104729)
+        return self._draw(torch.randint(self._population("train"), (self.config.batch_size,),
+                                        generator=generator), "train")
+
+
+# --- measurements ---------------------------------------------------------------------------------------
+
+def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    with autocast():
+        logits = model(inputs)
+    logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten()), logits
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches, autocast, device) -> dict[str, float]:
+    """Mean cross-entropy (nats per token or per image) over ``batches``; accuracy for images."""
+    was_training = model.training
+    model.eval()
+    losses, correct, count = [], 0, 0
+    for inputs, targets in batches:
+        loss, logits = _loss(model, inputs.to(device), targets.to(device), autocast)
+        losses.append(loss.item())
+        correct += (logits.argmax(-1) == targets.to(device)).sum().item()
+        count += targets.numel()
+    model.train(was_training)
+    return {"val_loss": sum(losses) / len(losses), "val_accuracy": correct / count}
+
+
+def gradient_fidelity(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, autocast=contextlib.nullcontext,
+                      ) -> list[dict]:
+    """Per Linear weight: cosine similarity and relative error ‖g − g_ref‖/‖g_ref‖ of the model's gradient
+    against the fp32 gradient (every layer an nn.Linear, no autocast) at the same weights on the same batch.
+
+    Works on deep copies: the model, its gradients and its stochastic-rounding generators are untouched.
+    """
+    measured = copy.deepcopy(model)
+    reference = copy.deepcopy(model)
+    unquantize_model(reference)
+    gradients = []
+    for candidate, context in ((measured, autocast), (reference, contextlib.nullcontext)):
+        candidate.zero_grad(set_to_none=True)
+        _loss(candidate, inputs, targets, context)[0].backward()
+        gradients.append({name: module.weight.grad.double() for name, module in candidate.named_modules()
+                          if isinstance(module, nn.Linear)})
+    rows = []
+    for name, g_ref in gradients[1].items():
+        g = gradients[0][name]
+        rows.append({"layer": name, "quantized": isinstance(model.get_submodule(name), QuantLinear),
+                     "cosine": F.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0).item(),
+                     "relative_error": ((g - g_ref).norm() / g_ref.norm()).item()})
+    return rows
+
+
+# --- checkpoints ---------------------------------------------------------------------------------------
+
+def _quant_states(model: nn.Module) -> dict:
+    return {name: module.quant_state() for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+
+
+def save_checkpoint(path: Path, *, step, model, optimizer, scaler, metrics, fidelity, config) -> None:
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scaler": scaler.state_dict(), "quant": _quant_states(model), "metrics": metrics,
+             "fidelity": fidelity, "config": config.to_dict()}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, *, model, optimizer, scaler, config) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    saved = {k: v for k, v in state["config"].items() if k not in ("resume", "progress", "out_dir", "checkpoint_every")}
+    current = {k: v for k, v in config.to_dict().items() if k in saved}
+    if saved != current:
+        changed = sorted(k for k in saved if saved[k] != current[k])
+        raise ValueError(f"{path} was written by a run with different settings {changed}; resume with the "
+                         f"same config (the lr schedule depends on steps, so even steps must match)")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scaler.load_state_dict(state["scaler"])
+    for name, quant in state["quant"].items():
+        model.get_submodule(name).load_quant_state(quant)
+    return state
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    frame.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
+    os.replace(tmp, path)
+
+
+# --- the loop ---------------------------------------------------------------------------------------------
+
+def train(config: TrainConfig, *, probes=None) -> TrainResult:
+    """Train ``config``'s model; see the module docstring. ``probes``: a callable model → ProbeSet,
+    attached for the run (param grads recorded after unscaling on sampled steps)."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"train expects a TrainConfig, got {type(config).__name__}")
+    rank, world_size, device = _distributed(config)
+    batches = Batches(config)
+    vocab_size = len(batches.vocabulary) if batches.vocabulary is not None else None
+    model = build_model(config, vocab_size).to(device)
+    autocast_name = "bf16" if config.recipe == "bf16" else config.autocast
+    autocast = (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[autocast_name])) if autocast_name \
+        else contextlib.nullcontext
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, betas=(config.beta1, config.beta2))
+    scaler = torch.amp.GradScaler(device.type, enabled=config.grad_scaler)
+    out_dir = Path(config.out_dir) if config.out_dir else None
+    metrics, fidelity, start = [], [], 0
+    if out_dir is not None and config.resume and (out_dir / CHECKPOINT).exists():
+        state = load_checkpoint(out_dir / CHECKPOINT, model=model, optimizer=optimizer, scaler=scaler, config=config)
+        start, metrics, fidelity = state["step"], list(state["metrics"]), list(state["fidelity"])
+    if out_dir is not None and rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=True))
+        if batches.vocabulary is not None:
+            batches.vocabulary.save(out_dir / "vocab.json")
+    trained = model
+    if world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    probe_set = probes(trained) if probes is not None else None
+    if probe_set is not None:
+        probe_set.current_step = start
+        probe_set.attach()
+    validation = batches.validation()
+    fidelity_inputs = [t.to(device) for t in batches.fidelity_batch()] if config.fidelity_every else None
+    tokens_per_item = config.context if config.task == "shakespeare" else 1
+    elapsed = metrics[-1]["time_s"] if metrics else 0.0
+    progress = _progress(config, rank, start)
+    began = time.perf_counter()
+    try:
+        for step in range(start, config.steps):
+            if fidelity_inputs is not None and step % config.fidelity_every == 0:
+                fidelity += [{"step": step, **row} for row in gradient_fidelity(trained, *fidelity_inputs, autocast)]
+            lr = learning_rate(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.zero_grad(set_to_none=True)
+            train_loss = torch.zeros((), device=device)
+            for micro in range(config.grad_accum):
+                inputs, targets = (t.to(device) for t in batches.train(step, micro, rank))
+                sync = micro == config.grad_accum - 1 or world_size == 1
+                with contextlib.nullcontext() if sync else model.no_sync():
+                    loss = _loss(model, inputs, targets, autocast)[0] / config.grad_accum
+                    scaler.scale(loss).backward()
+                train_loss += loss.detach()
+            scaler.unscale_(optimizer)
+            if probe_set is not None and probe_set.sampling():
+                probe_set.record_param_grads()
+            grad_norm = nn.utils.clip_grad_norm_(trained.parameters(), config.grad_clip or math.inf)
+            scaler.step(optimizer)
+            scaler.update()
+            if probe_set is not None:
+                probe_set.step()
+            if world_size > 1:
+                dist.all_reduce(train_loss)
+                train_loss /= world_size
+            row = {"step": step + 1, "tokens": (step + 1) * config.batch_size * tokens_per_item,
+                   "train_loss": train_loss.item(), "val_loss": math.nan, "grad_norm": grad_norm.item(), "lr": lr}
+            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+                row.update(evaluate(trained, validation, autocast, device))
+                if config.task == "shakespeare":
+                    row.pop("val_accuracy")
+            row["time_s"] = elapsed + time.perf_counter() - began
+            metrics.append(row)
+            progress.update(1)
+            progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
+            last = step + 1 == config.steps
+            if out_dir is not None and (last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)):
+                if rank == 0:
+                    save_checkpoint(out_dir / CHECKPOINT, step=step + 1, model=trained, optimizer=optimizer,
+                                    scaler=scaler, metrics=metrics, fidelity=fidelity, config=config)
+            if out_dir is not None and rank == 0 and (last or not math.isnan(row["val_loss"])):
+                _write_csv(pd.DataFrame(metrics), out_dir / "metrics.csv")
+                if fidelity:
+                    _write_csv(pd.DataFrame(fidelity), out_dir / "fidelity.csv")
+    finally:
+        progress.close()
+        if probe_set is not None:
+            probe_set.detach()
+    seconds = time.perf_counter() - began
+    return TrainResult(pd.DataFrame(metrics), pd.DataFrame(fidelity), trained, seconds, probe_set)
+
+
+def _progress(config: TrainConfig, rank: int, start: int):
+    from tqdm.auto import tqdm
+
+    label = config.recipe + (f"/{config.backward_override}" if config.backward_override else "")
+    return tqdm(total=config.steps, initial=start, desc=label, unit="step", leave=False,
+                disable=not config.progress or rank != 0)

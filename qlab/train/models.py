@@ -1,0 +1,123 @@
+"""Two small models built from plain nn.Linear layers, so ``qlab.nn.quantize_model`` applies to them.
+
+CharGPT is nanoGPT's shape at toy size: token + position embeddings, pre-LayerNorm blocks of
+causal self-attention and a GELU MLP, a final LayerNorm and a linear head (tied to the token
+embedding or not). Its Linear layers are named ``blocks.{i}.attn.qkv``, ``blocks.{i}.attn.proj``,
+``blocks.{i}.mlp.fc``, ``blocks.{i}.mlp.proj`` and ``head``. The defaults (5 blocks, width 128,
+context 128) give about 1.0M parameters. MLP is a plain multi-layer perceptron (``layers.{i}``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not divisible by heads {heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=-1)
+        q, k, v = (t.view(batch, tokens, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, tokens, width))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.proj = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = FeedForward(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharGPT(nn.Module):
+    """ids (batch, tokens ≤ context) int64 → logits (batch, tokens, vocab_size) float32."""
+
+    def __init__(self, vocab_size: int, *, context: int = 128, layers: int = 5, width: int = 128, heads: int = 4,
+                 tied_head: bool = True):
+        super().__init__()
+        self.context = context
+        self.token_embedding = nn.Embedding(vocab_size, width)
+        self.position_embedding = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.apply(_init_weights)
+        for name, parameter in self.named_parameters():  # GPT-2's scaled init of the residual projections
+            if name.endswith("proj.weight"):
+                nn.init.normal_(parameter, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+        if tied_head:
+            self.head.weight = self.token_embedding.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dim() != 2 or ids.dtype != torch.long:
+            raise TypeError(f"CharGPT expects int64 ids of shape (batch, tokens), got {ids.dtype} {tuple(ids.shape)}")
+        if ids.shape[1] > self.context:
+            raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than the context {self.context}")
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.token_embedding(ids) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def block_patterns(self, first: int = 0, last: int = 0) -> list[str]:
+        """fnmatch patterns naming the first ``first`` and last ``last`` blocks' layers."""
+        count = len(self.blocks)
+        chosen = sorted(set(range(min(first, count))) | set(range(max(count - last, 0), count)))
+        return [f"blocks.{i}.*" for i in chosen]
+
+
+class MLP(nn.Module):
+    """features (batch, inputs) → logits (batch, classes): Linear-GELU stacks, ``layers.{i}``."""
+
+    def __init__(self, inputs: int = 64, hidden=(128, 128), classes: int = 10):
+        super().__init__()
+        widths = [inputs, *hidden, classes]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Distinct parameters (a tied head counts once)."""
+    return sum(p.numel() for p in model.parameters())
