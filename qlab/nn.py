@@ -107,7 +107,8 @@ class _LinearFunction(torch.autograd.Function):
         y = _gemm(x_q, w_q.T)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        layer._step_scalers("input", x, "weight", weight)
+        if layer.training:  # evaluation (model.eval()) reads the scales without rolling the history
+            layer._step_scalers("input", x, "weight", weight)
         if layer.recipe.backward_override == "dequantized":
             ctx.save_for_backward(x_q, w_q)
         else:  # None re-quantizes from high precision along the backward GEMMs' axes
