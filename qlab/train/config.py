@@ -7,6 +7,7 @@ YAML file's keys; an unknown key is an error, never ignored.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ TASKS = ("shakespeare", "digits")
 BASELINES = ("fp32", "bf16")  # no quantization; bf16 runs the model under bf16 autocast
 RECIPES = BASELINES + tuple(name for name in PRESETS if name != "bf16")
 AUTOCAST_DTYPES = (None, "bf16", "fp16")
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 @dataclass
@@ -65,6 +67,10 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.backward_override, str) and self.backward_override.strip().lower() == "none":
             self.backward_override = None
+        for f in dataclasses.fields(self):  # YAML 1.1 reads 3e-4 (no dot) as a string
+            value = getattr(self, f.name)
+            if isinstance(f.default, float) and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+                setattr(self, f.name, float(value))
         self._check_types()
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; expected one of: {', '.join(TASKS)}")

@@ -79,18 +79,21 @@ def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     return dist.get_rank(), world_size, device
 
 
-def build_model(config: TrainConfig, vocab_size: int | None = None) -> nn.Module:
-    """The config's model, seeded with ``config.seed``, quantized by its recipe (kept layers excepted)."""
-    torch.manual_seed(config.seed)
-    if config.task == "shakespeare":
-        model = CharGPT(vocab_size, context=config.context, layers=config.layers, width=config.width,
-                        heads=config.heads, tied_head=config.tied_head)
-    else:
-        model = MLP(64, tuple(config.hidden), 10)
+def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 0) -> nn.Module:
+    """The config's model, initialized from ``config.seed`` (torch's global RNG is left as it was),
+    quantized by its recipe (kept layers excepted). Stochastic rounding is seeded per rank, as each
+    GPU has its own generator: rank r's layers draw from seed + 10000·r."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        if config.task == "shakespeare":
+            model = CharGPT(vocab_size, context=config.context, layers=config.layers, width=config.width,
+                            heads=config.heads, tied_head=config.tied_head)
+        else:
+            model = MLP(64, tuple(config.hidden), 10)
     if config.recipe not in BASELINES:
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(model, get_recipe(config.recipe, backward_override=config.backward_override),
-                       keep_high_precision=keep, seed=config.seed)
+                       keep_high_precision=keep, seed=config.seed + 10_000 * rank)
     return model
 
 
@@ -231,9 +234,14 @@ def save_checkpoint(path: Path, *, step, model, optimizer, scaler, metrics, fide
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, *, model, optimizer, scaler, config) -> dict:
+RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc", "device")
+
+
+def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int = 0) -> dict:
+    """Restore a checkpoint into the run's objects. Exact for one process; under DDP every rank takes
+    rank 0's delayed-scaling histories, and ranks > 0 restart their stochastic-rounding generators."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    saved = {k: v for k, v in state["config"].items() if k not in ("resume", "progress", "out_dir", "checkpoint_every")}
+    saved = {k: v for k, v in state["config"].items() if k not in RESUMABLE_CHANGES}
     current = {k: v for k, v in config.to_dict().items() if k in saved}
     if saved != current:
         changed = sorted(k for k in saved if saved[k] != current[k])
@@ -243,7 +251,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config) -> dict:
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     for name, quant in state["quant"].items():
-        model.get_submodule(name).load_quant_state(quant)
+        model.get_submodule(name).load_quant_state(quant if rank == 0 else {**quant, "generators": {}})
     return state
 
 
@@ -263,7 +271,7 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     rank, world_size, device = _distributed(config)
     batches = Batches(config)
     vocab_size = len(batches.vocabulary) if batches.vocabulary is not None else None
-    model = build_model(config, vocab_size).to(device)
+    model = build_model(config, vocab_size, rank).to(device)
     autocast_name = "bf16" if config.recipe == "bf16" else config.autocast
     autocast = (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[autocast_name])) if autocast_name \
         else contextlib.nullcontext
@@ -276,7 +284,8 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     out_dir = Path(config.out_dir) if config.out_dir else None
     metrics, fidelity, start = [], [], 0
     if out_dir is not None and config.resume and (out_dir / CHECKPOINT).exists():
-        state = load_checkpoint(out_dir / CHECKPOINT, model=model, optimizer=optimizer, scaler=scaler, config=config)
+        state = load_checkpoint(out_dir / CHECKPOINT, model=model, optimizer=optimizer, scaler=scaler, config=config,
+                                rank=rank)
         start, metrics, fidelity = state["step"], list(state["metrics"]), list(state["fidelity"])
     if out_dir is not None and rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
