@@ -41,6 +41,7 @@ bench: $(STAMP)  ## speed benchmarks (ratios against a baseline in the same run)
 	$(BIN)/python benchmarks/bench_quantize.py
 	$(BIN)/python benchmarks/bench_linear.py
 	$(BIN)/python benchmarks/bench_probes.py
+	$(BIN)/python benchmarks/bench_train.py
 
 clean:  ## remove runs/ (executed notebooks); keeps .venv, data/ and figures/
 	rm -rf runs/

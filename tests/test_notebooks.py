@@ -99,3 +99,38 @@ def test_welford_notebook_reproduces_the_seed(tmp_path):
     assert fp32.loc["two_pass", "grad1"] == pytest.approx(0.00143831, rel=1e-3)
     metrics = json.loads((tmp_path / "data" / "02_welford_vs_naive_variance.json").read_text())
     assert metrics["swapped_grads_detected"] is True
+
+
+def _tagged_notebook(path, tagged_source):
+    cells = [nbformat.v4.new_code_cell("smoke: bool = False  # unused", metadata={"tags": ["parameters"]}),
+             nbformat.v4.new_code_cell(tagged_source, metadata={"tags": ["raises-exception"]}),
+             nbformat.v4.new_code_cell("ran_after = True\nprint('after the tagged cell')")]
+    notebook = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "qlab", "display_name": "qlab",
+                                                                             "language": "python"}})
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_a_cell_tagged_raises_exception_may_raise_and_the_rest_still_runs(tmp_path):
+    # papermill's own final check fails on any error output, tagged or not; run_notebook must not
+    source = _tagged_notebook(tmp_path / "tagged.ipynb", "raise ValueError('expected refusal')")
+    result = notebooks.run_notebook(source, output=tmp_path / "out.ipynb", results_dir=tmp_path)
+    executed = nbformat.read(result.output, as_version=4)
+    tagged = [c for c in executed.cells if "raises-exception" in c.metadata.get("tags", [])][0]
+    assert [o.ename for o in tagged.outputs if o.output_type == "error"] == ["ValueError"]
+    assert "after the tagged cell" in executed.cells[-1].outputs[0].text
+
+
+def test_a_cell_tagged_raises_exception_that_does_not_raise_fails_the_run(tmp_path):
+    source = _tagged_notebook(tmp_path / "tagged.ipynb", "x = 1  # no refusal")
+    with pytest.raises(notebooks.NotebookError, match="tagged raises-exception but raised nothing"):
+        notebooks.run_notebook(source, output=tmp_path / "out.ipynb", results_dir=tmp_path)
+
+
+def test_an_untagged_error_after_a_tagged_one_still_fails_the_run(tmp_path):
+    source = _tagged_notebook(tmp_path / "tagged.ipynb", "raise ValueError('expected refusal')")
+    notebook = nbformat.read(source, as_version=4)
+    notebook.cells.append(nbformat.v4.new_code_cell("raise KeyError('a real failure')"))
+    nbformat.write(notebook, source)
+    with pytest.raises(notebooks.NotebookError, match="KeyError"):
+        notebooks.run_notebook(source, output=tmp_path / "out.ipynb", results_dir=tmp_path)
