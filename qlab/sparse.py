@@ -1,0 +1,293 @@
+"""Sparse back-propagation (meProp, Sun et al. 2017; REFERENCE §7): keep only the top-k entries of a
+Linear layer's output gradient dy, by magnitude.
+
+Two ways to do it, which must give the same gradients and very different costs:
+
+- ``mask_gradients(model, k)`` — a backward pre-hook zeroes all but the top-k entries of dy and
+  hands the dense, mostly-zero dy on: any module, any model, but the GEMMs keep their full size,
+  so it saves nothing.
+- ``TopKLinear`` / ``sparsify_model(model, k)`` — a drop-in nn.Linear whose backward picks k
+  output features and runs *smaller* dense GEMMs on them (shared index set), or multiplies a
+  sparse dy (per-row index sets, through torch.sparse):
+
+| mode | which entries of dy (N tokens × M features) survive | dx | dW, db |
+|---|---|---|---|
+| ``"shared"`` | the k features with the largest Σₙ|dy[n, m]|, for every row | dy[:, idx]·W[idx, :] | only rows idx non-zero: dy[:, idx]ᵀ·x |
+| ``"row"`` | each row's own k largest |dy[n, m]| | sparse(dy)·W | sparse(dy)ᵀ·x (rows hit by any row's top-k) |
+
+k is a count (int ≥ 1) or a fraction of the features (float in (0, 1]: k = max(1, round(f·M))).
+With k = M every variant is the dense layer, bit for bit. Ties at the k-th magnitude are broken
+by ``torch.topk`` (lowest index first on CPU).
+
+``variant="max_child"`` (an experiment from the forum thread in seeds/004, not meProp): after the
+three gradients of a Linear (input, weight, bias) are computed densely, only the one with the
+largest L1 norm is propagated; the other two are zeroed.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+MODES = ("shared", "row")
+VARIANTS = ("topk", "max_child")
+
+
+def check_k(k) -> None:
+    """k must be an int count ≥ 1 or a float fraction in (0, 1]."""
+    if isinstance(k, bool) or not isinstance(k, (int, float)):
+        raise TypeError(f"k must be an int count or a float fraction, got {type(k).__name__} {k!r}")
+    if isinstance(k, float) and not 0.0 < k <= 1.0:
+        raise ValueError(f"k as a fraction must lie in (0, 1], got {k}")
+    if isinstance(k, int) and k < 1:
+        raise ValueError(f"k as a count must be at least 1, got {k}")
+
+
+def resolve_k(k, features: int) -> int:
+    """k as a count of the ``features`` (int in [1, features]) or a fraction (float in (0, 1])."""
+    check_k(k)
+    if isinstance(k, float):
+        return max(1, round(k * features))
+    if k > features:
+        raise ValueError(f"k = {k} is larger than the feature count {features}")
+    return k
+
+
+def topk_mask(grad: torch.Tensor, k, mode: str = "shared") -> torch.Tensor:
+    """Boolean mask of ``grad``'s shape (..., M) keeping the top-k magnitudes per ``mode`` (see module)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected 'shared' or 'row'")
+    features = grad.shape[-1]
+    count = resolve_k(k, features)
+    rows = grad.detach().reshape(-1, features).abs()
+    mask = torch.zeros_like(rows, dtype=torch.bool)
+    if mode == "shared":
+        mask[:, shared_indices(rows, count)] = True
+    else:
+        mask.scatter_(1, rows.topk(count, dim=1).indices, True)
+    return mask.reshape(grad.shape)
+
+
+def shared_indices(dy: torch.Tensor, count: int) -> torch.Tensor:
+    """The ``count`` output features with the largest Σ|dy| over the rows of dy (N, M), sorted ascending."""
+    return dy.abs().sum(0).topk(count).indices.sort().values
+
+
+# --- masking by hooks -------------------------------------------------------------------------------
+
+class GradientMask:
+    """Backward pre-hooks that keep only the top-k entries of the selected modules' output gradient.
+
+    modules: fnmatch patterns of qualified names and/or module classes (default: every nn.Linear);
+    keep: fnmatch patterns of names left alone (as in ``sparsify_model``). Removable (``remove()`` or use as a context manager); other hooks (probes) see the masked dy if
+    they run after it. ``fractions`` records, per call, the fraction of dy entries kept.
+    """
+
+    def __init__(self, model: nn.Module, k, *, mode: str = "shared", modules=(nn.Linear,), keep=()):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected 'shared' or 'row'")
+        check_k(k)  # against the feature count at each call
+        self.k, self.mode = k, mode
+        patterns = [modules] if isinstance(modules, (str, type)) else list(modules)
+        self.selected = {name: module for name, module in model.named_modules()
+                         if any(isinstance(module, p) if isinstance(p, type) else fnmatch.fnmatchcase(name, p)
+                                for p in patterns)
+                         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in _patterns(keep))}
+        if not self.selected:
+            raise ValueError(f"module patterns {patterns!r} match no module of the model")
+        self.fractions: list[float] = []
+        self._handles = [module.register_full_backward_pre_hook(self._hook) for module in self.selected.values()]
+
+    def _hook(self, module, grad_output):
+        dy = grad_output[0]
+        if dy is None:
+            return None
+        if resolve_k(self.k, dy.shape[-1]) == dy.shape[-1]:
+            self.fractions.append(1.0)
+            return None  # k = all: the gradient passes untouched
+        mask = topk_mask(dy, self.k, self.mode)
+        self.fractions.append(mask.float().mean().item())
+        return (dy * mask,) + tuple(grad_output[1:])
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> "GradientMask":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def mask_gradients(model: nn.Module, k, *, mode: str = "shared", modules=(nn.Linear,), keep=()) -> GradientMask:
+    """Keep only the top-k output-gradient entries of the selected modules (see GradientMask)."""
+    return GradientMask(model, k, mode=mode, modules=modules, keep=keep)
+
+
+def _patterns(keep) -> list[str]:
+    return [keep] if isinstance(keep, str) else list(keep)
+
+
+# --- TopKLinear: a backward that shrinks the GEMMs ---------------------------------------------------
+
+class _TopKLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, count, mode, variant):
+        ctx.save_for_backward(x, weight)
+        ctx.count, ctx.mode, ctx.variant, ctx.has_bias = count, mode, variant, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_saved, w_saved = ctx.saved_tensors
+        # under autocast the forward ran in dy's dtype: so do the backward GEMMs (grads return in the
+        # Parameters' / input's own dtypes below)
+        x, weight = x_saved.to(dy.dtype), w_saved.to(dy.dtype)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        features = dy.shape[-1]
+        dx = dw = db = None
+        if ctx.variant == "max_child":
+            dx, dw, db = dy @ weight, dy.T @ x, dy.sum(0) if ctx.has_bias else None
+            norms = {"x": dx.abs().sum(), "w": dw.abs().sum(), "b": db.abs().sum() if db is not None else -1}
+            winner = max(norms, key=lambda key: norms[key])
+            dx = dx if winner == "x" else torch.zeros_like(dx)
+            dw = dw if winner == "w" else torch.zeros_like(dw)
+            db = None if db is None else (db if winner == "b" else torch.zeros_like(db))
+        elif ctx.mode == "shared":
+            idx = shared_indices(dy, ctx.count)
+            dy_k = dy[:, idx]
+            if need_x:
+                dx = dy_k @ weight[idx]
+            if need_w:
+                dw = torch.zeros_like(weight)
+                dw[idx] = dy_k.T @ x
+            if need_b and ctx.has_bias:
+                db = torch.zeros(features, dtype=dy.dtype, device=dy.device)
+                db[idx] = dy_k.sum(0)
+        else:  # per-row index sets through a sparse dy
+            keep = dy.abs().topk(ctx.count, dim=1).indices
+            rows = torch.arange(dy.shape[0], device=dy.device).repeat_interleave(ctx.count)
+            values = dy.gather(1, keep).reshape(-1)
+            sparse_dy = torch.sparse_coo_tensor(torch.stack([rows, keep.reshape(-1)]), values, dy.shape,
+                                                check_invariants=False).coalesce()
+            if need_x:
+                dx = torch.sparse.mm(sparse_dy, weight)
+            if need_w:
+                dw = torch.sparse.mm(sparse_dy.t(), x)
+            if need_b and ctx.has_bias:
+                db = torch.sparse.sum(sparse_dy, dim=0).to_dense()
+        dx = None if dx is None else dx.to(x_saved.dtype)
+        dw = None if dw is None else dw.to(w_saved.dtype)
+        db = None if db is None else db.to(ctx.bias_dtype)
+        return dx, dw, db, None, None, None
+
+
+class TopKLinear(nn.Linear):
+    """Drop-in nn.Linear (inputs (..., in_features)) whose backward keeps only the top-k output
+    gradient features, computed with gathered (mode "shared") or sparse (mode "row") GEMMs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, k=1.0, mode: str = "shared",
+                 variant: str = "topk", device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._configure(k, mode, variant)
+
+    def _configure(self, k, mode, variant):
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected 'shared' or 'row'")
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; expected 'topk' or 'max_child'")
+        self.count = resolve_k(k, self.out_features)
+        self.k, self.mode, self.variant = k, mode, variant
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, k=1.0, *, mode: str = "shared", variant: str = "topk") -> "TopKLinear":
+        """A TopKLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer._configure(k, mode, variant)
+        layer.train(linear.training)
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, k={self.count}, mode={self.mode}, variant={self.variant}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError(f"TopKLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"TopKLinear expects input of shape (..., {self.in_features}), got {tuple(x.shape)}")
+        if self.count == self.out_features and self.variant == "topk":
+            return F.linear(x, self.weight, self.bias)  # k = all: exactly the dense layer
+        y = _TopKLinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, self.count,
+                                      self.mode, self.variant)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def sparsify_model(model: nn.Module, k, *, mode: str = "shared", variant: str = "topk", keep=()) -> list[str]:
+    """Replace every nn.Linear (in place) by a TopKLinear sharing its Parameters, except names matching
+    the fnmatch patterns in ``keep``; return the replaced names. A Linear registered under several
+    names becomes one shared TopKLinear. Nothing is replaced if any layer refuses k."""
+    from qlab.nn import _set_submodule
+
+    replacements, names = {}, []
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if type(module) is nn.Linear and not any(fnmatch.fnmatchcase(name, pattern) for pattern in _patterns(keep)):
+            if id(module) not in replacements:  # built (and k checked) for every layer before any swap
+                replacements[id(module)] = TopKLinear.from_linear(module, k, mode=mode, variant=variant)
+            names.append((name, replacements[id(module)]))
+    for name, layer in names:
+        _set_submodule(model, name, layer)
+    return [name for name, _ in names]
+
+
+# --- timing (used by notebook 05 and benchmarks/bench_sparse.py) -------------------------------------
+
+BACKWARDS = ("dense", "hook_mask", "gathered", "sparse_rows")
+
+
+def backward_seconds(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, backward: str, k, *,
+                     keep=(), repeats: int = 5) -> float:
+    """Median seconds of one backward pass of ``model`` (forward excluded) for the ``backward`` variant:
+
+    dense (the model as it is), hook_mask (mask_gradients, shared index set), gathered
+    (sparsify_model, mode "shared") or sparse_rows (sparsify_model, mode "row"). The model is left as
+    it was; x must require a gradient if dx is to be timed. keep: names left dense in every variant.
+    """
+    import copy
+    import statistics
+    import time
+
+    if backward not in BACKWARDS:
+        raise ValueError(f"unknown backward {backward!r}; expected one of: {', '.join(BACKWARDS)}")
+    if backward in ("gathered", "sparse_rows"):
+        mode = "shared" if backward == "gathered" else "row"
+        if type(model) is nn.Linear:  # a bare layer cannot be swapped inside itself
+            model = TopKLinear.from_linear(model, k, mode=mode)
+        else:
+            model = copy.deepcopy(model)
+            sparsify_model(model, k, mode=mode, keep=keep)
+    mask = mask_gradients(model, k, keep=keep) if backward == "hook_mask" else None
+    synchronize = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    times = []
+    try:
+        for _ in range(repeats + 1):  # the first is a warm-up
+            x.grad = None
+            model.zero_grad(set_to_none=True)
+            y = model(x)
+            synchronize()
+            start = time.perf_counter()
+            y.backward(dy)
+            synchronize()
+            times.append(time.perf_counter() - start)
+    finally:
+        if mask is not None:
+            mask.remove()
+    return statistics.median(times[1:])
