@@ -14,11 +14,14 @@ from pathlib import Path
 import yaml
 
 from qlab.recipe import PRESETS, get_recipe
+from qlab.sparse import MODES as TOPK_MODES
+from qlab.sparse import check_k
 
 TASKS = ("shakespeare", "digits")
 BASELINES = ("fp32", "bf16")  # no quantization; bf16 runs the model under bf16 autocast
 RECIPES = BASELINES + tuple(name for name in PRESETS if name != "bf16")
 AUTOCAST_DTYPES = (None, "bf16", "fp16")
+OPTIMIZERS = ("adamw", "sgd")
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -51,9 +54,15 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float | None = 1.0
+    optimizer: str = "adamw"  # "adamw", or "sgd" (no momentum: with weight_decay 0 only weights with a gradient move)
     autocast: str | None = None  # None, "bf16" or "fp16"
     grad_scaler: bool = False  # torch.amp.GradScaler (dynamic loss scaling)
+    # sparse back-propagation (qlab.sparse): keep the top-k output-gradient features of each Linear
+    topk: int | float | None = None  # None = dense; a count, or a fraction of each layer's outputs
+    topk_mode: str = "shared"  # "shared" (gathered GEMMs) or "row" (per-row sets, sparse GEMMs)
+    topk_keep: list[str] = field(default_factory=lambda: ["head", "last_layer"])  # layers left dense
     # evaluation, logging, checkpoints
+    track_updates: bool = False  # log the fraction of Linear weights with a non-zero gradient / that moved
     eval_every: int = 100
     eval_batches: int = 8
     fidelity_every: int = 0  # 0 = off; else per-layer weight-gradient fidelity against fp32 every N steps
@@ -81,6 +90,15 @@ class TrainConfig:
                              f"got the unquantized baseline {self.recipe!r}")
         if self.recipe not in BASELINES:
             get_recipe(self.recipe, backward_override=self.backward_override)  # refuses bad combinations
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}")
+        if self.topk_mode not in TOPK_MODES:
+            raise ValueError(f"unknown topk_mode {self.topk_mode!r}; expected one of: {', '.join(TOPK_MODES)}")
+        if self.topk is not None:
+            check_k(self.topk)
+            if self.recipe not in BASELINES:
+                raise ValueError(f"topk sparse back-propagation runs on unquantized layers; got recipe "
+                                 f"{self.recipe!r} (use fp32 or bf16)")
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"unknown autocast {self.autocast!r}; expected None, 'bf16' or 'fp16'")
         for name in ("steps", "batch_size", "grad_accum", "nproc", "eval_batches", "context", "layers", "width",
@@ -107,13 +125,15 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             expected = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(type(f.default))
-            if f.name in ("grad_clip",):
+            if f.name in ("grad_clip", "topk"):
                 expected = (int, float, type(None))
             if f.name in ("backward_override", "autocast", "out_dir"):
                 expected = (str, type(None))
             if expected and (not isinstance(value, expected) or (bool not in expected and isinstance(value, bool))):
                 raise TypeError(f"{f.name} must be {' or '.join(t.__name__ for t in expected)}, "
                                 f"got {type(value).__name__} {value!r}")
+        if not isinstance(self.topk_keep, (list, tuple)):
+            raise TypeError(f"topk_keep must be a list of patterns, got {type(self.topk_keep).__name__}")
         if not isinstance(self.keep_high_precision, (list, tuple, dict)):
             raise TypeError(f"keep_high_precision must be a list of patterns or a dict recipe -> list, "
                             f"got {type(self.keep_high_precision).__name__}")

@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from qlab.nn import QuantLinear, quantize_model, unquantize_model
 from qlab.recipe import get_recipe
+from qlab.sparse import sparsify_model
 from qlab.train import data as D
 from qlab.train.config import BASELINES, TrainConfig
 from qlab.train.models import MLP, CharGPT
@@ -94,13 +95,19 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(model, get_recipe(config.recipe, backward_override=config.backward_override),
                        keep_high_precision=keep, seed=config.seed + 10_000 * rank)
+    if config.topk is not None:
+        keep = [pattern for name in config.topk_keep for pattern in _expand(model, name)]
+        sparsify_model(model, config.topk, mode=config.topk_mode, keep=keep)
     return model
 
 
 def _expand(model: nn.Module, pattern: str) -> list[str]:
-    """'first_block' / 'last_block' name CharGPT's first / last block; anything else is an fnmatch pattern."""
+    """'first_block' / 'last_block' name CharGPT's first / last block, 'last_layer' the MLP's output
+    layer; anything else is an fnmatch pattern."""
     if pattern in ("first_block", "last_block") and isinstance(model, CharGPT):
         return model.block_patterns(first=int(pattern == "first_block"), last=int(pattern == "last_block"))
+    if pattern == "last_layer" and isinstance(model, MLP):
+        return [f"layers.{len(model.layers) - 1}"]
     return [pattern]
 
 
@@ -219,6 +226,18 @@ def gradient_fidelity(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     return rows
 
 
+def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [module.weight for module in model.modules() if isinstance(module, nn.Linear)]
+
+
+def _update_footprint(weights, before) -> dict[str, float]:
+    """Fraction of Linear weight entries with a non-zero gradient, and that the optimizer step moved."""
+    total = sum(w.numel() for w in weights)
+    nonzero = sum(int((w.grad != 0).sum()) for w in weights if w.grad is not None)
+    moved = sum(int((w.detach() != b).sum()) for w, b in zip(weights, before))
+    return {"grad_nonzero_fraction": nonzero / total, "updated_fraction": moved / total}
+
+
 # --- checkpoints ---------------------------------------------------------------------------------------
 
 def _quant_states(model: nn.Module) -> dict:
@@ -277,9 +296,11 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
         else contextlib.nullcontext
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(config.beta1, config.beta2))
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if config.optimizer == "adamw":
+        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+    else:
+        optimizer = torch.optim.SGD(groups, lr=config.lr)
     scaler = torch.amp.GradScaler(device.type, enabled=config.grad_scaler)
     out_dir = Path(config.out_dir) if config.out_dir else None
     metrics, fidelity, start = [], [], 0
@@ -325,6 +346,7 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             if probe_set is not None and probe_set.sampling():
                 probe_set.record_param_grads()
             grad_norm = nn.utils.clip_grad_norm_(trained.parameters(), config.grad_clip or math.inf)
+            before = [w.detach().clone() for w in _linear_weights(trained)] if config.track_updates else None
             scaler.step(optimizer)
             scaler.update()
             if probe_set is not None:
@@ -334,6 +356,8 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
                 train_loss /= world_size
             row = {"step": step + 1, "tokens": (step + 1) * config.batch_size * tokens_per_item,
                    "train_loss": train_loss.item(), "val_loss": math.nan, "grad_norm": grad_norm.item(), "lr": lr}
+            if before is not None:
+                row.update(_update_footprint(_linear_weights(trained), before))
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
                 row.update(evaluate(trained, validation, autocast, device))
                 if config.task == "shakespeare":
