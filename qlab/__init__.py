@@ -9,8 +9,13 @@ Modules:
     scaling   scale computation: integer affine, FP8 current/delayed, MX E8M0, NVFP4, Hadamard
     quantize  specs, quantize/dequantize/qdq, QTensor, SQNR and clipping measurements
     synthetic generated activations (Gaussian, Laplace, Student-t, outlier channels)
+    recipe    Recipe: a spec per GEMM operand, backward_override, presets
+    nn        QuantLinear, fake_quant, quantize_model / unquantize_model
+    probes    ProbeSet, tensor statistics, GradientAudit
+    sparse    top-k sparse back-propagation: mask_gradients, TopKLinear, sparsify_model
+    train     Shakespeare / digits data, CharGPT / MLP, TrainConfig, train() (checkpoints, resume, DDP)
     notebooks running parameterized notebooks with papermill (used by the CLI and the tests)
-    cli       the `qlab` command: run, figures, sweep, sync
+    cli       the `qlab` command: list, run, figures, sweep, sync, train
 """
 
 __version__ = "0.1.0"
