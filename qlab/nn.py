@@ -327,9 +327,15 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
 
 def unquantize_model(model: nn.Module) -> list[str]:
     """The inverse of quantize_model: every QuantLinear back to an nn.Linear with the same Parameters."""
+    return plain_linears(model, QuantLinear)
+
+
+def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
+    """Replace (in place) every module that is an instance of ``kind`` but not exactly nn.Linear (a
+    QuantLinear, a TopKLinear, ...) by an nn.Linear sharing its Parameters; return the names replaced."""
     names, replacements = [], {}
     for name, module in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(module, QuantLinear):
+        if isinstance(module, kind) and isinstance(module, nn.Linear) and type(module) is not nn.Linear:
             if id(module) not in replacements:
                 linear = nn.Linear.__new__(nn.Linear)
                 nn.Module.__init__(linear)

@@ -154,8 +154,10 @@ class _TopKLinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.variant == "max_child":
             dx, dw, db = dy @ weight, dy.T @ x, dy.sum(0) if ctx.has_bias else None
-            norms = {"x": dx.abs().sum(), "w": dw.abs().sum(), "b": db.abs().sum() if db is not None else -1}
-            winner = max(norms, key=lambda key: norms[key])
+            # only gradients someone needs compete (a first layer's dx would otherwise win and be dropped)
+            norms = {key: grad.abs().sum() for key, grad, needed in (("x", dx, need_x), ("w", dw, need_w),
+                                                                      ("b", db, need_b)) if needed and grad is not None}
+            winner = max(norms, key=lambda key: norms[key]) if norms else None
             dx = dx if winner == "x" else torch.zeros_like(dx)
             dw = dw if winner == "w" else torch.zeros_like(dw)
             db = None if db is None else (db if winner == "b" else torch.zeros_like(db))

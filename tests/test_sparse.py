@@ -17,6 +17,7 @@ name dense (quantize_model converts every name).
 
 from __future__ import annotations
 
+import copy
 import math
 from fractions import Fraction
 
@@ -573,3 +574,41 @@ def test_topk_linear_backward_under_bf16_autocast(mode):
 def test_train_topk_with_bf16(changes):
     result = train(TrainConfig(**{**RUN, "steps": 1}, topk=4, **changes))
     assert math.isfinite(result.metrics.train_loss.iloc[0])
+
+
+def test_fidelity_of_a_topk_model_is_measured_against_the_dense_gradient():
+    # the reference must be plain nn.Linear layers; top-k layers in both copies would report perfection
+    from qlab.train import TrainConfig, build_model, gradient_fidelity
+
+    model = build_model(TrainConfig(task="digits", hidden=[32, 32], topk=0.1, progress=False))
+    torch.manual_seed(0)
+    x, y = torch.rand(16, 64), torch.randint(0, 10, (16,))
+    rows = {row["layer"]: row for row in gradient_fidelity(model, x, y)}
+    dense = copy.deepcopy(model)
+    for name in ("layers.0", "layers.1"):
+        layer = dense.get_submodule(name)
+        plain = nn.Linear(layer.in_features, layer.out_features)
+        plain.weight, plain.bias = layer.weight, layer.bias
+        dense.layers[int(name[-1])] = plain
+    nn.functional.cross_entropy(dense(x), y).backward()
+    model.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    for name in ("layers.0", "layers.1"):
+        g, g_ref = model.get_submodule(name).weight.grad.double(), dense.get_submodule(name).weight.grad.double()
+        assert rows[name]["quantized"] is True  # "not a plain nn.Linear"
+        assert rows[name]["relative_error"] > 0.1
+        assert rows[name]["relative_error"] == pytest.approx(((g - g_ref).norm() / g_ref.norm()).item(), rel=1e-9)
+
+
+def test_max_child_only_lets_needed_gradients_compete():
+    # a first layer: x needs no gradient, so dx (here by far the largest) must not win and zero dW, db
+    layer = TopKLinear(4, 3, variant="max_child")
+    with torch.no_grad():
+        layer.weight.mul_(100.0)
+    x = 1e-3 * torch.randn(5, 4)
+    layer(x).backward(torch.ones(5, 3))
+    dense_w = torch.ones(5, 3).T @ x
+    dense_b = torch.ones(5, 3).sum(0)
+    winner_is_bias = dense_b.abs().sum() > dense_w.abs().sum()
+    assert winner_is_bias
+    assert torch.equal(layer.bias.grad, dense_b) and not layer.weight.grad.any()

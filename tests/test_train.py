@@ -718,3 +718,18 @@ def test_cli_trains_one_process(tmp_path, capsys):
     assert {p.name for p in out.iterdir()} == {"checkpoint.pt", "config.yaml", "metrics.csv", "vocab.json"}
     assert load_config(out / "config.yaml").steps == 2
     assert D.Vocabulary.load(out / "vocab.json").characters == D.shakespeare().vocabulary.characters
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(recipe="bf16", autocast="fp16"), "bf16 autocast"),
+    (dict(hidden=[-1]), "positive ints"),
+    (dict(hidden=[]), "positive ints"),
+    (dict(device="gpu"), "unknown device"),
+])
+def test_config_refuses_settings_that_would_fail_late(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes)
+
+
+def test_topk_fraction_written_with_an_exponent_is_a_float():
+    assert load_config(None, ["topk=5e-2"]).topk == 0.05

@@ -14,7 +14,14 @@ Example::
     result.metrics.plot(x="step", y=["train_loss", "val_loss"])
 """
 
-from qlab.train.config import RECIPES, TrainConfig, load_config
-from qlab.train.loop import TrainResult, build_model, gradient_fidelity, train
+import importlib
 
-__all__ = ["RECIPES", "TrainConfig", "TrainResult", "build_model", "gradient_fidelity", "load_config", "train"]
+_EXPORTS = {"RECIPES": "config", "TrainConfig": "config", "load_config": "config",
+            "TrainResult": "loop", "build_model": "loop", "gradient_fidelity": "loop", "train": "loop"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):  # lazy, so `qlab list` and friends do not import torch through the CLI
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"qlab.train.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'qlab.train' has no attribute {name!r}")

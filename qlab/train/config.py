@@ -1,7 +1,7 @@
 """TrainConfig: every setting of a training run, validated on construction; YAML in, YAML out.
 
-The same field names are the notebook's parameters, ``qlab train --set key=value`` keys and the
-YAML file's keys; an unknown key is an error, never ignored.
+The same field names are ``qlab train --set key=value`` keys, the YAML file's keys and (where a
+notebook exposes them) notebook parameters; an unknown key is an error, never ignored.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 
 from qlab.recipe import PRESETS, get_recipe
@@ -34,7 +35,7 @@ class TrainConfig:
     task: str = "shakespeare"
     recipe: str = "fp32"  # fp32, bf16 or a qlab.recipe preset
     backward_override: str | None = None  # None, "high_precision" or "dequantized"
-    keep_high_precision: list[str] | dict[str, list[str]] = field(default_factory=lambda: ["head"])
+    keep_high_precision: list[str] | dict[str, list[str]] = field(default_factory=lambda: ["head", "last_layer"])
     # model (CharGPT for shakespeare, MLP for digits)
     context: int = 128
     layers: int = 5
@@ -78,7 +79,8 @@ class TrainConfig:
             self.backward_override = None
         for f in dataclasses.fields(self):  # YAML 1.1 reads 3e-4 (no dot) as a string
             value = getattr(self, f.name)
-            if isinstance(f.default, float) and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            fraction = f.name == "topk" and isinstance(value, str) and any(c in value for c in ".eE")
+            if (isinstance(f.default, float) or fraction) and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
                 setattr(self, f.name, float(value))
         self._check_types()
         if self.task not in TASKS:
@@ -101,6 +103,16 @@ class TrainConfig:
                                  f"{self.recipe!r} (use fp32 or bf16)")
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"unknown autocast {self.autocast!r}; expected None, 'bf16' or 'fp16'")
+        if self.recipe == "bf16" and self.autocast not in (None, "bf16"):
+            raise ValueError(f"recipe 'bf16' runs under bf16 autocast; got autocast={self.autocast!r}")
+        if not (isinstance(self.hidden, (list, tuple)) and self.hidden
+                and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden)):
+            raise ValueError(f"hidden must be a non-empty list of positive ints, got {self.hidden!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"unknown device {self.device!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
         for name in ("steps", "batch_size", "grad_accum", "nproc", "eval_batches", "context", "layers", "width",
                      "heads", "eval_every"):
             if getattr(self, name) < 1:
