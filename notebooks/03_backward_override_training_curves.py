@@ -229,7 +229,7 @@ summary = (finals.groupby(["recipe", "override"], sort=False)
            .agg(val_loss=("val_loss", "mean"), val_loss_std=("val_loss", "std")).reset_index())
 fp32_loss = summary.loc[summary.recipe == "fp32", "val_loss"].iloc[0]
 summary["gap_to_fp32"] = summary.val_loss - fp32_loss
-summary["below_unigram_entropy"] = entropy - summary.val_loss
+summary["nats_below_unigram_entropy"] = entropy - summary.val_loss
 save_csv(summary, f"{NAME}_summary")
 timing = finals.groupby(["recipe", "override"], sort=False).wall_s.mean().reset_index()
 save_csv(timing, f"{NAME}_timing")  # "_timing" outputs vary run to run; every other output is byte-stable

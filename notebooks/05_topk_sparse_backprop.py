@@ -216,6 +216,7 @@ fig.suptitle("Weights with a gradient vs weights the optimizer moved")
 save_figure(fig, f"{NAME}_updates")
 
 # %%
-best_sparse = accuracy[~accuracy.dense].groupby("k_fraction").val_accuracy.mean()
-save_metrics(NAME, dense_accuracy=dense_mean, accuracy_at_meprop_k=best_sparse.get(0.16, float("nan")),
-             smallest_k_within_1pct=min([k for k, a in best_sparse.items() if a >= dense_mean - 0.01], default=None))
+mean_sparse_accuracy = accuracy[~accuracy.dense].groupby("k_fraction").val_accuracy.mean()
+within_1pct = [k for k, a in mean_sparse_accuracy.items() if a >= dense_mean - 0.01]
+save_metrics(NAME, dense_accuracy=dense_mean, accuracy_at_meprop_k=mean_sparse_accuracy.get(0.16, float("nan")),
+             smallest_k_within_1pct=min(within_1pct, default=None))
