@@ -1,0 +1,75 @@
+"""Triton kernel: MX block quantize-dequantize along the last axis (OCP MX v1.0), bit-exact with
+``qlab.quantize.qdq(x, MXSpec(...))``.
+
+One program per tile of ROWS rows × one block of 32 (BLOCK) elements: amax of each row's block →
+E8M0 byte (FLOOR: floor(log2 amax) − emax; RCEIL: ceil(log2(amax / elem_max)), both from the float32
+bits, clamped to [−127, 127]; 0xFF for a NaN/inf block) → x · 2^-e → saturating round-to-nearest-
+even onto the element grid by the add-and-subtract trick (C = 2^(e_x + 23 − m) has the grid's
+quantum as its float32 ulp) → values · 2^e. A partial last block is masked (as if zero-padded).
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow: small shapes only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 32
+ROWS = 16
+
+
+@triton.jit
+def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
+                   ELEM_MAX: tl.constexpr, EMAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr,
+                   RCEIL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row_tile = tl.program_id(0)
+    block = tl.program_id(1)
+    rows = row_tile * ROWS + tl.arange(0, ROWS)
+    cols = block * BLOCK + tl.arange(0, BLOCK)
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offsets = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+
+    amax = tl.max(tl.abs(x), axis=1)
+    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0  # GPU max reductions may drop NaN: flag it apart
+    finite = (amax != float("inf")) & (has_nan == 0)
+    if RCEIL:
+        descale = amax / ELEM_MAX
+        bits = descale.to(tl.int32, bitcast=True)
+        exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+        exponent = tl.where(descale < 1.1754943508222875e-38,  # float32-subnormal descale
+                            tl.where(descale > 5.877471754111438e-39, -126, -127), exponent)
+    else:
+        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
+    exponent = tl.minimum(tl.maximum(exponent, -127), 127)
+    code = tl.where(finite, exponent + 127, 255)
+
+    # 2^-e and 2^e from their float32 bits (2^-127 is the subnormal with bit pattern 2^22)
+    inverse_field = 254 - code
+    inverse = tl.where(inverse_field == 0, 1 << 22, inverse_field << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(code == 0, 1 << 22, code << 23).to(tl.float32, bitcast=True)
+    scaled = tl.where(finite[:, None], x * inverse[:, None], 0.0)
+
+    magnitude = tl.minimum(tl.abs(scaled), ELEM_MAX)
+    biased = tl.maximum((magnitude.to(tl.int32, bitcast=True) >> 23), MIN_BIASED)
+    magic = ((biased + (23 - MANTISSA)) << 23).to(tl.float32, bitcast=True)
+    rounded = (magnitude + magic) - magic
+    values = tl.where(scaled < 0, -rounded, rounded)
+    values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
+    tl.store(out_ptr + offsets, values, mask=inside)
+    tl.store(codes_ptr + rows * n_blocks + block, code.to(tl.uint8), mask=rows < n_rows)
+
+
+def mx_qdq_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized float32 values of x's shape, E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    n_rows, n_cols = rows.shape
+    n_blocks = triton.cdiv(n_cols, BLOCK)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=x.device)
+    grid = (triton.cdiv(n_rows, ROWS), n_blocks)
+    _mx_qdq_kernel[grid](rows, out, codes, n_rows, n_cols, n_blocks, ELEM_MAX=float(element.max), EMAX=element.emax,
+                         MANTISSA=element.mantissa_bits, MIN_BIASED=128 - element.bias, RCEIL=mode == "rceil",
+                         ROWS=ROWS, BLOCK=BLOCK)
+    return out.reshape(x.shape), codes.reshape(*x.shape[:-1], n_blocks)
