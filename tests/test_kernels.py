@@ -18,14 +18,16 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter (numpy) on NaN blocks
 
 from qlab import quantize as Q  # noqa: E402
-from qlab.kernels import mx_qdq  # noqa: E402
+from qlab.kernels import fp8_qdq, mx_qdq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.float().view(torch.int32)  # NaN payloads included: exact means the same bits
+    """float32 bits, every NaN as the canonical 0x7FC00000 (formats define where NaN is, not its payload)."""
+    t = t.float()
+    return torch.where(torch.isnan(t), torch.tensor(float("nan")), t).view(torch.int32)
 
 
 def _special_blocks(rows: int = 19, cols: int = 72) -> torch.Tensor:
@@ -84,3 +86,52 @@ def test_dispatch_backends_agree_and_bad_input_is_refused():
         mx_qdq(x, "fp8_e4m3", backend="reference")
     with pytest.raises(ValueError, match="block_size 32"):
         mx_qdq(x, Q.MXSpec("e4m3", mode="ceil"), backend="triton")
+    with pytest.raises(ValueError, match="no NaN encoding"):  # as the reference refuses it
+        fp8_qdq(_fp8_inputs(), Q.TensorwiseSpec("e2m1"), backend="triton")
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        fp8_qdq(torch.zeros(4, 8, dtype=torch.float64), "fp8_e4m3", backend="triton")
+
+
+# --- FP8 current scaling ---------------------------------------------------------------------------
+
+def _fp8_inputs() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, 1100, generator=generator) * torch.logspace(-3, 3, 1100)  # rows > one 1024 chunk
+    x[1, 2, 3] = float("nan")   # a NaN: scale 1 (per tensor, and for its row), NaN stays NaN
+    x[2, 0, 7] = float("inf")   # an inf: scale 1, inf saturates to the format's max
+    x[3] = 0.0                  # all-zero rows: scale 1
+    x[4, 2] = 1e-42             # a row of float32 subnormals: the scale overflows to float32's max
+    return x
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("granularity", ["tensor", "axis"])
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_fp8_current_scaling_kernel_matches_the_reference(element, granularity, pow2):
+    x = _fp8_inputs()
+    if granularity == "tensor" or element not in ("e4m3", "e5m2"):
+        x = x[2:]  # without the NaN: a real per-tensor scale (NaN case below); FP6/FP4 have no NaN
+    spec = Q.TensorwiseSpec(element, granularity=granularity, pow2=pow2)
+    values, scales = fp8_qdq(x.to(DEVICE), spec, backend="triton")
+    ref_values, ref_scales = fp8_qdq(x, spec, backend="reference")
+    assert torch.equal(scales.cpu(), ref_scales)
+    assert torch.equal(_bits(values.cpu()), _bits(ref_values))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_fp8_per_channel_along_other_axes(axis):
+    x = _fp8_inputs()[:, :, :40]
+    spec = Q.TensorwiseSpec("e4m3", granularity="axis")
+    values, scales = fp8_qdq(x.to(DEVICE), spec, axis, backend="triton")
+    ref_values, ref_scales = fp8_qdq(x, spec, axis, backend="reference")
+    assert scales.shape == ref_scales.shape and torch.equal(scales.cpu(), ref_scales)
+    assert torch.equal(_bits(values.cpu()), _bits(ref_values))
+
+
+def test_fp8_per_tensor_nan_gives_scale_one_and_keeps_nan():
+    x = _fp8_inputs()
+    values, scale = fp8_qdq(x.to(DEVICE), "fp8_e4m3", backend="triton")
+    assert scale.item() == 1.0  # TE: a NaN amax leaves the scale at 1
+    assert torch.isnan(values[1, 2, 3]) and torch.isnan(values).sum() == 1
+    ref_values, _ = fp8_qdq(x, "fp8_e4m3", backend="reference")
+    assert torch.equal(_bits(values.cpu()), _bits(ref_values))

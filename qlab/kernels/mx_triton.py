@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qlab.kernels.triton_math import pow2_from_exponent, round_to_grid
+
 BLOCK = 32
 ROWS = 16
 
@@ -45,17 +47,10 @@ def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
     exponent = tl.minimum(tl.maximum(exponent, -127), 127)
     code = tl.where(finite, exponent + 127, 255)
 
-    # 2^-e and 2^e from their float32 bits (2^-127 is the subnormal with bit pattern 2^22)
-    inverse_field = 254 - code
-    inverse = tl.where(inverse_field == 0, 1 << 22, inverse_field << 23).to(tl.float32, bitcast=True)
-    scale = tl.where(code == 0, 1 << 22, code << 23).to(tl.float32, bitcast=True)
+    inverse = pow2_from_exponent(127 - code)  # 2^-e
+    scale = pow2_from_exponent(code - 127)  # 2^e
     scaled = tl.where(finite[:, None], x * inverse[:, None], 0.0)
-
-    magnitude = tl.minimum(tl.abs(scaled), ELEM_MAX)
-    biased = tl.maximum((magnitude.to(tl.int32, bitcast=True) >> 23), MIN_BIASED)
-    magic = ((biased + (23 - MANTISSA)) << 23).to(tl.float32, bitcast=True)
-    rounded = (magnitude + magic) - magic
-    values = tl.where(scaled < 0, -rounded, rounded)
+    values = round_to_grid(scaled, ELEM_MAX, MANTISSA, MIN_BIASED)
     values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
     tl.store(out_ptr + offsets, values, mask=inside)
     tl.store(codes_ptr + rows * n_blocks + block, code.to(tl.uint8), mask=rows < n_rows)

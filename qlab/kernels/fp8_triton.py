@@ -1,0 +1,96 @@
+"""Triton kernels: FP8 current scaling (TransformerEngine semantics), bit-exact with
+``qlab.quantize.qdq(x, TensorwiseSpec(...))``.
+
+Per tensor, two launches and no host synchronisation: ``_amax_kernel`` max-reduces |x| into one
+device float (atomic max; a separate NaN flag, since GPU max reductions may drop NaN), then
+``_scale_cast_kernel`` reads it, computes scale = fmt_max / max(amax, eps) (correctly rounded
+division; 0/inf/NaN amax → 1; overflow → float32 max; optional power-of-two floor) and writes
+cast(x · scale) / scale. Per row (granularity "axis", the last axis): one program per row, two
+passes over the row's chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qlab.kernels.triton_math import round_to_grid
+
+CHUNK = 1024
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, nan_ptr, n, CHUNK: tl.constexpr):
+    offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
+    tl.atomic_max(nan_ptr, tl.max((x != x).to(tl.int32), axis=0))
+
+
+@triton.jit
+def _current_scale(amax, has_nan, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr):
+    floored = tl.maximum(amax, EPS)
+    scale = tl.math.div_rn(tl.full(floored.shape, FMT_MAX, tl.float32), floored)
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    usable = (has_nan == 0) & (amax != float("inf")) & (floored > 0)
+    scale = tl.where(usable, scale, 1.0)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, nan_ptr, scale_ptr, n, FMT_MAX: tl.constexpr, EPS: tl.constexpr,
+                       POW2: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, CHUNK: tl.constexpr):
+    offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    inside = offsets < n
+    scale = _current_scale(tl.load(amax_ptr), tl.load(nan_ptr), FMT_MAX, EPS, POW2)
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
+    values = tl.where(x != x, x, values)  # NaN stays NaN
+    tl.store(out_ptr + offsets, tl.math.div_rn(values, scale), mask=inside)
+    tl.store(scale_ptr, scale, mask=tl.program_id(0) == 0)
+
+
+@triton.jit
+def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+                MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * n_cols
+    amax = tl.zeros((), tl.float32)
+    has_nan = tl.zeros((), tl.int32)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+        has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
+    scale = _current_scale(amax, has_nan, FMT_MAX, EPS, POW2)
+    for start in range(0, n_cols, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        inside = cols < n_cols
+        x = tl.load(x_ptr + row + cols, mask=inside, other=0.0).to(tl.float32)
+        values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
+        values = tl.where(x != x, x, values)
+        tl.store(out_ptr + row + cols, tl.math.div_rn(values, scale),
+                 mask=inside)
+    tl.store(scale_ptr + tl.program_id(0), scale)
+
+
+def fp8_qdq(x: torch.Tensor, element, *, per_row: bool, eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 qdq values of x's shape, float32 scales: shape () per tensor or (..., 1) per row)."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
+    constants = dict(FMT_MAX=float(element.max), EPS=float(eps), POW2=bool(pow2), MANTISSA=element.mantissa_bits,
+                     MIN_BIASED=128 - element.bias, CHUNK=CHUNK)
+    if per_row:
+        scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
+        _row_kernel[(flat.shape[0],)](flat, out, scales, flat.shape[1], **constants)
+        return out.reshape(x.shape), scales.reshape(*x.shape[:-1], 1)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    has_nan = torch.zeros(1, dtype=torch.int32, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(flat.numel(), CHUNK),)
+    _amax_kernel[grid](flat, amax, has_nan, flat.numel(), CHUNK=CHUNK)
+    _scale_cast_kernel[grid](flat, out, amax, has_nan, scale, flat.numel(), **constants)
+    return out.reshape(x.shape), scale.reshape(())
