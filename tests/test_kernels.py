@@ -18,7 +18,8 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter (numpy) on NaN blocks
 
 from qlab import quantize as Q  # noqa: E402
-from qlab.kernels import fp8_qdq, mx_qdq  # noqa: E402
+from qlab import numerics  # noqa: E402
+from qlab.kernels import fp8_qdq, layer_norm, mx_qdq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"]
@@ -135,3 +136,75 @@ def test_fp8_per_tensor_nan_gives_scale_one_and_keeps_nan():
     assert torch.isnan(values[1, 2, 3]) and torch.isnan(values).sum() == 1
     ref_values, _ = fp8_qdq(x, "fp8_e4m3", backend="reference")
     assert torch.equal(_bits(values.cpu()), _bits(ref_values))
+
+
+# --- LayerNorm with selectable statistics -------------------------------------------------------
+
+STATS = ["welford", "two_pass", "textbook"]
+
+
+def _layer_norm_grads(fn, x, weight, bias, dy):
+    x = x.detach().clone().requires_grad_(True)
+    weight = None if weight is None else weight.detach().clone().requires_grad_(True)
+    bias = None if bias is None else bias.detach().clone().requires_grad_(True)
+    y = fn(x, weight, bias)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in (weight, bias) if p is not None]
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("stats", STATS)
+def test_layer_norm_kernel_matches_the_float64_reference(stats, affine):
+    # Against autograd through float64 LayerNorm. Tolerance: the kernel computes in float32 and its
+    # reductions sum in another order than any reference; on these well-conditioned rows (κ ≈ 2,
+    # n = 50, a masked partial block of 64) every quantity is within 2e-5 relative to its norm.
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 50, generator=generator) + 2.0
+    weight = torch.randn(50, generator=generator) if affine else None
+    bias = torch.randn(50, generator=generator) if affine else None
+    dy = torch.randn(6, 50, generator=generator)
+    got = _layer_norm_grads(lambda a, w, b: layer_norm(a.to(DEVICE), (50,), w if w is None else w.to(DEVICE),
+                                                       b if b is None else b.to(DEVICE), stats=stats,
+                                                       backend="triton"), x, weight, bias, dy.to(DEVICE))
+    ref = _layer_norm_grads(lambda a, w, b: numerics.reference_layer_norm(a, (50,), w, b), x.double(),
+                            None if weight is None else weight.double(), None if bias is None else bias.double(),
+                            dy.double())
+    for g, r in zip(got, ref):
+        assert ((g.cpu().double() - r).norm() / r.norm()).item() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_layer_norm_kernel_16_bit_inputs_match_qlab_numerics(dtype):
+    # 16-bit in and out, float32 inside: the kernel and qlab.numerics.layer_norm round the same float32
+    # results to 16 bits, so they differ by at most one 16-bit ulp where the float32 values straddle
+    # a rounding boundary: |Δ| ≤ 2 ulp(|y|) with ulp = 2^-7 (bf16) or 2^-10 (fp16) relative.
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.randn(5, 96, generator=generator) * 3).to(dtype)
+    weight, bias = torch.randn(96, generator=generator).to(dtype), torch.randn(96, generator=generator).to(dtype)
+    out = layer_norm(x.to(DEVICE), (96,), weight.to(DEVICE), bias.to(DEVICE), backend="triton")
+    assert out.dtype == dtype
+    y, ref = out.cpu().float(), numerics.layer_norm(x, (96,), weight, bias).float()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    assert (y - ref).abs().le(2 * ulp * ref.abs().clamp_min(1e-3)).all()
+
+
+def test_layer_norm_kernel_statistics_differ_where_the_numerics_notebook_says():
+    # Rows with mean 3000 and standard deviation 1 (κ ≈ 3000, n = 256): E[x²] − E[x]² in float32
+    # cancels away nearly every digit (u·κ² ≈ 0.5), Welford and two-pass keep them (u·κ ≈ 2e-4).
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 256, generator=generator) + 3000.0
+    exact = numerics.reference_layer_norm(x, (256,))
+    errors = {stats: (layer_norm(x.to(DEVICE), (256,), stats=stats, backend="triton").cpu().double() - exact)
+              .abs().max().item() for stats in STATS}
+    assert errors["welford"] < 1e-2 and errors["two_pass"] < 1e-2
+    assert errors["textbook"] > 30 * max(errors["welford"], errors["two_pass"])
+
+
+def test_layer_norm_dispatch_refuses_bad_input():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="stats"):
+        layer_norm(x, (8,), stats="shifted", backend="triton")
+    with pytest.raises(ValueError, match="normalized_shape|shape"):
+        layer_norm(x, (7,), backend="triton")
+    with pytest.raises(ValueError, match="unknown backend"):
+        layer_norm(x, (8,), backend="gpu")

@@ -2,6 +2,7 @@
 
     mx_qdq(x, spec, axis, backend="auto")        MX block quantize-dequantize → (values, E8M0 bytes)
     fp8_qdq(x, spec, axis, backend="auto")       FP8 current scaling, per tensor or per row → (values, scales)
+    layer_norm(x, shape, w, b, eps, stats=..., backend="auto")   LayerNorm with welford/two_pass/textbook stats
 
 backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's torch.compile path) otherwise;
 "triton" — force the kernel (on a CPU tensor only under TRITON_INTERPRET=1); "cpu" — the fused CPU
@@ -11,6 +12,7 @@ bits; tests/test_kernels.py checks the kernel against the reference under Triton
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -38,7 +40,8 @@ def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, backend: str = "aut
         raise TypeError(f"mx_qdq needs an MXSpec (or an MX preset name), got {type(spec).__name__}")
     if spec.block_size != 32 or spec.mode not in ("floor", "rceil") or spec.rounding != "rne":
         raise ValueError(f"the MX kernel covers block_size 32, modes floor/rceil and rne rounding; got {spec}")
-    backend = _backend(x, spec, axis, backend)
+    Q._check_input(x, spec, axis)
+    backend = _resolve(x, backend)
     if backend in ("cpu", "reference"):
         q = Q.quantize(x, spec, axis, keep_source=False)
         values = Q.qdq(x, spec, axis, fast=None if backend == "cpu" else False)
@@ -50,9 +53,8 @@ def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, backend: str = "aut
     return values.to(x.dtype).movedim(-1, axis), codes
 
 
-def _backend(x: torch.Tensor, spec, axis: int, backend: str) -> str:
-    """Validate like the reference (dtype, axis, NaN for formats without one) and resolve "auto"."""
-    Q._check_input(x, spec, axis)
+def _resolve(x: torch.Tensor, backend: str) -> str:
+    """The backend to run: "auto" resolved; "triton" checked for a usable device and dtype."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of: {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -61,7 +63,7 @@ def _backend(x: torch.Tensor, spec, axis: int, backend: str) -> str:
         if not triton_available(x.device):
             raise ValueError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a {x.device.type} tensor")
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"the Triton kernels take float32/bf16/fp16, got {x.dtype}")
+            raise TypeError(f"the Triton kernels take float32, bfloat16 or float16, got {x.dtype}")
     return backend
 
 
@@ -72,7 +74,8 @@ def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, backend: str = 
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
         raise TypeError(f"fp8_qdq needs a TensorwiseSpec with rne rounding, got {spec!r}")
-    backend = _backend(x, spec, axis, backend)
+    Q._check_input(x, spec, axis)  # the reference's refusals (dtype, axis, NaN without a NaN encoding)
+    backend = _resolve(x, backend)
     if backend in ("cpu", "reference"):
         q = Q.quantize(x, spec, axis, keep_source=False)
         return Q.qdq(x, spec, axis, fast=None if backend == "cpu" else False), q.scales
@@ -84,3 +87,46 @@ def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, backend: str = 
     if per_row:
         values = values.movedim(-1, axis)
     return values.to(x.dtype), scales
+
+
+class _TritonLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, n, eps, stats):
+        from qlab.kernels import layernorm_triton as K
+
+        rows = x.reshape(-1, n).contiguous()
+        y, mean, rstd = K.forward(rows, weight, bias, eps, stats)
+        ctx.save_for_backward(rows, weight, mean, rstd)
+        ctx.shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
+        return y.reshape(x.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        from qlab.kernels import layernorm_triton as K
+
+        rows, weight, mean, rstd = ctx.saved_tensors
+        dx, dw, db = K.backward(rows, weight, dy.reshape(rows.shape).contiguous(), mean, rstd)
+        dw = None if weight is None else dw.to(weight.dtype).reshape(weight.shape)
+        db = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype).reshape(weight.shape if weight is not None
+                                                                                  else rows.shape[1:])
+        return dx.reshape(ctx.shape), dw, db, None, None, None
+
+
+def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5, *, stats: str = "welford", backend: str = "auto") -> torch.Tensor:
+    """LayerNorm over the trailing ``normalized_shape`` (F.layer_norm's semantics) with the statistics
+    ``stats`` ("welford", "two_pass", "textbook"), float32 accumulation, output in x's dtype.
+
+    backend "triton" runs qlab.kernels.layernorm_triton (forward and backward); "cpu"/"reference" run
+    ``qlab.numerics.layer_norm``. The two agree within float32 accumulation-order tolerances
+    (tests/test_kernels.py states them), not bit for bit: their reductions sum in different orders.
+    """
+    from qlab import numerics
+
+    shape, _ = numerics._check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
+    if x.dtype == torch.float64 and backend == "auto":
+        backend = "cpu"  # the kernel accumulates in float32; float64 stays with the reference
+    if _resolve(x, backend) in ("cpu", "reference"):
+        return numerics.layer_norm(x, normalized_shape, weight, bias, eps, stats=stats)
+    return _TritonLayerNorm.apply(x, weight, bias, math.prod(shape), float(eps), stats)
