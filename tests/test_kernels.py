@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 
 from qlab import quantize as Q  # noqa: E402
 from qlab import numerics  # noqa: E402
-from qlab.kernels import fp8_qdq, layer_norm, mx_qdq  # noqa: E402
+from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"]
@@ -208,3 +208,49 @@ def test_layer_norm_dispatch_refuses_bad_input():
         layer_norm(x, (7,), backend="triton")
     with pytest.raises(ValueError, match="unknown backend"):
         layer_norm(x, (8,), backend="gpu")
+
+
+# --- NVFP4 ------------------------------------------------------------------------------------------
+
+def _nvfp4_inputs(special: bool) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(20, 72, generator=generator) * torch.logspace(-3, 3, 72)  # 20 rows, 72 = 4½ blocks
+    if special:
+        x[2, :16] = 0.0                    # an all-zero block: the smallest block scale 2^-6
+        x[3, 20] = float("nan")            # a NaN block: NaN scale, NaN values; global scale 1
+    return x
+
+
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_nvfp4_kernel_matches_the_reference_bit_for_bit(block_2d, special):
+    x = _nvfp4_inputs(special)
+    spec = Q.NVFP4Spec(block_2d=block_2d)
+    values, scales, global_scale = nvfp4_qdq(x.to(DEVICE), spec, backend="triton")
+    ref_values, ref_scales, ref_global = nvfp4_qdq(x, spec, backend="reference")
+    assert torch.equal(_bits(global_scale.cpu()), _bits(ref_global))
+    assert torch.equal(_bits(scales.cpu()), _bits(ref_scales))
+    assert torch.equal(_bits(values.cpu()), _bits(ref_values))
+
+
+def test_nvfp4_stochastic_rounding_is_reproducible_and_unbiased():
+    spec = Q.NVFP4Spec(rounding="stochastic")
+    generator = torch.Generator().manual_seed(7)
+    block = torch.rand(1, 16, generator=generator) * 5.0 + 0.3
+    x = block.repeat(1024, 1)  # every row the same block: same scales, independent draws per element
+    first, _, _ = nvfp4_qdq(x.to(DEVICE), spec, seed=11, offset=0, backend="triton")
+    again, _, _ = nvfp4_qdq(x.to(DEVICE), spec, seed=11, offset=0, backend="triton")
+    shifted, _, _ = nvfp4_qdq(x.to(DEVICE), spec, seed=11, offset=1 << 20, backend="triton")
+    assert torch.equal(first, again) and not torch.equal(first, shifted)
+    # each value is the RNE grid's neighbour below or above x (scales from the RNE reference)
+    nearest, scales, global_scale = nvfp4_qdq(block, Q.NVFP4Spec(), backend="reference")
+    first = first.cpu()
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]) * scales[0, 0] * global_scale
+    below = grid[(grid[None, :] <= block[0, :, None]).sum(-1) - 1]
+    above = grid[torch.clamp((grid[None, :] < block[0, :, None]).sum(-1), max=7)]
+    assert ((first == below) | (first == above)).all()
+    # unbiased: the mean of 1024 draws per element is x within 5 standard errors, plus the 2^-15 bias
+    # bound of 15 random bits, plus 1e-6 relative for the block amax (on the grid, but x·s⁻¹·s ≠ x exactly)
+    gap = above - below
+    standard_error = gap / 2 / 1024 ** 0.5
+    assert ((first.mean(0) - block[0]).abs() <= 5 * standard_error + gap * 2.0 ** -15 + 1e-6 * block[0]).all()

@@ -2,6 +2,7 @@
 
     mx_qdq(x, spec, axis, backend="auto")        MX block quantize-dequantize → (values, E8M0 bytes)
     fp8_qdq(x, spec, axis, backend="auto")       FP8 current scaling, per tensor or per row → (values, scales)
+    nvfp4_qdq(x, spec, axis, seed, offset, backend="auto")   NVFP4 1×16 / 16×16 → (values, block scales, global)
     layer_norm(x, shape, w, b, eps, stats=..., backend="auto")   LayerNorm with welford/two_pass/textbook stats
 
 backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's torch.compile path) otherwise;
@@ -130,3 +131,34 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
     if _resolve(x, backend) in ("cpu", "reference"):
         return numerics.layer_norm(x, normalized_shape, weight, bias, eps, stats=stats)
     return _TritonLayerNorm.apply(x, weight, bias, math.prod(shape), float(eps), stats)
+
+
+def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, offset: int = 0,
+              generator: torch.Generator | None = None, backend: str = "auto"):
+    """NVFP4 qdq (NVFP4Spec without Hadamard, with the global scale): (values in x's dtype and shape,
+    float32 E4M3 block scales, float32 global scale). 16×16 tiles need a 2-D x.
+
+    Stochastic rounding: the Triton kernel draws from Philox keyed by (seed, offset + element index),
+    reproducible across launches; the CPU/reference backends draw from ``generator``.
+    """
+    spec = Q.get_spec(spec)
+    if not isinstance(spec, Q.NVFP4Spec):
+        raise TypeError(f"nvfp4_qdq needs an NVFP4Spec (or an NVFP4 preset name), got {type(spec).__name__}")
+    if spec.hadamard or not spec.global_scale:
+        raise ValueError(f"the NVFP4 kernel covers global-scaled specs without the Hadamard transform; got {spec}")
+    Q._check_input(x, spec, axis)
+    backend = _resolve(x, backend)
+    if backend in ("cpu", "reference"):
+        q = Q.quantize(x, spec, axis, generator=generator, keep_source=False)
+        return Q.dequantize(q, x.dtype), q.scales, q.global_scale
+    if spec.block_2d and x.dim() != 2:
+        raise ValueError(f"the kernel's 16×16 tiles need a 2-D tensor, got shape {tuple(x.shape)}")
+    from qlab.kernels.nvfp4_triton import nvfp4_qdq_last_axis
+
+    moved = x.movedim(axis, -1)
+    values, scales, global_scale = nvfp4_qdq_last_axis(moved, block_2d=spec.block_2d,
+                                                       stochastic=spec.rounding == "stochastic", seed=seed,
+                                                       offset=offset)
+    if not spec.block_2d:
+        scales = scales.reshape(*moved.shape[:-1], -1)
+    return values.to(x.dtype).movedim(-1, axis), scales, global_scale

@@ -1,0 +1,93 @@
+"""Triton kernel: NVFP4 quantize-dequantize (E2M1 elements, E4M3 block scales per 1×16 or 16×16 tile,
+one float32 global scale), bit-exact with ``qlab.quantize.qdq(x, NVFP4Spec(...))`` for RNE.
+
+Two launches, no host synchronisation: the tensor's amax (fp8_triton._amax_kernel), then one
+program per tile: s_global = amax/(448·6) (1 if that is 0 or not finite), s_block =
+E4M3(clamp(amax_block/6/s_global, 2^-6, 448)) (NaN for a non-finite block), x·(1/s_global)/s_block
+clamped to ±6 and rounded onto the E2M1 grid, times s_global·s_block — the reference's operations
+in the reference's order. Stochastic rounding draws 15 random bits per element from Philox
+(tl.randint) keyed by (seed, offset + element index): the same seed and offset give the same bits
+on every launch and device; the draws are not those of the CPU reference's torch.Generator.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qlab.kernels.fp8_triton import CHUNK, _amax_kernel
+from qlab.kernels.triton_math import round_to_grid
+
+BLOCK = 16
+ROWS = 16
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_rows, n_cols, n_blocks, seed, offset,
+                  TILE_2D: tl.constexpr, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+
+    amax = tl.load(amax_ptr)
+    candidate = tl.math.div_rn(amax, 2688.0)  # 448 · 6
+    usable = (tl.load(nan_ptr) == 0) & (amax != float("inf")) & (candidate > 0)
+    global_scale = tl.where(usable, candidate, 1.0)
+
+    magnitude = tl.abs(x)
+    block_amax = tl.max(magnitude, axis=1)
+    block_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+    if TILE_2D:
+        block_amax = tl.zeros((ROWS,), tl.float32) + tl.max(block_amax, axis=0)
+        block_nan = (tl.zeros((ROWS,), tl.int32) + tl.max(block_nan.to(tl.int32), axis=0)) > 0
+    block_finite = (block_amax != float("inf")) & (block_nan == 0)
+    raw = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), tl.zeros((ROWS,), tl.float32) + global_scale)
+    clamped = tl.minimum(tl.maximum(raw, 0.015625), 448.0)
+    block_scale = round_to_grid(clamped, 448.0, 3, 121)  # E4M3 (bias 7), RNE
+    block_scale = tl.where(block_finite, block_scale, float("nan"))
+
+    reciprocal = tl.math.div_rn(1.0, global_scale)
+    inverse = tl.where(reciprocal == float("inf"),
+                       tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + 1.0, global_scale * block_scale),
+                       tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + reciprocal, block_scale))
+    scaled = tl.minimum(tl.maximum(x * inverse[:, None], -6.0), 6.0)
+    scaled = tl.where((scaled != scaled) | (x != x) | (block_finite[:, None] == 0), 0.0, scaled)
+    if STOCHASTIC:
+        noise = (tl.randint(seed, (offsets + offset).to(tl.uint32)) & 0x7FFF).to(tl.float32) * (1.0 / 32768.0)
+        mag = tl.abs(scaled)
+        biased = tl.maximum(mag.to(tl.int32, bitcast=True) >> 23, 127)  # E2M1: bias 1 → 128 − 1
+        quantum = ((biased - 1) << 23).to(tl.float32, bitcast=True)
+        steps = tl.minimum(tl.floor(mag / quantum + noise), tl.floor(mag / quantum) + 1.0)
+        values = tl.minimum(steps * quantum, 6.0)
+        values = tl.where(scaled < 0, -values, values)
+    else:
+        values = round_to_grid(scaled, 6.0, 1, 127)
+    full_scale = global_scale * block_scale
+    tl.store(out_ptr + offsets, values * full_scale[:, None], mask=inside)
+    if TILE_2D:
+        tl.store(scales_ptr + tl.program_id(0) * n_blocks + tl.program_id(1), tl.max(block_scale, axis=0),
+                 mask=tl.program_id(0) * ROWS < n_rows)
+    else:
+        tl.store(scales_ptr + rows * n_blocks + tl.program_id(1), block_scale, mask=rows < n_rows)
+    tl.store(global_ptr, global_scale, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
+
+
+def nvfp4_qdq_last_axis(x: torch.Tensor, *, block_2d: bool, stochastic: bool, seed: int, offset: int):
+    """(float32 qdq values of x's shape, float32 block scales, float32 global scale ()) for x (..., K)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    n_rows, n_cols = rows.shape
+    n_blocks = triton.cdiv(n_cols, BLOCK)
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    has_nan = torch.zeros(1, dtype=torch.int32, device=x.device)
+    _amax_kernel[(triton.cdiv(rows.numel(), CHUNK),)](rows, amax, has_nan, rows.numel(), CHUNK=CHUNK)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    scale_rows = triton.cdiv(n_rows, ROWS) if block_2d else n_rows
+    scales = torch.empty((scale_rows, n_blocks), dtype=torch.float32, device=x.device)
+    global_scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n_rows, ROWS), n_blocks)
+    _nvfp4_kernel[grid](rows, out, scales, global_scale, amax, has_nan, n_rows, n_cols, n_blocks, seed, offset,
+                        TILE_2D=block_2d, STOCHASTIC=stochastic, ROWS=ROWS, BLOCK=BLOCK)
+    return out.reshape(x.shape), scales, global_scale.reshape(())
