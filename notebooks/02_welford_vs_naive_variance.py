@@ -336,6 +336,46 @@ ax.legend(fontsize=5, loc="upper left")
 save_figure(fig, f"{NAME}_gradcheck")
 
 # %% [markdown]
+# ## 6. On a GPU: the Triton LayerNorm kernel's three statistics
+#
+# Runs only when CUDA is present. The same rows and reference as section 4, through
+# `qlab.kernels.layer_norm(..., backend="triton")` with each statistics mode: float32 accumulation,
+# Welford as a Chan-merge tree (what CUDA LayerNorms do across a warp), two-pass, and the textbook
+# E[X²]−E[X]² clamped at zero. Writes `data/02_welford_vs_naive_variance_gpu.csv` and its figure.
+
+# %%
+if torch.cuda.is_available():
+    from qlab.kernels import layer_norm as kernel_layer_norm
+
+    gpu_records = []
+    for stats in ("textbook", "two_pass", "welford"):
+        x = ln_x.to("cuda").requires_grad_(True)
+        y = kernel_layer_norm(x, (n,), eps=eps, stats=stats, backend="triton")
+        (grad,) = torch.autograd.grad(y, x, upstream.to("cuda"))
+        out_error = (y.detach().cpu().double() - ref_y).abs().amax(dim=1)
+        grad_error = (grad.cpu().double() - ref_grad).abs().amax(dim=1) / ref_grad.abs().amax(dim=1)
+        gpu_records.append(pd.DataFrame({"stats": stats, "kappa_target": np.repeat(kappa_targets, trials),
+                                         "kappa": ln_kappa.numpy(), "output_abs_error": out_error.numpy(),
+                                         "grad_rel_error": grad_error.numpy()}))
+    gpu_table = pd.concat(gpu_records, ignore_index=True)
+    save_csv(gpu_table, f"{NAME}_gpu")
+    gpu_summary = gpu_table.groupby(["stats", "kappa_target"], sort=False).median(numeric_only=True).reset_index()
+    fig, axes = subplots(1, 2, width="text", aspect=0.65)
+    for stats in ("textbook", "two_pass", "welford"):
+        part = gpu_summary[gpu_summary["stats"] == stats]
+        axes[0].loglog(part["kappa"], part["output_abs_error"].clip(lower=ERROR_FLOOR), marker="o", label=stats)
+        axes[1].loglog(part["kappa"], part["grad_rel_error"].clip(lower=ERROR_FLOOR), marker="o", label=stats)
+    axes[0].set_ylabel("max |y − y_ref|")
+    axes[1].set_ylabel("rel. error of dL/dx")
+    for ax in axes:
+        ax.set_xlabel("condition number κ (float32 input)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right center")
+    fig.suptitle(f"Triton LayerNorm on {torch.cuda.get_device_name()}")
+    save_figure(fig, f"{NAME}_gpu")
+else:
+    print("no CUDA device: the GPU section is skipped (it needs the Triton kernels on a GPU)")
+
+# %% [markdown]
 # ## Headline numbers
 #
 # Saved to `data/02_welford_vs_naive_variance.json` (what `qlab sweep` collects).

@@ -50,7 +50,7 @@ def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, nan_ptr, scale_ptr, n, FMT_MAX:
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
     values = tl.where(x != x, x, values)  # NaN stays NaN
-    tl.store(out_ptr + offsets, tl.math.div_rn(values, scale), mask=inside)
+    tl.store(out_ptr + offsets, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(scale_ptr, scale, mask=tl.program_id(0) == 0)
 
 
@@ -72,15 +72,14 @@ def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: t
         x = tl.load(x_ptr + row + cols, mask=inside, other=0.0).to(tl.float32)
         values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
         values = tl.where(x != x, x, values)
-        tl.store(out_ptr + row + cols, tl.math.div_rn(values, scale),
-                 mask=inside)
+        tl.store(out_ptr + row + cols, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(scale_ptr + tl.program_id(0), scale)
 
 
 def fp8_qdq(x: torch.Tensor, element, *, per_row: bool, eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float32 qdq values of x's shape, float32 scales: shape () per tensor or (..., 1) per row)."""
+    """(qdq values in x's dtype and shape, float32 scales: shape () per tensor or (..., 1) per row)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
     constants = dict(FMT_MAX=float(element.max), EPS=float(eps), POW2=bool(pow2), MANTISSA=element.mantissa_bits,
                      MIN_BIASED=128 - element.bias, CHUNK=CHUNK)
     if per_row:

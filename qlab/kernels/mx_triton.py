@@ -52,16 +52,16 @@ def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
     scaled = tl.where(finite[:, None], x * inverse[:, None], 0.0)
     values = round_to_grid(scaled, ELEM_MAX, MANTISSA, MIN_BIASED)
     values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
-    tl.store(out_ptr + offsets, values, mask=inside)
+    tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(codes_ptr + rows * n_blocks + block, code.to(tl.uint8), mask=rows < n_rows)
 
 
 def mx_qdq_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dequantized float32 values of x's shape, E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
+    """(dequantized values in x's dtype and shape (one rounding from float32, as qdq), E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
-    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(n_rows, ROWS), n_blocks)
     _mx_qdq_kernel[grid](rows, out, codes, n_rows, n_cols, n_blocks, ELEM_MAX=float(element.max), EMAX=element.emax,

@@ -66,7 +66,7 @@ def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_r
     else:
         values = round_to_grid(scaled, 6.0, 1, 127)
     full_scale = global_scale * block_scale
-    tl.store(out_ptr + offsets, values * full_scale[:, None], mask=inside)
+    tl.store(out_ptr + offsets, (values * full_scale[:, None]).to(out_ptr.dtype.element_ty), mask=inside)
     if TILE_2D:
         tl.store(scales_ptr + tl.program_id(0) * n_blocks + tl.program_id(1), tl.max(block_scale, axis=0),
                  mask=tl.program_id(0) * ROWS < n_rows)
@@ -76,14 +76,14 @@ def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_r
 
 
 def nvfp4_qdq_last_axis(x: torch.Tensor, *, block_2d: bool, stochastic: bool, seed: int, offset: int):
-    """(float32 qdq values of x's shape, float32 block scales, float32 global scale ()) for x (..., K)."""
+    """(qdq values in x's dtype and shape, float32 block scales, float32 global scale ()) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     has_nan = torch.zeros(1, dtype=torch.int32, device=x.device)
     _amax_kernel[(triton.cdiv(rows.numel(), CHUNK),)](rows, amax, has_nan, rows.numel(), CHUNK=CHUNK)
-    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     scale_rows = triton.cdiv(n_rows, ROWS) if block_2d else n_rows
     scales = torch.empty((scale_rows, n_blocks), dtype=torch.float32, device=x.device)
     global_scale = torch.empty(1, dtype=torch.float32, device=x.device)

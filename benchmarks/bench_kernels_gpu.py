@@ -1,0 +1,105 @@
+"""GPU benchmark of qlab's Triton kernels: achieved bandwidth against the device's peak, and speed
+against the eager reference, torchao's MX cast where installed, and torch's LayerNorm.
+
+    python benchmarks/bench_kernels_gpu.py [--size 8192] [--hidden 4096] [--peak-gbps GB/s]
+
+Needs CUDA (exits with a message otherwise). Bytes counted per qdq: read x and write the result,
+both in bf16, plus the scales; LayerNorm forward+backward: read x, dy, write y, dx (plus w, b,
+dw, db). Times are medians from triton.testing.do_bench. Targets (issue 8, H100-class): qdq at
+8192×8192 bf16 ≥ 70 % of peak bandwidth; LayerNorm forward+backward at hidden 4096 at least as
+fast as torch.nn.functional.layer_norm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
+
+
+def peak_bandwidth(name: str, override: float | None) -> float | None:
+    if override:
+        return override
+    return next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--peak-gbps", type=float, default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kernels_gpu: no CUDA device; the GPU numbers are pending (see the README)")
+        return 0
+    import triton.testing
+
+    from qlab import quantize as Q
+    from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq
+
+    name = torch.cuda.get_device_name()
+    peak = peak_bandwidth(name, args.peak_gbps)
+    x = torch.randn(args.size, args.size, device="cuda", dtype=torch.bfloat16)
+    element_bytes = 2 * x.numel() * x.element_size()
+    print(f"device: {name}; peak {peak or '?'} GB/s; torch {torch.__version__}; x {tuple(x.shape)} bf16\n")
+    print("| kernel | Triton (ms) | GB/s | % of peak | eager reference (ms) | speed-up | torchao (ms) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    cases = {
+        "fp8 per-tensor (e4m3)": (lambda: fp8_qdq(x, "fp8_e4m3", backend="triton"),
+                                  lambda: Q.qdq(x, "fp8_e4m3", fast=False), element_bytes),
+        "fp8 per-row (e4m3)": (lambda: fp8_qdq(x, "fp8_e4m3_rowwise", backend="triton"),
+                               lambda: Q.qdq(x, "fp8_e4m3_rowwise", fast=False), element_bytes + 4 * x.shape[0]),
+        "mxfp8 (e4m3, floor)": (lambda: mx_qdq(x, "mxfp8", backend="triton"),
+                                lambda: Q.qdq(x, "mxfp8", fast=False), element_bytes + x.numel() // 32),
+        "mxfp4 (e2m1, floor)": (lambda: mx_qdq(x, Q.MXSpec("e2m1"), backend="triton"),
+                                lambda: Q.qdq(x, Q.MXSpec("e2m1"), fast=False), element_bytes + x.numel() // 32),
+        "nvfp4 1×16": (lambda: nvfp4_qdq(x, Q.NVFP4Spec(), backend="triton"),
+                       lambda: Q.qdq(x, Q.NVFP4Spec(), fast=False), element_bytes + 4 * x.numel() // 16),
+    }
+    torchao_mx = _torchao_mx(x)
+    for label, (kernel, eager, nbytes) in cases.items():
+        ms = triton.testing.do_bench(kernel)
+        eager_ms = triton.testing.do_bench(eager)
+        gbps = nbytes / ms / 1e6
+        ao = triton.testing.do_bench(torchao_mx) if (torchao_mx and label.startswith("mxfp8")) else None
+        print(f"| {label} | {ms:.3f} | {gbps:,.0f} | {f'{100 * gbps / peak:.0f} %' if peak else '?'} | "
+              f"{eager_ms:.3f} | {eager_ms / ms:.1f}× | {f'{ao:.3f}' if ao else '–'} |", flush=True)
+
+    tokens, hidden = args.tokens, args.hidden
+    h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(h)
+
+    def fwd_bwd(fn):
+        def run():
+            h.grad = w.grad = b.grad = None
+            fn().backward(dy)
+        return run
+
+    torch_ms = triton.testing.do_bench(fwd_bwd(lambda: torch.nn.functional.layer_norm(h, (hidden,), w, b)))
+    print(f"\nLayerNorm forward+backward, {tokens}×{hidden} bf16 (torch.nn.functional.layer_norm {torch_ms:.3f} ms):\n")
+    print("| stats | Triton (ms) | GB/s | vs torch |")
+    print("|---|---:|---:|---:|")
+    nbytes = 4 * h.numel() * h.element_size()
+    for stats in ("welford", "two_pass", "textbook"):
+        ms = triton.testing.do_bench(fwd_bwd(lambda: layer_norm(h, (hidden,), w, b, stats=stats, backend="triton")))
+        print(f"| {stats} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} | {torch_ms / ms:.2f}× |", flush=True)
+    return 0
+
+
+def _torchao_mx(x):
+    """torchao's MX cast of x (e4m3, block 32) as a callable, or None when torchao lacks it."""
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except ImportError:
+        return None
+    return lambda: to_mx(x, torch.float8_e4m3fn, 32)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
