@@ -43,6 +43,7 @@ bench: $(STAMP)  ## speed benchmarks (ratios against a baseline in the same run)
 	$(BIN)/python benchmarks/bench_probes.py
 	$(BIN)/python benchmarks/bench_train.py
 	$(BIN)/python benchmarks/bench_sparse.py
+	$(BIN)/python benchmarks/bench_kernels_gpu.py
 
 clean:  ## remove runs/ (executed notebooks); keeps .venv, data/ and figures/
 	rm -rf runs/

@@ -13,6 +13,8 @@ Modules:
     nn        QuantLinear, fake_quant, quantize_model / unquantize_model
     probes    ProbeSet, tensor statistics, GradientAudit
     sparse    top-k sparse back-propagation: mask_gradients, TopKLinear, sparsify_model
+    kernels   Triton kernels (MX, FP8, NVFP4 qdq; LayerNorm) behind one dispatch point per operation
+    seed_model  the seeds' quantized Linear and transformer (notebook 01)
     train     Shakespeare / digits data, CharGPT / MLP, TrainConfig, train() (checkpoints, resume, DDP)
     notebooks running parameterized notebooks with papermill (used by the CLI and the tests)
     cli       the `qlab` command: list, run, figures, sweep, sync, train
