@@ -173,15 +173,11 @@ class QuantLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> "QuantLinear":
         """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.weight, layer.bias = linear.weight, linear.bias
+        layer = linear_sharing_parameters(cls, linear)  # hooks registered on the nn.Linear are not carried over
         layer._configure(recipe, options.pop("fuse_wgrad_accumulation", False), options.pop("delay_wgrad", False),
                          options.pop("seed", 0))
         if options:
             raise TypeError(f"unexpected QuantLinear options: {sorted(options)}")
-        layer.train(linear.training)  # hooks registered on the nn.Linear are not carried over
         return layer
 
     def extra_repr(self) -> str:
@@ -299,6 +295,37 @@ class QuantLinear(nn.Linear):
 
 # --- model conversion ---------------------------------------------------------------------------
 
+def linear_sharing_parameters(cls: type, linear: nn.Linear) -> nn.Linear:
+    """A ``cls`` (nn.Linear or a subclass) holding ``linear``'s weight and bias Parameters (no copy),
+    in the same train/eval mode; subclass-specific set-up is the caller's."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = linear.in_features, linear.out_features
+    layer.weight, layer.bias = linear.weight, linear.bias
+    layer.train(linear.training)
+    return layer
+
+
+def replace_linears(model: nn.Module, make, *, keep=(), select=lambda module: type(module) is nn.Linear) -> list:
+    """Swap (in place) every module for which ``select`` holds by ``make(module, index)``, except names
+    matching the fnmatch patterns in ``keep``. A module registered under several names gets one shared
+    replacement; all replacements are built before any swap, so a refusal leaves the model as it was.
+    Returns (name, module, replaced) for every selected module, kept ones included."""
+    keep = [keep] if isinstance(keep, str) else list(keep)
+    chosen, replacements = [], {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if not select(module):
+            continue
+        replaced = not any(fnmatch.fnmatchcase(name, pattern) for pattern in keep)
+        if replaced and id(module) not in replacements:
+            replacements[id(module)] = make(module, len(replacements))
+        chosen.append((name, module, replaced))
+    for name, module, replaced in chosen:
+        if replaced:
+            _set_submodule(model, name, replacements[id(module)])
+    return chosen
+
+
 def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), **options) -> list[dict]:
     """Replace every nn.Linear in ``model`` (in place) by a QuantLinear sharing its Parameters.
 
@@ -307,22 +334,13 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     Returns a report: one dict per nn.Linear with name, action ("quantized" or "kept"), shape.
     """
     recipe = get_recipe(recipe)
-    if isinstance(keep_high_precision, str):
-        keep_high_precision = [keep_high_precision]
     base_seed = options.pop("seed", 0)  # layer i gets seed base + i: no two layers share SR noise
-    report, replacements = [], {}
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if type(module) is not nn.Linear:
-            continue
-        keep = any(fnmatch.fnmatchcase(name, pattern) for pattern in keep_high_precision)
-        if not keep:  # a Linear registered under several names becomes one shared QuantLinear
-            if id(module) not in replacements:
-                replacements[id(module)] = QuantLinear.from_linear(module, recipe, seed=base_seed + len(replacements),
-                                                                   **options)
-            _set_submodule(model, name, replacements[id(module)])
-        report.append({"name": name, "action": "kept" if keep else "quantized", "recipe": recipe.name,
-                       "in_features": module.in_features, "out_features": module.out_features})
-    return report
+    chosen = replace_linears(model, lambda linear, i: QuantLinear.from_linear(linear, recipe, seed=base_seed + i,
+                                                                              **options),
+                             keep=keep_high_precision)
+    return [{"name": name, "action": "quantized" if replaced else "kept", "recipe": recipe.name,
+             "in_features": module.in_features, "out_features": module.out_features}
+            for name, module, replaced in chosen]
 
 
 def unquantize_model(model: nn.Module) -> list[str]:
@@ -333,19 +351,10 @@ def unquantize_model(model: nn.Module) -> list[str]:
 def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
     """Replace (in place) every module that is an instance of ``kind`` but not exactly nn.Linear (a
     QuantLinear, a TopKLinear, ...) by an nn.Linear sharing its Parameters; return the names replaced."""
-    names, replacements = [], {}
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if isinstance(module, kind) and isinstance(module, nn.Linear) and type(module) is not nn.Linear:
-            if id(module) not in replacements:
-                linear = nn.Linear.__new__(nn.Linear)
-                nn.Module.__init__(linear)
-                linear.in_features, linear.out_features = module.in_features, module.out_features
-                linear.weight, linear.bias = module.weight, module.bias
-                linear.train(module.training)
-                replacements[id(module)] = linear
-            _set_submodule(model, name, replacements[id(module)])
-            names.append(name)
-    return names
+    chosen = replace_linears(model, lambda module, i: linear_sharing_parameters(nn.Linear, module),
+                             select=lambda m: isinstance(m, kind) and isinstance(m, nn.Linear)
+                             and type(m) is not nn.Linear)
+    return [name for name, _, _ in chosen]
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:

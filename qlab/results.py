@@ -22,10 +22,17 @@ def _check_name(name: str) -> None:
 def save_csv(df: pd.DataFrame, name: str) -> Path:
     """Write ``df`` to ``data/<name>.csv`` (floats with 10 significant digits); return the path."""
     _check_name(name)
+    return write_csv(df, paths.data_dir() / f"{name}.csv")
+
+
+def write_csv(df: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Write ``df`` to ``path`` in save_csv's format, atomically (a crash leaves the old file whole)."""
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"expected a pandas DataFrame, got {type(df).__name__}")
-    path = paths.data_dir() / f"{name}.csv"
-    df.to_csv(path, index=False, float_format="%.10g", lineterminator="\n")
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    df.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qlab.nn import linear_sharing_parameters, replace_linears
+
 MODES = ("shared", "row")
 VARIANTS = ("topk", "max_child")
 
@@ -210,12 +212,8 @@ class TopKLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, k=1.0, *, mode: str = "shared", variant: str = "topk") -> "TopKLinear":
         """A TopKLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.weight, layer.bias = linear.weight, linear.bias
+        layer = linear_sharing_parameters(cls, linear)
         layer._configure(k, mode, variant)
-        layer.train(linear.training)
         return layer
 
     def extra_repr(self) -> str:
@@ -237,17 +235,9 @@ def sparsify_model(model: nn.Module, k, *, mode: str = "shared", variant: str = 
     """Replace every nn.Linear (in place) by a TopKLinear sharing its Parameters, except names matching
     the fnmatch patterns in ``keep``; return the replaced names. A Linear registered under several
     names becomes one shared TopKLinear. Nothing is replaced if any layer refuses k."""
-    from qlab.nn import _set_submodule
-
-    replacements, names = {}, []
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if type(module) is nn.Linear and not any(fnmatch.fnmatchcase(name, pattern) for pattern in _patterns(keep)):
-            if id(module) not in replacements:  # built (and k checked) for every layer before any swap
-                replacements[id(module)] = TopKLinear.from_linear(module, k, mode=mode, variant=variant)
-            names.append((name, replacements[id(module)]))
-    for name, layer in names:
-        _set_submodule(model, name, layer)
-    return [name for name, _ in names]
+    chosen = replace_linears(model, lambda linear, i: TopKLinear.from_linear(linear, k, mode=mode, variant=variant),
+                             keep=keep)
+    return [name for name, _, replaced in chosen if replaced]
 
 
 # --- timing (used by notebook 05 and benchmarks/bench_sparse.py) -------------------------------------

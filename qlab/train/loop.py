@@ -33,6 +33,7 @@ from torch.nn import functional as F
 
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.recipe import get_recipe
+from qlab.results import write_csv
 from qlab.sparse import sparsify_model
 from qlab.train import data as D
 from qlab.train.config import BASELINES, TrainConfig
@@ -276,12 +277,6 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int =
     return state
 
 
-def _write_csv(frame: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    frame.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
-    os.replace(tmp, path)
-
-
 # --- the loop ---------------------------------------------------------------------------------------------
 
 def train(config: TrainConfig, *, probes=None) -> TrainResult:
@@ -374,9 +369,9 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
                     save_checkpoint(out_dir / CHECKPOINT, step=step + 1, model=trained, optimizer=optimizer,
                                     scaler=scaler, metrics=metrics, fidelity=fidelity, config=config)
             if out_dir is not None and rank == 0 and (last or not math.isnan(row["val_loss"])):
-                _write_csv(pd.DataFrame(metrics), out_dir / "metrics.csv")
+                write_csv(pd.DataFrame(metrics), out_dir / "metrics.csv")
                 if fidelity:
-                    _write_csv(pd.DataFrame(fidelity), out_dir / "fidelity.csv")
+                    write_csv(pd.DataFrame(fidelity), out_dir / "fidelity.csv")
     finally:
         progress.close()
         if probe_set is not None:
