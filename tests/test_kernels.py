@@ -43,7 +43,7 @@ def _special_blocks(rows: int = 19, cols: int = 72) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("mode", ["floor", "rceil"])
+@pytest.mark.parametrize("mode", ["floor", "rceil", "ceil", "even"])
 @pytest.mark.parametrize("element", ELEMENTS)
 def test_mx_kernel_matches_the_reference_bit_for_bit(element, mode):
     x = _special_blocks().to(DEVICE)
@@ -86,7 +86,9 @@ def test_dispatch_backends_agree_and_bad_input_is_refused():
     with pytest.raises(TypeError, match="MXSpec"):
         mx_qdq(x, "fp8_e4m3", backend="reference")
     with pytest.raises(ValueError, match="block_size 32"):
-        mx_qdq(x, Q.MXSpec("e4m3", mode="ceil"), backend="triton")
+        mx_qdq(x, Q.MXSpec("e4m3", block_size=16), backend="triton")
+    with pytest.raises(ValueError, match="rne rounding"):
+        mx_qdq(x, Q.MXSpec("e4m3", rounding="stochastic"), backend="triton")
     with pytest.raises(ValueError, match="no NaN encoding"):  # as the reference refuses it
         fp8_qdq(_fp8_inputs(), Q.TensorwiseSpec("e2m1"), backend="triton")
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):

@@ -35,12 +35,12 @@ def triton_available(device: torch.device) -> bool:
 
 def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, backend: str = "auto"):
     """MX qdq of x along ``axis`` with RNE elements: (values in x's dtype and shape, E8M0 bytes with
-    the blocked axis last, shape (..., ceil(K/block))). Modes "floor" and "rceil"; block size 32."""
+    the blocked axis last, shape (..., ceil(K/block))). Every scale mode; block size 32, RNE elements."""
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.MXSpec):
         raise TypeError(f"mx_qdq needs an MXSpec (or an MX preset name), got {type(spec).__name__}")
-    if spec.block_size != 32 or spec.mode not in ("floor", "rceil") or spec.rounding != "rne":
-        raise ValueError(f"the MX kernel covers block_size 32, modes floor/rceil and rne rounding; got {spec}")
+    if spec.block_size != 32 or spec.rounding != "rne":
+        raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
     Q._check_input(x, spec, axis)
     backend = _resolve(x, backend)
     if backend in ("cpu", "reference"):

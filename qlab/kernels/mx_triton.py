@@ -2,8 +2,9 @@
 ``qlab.quantize.qdq(x, MXSpec(...))``.
 
 One program per tile of ROWS rows × one block of 32 (BLOCK) elements: amax of each row's block →
-E8M0 byte (FLOOR: floor(log2 amax) − emax; RCEIL: ceil(log2(amax / elem_max)), both from the float32
-bits, clamped to [−127, 127]; 0xFF for a NaN/inf block) → x · 2^-e → saturating round-to-nearest-
+E8M0 byte by qlab.scaling.mx_scale_codes's modes (FLOOR: floor(log2 amax) − emax; CEIL; EVEN;
+RCEIL: ceil(log2(amax / elem_max))), all from the float32 bits, clamped to [−127, 127]; 0xFF for a
+NaN/inf block) → x · 2^-e → saturating round-to-nearest-
 even onto the element grid by the add-and-subtract trick (C = 2^(e_x + 23 − m) has the grid's
 quantum as its float32 ulp) → values · 2^e. A partial last block is masked (as if zero-padded).
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow: small shapes only).
@@ -24,7 +25,7 @@ ROWS = 16
 @triton.jit
 def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
                    ELEM_MAX: tl.constexpr, EMAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr,
-                   RCEIL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                   MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row_tile = tl.program_id(0)
     block = tl.program_id(1)
     rows = row_tile * ROWS + tl.arange(0, ROWS)
@@ -36,14 +37,19 @@ def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
     amax = tl.max(tl.abs(x), axis=1)
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0  # GPU max reductions may drop NaN: flag it apart
     finite = (amax != float("inf")) & (has_nan == 0)
-    if RCEIL:
+    if MODE == "rceil":
         descale = amax / ELEM_MAX
         bits = descale.to(tl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
         exponent = tl.where(descale < 1.1754943508222875e-38,  # float32-subnormal descale
                             tl.where(descale > 5.877471754111438e-39, -126, -127), exponent)
     else:
-        exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127 - EMAX
+        bits = amax.to(tl.int32, bitcast=True)
+        if MODE == "even":  # the mantissa rounded to the element's width (half up) before the floor
+            bits = (bits + (1 << (22 - MANTISSA))) & 0x7F800000
+        exponent = ((bits >> 23) & 0xFF) - 127 - EMAX
+        if MODE == "ceil":
+            exponent += ((bits & 0x7FFFFF) != 0).to(tl.int32)
     exponent = tl.minimum(tl.maximum(exponent, -127), 127)
     code = tl.where(finite, exponent + 127, 255)
 
@@ -65,6 +71,6 @@ def mx_qdq_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor,
     codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=x.device)
     grid = (triton.cdiv(n_rows, ROWS), n_blocks)
     _mx_qdq_kernel[grid](rows, out, codes, n_rows, n_cols, n_blocks, ELEM_MAX=float(element.max), EMAX=element.emax,
-                         MANTISSA=element.mantissa_bits, MIN_BIASED=128 - element.bias, RCEIL=mode == "rceil",
+                         MANTISSA=element.mantissa_bits, MIN_BIASED=128 - element.bias, MODE=mode,
                          ROWS=ROWS, BLOCK=BLOCK)
     return out.reshape(x.shape), codes.reshape(*x.shape[:-1], n_blocks)
