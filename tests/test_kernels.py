@@ -19,6 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 
 from qlab import quantize as Q  # noqa: E402
 from qlab import numerics  # noqa: E402
+from qlab import kernels  # noqa: E402
 from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,6 +41,7 @@ def _special_blocks(rows: int = 19, cols: int = 72) -> torch.Tensor:
     x[3, :32] = 1e-40                   # float32 subnormals: the smallest scales
     x[4, :32] = torch.linspace(-3e38, 3e38, 32)  # near float32's max: the largest scales
     x[5, 64:] = 480.0                   # saturates under FLOOR for E4M3 (480 → 448)
+    x[6, :4] = torch.tensor([-0.0, 0.0, -1e-30, 1e-30])  # signed zeros, and values that round to ±0
     return x
 
 
@@ -93,6 +95,43 @@ def test_dispatch_backends_agree_and_bad_input_is_refused():
         fp8_qdq(_fp8_inputs(), Q.TensorwiseSpec("e2m1"), backend="triton")
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         fp8_qdq(torch.zeros(4, 8, dtype=torch.float64), "fp8_e4m3", backend="triton")
+
+
+def _assert_same_qtensor(q: Q.QTensor, ref: Q.QTensor) -> None:
+    assert (q.spec, q.axis, q.shape, q.dtype) == (ref.spec, ref.axis, ref.shape, ref.dtype)
+    assert q.codes.dtype == ref.codes.dtype and torch.equal(q.codes.cpu(), ref.codes)
+    assert torch.equal(_bits(q.scales.cpu()), _bits(ref.scales))
+    if ref.scale_codes is not None:
+        assert torch.equal(q.scale_codes.cpu(), ref.scale_codes)
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_mx_kernel_emits_the_codes_quantize_emits(element, mode):
+    x = _special_blocks()  # 72 columns: the third block is partial, its padding code 0
+    spec = Q.MXSpec(element, mode=mode)
+    q = kernels.quantize(x.to(DEVICE), spec, backend="triton")
+    _assert_same_qtensor(q, Q.quantize(x, spec))
+    assert torch.equal(_bits(Q.dequantize(q).cpu()), _bits(mx_qdq(x, spec, backend="reference")[0]))
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_mx_kernel_codes_along_either_axis(axis):
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 33, generator=generator) * 10).to(torch.bfloat16)
+    q = kernels.quantize(x.to(DEVICE), "mxfp4", axis, backend="triton")
+    _assert_same_qtensor(q, Q.quantize(x, "mxfp4", axis))
+    assert q.packed_codes().shape == (33 if axis == 0 else 40, 2, 16)
+
+
+def test_mx_codes_of_the_ocp_e2m1_table():
+    # OCP MX v1.0 table: E2M1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; bit 3 is the sign. An amax of 6
+    # gives the FLOOR scale 2^(2 − 2) = 1, so the values are their own elements.
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    x = torch.cat([grid, -grid, grid, -grid]).reshape(1, 32)
+    q = kernels.quantize(x.to(DEVICE), "mxfp4", backend="triton")
+    expected = torch.cat([torch.arange(8), torch.arange(8) | 8] * 2).to(torch.uint8)
+    assert torch.equal(q.codes.cpu().flatten(), expected) and q.scale_codes.item() == 127
 
 
 # --- FP8 current scaling ---------------------------------------------------------------------------
@@ -256,3 +295,39 @@ def test_nvfp4_stochastic_rounding_is_reproducible_and_unbiased():
     gap = above - below
     standard_error = gap / 2 / 1024 ** 0.5
     assert ((first.mean(0) - block[0]).abs() <= 5 * standard_error + gap * 2.0 ** -15 + 1e-6 * block[0]).all()
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "axis"])
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+def test_fp8_kernel_codes_are_torch_float8_bytes(element, granularity):
+    # independent reference: torch's own float8 cast of the saturated x · scale
+    x = _fp8_inputs()[2:]  # inf → the format's max; all-zero and subnormal rows
+    spec = Q.TensorwiseSpec(element, granularity=granularity)
+    q = kernels.quantize(x.to(DEVICE), spec, backend="triton")
+    _assert_same_qtensor(q, Q.quantize(x, spec))
+    torch_dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[element]
+    limit = torch.finfo(torch_dtype).max
+    expected = (x * q.scales.cpu()).clamp(-limit, limit).to(torch_dtype).view(torch.uint8)
+    assert torch.equal(q.codes.cpu(), expected)
+
+
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_fp8_kernel_codes_for_every_element_and_nan(element):
+    x = _fp8_inputs()[:, :, :40]  # short rows: the interpreter runs one program per row
+    if element not in ("e4m3", "e5m2"):
+        x = x[2:]  # FP6/FP4 have no NaN encoding (refused, as tested above)
+    for spec in (Q.TensorwiseSpec(element), Q.TensorwiseSpec(element, granularity="axis", pow2=True)):
+        for axis in (-1, 0):
+            _assert_same_qtensor(kernels.quantize(x.to(DEVICE), spec, axis, backend="triton"),
+                                 Q.quantize(x, spec, axis))
+
+
+def test_quantize_dispatch_refuses_what_it_does_not_cover():
+    x = torch.randn(4, 32)
+    with pytest.raises(TypeError, match="MXSpec and TensorwiseSpec"):
+        kernels.quantize(x, "nvfp4")
+    with pytest.raises(TypeError, match="MXSpec and TensorwiseSpec"):
+        kernels.quantize(x, Q.TensorwiseSpec("e4m3", rounding="stochastic"))
+    with pytest.raises(ValueError, match="block_size 32"):
+        kernels.quantize(x, Q.MXSpec("e4m3", block_size=16))
+    _assert_same_qtensor(kernels.quantize(x, "mxfp8", backend="cpu"), Q.quantize(x, "mxfp8"))

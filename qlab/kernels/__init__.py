@@ -1,5 +1,6 @@
-"""Fused kernels with one dispatch point per operation (issue 8; in progress).
+"""Fused kernels with one dispatch point per operation.
 
+    quantize(x, spec, axis, backend="auto")      MX or FP8-current-scaling quantize → QTensor (codes, scales)
     mx_qdq(x, spec, axis, backend="auto")        MX block quantize-dequantize → (values, E8M0 bytes)
     fp8_qdq(x, spec, axis, backend="auto")       FP8 current scaling, per tensor or per row → (values, scales)
     nvfp4_qdq(x, spec, axis, seed, offset, backend="auto")   NVFP4 1×16 / 16×16 → (values, block scales, global)
@@ -9,6 +10,7 @@ backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's torch.com
 "triton" — force the kernel (on a CPU tensor only under TRITON_INTERPRET=1); "cpu" — the fused CPU
 path; "reference" — eager ``qlab.quantize.quantize`` + ``dequantize``. Every backend gives the same
 bits; tests/test_kernels.py checks the kernel against the reference under Triton's interpreter.
+FP8 GEMMs on tensor cores (``torch._scaled_mm``) are in qlab.kernels.fp8_gemm.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import torch
 
 from qlab import quantize as Q
+from qlab import scaling
 from qlab.formats import get_format
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -43,10 +46,13 @@ def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, backend: str = "aut
         raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
     Q._check_input(x, spec, axis)
     backend = _resolve(x, backend)
-    if backend in ("cpu", "reference"):
+    if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
-        values = Q.qdq(x, spec, axis, fast=None if backend == "cpu" else False)
-        return values, q.scale_codes
+        return Q.dequantize(q, x.dtype), q.scale_codes
+    if backend == "cpu":  # the compiled qdq, and the E8M0 bytes from the block amaxes (one more read of x)
+        blocks = Q._to_layout(x, spec, axis % x.dim())
+        scale_codes = scaling.mx_scale_codes(blocks.abs().amax(-1), get_format(spec.element), spec.mode)
+        return Q.qdq(x, spec, axis), scale_codes
     from qlab.kernels.mx_triton import mx_qdq_last_axis
 
     moved = x.movedim(axis, -1)
@@ -77,17 +83,53 @@ def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, backend: str = 
         raise TypeError(f"fp8_qdq needs a TensorwiseSpec with rne rounding, got {spec!r}")
     Q._check_input(x, spec, axis)  # the reference's refusals (dtype, axis, NaN without a NaN encoding)
     backend = _resolve(x, backend)
-    if backend in ("cpu", "reference"):
+    if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
-        return Q.qdq(x, spec, axis, fast=None if backend == "cpu" else False), q.scales
-    from qlab.kernels.fp8_triton import fp8_qdq as kernel
+        return Q.dequantize(q, x.dtype), q.scales
+    if backend == "cpu":  # the compiled qdq, and the scales from the amaxes (one more read of x)
+        layout = Q._to_layout(x, spec, axis % x.dim())
+        amax = layout.abs().amax() if spec.granularity == "tensor" else layout.abs().amax(-1, keepdim=True)
+        return Q.qdq(x, spec, axis), scaling.fp8_current_scale(amax, spec.element, eps=spec.eps, pow2=spec.pow2)
+    from qlab.kernels.fp8_triton import fp8_current_scaling
 
     per_row = spec.granularity == "axis"
     moved = x.movedim(axis, -1) if per_row else x
-    values, scales = kernel(moved, get_format(spec.element), per_row=per_row, eps=spec.eps, pow2=spec.pow2)
+    values, scales = fp8_current_scaling(moved, get_format(spec.element), per_row=per_row, eps=spec.eps,
+                                         pow2=spec.pow2)
     if per_row:
         values = values.movedim(-1, axis)
-    return values.to(x.dtype), scales
+    return values, scales
+
+
+def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") -> Q.QTensor:
+    """``qlab.quantize.quantize(x, spec, axis)`` through the kernels: the same QTensor (codes in the
+    blocked layout, scales, E8M0 bytes), bit for bit. Covers MXSpec (block 32, RNE, every scale mode)
+    and TensorwiseSpec current scaling (RNE, per tensor or per row); other specs raise TypeError.
+    The result keeps no high-precision source (``QTensor.along`` needs the original tensor).
+    """
+    spec = Q.get_spec(spec)
+    if isinstance(spec, Q.MXSpec):
+        if spec.block_size != 32 or spec.rounding != "rne":
+            raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
+    elif not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
+        raise TypeError(f"kernels.quantize covers MXSpec and TensorwiseSpec with rne rounding, got {spec!r}")
+    axis = Q._check_input(x, spec, axis)
+    if _resolve(x, backend) in ("cpu", "reference"):
+        return Q.quantize(x, spec, axis, keep_source=False)
+    element = get_format(spec.element)
+    moves = isinstance(spec, Q.MXSpec) or spec.granularity == "axis"
+    moved = x.movedim(axis, -1) if moves else x
+    if isinstance(spec, Q.MXSpec):
+        from qlab.kernels.mx_triton import mx_quantize_last_axis
+
+        codes, scale_codes = mx_quantize_last_axis(moved, element, spec.mode)
+        return Q.QTensor(codes=codes, scales=scaling.mx_scale_values(scale_codes), spec=spec, axis=axis,
+                         shape=x.shape, dtype=x.dtype, scale_codes=scale_codes)
+    from qlab.kernels.fp8_triton import fp8_current_scaling
+
+    codes, scales = fp8_current_scaling(moved, element, per_row=spec.granularity == "axis", eps=spec.eps,
+                                        pow2=spec.pow2, emit_codes=True)
+    return Q.QTensor(codes=codes, scales=scales, spec=spec, axis=axis, shape=x.shape, dtype=x.dtype)
 
 
 class _TritonLayerNorm(torch.autograd.Function):

@@ -1,11 +1,12 @@
 """Triton kernels: FP8 current scaling (TransformerEngine semantics), bit-exact with
-``qlab.quantize.qdq(x, TensorwiseSpec(...))``.
+``qlab.quantize.quantize`` (element codes + scales) and ``qdq(x, TensorwiseSpec(...))``.
 
 Per tensor, two launches and no host synchronisation: ``_amax_kernel`` max-reduces |x| into one
 device float (atomic max; a separate NaN flag, since GPU max reductions may drop NaN), then
 ``_scale_cast_kernel`` reads it, computes scale = fmt_max / max(amax, eps) (correctly rounded
 division; 0/inf/NaN amax → 1; overflow → float32 max; optional power-of-two floor) and writes
-cast(x · scale) / scale. Per row (granularity "axis", the last axis): one program per row, two
+cast(x · scale) / scale (qdq) or the codes of cast(x · scale) (quantize; for E4M3/E5M2 the bytes of
+torch.float8_e4m3fn / float8_e5m2). Per row (granularity "axis", the last axis): one program per row, two
 passes over the row's chunks.
 """
 
@@ -15,10 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels.triton_math import round_to_grid
+from qlab.kernels.triton_math import encode_constants, encode_float, round_to_grid
 
 CHUNK = 1024
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 @triton.jit
@@ -42,21 +42,37 @@ def _current_scale(amax, has_nan, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2
 
 
 @triton.jit
+def _store(out_ptr, offsets, inside, x, scale, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+           MIN_BIASED: tl.constexpr, EMIT_CODES: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
+           MIN_NORMAL: tl.constexpr, INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
+    values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
+    values = tl.where(x != x, x, values)  # NaN stays NaN
+    if EMIT_CODES:
+        tl.store(out_ptr + offsets, encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE),
+                 mask=inside)
+    else:
+        tl.store(out_ptr + offsets, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
 def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, nan_ptr, scale_ptr, n, FMT_MAX: tl.constexpr, EPS: tl.constexpr,
-                       POW2: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, CHUNK: tl.constexpr):
+                       POW2: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, EMIT_CODES: tl.constexpr,
+                       BITS: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                       INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr, CHUNK: tl.constexpr):
     offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     inside = offsets < n
     scale = _current_scale(tl.load(amax_ptr), tl.load(nan_ptr), FMT_MAX, EPS, POW2)
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
-    values = tl.where(x != x, x, values)  # NaN stays NaN
-    tl.store(out_ptr + offsets, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
+    _store(out_ptr, offsets, inside, x, scale, FMT_MAX, MANTISSA, MIN_BIASED, EMIT_CODES, BITS, BIAS, MIN_NORMAL,
+           INV_MIN_SUBNORMAL, NAN_CODE)
     tl.store(scale_ptr, scale, mask=tl.program_id(0) == 0)
 
 
 @triton.jit
 def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-                MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, CHUNK: tl.constexpr):
+                MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, EMIT_CODES: tl.constexpr, BITS: tl.constexpr,
+                BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, INV_MIN_SUBNORMAL: tl.constexpr,
+                NAN_CODE: tl.constexpr, CHUNK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * n_cols
     amax = tl.zeros((), tl.float32)
     has_nan = tl.zeros((), tl.int32)
@@ -70,18 +86,19 @@ def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: t
         cols = start + tl.arange(0, CHUNK)
         inside = cols < n_cols
         x = tl.load(x_ptr + row + cols, mask=inside, other=0.0).to(tl.float32)
-        values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
-        values = tl.where(x != x, x, values)
-        tl.store(out_ptr + row + cols, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
+        _store(out_ptr, row + cols, inside, x, scale, FMT_MAX, MANTISSA, MIN_BIASED, EMIT_CODES, BITS, BIAS,
+               MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE)
     tl.store(scale_ptr + tl.program_id(0), scale)
 
 
-def fp8_qdq(x: torch.Tensor, element, *, per_row: bool, eps: float, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qdq values in x's dtype and shape, float32 scales: shape () per tensor or (..., 1) per row)."""
+def fp8_current_scaling(x: torch.Tensor, element, *, per_row: bool, eps: float, pow2: bool,
+                        emit_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qdq values in x's dtype, or uint8 codes, in x's shape; float32 scales: shape () per tensor or
+    (..., 1) per row)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
-    constants = dict(FMT_MAX=float(element.max), EPS=float(eps), POW2=bool(pow2), MANTISSA=element.mantissa_bits,
-                     MIN_BIASED=128 - element.bias, CHUNK=CHUNK)
+    out = torch.empty(flat.shape, dtype=torch.uint8 if emit_codes else x.dtype, device=x.device)
+    constants = dict(FMT_MAX=float(element.max), EPS=float(eps), POW2=bool(pow2), MIN_BIASED=128 - element.bias,
+                     EMIT_CODES=emit_codes, **encode_constants(element), CHUNK=CHUNK)
     if per_row:
         scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
         _row_kernel[(flat.shape[0],)](flat, out, scales, flat.shape[1], **constants)

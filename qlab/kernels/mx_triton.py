@@ -1,12 +1,13 @@
-"""Triton kernel: MX block quantize-dequantize along the last axis (OCP MX v1.0), bit-exact with
-``qlab.quantize.qdq(x, MXSpec(...))``.
+"""Triton kernel: MX block quantize (element codes + E8M0 bytes) or quantize-dequantize along the
+last axis (OCP MX v1.0), bit-exact with ``qlab.quantize.quantize`` / ``qdq(x, MXSpec(...))``.
 
 One program per tile of ROWS rows × one block of 32 (BLOCK) elements: amax of each row's block →
 E8M0 byte by qlab.scaling.mx_scale_codes's modes (FLOOR: floor(log2 amax) − emax; CEIL; EVEN;
 RCEIL: ceil(log2(amax / elem_max))), all from the float32 bits, clamped to [−127, 127]; 0xFF for a
 NaN/inf block) → x · 2^-e → saturating round-to-nearest-
 even onto the element grid by the add-and-subtract trick (C = 2^(e_x + 23 − m) has the grid's
-quantum as its float32 ulp) → values · 2^e. A partial last block is masked (as if zero-padded).
+quantum as its float32 ulp) → values · 2^e (qdq), or → the elements' codes (quantize). A partial last block is masked (as if
+zero-padded; its padding gets code 0, as quantize's zero padding does).
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow: small shapes only).
 """
 
@@ -16,16 +17,18 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels.triton_math import pow2_from_exponent, round_to_grid
+from qlab.kernels.triton_math import encode_constants, encode_float, pow2_from_exponent, round_to_grid
 
 BLOCK = 32
 ROWS = 16
 
 
 @triton.jit
-def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
-                   ELEM_MAX: tl.constexpr, EMAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr,
-                   MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _mx_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
+               ELEM_MAX: tl.constexpr, EMAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr,
+               MODE: tl.constexpr, EMIT_CODES: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
+               MIN_NORMAL: tl.constexpr, INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr,
+               ROWS: tl.constexpr, BLOCK: tl.constexpr):
     row_tile = tl.program_id(0)
     block = tl.program_id(1)
     rows = row_tile * ROWS + tl.arange(0, ROWS)
@@ -57,20 +60,41 @@ def _mx_qdq_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
     scale = pow2_from_exponent(code - 127)  # 2^e
     scaled = tl.where(finite[:, None], x * inverse[:, None], 0.0)
     values = round_to_grid(scaled, ELEM_MAX, MANTISSA, MIN_BIASED)
-    values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
-    tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
+    if EMIT_CODES:  # out is (n_rows, n_blocks · BLOCK) uint8: the padding of a partial block included
+        element_codes = encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE)
+        tl.store(out_ptr + rows[:, None] * (n_blocks * BLOCK) + cols[None, :], element_codes,
+                 mask=rows[:, None] < n_rows)
+    else:
+        values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
+        tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
     tl.store(codes_ptr + rows * n_blocks + block, code.to(tl.uint8), mask=rows < n_rows)
 
 
-def mx_qdq_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dequantized values in x's dtype and shape (one rounding from float32, as qdq), E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_codes: bool) -> torch.Tensor:
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=x.device)
+    scale_codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=rows.device)
     grid = (triton.cdiv(n_rows, ROWS), n_blocks)
-    _mx_qdq_kernel[grid](rows, out, codes, n_rows, n_cols, n_blocks, ELEM_MAX=float(element.max), EMAX=element.emax,
-                         MANTISSA=element.mantissa_bits, MIN_BIASED=128 - element.bias, MODE=mode,
-                         ROWS=ROWS, BLOCK=BLOCK)
-    return out.reshape(x.shape), codes.reshape(*x.shape[:-1], n_blocks)
+    _mx_kernel[grid](rows, out, scale_codes, n_rows, n_cols, n_blocks, ELEM_MAX=float(element.max),
+                     EMAX=element.emax, MIN_BIASED=128 - element.bias, MODE=mode, EMIT_CODES=emit_codes,
+                     **encode_constants(element), ROWS=ROWS, BLOCK=BLOCK)
+    return scale_codes
+
+
+def mx_qdq_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized values in x's dtype and shape (one rounding from float32, as qdq), E8M0 bytes of
+    shape (..., ceil(K/32))) for x (..., K)."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    scale_codes = _launch(rows, out, element, mode, emit_codes=False)
+    return out.reshape(x.shape), scale_codes.reshape(*x.shape[:-1], -1)
+
+
+def mx_quantize_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 element codes of shape (..., n_blocks, 32), E8M0 bytes of shape (..., n_blocks)) for
+    x (..., K), n_blocks = ceil(K/32): QTensor's blocked layout, padding included."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    n_blocks = triton.cdiv(rows.shape[1], BLOCK)
+    out = torch.empty((rows.shape[0], n_blocks * BLOCK), dtype=torch.uint8, device=x.device)
+    scale_codes = _launch(rows, out, element, mode, emit_codes=True)
+    return out.reshape(*x.shape[:-1], n_blocks, BLOCK), scale_codes.reshape(*x.shape[:-1], n_blocks)

@@ -8,12 +8,40 @@ import triton.language as tl
 def round_to_grid(x, ELEM_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr):
     """Saturating RNE of float32 x onto a float format's grid (qlab.formats._cast_rne_float32):
     |x| clamped to the format's max, then (|x| + C) − C with C = 2^(e + 23 − m), whose float32 ulp is
-    the grid's quantum at |x|'s binade (MIN_BIASED = 128 − bias keeps subnormals on the smallest one)."""
+    the grid's quantum at |x|'s binade (MIN_BIASED = 128 − bias keeps subnormals on the smallest one).
+    The sign bit is copied from x, so −0 and values that round to zero from below stay −0."""
     magnitude = tl.minimum(tl.abs(x), ELEM_MAX)
     biased = tl.maximum(magnitude.to(tl.int32, bitcast=True) >> 23, MIN_BIASED)
     magic = ((biased + (23 - MANTISSA)) << 23).to(tl.float32, bitcast=True)
     rounded = (magnitude + magic) - magic
-    return tl.where(x < 0, -rounded, rounded)
+    sign = x.to(tl.int32, bitcast=True) & (-2147483648)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def encode_float(values, BITS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+                 INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
+    """uint8 codes of float32 ``values`` already on the format's finite grid (qlab.formats._encode_float):
+    sign in bit BITS−1, then the biased exponent field and the top MANTISSA bits; subnormals as
+    |v| / min_subnormal (exact); NaN as S.11..1 (NAN_CODE < 0: the format has no NaN, none expected)."""
+    bits = values.to(tl.int32, bitcast=True)
+    magnitude_bits = bits & 0x7FFFFFFF
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    field = (magnitude_bits >> 23) - (127 - BIAS)
+    normal = (field << MANTISSA) | ((magnitude_bits >> (23 - MANTISSA)) & ((1 << MANTISSA) - 1))
+    subnormal = (magnitude * INV_MIN_SUBNORMAL).to(tl.int32)
+    code = tl.where(magnitude < MIN_NORMAL, subnormal, normal)
+    if NAN_CODE >= 0:
+        code = tl.where(values != values, NAN_CODE, code)
+    code = code | (((bits >> 31) & 1) << (BITS - 1))
+    return code.to(tl.uint8)
+
+
+def encode_constants(element) -> dict:
+    """The constexpr arguments of ``encode_float`` for a qlab.formats FloatFormat."""
+    return dict(BITS=element.bits, MANTISSA=element.mantissa_bits, BIAS=element.bias,
+                MIN_NORMAL=float(element.min_normal), INV_MIN_SUBNORMAL=float(1.0 / element.min_subnormal),
+                NAN_CODE=2 ** (element.bits - 1) - 1 if element.has_nan else -1)
 
 
 @triton.jit
