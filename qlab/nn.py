@@ -1,10 +1,15 @@
 """Quantized layers: QuantLinear (emulated low-precision GEMMs with backward overrides and fused
 main_grad accumulation), fake_quant with straight-through estimators, and model conversion.
 
-Every GEMM is emulated: operands are quantize→dequantized (``qlab.quantize.qdq``) and multiplied
-in float32 (float64 for unquantized float64 layers; the quantizers take float32/bf16/fp16) at
-"highest" matmul precision, so the only rounding besides the recipe's is the float32 GEMM's: 16-bit
-operands are dequantized straight to float32. Under autocast the operands are cast to the autocast
+GEMMs are emulated by default: operands are quantize→dequantized (``qlab.quantize.qdq``) and
+multiplied in float32 (float64 for unquantized float64 layers; the quantizers take float32/bf16/fp16)
+at "highest" matmul precision, so the only rounding besides the recipe's is the float32 GEMM's:
+16-bit operands are dequantized straight to float32. ``gemm="auto"`` (the default) runs a GEMM whose
+two operands are E4M3/E5M2 TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise FP8) on FP8 tensor
+cores through ``torch._scaled_mm`` (qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU that has
+them and the shapes fit; ``gemm="scaled_mm"`` insists (also on the CPU: PyTorch's CPU implementation,
+for tests), ``gemm="emulated"`` never. The two agree within float32 accumulation order (on the CPU;
+the GPU's FP8 accumulator keeps fewer bits), see tests/test_fp8_gemm.py. Under autocast the operands are cast to the autocast
 dtype first, as nn.Linear's are. With delayed scaling the backward re-quantizes x and W with
 the scales the forward used; each forward and each backward rolls its amax history once (so once
 per micro-batch under gradient accumulation).
@@ -34,10 +39,14 @@ import torch
 from torch import nn
 
 from qlab import quantize as Q
+from qlab.kernels import fp8_gemm
 from qlab.recipe import Recipe, get_recipe
 from qlab.scaling import DelayedScaling
 
 STES = ("identity", "clipped")
+GEMMS = ("auto", "emulated", "scaled_mm")
+_GEMM_ROLES = (("fprop", "input", "weight"), ("dgrad", "dgrad_grad_output", "dgrad_weight"),
+               ("wgrad", "wgrad_grad_output", "wgrad_input"))
 _SCALER_OF_ROLE = {"input": "input", "wgrad_input": "input", "weight": "weight", "dgrad_weight": "weight",
                    "grad_output": "grad_output", "dgrad_grad_output": "grad_output", "wgrad_grad_output": "grad_output"}
 
@@ -62,6 +71,35 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     dtype = _compute_dtype(a, b)
     with highest_matmul_precision():
         return a.to(dtype) @ b.to(dtype)
+
+
+def check_gemm(gemm: str, recipe: Recipe) -> str:
+    """``gemm`` if QuantLinear can run ``recipe`` with it; ValueError otherwise ("scaled_mm" needs a
+    GEMM whose two operands are E4M3/E5M2 TensorwiseSpec)."""
+    if gemm not in GEMMS:
+        raise ValueError(f"unknown gemm {gemm!r}; expected one of: {', '.join(GEMMS)}")
+    if gemm == "scaled_mm" and not any(fp8_gemm.is_fp8_spec(recipe.spec(a)) and fp8_gemm.is_fp8_spec(recipe.spec(b))
+                                       for _, a, b in _GEMM_ROLES):
+        raise ValueError(f"gemm='scaled_mm' needs a GEMM with two E4M3/E5M2 TensorwiseSpec operands; recipe "
+                         f"{recipe.name!r} has none (use gemm='auto' or 'emulated')")
+    return gemm
+
+
+def _wgrad_gemm(dy, x, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+    """dyᵀ·x: a new tensor, or written into ``out`` (= or +=; the emulated GEMM without a temporary).
+    dy and x are tensors, or on the FP8 path QTensors quantized along axis 0."""
+    if isinstance(dy, Q.QTensor):
+        product = fp8_gemm.fp8_matmul(dy, x)
+        if out is None:
+            return product
+        return out.add_(product) if accumulate else out.copy_(product)
+    if out is None:
+        return _gemm(dy.T, x)
+    dtype = out.dtype
+    with highest_matmul_precision():
+        if accumulate:
+            return out.addmm_(dy.T.to(dtype), x.to(dtype))
+        return torch.mm(dy.T.to(dtype), x.to(dtype), out=out)
 
 
 # --- fake quantization with a straight-through estimator -------------------------------------------
@@ -102,9 +140,16 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, layer, is_first_microbatch):
         # delayed scaling: backward re-quantizes x and W with the scales this forward used
         ctx.scales = {role: scaler.scale for role, scaler in layer.scalers.items()}
-        x_q = layer._qdq(x, "input", axis=-1, scales=ctx.scales)
-        w_q = layer._qdq(weight, "weight", axis=-1, scales=ctx.scales)
-        y = _gemm(x_q, w_q.T)
+        if layer._fp8_gemm("fprop", "input", "weight", x.shape[1], weight.shape[0], x.device):
+            x_q = layer._quantize(x, "input", axis=-1, scales=ctx.scales)
+            w_q = layer._quantize(weight, "weight", axis=-1, scales=ctx.scales)
+            y = fp8_gemm.fp8_matmul(x_q, w_q)
+            if layer.recipe.backward_override == "dequantized":
+                x_q, w_q = Q.dequantize(x_q, _compute_dtype(x)), Q.dequantize(w_q, _compute_dtype(weight))
+        else:
+            x_q = layer._qdq(x, "input", axis=-1, scales=ctx.scales)
+            w_q = layer._qdq(weight, "weight", axis=-1, scales=ctx.scales)
+            y = _gemm(x_q, w_q.T)
         if bias is not None:
             y = y + bias.to(y.dtype)
         if layer.training:  # evaluation (model.eval()) reads the scales without rolling the history
@@ -124,13 +169,25 @@ class _LinearFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         quantized = layer.recipe.backward_override is None
         dx = dw = db = None
+        tokens, out_features, in_features = dy.shape[0], dy.shape[1], w_saved.shape[1]
         if need_x:
-            dy_d = layer._qdq(dy, "dgrad_grad_output", axis=-1) if quantized else dy
-            w_d = layer._qdq(w_saved, "dgrad_weight", axis=0, scales=ctx.scales) if quantized else w_saved
-            dx = _gemm(dy_d, w_d).to(ctx.dtypes[0])
+            if quantized and layer._fp8_gemm("dgrad", "dgrad_grad_output", "dgrad_weight", out_features, in_features,
+                                             dy.device):
+                dx = fp8_gemm.fp8_matmul(layer._quantize(dy, "dgrad_grad_output", axis=-1),
+                                         layer._quantize(w_saved, "dgrad_weight", axis=0, scales=ctx.scales))
+            else:
+                dy_d = layer._qdq(dy, "dgrad_grad_output", axis=-1) if quantized else dy
+                w_d = layer._qdq(w_saved, "dgrad_weight", axis=0, scales=ctx.scales) if quantized else w_saved
+                dx = _gemm(dy_d, w_d)
+            dx = dx.to(ctx.dtypes[0])
         if need_w:
-            dy_w = layer._qdq(dy, "wgrad_grad_output", axis=0) if quantized else dy
-            x_w = layer._qdq(x_saved, "wgrad_input", axis=0, scales=ctx.scales) if quantized else x_saved
+            if quantized and layer._fp8_gemm("wgrad", "wgrad_grad_output", "wgrad_input", tokens, in_features,
+                                             dy.device):
+                dy_w = layer._quantize(dy, "wgrad_grad_output", axis=0)
+                x_w = layer._quantize(x_saved, "wgrad_input", axis=0, scales=ctx.scales)
+            else:
+                dy_w = layer._qdq(dy, "wgrad_grad_output", axis=0) if quantized else dy
+                x_w = layer._qdq(x_saved, "wgrad_input", axis=0, scales=ctx.scales) if quantized else x_saved
             dw = layer._deliver_wgrad(dy_w, x_w, ctx.is_first_microbatch)
         if need_b:
             db = dy.to(_compute_dtype(dy)).sum(0).to(ctx.dtypes[2])
@@ -145,17 +202,19 @@ class QuantLinear(nn.Linear):
     fuse_wgrad_accumulation: write wgrad into fp32 ``weight.main_grad`` (created as zeros if
     missing) instead of returning it; ``forward(x, is_first_microbatch=True)`` overwrites instead
     of accumulating. delay_wgrad: defer the wgrad GEMM until ``backward_dw()``. seed: the
-    generator for stochastic rounding. See the module docstring for the None/dummy contract.
+    generator for stochastic rounding. gemm: "auto", "emulated" or "scaled_mm" (module docstring).
+    See the module docstring for the None/dummy contract.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe="bf16",
                  fuse_wgrad_accumulation: bool = False, delay_wgrad: bool = False, seed: int = 0,
-                 device=None, dtype=None):
+                 gemm: str = "auto", device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._configure(recipe, fuse_wgrad_accumulation, delay_wgrad, seed)
+        self._configure(recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm)
 
-    def _configure(self, recipe, fuse_wgrad_accumulation, delay_wgrad, seed):
+    def _configure(self, recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm="auto"):
         self.recipe: Recipe = get_recipe(recipe)
+        self.gemm = check_gemm(gemm, self.recipe)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.delay_wgrad = bool(delay_wgrad)
         self.seed = seed
@@ -175,14 +234,14 @@ class QuantLinear(nn.Linear):
         """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
         layer = linear_sharing_parameters(cls, linear)  # hooks registered on the nn.Linear are not carried over
         layer._configure(recipe, options.pop("fuse_wgrad_accumulation", False), options.pop("delay_wgrad", False),
-                         options.pop("seed", 0))
+                         options.pop("seed", 0), options.pop("gemm", "auto"))
         if options:
             raise TypeError(f"unexpected QuantLinear options: {sorted(options)}")
         return layer
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, recipe={self.recipe.name}, "
-                f"backward_override={self.recipe.backward_override}")
+                f"backward_override={self.recipe.backward_override}, gemm={self.gemm}")
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
@@ -241,6 +300,30 @@ class QuantLinear(nn.Linear):
             scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
         return Q.qdq(t, spec, axis, generator=generator, scale=scale, dtype=compute)
 
+    def _quantize(self, t: torch.Tensor, role: str, axis: int, scales: dict | None = None) -> Q.QTensor:
+        """The role's QTensor for the FP8 GEMM (the Triton kernel for current scaling on CUDA)."""
+        spec = self.recipe.spec(role)
+        if self.recipe.delayed:
+            scaler = _SCALER_OF_ROLE[role]
+            scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
+            return Q.quantize(t, spec, axis, scale=scale, keep_source=False)
+        if spec.rounding == "stochastic":
+            return Q.quantize(t, spec, axis, generator=self._generator(t.device), keep_source=False)
+        from qlab import kernels
+
+        return kernels.quantize(t, spec, axis)
+
+    def _fp8_gemm(self, gemm: str, role_a: str, role_b: str, k: int, n: int, device: torch.device) -> bool:
+        """Whether this GEMM runs through torch._scaled_mm (see ``gemm`` in the module docstring)."""
+        if self.gemm == "emulated" or (self.gemm == "auto" and device.type != "cuda"):
+            return False
+        spec_a, spec_b = self.recipe.spec(role_a), self.recipe.spec(role_b)
+        reason = fp8_gemm.unsupported_reason(spec_a, spec_b, k, n, device)
+        if reason is not None and self.gemm == "scaled_mm" and fp8_gemm.is_fp8_spec(spec_a) \
+                and fp8_gemm.is_fp8_spec(spec_b):
+            raise ValueError(f"gemm='scaled_mm' cannot run this layer's {gemm} GEMM: {reason}")
+        return reason is None
+
     def _step_scalers(self, *roles_and_tensors) -> None:
         """Delayed scaling: record this use's amax and roll the history (once per forward/backward)."""
         for role, tensor in zip(roles_and_tensors[::2], roles_and_tensors[1::2]):
@@ -256,16 +339,11 @@ class QuantLinear(nn.Linear):
         return self._dummy.zero_()  # autograd may have stolen it as .grad; it is meaningless there
 
     def _write_main_grad(self, dy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
-        """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x, as one GEMM into main_grad (no temporary)."""
+        """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x (emulated: one GEMM into main_grad, no temporary)."""
         weight = self.weight
         if getattr(weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        dtype = weight.main_grad.dtype
-        with highest_matmul_precision():
-            if overwrite:
-                torch.mm(dy.T.to(dtype), x.to(dtype), out=weight.main_grad)
-            else:
-                weight.main_grad.addmm_(dy.T.to(dtype), x.to(dtype))
+        _wgrad_gemm(dy, x, out=weight.main_grad, accumulate=not overwrite)
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
 
@@ -277,7 +355,7 @@ class QuantLinear(nn.Linear):
         if self.fuse_wgrad_accumulation:
             self._write_main_grad(dy, x, overwrite=bool(is_first_microbatch))
             return self._dummy_wgrad() if flagged else None
-        return _gemm(dy.T, x).to(self.weight.dtype)
+        return _wgrad_gemm(dy, x).to(self.weight.dtype)
 
     def backward_dw(self) -> None:
         """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivering them per the table."""
@@ -286,7 +364,7 @@ class QuantLinear(nn.Linear):
             if self.fuse_wgrad_accumulation:
                 self._write_main_grad(dy, x, overwrite)
                 continue
-            wgrad = _gemm(dy.T, x).to(self.weight.dtype)
+            wgrad = _wgrad_gemm(dy, x).to(self.weight.dtype)
             if self.weight.grad is None:
                 self.weight.grad = wgrad
             else:

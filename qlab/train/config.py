@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from qlab.nn import check_gemm
 from qlab.recipe import PRESETS, get_recipe
 from qlab.sparse import MODES as TOPK_MODES
 from qlab.sparse import check_k
@@ -35,6 +36,7 @@ class TrainConfig:
     task: str = "shakespeare"
     recipe: str = "fp32"  # fp32, bf16 or a qlab.recipe preset
     backward_override: str | None = None  # None, "high_precision" or "dequantized"
+    gemm: str = "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
     keep_high_precision: list[str] | dict[str, list[str]] = field(default_factory=lambda: ["head", "last_layer"])
     # model (CharGPT for shakespeare, MLP for digits)
     context: int = 128
@@ -92,6 +94,7 @@ class TrainConfig:
                              f"got the unquantized baseline {self.recipe!r}")
         if self.recipe not in BASELINES:
             get_recipe(self.recipe, backward_override=self.backward_override)  # refuses bad combinations
+        check_gemm(self.gemm, get_recipe("bf16" if self.recipe in BASELINES else self.recipe))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}")
         if self.topk_mode not in TOPK_MODES:

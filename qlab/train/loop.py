@@ -96,7 +96,7 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
     if config.recipe not in BASELINES:
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(model, get_recipe(config.recipe, backward_override=config.backward_override),
-                       keep_high_precision=keep, seed=config.seed + 10_000 * rank)
+                       keep_high_precision=keep, seed=config.seed + 10_000 * rank, gemm=config.gemm)
     if config.topk is not None:
         keep = [pattern for name in config.topk_keep for pattern in _expand(model, name)]
         sparsify_model(model, config.topk, mode=config.topk_mode, keep=keep)
