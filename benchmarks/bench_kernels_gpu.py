@@ -1,10 +1,12 @@
 """GPU benchmark of qlab's Triton kernels: achieved bandwidth against the device's peak, and speed
-against the eager reference, torchao's MX cast where installed, and torch's LayerNorm.
+against the eager reference, torchao's MX cast where installed, and torch's LayerNorm; then
+QuantLinear's FP8 GEMMs on tensor cores (gemm="scaled_mm") against emulation and bf16 nn.Linear.
 
     python benchmarks/bench_kernels_gpu.py [--size 8192] [--hidden 4096] [--peak-gbps GB/s]
 
 Needs CUDA (exits with a message otherwise). Bytes counted per qdq: read x and write the result,
-both in bf16, plus the scales; LayerNorm forward+backward: read x, dy, write y, dx (plus w, b,
+both in bf16, plus the scales (quantize: read x in bf16, write one byte of codes per element plus the
+scales); LayerNorm forward+backward: read x, dy, write y, dx (plus w, b,
 dw, db). Times are medians from triton.testing.do_bench. Targets (issue 8, H100-class): qdq at
 8192×8192 bf16 ≥ 70 % of peak bandwidth; LayerNorm forward+backward at hidden 4096 at least as
 fast as torch.nn.functional.layer_norm.
@@ -38,6 +40,7 @@ def main() -> int:
         return 0
     import triton.testing
 
+    from qlab import kernels
     from qlab import quantize as Q
     from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq
 
@@ -48,7 +51,13 @@ def main() -> int:
     print(f"device: {name}; peak {peak or '?'} GB/s; torch {torch.__version__}; x {tuple(x.shape)} bf16\n")
     print("| kernel | Triton (ms) | GB/s | % of peak | eager reference (ms) | speed-up | torchao (ms) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
+    code_bytes = x.numel() * (x.element_size() + 1)
     cases = {
+        "fp8 quantize → codes, per-tensor (e4m3)": (lambda: kernels.quantize(x, "fp8_e4m3", backend="triton"),
+                                                    lambda: Q.quantize(x, "fp8_e4m3", keep_source=False), code_bytes),
+        "mxfp8 quantize → codes (e4m3, rceil)": (lambda: kernels.quantize(x, Q.SPECS["mxfp8_rceil"], backend="triton"),
+                                                 lambda: Q.quantize(x, Q.SPECS["mxfp8_rceil"], keep_source=False),
+                                                 code_bytes + x.numel() // 32),
         "fp8 per-tensor (e4m3)": (lambda: fp8_qdq(x, "fp8_e4m3", backend="triton"),
                                   lambda: Q.qdq(x, "fp8_e4m3", fast=False), element_bytes),
         "fp8 per-row (e4m3)": (lambda: fp8_qdq(x, "fp8_e4m3_rowwise", backend="triton"),
@@ -89,7 +98,41 @@ def main() -> int:
     for stats in ("welford", "two_pass", "textbook"):
         ms = triton.testing.do_bench(fwd_bwd(lambda: layer_norm(h, (hidden,), w, b, stats=stats, backend="triton")))
         print(f"| {stats} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} | {torch_ms / ms:.2f}× |", flush=True)
+    _bench_fp8_gemms(tokens, hidden)
     return 0
+
+
+def _bench_fp8_gemms(tokens: int, features: int) -> None:
+    """QuantLinear forward+backward, features → features with bias, bf16 input: tensor cores vs emulation."""
+    import triton.testing
+
+    from qlab.nn import QuantLinear
+
+    x = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, features, device="cuda", dtype=torch.bfloat16)
+    linear = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd(layer):
+        def run():
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            layer(x).backward(dy)
+        return run
+
+    flops = 3 * 2 * tokens * features * features
+    base_ms = triton.testing.do_bench(fwd_bwd(linear))
+    print(f"\nLinear forward+backward, {tokens}×{features} → {features} bf16 (nn.Linear {base_ms:.3f} ms, "
+          f"{flops / base_ms / 1e9:,.0f} TFLOP/s):\n")
+    print("| recipe | gemm | ms | TFLOP/s | vs emulated | vs bf16 nn.Linear |")
+    print("|---|---|---:|---:|---:|---:|")
+    for recipe in ("fp8_tensorwise", "fp8_delayed"):
+        emulated_ms = None
+        for gemm in ("emulated", "scaled_mm"):
+            layer = QuantLinear.from_linear(linear, recipe, gemm=gemm)
+            ms = triton.testing.do_bench(fwd_bwd(layer))
+            emulated_ms = emulated_ms or ms
+            print(f"| {recipe} | {gemm} | {ms:.3f} | {flops / ms / 1e9:,.0f} | {emulated_ms / ms:.2f}× | "
+                  f"{base_ms / ms:.2f}× |", flush=True)
 
 
 def _torchao_mx(x):
