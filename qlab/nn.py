@@ -4,7 +4,8 @@ main_grad accumulation), fake_quant with straight-through estimators, and model 
 GEMMs are emulated by default: operands are quantize→dequantized (``qlab.quantize.qdq``) and
 multiplied in float32 (float64 for unquantized float64 layers; the quantizers take float32/bf16/fp16)
 at "highest" matmul precision, so the only rounding besides the recipe's is the float32 GEMM's:
-16-bit operands are dequantized straight to float32. ``gemm="auto"`` (the default) runs a GEMM whose
+16-bit operands are dequantized straight to float32; on CUDA the qdq runs in qlab's Triton kernels
+where one covers the spec (``qlab.kernels.qdq``, the same bits). ``gemm="auto"`` (the default) runs a GEMM whose
 two operands are E4M3/E5M2 TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise FP8) on FP8 tensor
 cores through ``torch._scaled_mm`` (qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU that has
 them and the shapes fit; ``gemm="scaled_mm"`` insists (also on the CPU: PyTorch's CPU implementation,
@@ -38,6 +39,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from qlab import kernels
 from qlab import quantize as Q
 from qlab.kernels import fp8_gemm
 from qlab.recipe import Recipe, get_recipe
@@ -298,6 +300,8 @@ class QuantLinear(nn.Linear):
         if self.recipe.delayed:
             scaler = _SCALER_OF_ROLE[role]
             scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
+        if scale is None and kernels.covers(spec):  # the Triton kernels on CUDA, the same bits
+            return kernels.qdq(t, spec, axis, dtype=compute)
         return Q.qdq(t, spec, axis, generator=generator, scale=scale, dtype=compute)
 
     def _quantize(self, t: torch.Tensor, role: str, axis: int, scales: dict | None = None) -> Q.QTensor:
@@ -309,8 +313,6 @@ class QuantLinear(nn.Linear):
             return Q.quantize(t, spec, axis, scale=scale, keep_source=False)
         if spec.rounding == "stochastic":
             return Q.quantize(t, spec, axis, generator=self._generator(t.device), keep_source=False)
-        from qlab import kernels
-
         return kernels.quantize(t, spec, axis)
 
     def _fp8_gemm(self, gemm: str, role_a: str, role_b: str, k: int, n: int, device: torch.device) -> bool:

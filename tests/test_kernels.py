@@ -331,3 +331,51 @@ def test_quantize_dispatch_refuses_what_it_does_not_cover():
     with pytest.raises(ValueError, match="block_size 32"):
         kernels.quantize(x, Q.MXSpec("e4m3", block_size=16))
     _assert_same_qtensor(kernels.quantize(x, "mxfp8", backend="cpu"), Q.quantize(x, "mxfp8"))
+
+
+# --- QuantLinear through the kernels -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"])
+def test_quantlinear_with_kernel_qdq_is_bit_identical(monkeypatch, recipe, dtype):
+    # on CUDA QuantLinear's qdq runs in the kernels (kernels.qdq); here "auto" is pointed at Triton's
+    # interpreter. Operands the kernels do not cover (SR gradients, NVFP4's Hadamard) stay in qlab.quantize.
+    from qlab.nn import QuantLinear
+
+    torch.manual_seed(0)
+    reference = QuantLinear(64, 48, recipe=recipe, gemm="emulated", dtype=dtype).to(DEVICE)
+    through_kernels = QuantLinear(64, 48, recipe=recipe, gemm="emulated", dtype=dtype).to(DEVICE)
+    through_kernels.load_state_dict(reference.state_dict())
+    generator = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 64, generator=generator).to(dtype).to(DEVICE)
+    dy = torch.randn(32, 48, generator=generator).to(dtype).to(DEVICE)
+    launched = []
+
+    def auto_backend(t):
+        launched.append(t.shape)
+        return "triton"
+
+    results = []
+    for layer, patch in ((reference, False), (through_kernels, True)):
+        with monkeypatch.context() as context:
+            if patch:
+                context.setattr(kernels, "_auto_backend", auto_backend)
+            else:
+                context.setattr(kernels, "_auto_backend", lambda t: "cpu")
+            leaf = x.clone().requires_grad_(True)
+            y = layer(leaf)
+            y.backward(dy)
+        results.append((y, leaf.grad, layer.weight.grad))
+    assert len(launched) >= 3  # x and W in the forward, and at least one backward operand
+    for got, want in zip(results[1], results[0]):
+        assert torch.equal(_bits(got.cpu()), _bits(want.cpu()))
+
+
+def test_kernel_qdq_covers_and_falls_back():
+    assert kernels.covers("mxfp8") and kernels.covers("fp8_e4m3_rowwise") and kernels.covers(Q.NVFP4Spec(block_2d=True))
+    assert not kernels.covers(Q.NVFP4Spec(hadamard=True)) and not kernels.covers(Q.MXSpec("e2m1", rounding="stochastic"))
+    assert not kernels.covers("int8") and not kernels.covers(Q.MXSpec("e4m3", block_size=16))
+    x = torch.randn(3, 16, 32)  # NVFP4's 16×16 tiles on a 3-D tensor: the kernel wants 2-D, qlab.quantize takes it
+    spec = Q.NVFP4Spec(block_2d=True)
+    assert torch.equal(kernels.qdq(x, spec, backend="triton"), Q.qdq(x, spec))
+    assert kernels.qdq(torch.empty(0, 32), "mxfp8", backend="triton").shape == (0, 32)

@@ -1,6 +1,7 @@
 """Fused kernels with one dispatch point per operation.
 
     quantize(x, spec, axis, backend="auto")      MX or FP8-current-scaling quantize → QTensor (codes, scales)
+    qdq(x, spec, axis, dtype, backend="auto")    qlab.quantize.qdq through whichever kernel covers the spec
     mx_qdq(x, spec, axis, backend="auto")        MX block quantize-dequantize → (values, E8M0 bytes)
     fp8_qdq(x, spec, axis, backend="auto")       FP8 current scaling, per tensor or per row → (values, scales)
     nvfp4_qdq(x, spec, axis, seed, offset, backend="auto")   NVFP4 1×16 / 16×16 → (values, block scales, global)
@@ -36,9 +37,10 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, backend: str = "auto"):
-    """MX qdq of x along ``axis`` with RNE elements: (values in x's dtype and shape, E8M0 bytes with
-    the blocked axis last, shape (..., ceil(K/block))). Every scale mode; block size 32, RNE elements."""
+def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, dtype: torch.dtype | None = None,
+           backend: str = "auto"):
+    """MX qdq of x along ``axis`` with RNE elements: (values in ``dtype`` (default x's) and x's shape,
+    E8M0 bytes with the blocked axis last, shape (..., ceil(K/block))). Every scale mode; block size 32."""
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.MXSpec):
         raise TypeError(f"mx_qdq needs an MXSpec (or an MX preset name), got {type(spec).__name__}")
@@ -48,16 +50,20 @@ def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, backend: str = "aut
     backend = _resolve(x, backend)
     if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
-        return Q.dequantize(q, x.dtype), q.scale_codes
+        return Q.dequantize(q, dtype or x.dtype), q.scale_codes
     if backend == "cpu":  # the compiled qdq, and the E8M0 bytes from the block amaxes (one more read of x)
         blocks = Q._to_layout(x, spec, axis % x.dim())
         scale_codes = scaling.mx_scale_codes(blocks.abs().amax(-1), get_format(spec.element), spec.mode)
-        return Q.qdq(x, spec, axis), scale_codes
+        return Q.qdq(x, spec, axis, dtype=dtype), scale_codes
     from qlab.kernels.mx_triton import mx_qdq_last_axis
 
     moved = x.movedim(axis, -1)
-    values, codes = mx_qdq_last_axis(moved, get_format(spec.element), spec.mode)
-    return values.to(x.dtype).movedim(-1, axis), codes
+    values, codes = mx_qdq_last_axis(moved, get_format(spec.element), spec.mode, out_dtype=dtype)
+    return values.movedim(-1, axis), codes
+
+
+def _auto_backend(x: torch.Tensor) -> str:
+    return "triton" if x.is_cuda and triton_available(x.device) else "cpu"
 
 
 def _resolve(x: torch.Tensor, backend: str) -> str:
@@ -65,7 +71,7 @@ def _resolve(x: torch.Tensor, backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of: {', '.join(BACKENDS)}")
     if backend == "auto":
-        return "triton" if x.is_cuda and triton_available(x.device) else "cpu"
+        return _auto_backend(x)
     if backend == "triton":
         if not triton_available(x.device):
             raise ValueError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a {x.device.type} tensor")
@@ -74,8 +80,9 @@ def _resolve(x: torch.Tensor, backend: str) -> str:
     return backend
 
 
-def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, backend: str = "auto"):
-    """FP8 current scaling (TensorwiseSpec, RNE): (qdq values in x's dtype and shape, float32 scales:
+def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, dtype: torch.dtype | None = None,
+            backend: str = "auto"):
+    """FP8 current scaling (TensorwiseSpec, RNE): (qdq values in ``dtype`` (default x's) and x's shape, float32 scales:
     shape () per tensor, or per row/channel x's shape with ``axis`` moved last and of size 1, as
     ``qlab.quantize.quantize`` gives them)."""
     spec = Q.get_spec(spec)
@@ -85,17 +92,18 @@ def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, backend: str = 
     backend = _resolve(x, backend)
     if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
-        return Q.dequantize(q, x.dtype), q.scales
+        return Q.dequantize(q, dtype or x.dtype), q.scales
     if backend == "cpu":  # the compiled qdq, and the scales from the amaxes (one more read of x)
         layout = Q._to_layout(x, spec, axis % x.dim())
         amax = layout.abs().amax() if spec.granularity == "tensor" else layout.abs().amax(-1, keepdim=True)
-        return Q.qdq(x, spec, axis), scaling.fp8_current_scale(amax, spec.element, eps=spec.eps, pow2=spec.pow2)
+        return Q.qdq(x, spec, axis, dtype=dtype), scaling.fp8_current_scale(amax, spec.element, eps=spec.eps,
+                                                                            pow2=spec.pow2)
     from qlab.kernels.fp8_triton import fp8_current_scaling
 
     per_row = spec.granularity == "axis"
     moved = x.movedim(axis, -1) if per_row else x
     values, scales = fp8_current_scaling(moved, get_format(spec.element), per_row=per_row, eps=spec.eps,
-                                         pow2=spec.pow2)
+                                         pow2=spec.pow2, out_dtype=dtype)
     if per_row:
         values = values.movedim(-1, axis)
     return values, scales
@@ -176,8 +184,8 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
 
 
 def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, offset: int = 0,
-              generator: torch.Generator | None = None, backend: str = "auto"):
-    """NVFP4 qdq (NVFP4Spec without Hadamard, with the global scale): (values in x's dtype and shape,
+              generator: torch.Generator | None = None, dtype: torch.dtype | None = None, backend: str = "auto"):
+    """NVFP4 qdq (NVFP4Spec without Hadamard, with the global scale): (values in ``dtype`` (default x's) and x's shape,
     float32 E4M3 block scales, float32 global scale). 16×16 tiles need a 2-D x.
 
     Stochastic rounding: the Triton kernel draws from Philox keyed by (seed, offset + element index),
@@ -192,7 +200,7 @@ def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, o
     backend = _resolve(x, backend)
     if backend in ("cpu", "reference"):
         q = Q.quantize(x, spec, axis, generator=generator, keep_source=False)
-        return Q.dequantize(q, x.dtype), q.scales, q.global_scale
+        return Q.dequantize(q, dtype or x.dtype), q.scales, q.global_scale
     if spec.block_2d and x.dim() != 2:
         raise ValueError(f"the kernel's 16×16 tiles need a 2-D tensor, got shape {tuple(x.shape)}")
     from qlab.kernels.nvfp4_triton import nvfp4_qdq_last_axis
@@ -200,7 +208,36 @@ def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, o
     moved = x.movedim(axis, -1)
     values, scales, global_scale = nvfp4_qdq_last_axis(moved, block_2d=spec.block_2d,
                                                        stochastic=spec.rounding == "stochastic", seed=seed,
-                                                       offset=offset)
+                                                       offset=offset, out_dtype=dtype)
     if not spec.block_2d:
         scales = scales.reshape(*moved.shape[:-1], -1)
-    return values.to(x.dtype).movedim(-1, axis), scales, global_scale
+    return values.movedim(-1, axis), scales, global_scale
+
+
+def covers(spec) -> bool:
+    """Whether ``qdq`` has a Triton kernel for ``spec``: MX (block 32), TensorwiseSpec, NVFP4 without the
+    Hadamard transform and with its global scale — all with RNE (stochastic rounding keeps its generator
+    semantics in ``qlab.quantize``)."""
+    spec = Q.get_spec(spec)
+    if spec.rounding != "rne":
+        return False
+    if isinstance(spec, Q.MXSpec):
+        return spec.block_size == 32
+    if isinstance(spec, Q.NVFP4Spec):
+        return not spec.hadamard and spec.global_scale
+    return isinstance(spec, Q.TensorwiseSpec)
+
+
+def qdq(x: torch.Tensor, spec, axis: int = -1, *, dtype: torch.dtype | None = None,
+        backend: str = "auto") -> torch.Tensor:
+    """``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``, bit for bit, through the Triton kernel for a
+    CUDA tensor (or backend="triton") when ``covers(spec)``; otherwise (and on the CPU) qlab.quantize's."""
+    spec = Q.get_spec(spec)
+    tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
+    if not covers(spec) or tiles_need_2d or x.numel() == 0 or _resolve(x, backend) == "cpu":
+        return Q.qdq(x, spec, axis, dtype=dtype)
+    if isinstance(spec, Q.MXSpec):
+        return mx_qdq(x, spec, axis, dtype=dtype, backend=backend)[0]
+    if isinstance(spec, Q.NVFP4Spec):
+        return nvfp4_qdq(x, spec, axis, dtype=dtype, backend=backend)[0]
+    return fp8_qdq(x, spec, axis, dtype=dtype, backend=backend)[0]

@@ -92,11 +92,11 @@ def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: t
 
 
 def fp8_current_scaling(x: torch.Tensor, element, *, per_row: bool, eps: float, pow2: bool,
-                        emit_codes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qdq values in x's dtype, or uint8 codes, in x's shape; float32 scales: shape () per tensor or
-    (..., 1) per row)."""
+                        emit_codes: bool = False, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qdq values in ``out_dtype`` (default x's), or uint8 codes, in x's shape; float32 scales: shape ()
+    per tensor or (..., 1) per row)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape, dtype=torch.uint8 if emit_codes else x.dtype, device=x.device)
+    out = torch.empty(flat.shape, dtype=torch.uint8 if emit_codes else out_dtype or x.dtype, device=x.device)
     constants = dict(FMT_MAX=float(element.max), EPS=float(eps), POW2=bool(pow2), MIN_BIASED=128 - element.bias,
                      EMIT_CODES=emit_codes, **encode_constants(element), CHUNK=CHUNK)
     if per_row:

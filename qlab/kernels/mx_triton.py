@@ -81,11 +81,12 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_code
     return scale_codes
 
 
-def mx_qdq_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dequantized values in x's dtype and shape (one rounding from float32, as qdq), E8M0 bytes of
-    shape (..., ceil(K/32))) for x (..., K)."""
+def mx_qdq_last_axis(x: torch.Tensor, element, mode: str,
+                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dequantized values in ``out_dtype`` (default x's) and x's shape (one rounding from float32, as
+    qdq), E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)
     scale_codes = _launch(rows, out, element, mode, emit_codes=False)
     return out.reshape(x.shape), scale_codes.reshape(*x.shape[:-1], -1)
 

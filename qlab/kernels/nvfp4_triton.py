@@ -75,15 +75,17 @@ def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_r
     tl.store(global_ptr, global_scale, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
 
 
-def nvfp4_qdq_last_axis(x: torch.Tensor, *, block_2d: bool, stochastic: bool, seed: int, offset: int):
-    """(qdq values in x's dtype and shape, float32 block scales, float32 global scale ()) for x (..., K)."""
+def nvfp4_qdq_last_axis(x: torch.Tensor, *, block_2d: bool, stochastic: bool, seed: int, offset: int,
+                        out_dtype: torch.dtype | None = None):
+    """(qdq values in ``out_dtype`` (default x's) and x's shape, float32 block scales, float32 global
+    scale ()) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     amax = torch.zeros(1, dtype=torch.float32, device=x.device)
     has_nan = torch.zeros(1, dtype=torch.int32, device=x.device)
     _amax_kernel[(triton.cdiv(rows.numel(), CHUNK),)](rows, amax, has_nan, rows.numel(), CHUNK=CHUNK)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)
     scale_rows = triton.cdiv(n_rows, ROWS) if block_2d else n_rows
     scales = torch.empty((scale_rows, n_blocks), dtype=torch.float32, device=x.device)
     global_scale = torch.empty(1, dtype=torch.float32, device=x.device)
