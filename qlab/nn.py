@@ -10,7 +10,8 @@ two operands are E4M3/E5M2 TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise
 cores through ``torch._scaled_mm`` (qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU that has
 them and the shapes fit; ``gemm="scaled_mm"`` insists (also on the CPU: PyTorch's CPU implementation,
 for tests), ``gemm="emulated"`` never. The two agree within float32 accumulation order (on the CPU;
-the GPU's FP8 accumulator keeps fewer bits), see tests/test_fp8_gemm.py. Under autocast the operands are cast to the autocast
+the GPU's FP8 accumulator keeps fewer bits), see tests/test_fp8_gemm.py; with stochastic rounding
+along axis 0 they draw the same noise but may give it to different elements (see ``qdq``). Under autocast the operands are cast to the autocast
 dtype first, as nn.Linear's are. With delayed scaling the backward re-quantizes x and W with
 the scales the forward used; each forward and each backward rolls its amax history once (so once
 per micro-batch under gradient accumulation).
@@ -310,7 +311,8 @@ class QuantLinear(nn.Linear):
         if self.recipe.delayed:
             scaler = _SCALER_OF_ROLE[role]
             scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
-            return Q.quantize(t, spec, axis, scale=scale, keep_source=False)
+            generator = self._generator(t.device) if spec.rounding == "stochastic" else None
+            return Q.quantize(t, spec, axis, scale=scale, generator=generator, keep_source=False)
         if spec.rounding == "stochastic":
             return Q.quantize(t, spec, axis, generator=self._generator(t.device), keep_source=False)
         return kernels.quantize(t, spec, axis)

@@ -25,9 +25,13 @@ TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def _exact_operand(q: Q.QTensor) -> torch.Tensor:
-    """float64 (rows, K) with the reduction axis last: torch's float8 decoding of the codes / the scales."""
+    """float64 (rows, K) with the reduction axis last: torch's float8 decoding of the codes divided by
+    the scales, put back in the operand's logical shape (per-row codes are stored with the axis last)."""
     values = q.codes.cpu().view(TORCH_FLOAT8[q.spec.element]).double() / q.scales.cpu().double()
-    return values.T if q.spec.granularity == "tensor" and q.axis == 0 else values
+    if q.spec.granularity == "axis":
+        values = values.movedim(-1, q.axis)  # the logical (as quantized) shape
+    assert values.shape == q.shape
+    return values.movedim(q.axis, -1)
 
 
 def _bound(a: torch.Tensor, b: torch.Tensor, slack: int = 3) -> torch.Tensor:
@@ -74,22 +78,27 @@ E4M3, E5M2 = Q.TensorwiseSpec("e4m3"), Q.TensorwiseSpec("e5m2")
 E4M3_ROW, E5M2_ROW = Q.TensorwiseSpec("e4m3", granularity="axis"), Q.TensorwiseSpec("e5m2", granularity="axis")
 
 
-@pytest.mark.parametrize("spec_a, spec_b, k, n, capability, reason", [
-    (E4M3, E4M3, 64, 48, (9, 0), None),
-    (E5M2, E4M3, 64, 48, (8, 9), None),                      # Ada has FP8 tensor cores too
-    (E4M3, E4M3, 64, 48, (8, 0), "compute capability 8.9"),  # Ampere has none
-    (E4M3, E4M3, 40, 48, (9, 0), "multiples of 16"),
-    (E4M3, E4M3, 64, 40, (9, 0), "multiples of 16"),
-    (E5M2, E5M2, 64, 48, (9, 0), "E5M2 × E5M2"),
-    (E5M2_ROW, E4M3_ROW, 64, 48, (9, 0), None),
-    (E4M3_ROW, E5M2_ROW, 64, 48, (9, 0), "operand B in E4M3"),
-    (Q.SPECS["mxfp8"], E4M3, 64, 48, (9, 0), "not an E4M3/E5M2 TensorwiseSpec"),
-    (Q.TensorwiseSpec("e3m2"), E4M3, 64, 48, (9, 0), "not an E4M3/E5M2 TensorwiseSpec"),
+@pytest.mark.parametrize("spec_a, spec_b, k, n, capability, cuda, out_dtype, reason", [
+    (E4M3, E4M3, 64, 48, (9, 0), "12.4", torch.float32, None),
+    (E5M2, E4M3, 64, 48, (8, 9), "12.4", torch.float32, None),                      # Ada has FP8 tensor cores
+    (E4M3, E4M3, 64, 48, (8, 0), "12.4", torch.float32, "compute capability 8.9"),  # Ampere has none
+    (E4M3, E4M3, 40, 48, (9, 0), "12.4", torch.float32, "multiples of 16"),
+    (E4M3, E4M3, 64, 40, (9, 0), "12.4", torch.float32, "multiples of 16"),
+    (E5M2, E5M2, 64, 48, (9, 0), "12.4", torch.float32, "E5M2 × E5M2"),
+    (E5M2_ROW, E4M3_ROW, 64, 48, (9, 0), "12.9", torch.float32, None),             # cuBLAS's row-wise path
+    (E5M2_ROW, E4M3_ROW, 64, 48, (9, 0), "12.4", torch.float32, "float32 result"),  # CUTLASS: bf16/fp16 only
+    (E5M2_ROW, E4M3_ROW, 64, 48, (10, 0), "12.9", torch.float32, "float32 result"),
+    (E5M2_ROW, E4M3_ROW, 64, 48, (8, 9), "12.4", torch.bfloat16, None),
+    (E4M3_ROW, E5M2_ROW, 64, 48, (9, 0), "12.9", torch.float32, "operand B in E4M3"),
+    (Q.SPECS["mxfp8"], E4M3, 64, 48, (9, 0), "12.4", torch.float32, "not an E4M3/E5M2 TensorwiseSpec"),
+    (Q.TensorwiseSpec("e3m2"), E4M3, 64, 48, (9, 0), "12.4", torch.float32, "not an E4M3/E5M2 TensorwiseSpec"),
 ])
-def test_the_cuda_constraints_table(monkeypatch, spec_a, spec_b, k, n, capability, reason):
-    # the table is PyTorch's (aten/src/ATen/native/cuda/ScaledBlas.cpp); checked here without a GPU
+def test_the_cuda_constraints_table(monkeypatch, spec_a, spec_b, k, n, capability, cuda, out_dtype, reason):
+    # PyTorch's constraints (aten/src/ATen/native/cuda/ScaledBlas.cpp, RowwiseScaledMM.cu), checked here
+    # without a GPU: a regression in unsupported_reason would send a GEMM to a kernel that refuses it
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    got = unsupported_reason(spec_a, spec_b, k, n, torch.device("cuda"))
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    got = unsupported_reason(spec_a, spec_b, k, n, torch.device("cuda"), out_dtype)
     assert got is None if reason is None else reason in got
 
 
@@ -155,6 +164,18 @@ def test_the_dequantized_override_gives_the_emulated_backward_bit_for_bit():
     _, dx_e, dw_e, _ = _run(emulated, x, dy)
     _, dx_t, dw_t, _ = _run(tensor_cores, x, dy)
     assert torch.equal(dx_t, dx_e) and torch.equal(dw_t, dw_e)
+
+
+def test_delayed_scaling_with_stochastic_rounding_draws_from_the_layer_generator():
+    recipe = Recipe(name="fp8_delayed_sr", input=E4M3, weight=E4M3, delayed=True,
+                    grad_output=Q.TensorwiseSpec("e5m2", rounding="stochastic"))
+    gradients = []
+    for global_seed in (1, 2):
+        torch.manual_seed(0)
+        layer = QuantLinear(64, 48, recipe=recipe, gemm="scaled_mm", seed=7).to(DEVICE)
+        torch.manual_seed(global_seed)  # the global RNG must not matter: the layer's generator draws
+        gradients.append(_run(layer, *_inputs(0))[1:3])
+    assert all(torch.equal(a, b) for a, b in zip(*gradients))
 
 
 def test_main_grad_fusion_and_delayed_wgrad_on_tensor_cores():

@@ -13,8 +13,9 @@ float32; the two differ only in rounding (tests/test_fp8_gemm.py bounds the diff
 
 Constraints of ``torch._scaled_mm`` on CUDA (PyTorch's aten/src/ATen/native/cuda/ScaledBlas.cpp):
 compute capability ≥ 8.9; A row-major and B column-major; K and N multiples of 16; E5M2 × E5M2
-refused; row-wise scales (float32, (M, 1) and (1, N), contiguous) need B in E4M3 on the CUTLASS
-path. ``unsupported_reason`` checks them. PyTorch's CPU build runs ``_scaled_mm`` too (float32
+refused; scales on the operands' device; row-wise scales (float32, (M, 1) and (1, N), contiguous)
+need B in E4M3, and a float32 result only on cuBLAS's row-wise path (compute capability 9.0 with
+CUDA ≥ 12.9; elsewhere CUTLASS's kernel gives bf16/fp16 only). ``unsupported_reason`` checks them. PyTorch's CPU build runs ``_scaled_mm`` too (float32
 accumulation), which is where CI tests this module; on a CPU it is slower than a float32 GEMM, so
 QuantLinear's ``gemm="auto"`` takes it only on CUDA.
 """
@@ -33,8 +34,10 @@ def is_fp8_spec(spec) -> bool:
     return isinstance(spec, Q.TensorwiseSpec) and spec.element in TORCH_FLOAT8
 
 
-def unsupported_reason(spec_a, spec_b, k: int, n: int, device: torch.device) -> str | None:
-    """Why ``fp8_matmul`` cannot run a (M, K)·(N, K)ᵀ GEMM with these specs on ``device``; None if it can."""
+def unsupported_reason(spec_a, spec_b, k: int, n: int, device: torch.device,
+                       out_dtype: torch.dtype = torch.float32) -> str | None:
+    """Why ``fp8_matmul`` cannot run a (M, K)·(N, K)ᵀ GEMM with these specs and output dtype on
+    ``device``; None if it can."""
     for which, spec in (("A", spec_a), ("B", spec_b)):
         if not is_fp8_spec(spec):
             return f"operand {which} is not an E4M3/E5M2 TensorwiseSpec ({spec!r})"
@@ -48,9 +51,18 @@ def unsupported_reason(spec_a, spec_b, k: int, n: int, device: torch.device) -> 
         return f"the reduction length K={k} and output width N={n} must be multiples of 16"
     if spec_a.element == spec_b.element == "e5m2":
         return "cuBLAS refuses E5M2 × E5M2"
-    if "axis" in (spec_a.granularity, spec_b.granularity) and spec_b.element != "e4m3":
-        return "row-wise scaled GEMMs need operand B in E4M3"
+    if "axis" in (spec_a.granularity, spec_b.granularity):
+        if spec_b.element != "e4m3":
+            return "row-wise scaled GEMMs need operand B in E4M3"
+        cublas_rowwise = torch.cuda.get_device_capability(device) == (9, 0) and _cuda_version() >= (12, 9)
+        if out_dtype == torch.float32 and not cublas_rowwise:
+            return ("row-wise scaled GEMMs with a float32 result need cuBLAS's row-wise path (compute capability "
+                    "9.0, CUDA ≥ 12.9); CUTLASS's gives only bf16/fp16")
     return None
+
+
+def _cuda_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
 
 
 def _rows_and_inverse_scales(q: Q.QTensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +74,7 @@ def _rows_and_inverse_scales(q: Q.QTensor, which: str) -> tuple[torch.Tensor, to
     if len(q.shape) != 2:
         raise ValueError(f"fp8_matmul takes 2-D operands, got shape {tuple(q.shape)} for operand {which}")
     codes = q.codes.view(TORCH_FLOAT8[q.spec.element])
-    inverse = torch.reciprocal(q.scales.float())
+    inverse = torch.reciprocal(q.scales.float()).to(codes.device)  # delayed scaling keeps its scale on the CPU
     if q.spec.granularity == "tensor":
         return (codes if q.axis == 1 else codes.T).contiguous(), inverse.reshape(())
     return codes.contiguous(), inverse.reshape(-1)  # per row: quantize already moved the axis last
