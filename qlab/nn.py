@@ -76,6 +76,11 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.to(dtype) @ b.to(dtype)
 
 
+def _distributed() -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
 def check_gemm(gemm: str, recipe: Recipe) -> str:
     """``gemm`` if QuantLinear can run ``recipe`` with it; ValueError otherwise ("scaled_mm" needs a
     GEMM whose two operands are E4M3/E5M2 TensorwiseSpec)."""
@@ -332,7 +337,10 @@ class QuantLinear(nn.Linear):
         """Delayed scaling: record this use's amax and roll the history (once per forward/backward)."""
         for role, tensor in zip(roles_and_tensors[::2], roles_and_tensors[1::2]):
             if role in self.scalers:
-                self.scalers[role].observe(tensor.detach().abs().amax().float().cpu())
+                amax = tensor.detach().abs().amax().float()
+                if self.recipe.reduce_amax and _distributed():  # every rank the same scales (TE's reduce_amax)
+                    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+                self.scalers[role].observe(amax.cpu())
                 self.scalers[role].step()
 
     def _dummy_wgrad(self) -> torch.Tensor:

@@ -18,6 +18,11 @@ dgrad/wgrad from the original x and W, dy never quantized; "dequantized" — fro
 quantized x and W (the straight-through estimator of what the forward computed), dy never
 quantized. Left unset it comes from the environment variable ``QLAB_BACKWARD_OVERRIDE`` (empty or
 "none" means None); an explicit argument wins. Delayed scaling with an override is refused.
+
+``reduce_amax`` (delayed scaling, TransformerEngine's name and default): under torch.distributed every
+amax a QuantLinear records is all-reduced (MAX) over the default process group first, so all ranks
+keep the same histories and quantize with the same scales. Every rank must then run the same
+QuantLinear forward/backward calls in training mode (as DDP does).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Recipe:
     amax_history_len: int = 1024
     amax_algorithm: str = "max"
     margin: int = 0
+    reduce_amax: bool = True
     backward_override: str | None = _FROM_ENVIRONMENT
 
     def __post_init__(self):
@@ -74,6 +80,8 @@ class Recipe:
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
                 or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(f"reduce_amax must be a bool, got {type(self.reduce_amax).__name__} {self.reduce_amax!r}")
         if self.amax_algorithm not in AMAX_ALGORITHMS:
             raise ValueError(f"unknown amax_algorithm {self.amax_algorithm!r}; expected 'max' or 'most_recent'")
         if self.delayed:
@@ -104,7 +112,8 @@ class Recipe:
             spec = getattr(self, role)
             out[role] = None if spec is None else {"kind": type(spec).__name__, **dataclasses.asdict(spec)}
         out.update(delayed=self.delayed, amax_history_len=self.amax_history_len,
-                   amax_algorithm=self.amax_algorithm, margin=self.margin, backward_override=self.backward_override)
+                   amax_algorithm=self.amax_algorithm, margin=self.margin, reduce_amax=self.reduce_amax,
+                   backward_override=self.backward_override)
         return out
 
     @classmethod

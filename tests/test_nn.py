@@ -792,3 +792,46 @@ def test_each_converted_layer_gets_its_own_rounding_seed():
     model = nn.Sequential(nn.Linear(IN_FEATURES, IN_FEATURES), nn.Linear(IN_FEATURES, IN_FEATURES))
     quantize_model(model, "nvfp4", seed=10)
     assert [model[0].seed, model[1].seed] == [10, 11]
+
+
+# --- delayed scaling under torch.distributed: reduce_amax ------------------------------------------------
+
+_RANK_SCRIPT = """
+import sys, torch, torch.distributed as dist
+from qlab.nn import QuantLinear
+from qlab.recipe import get_recipe
+rank, reduce_amax, out, init = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3], sys.argv[4]
+if init != "local":
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+torch.manual_seed(0)  # the same weights on both ranks, as DDP has them
+layer = QuantLinear(32, 16, recipe=get_recipe("fp8_delayed").replace(reduce_amax=reduce_amax))
+generator = torch.Generator().manual_seed(rank)
+for step in range(2):  # rank 1's activations and gradients are larger: its amaxes win the MAX
+    x = torch.randn(8, 32, generator=generator) * (1 + 3 * rank)
+    layer(x).backward(torch.randn(8, 16, generator=generator) * (1 + rank))
+torch.save({role: scaler.history[:3] for role, scaler in layer.scalers.items()}, out)
+"""
+
+
+def _rank_histories(tmp_path, reduce_amax: bool, distributed: bool) -> list[dict]:
+    import subprocess
+    import sys
+
+    init = f"file://{tmp_path / f'rendezvous_{reduce_amax}'}" if distributed else "local"
+    outputs = [tmp_path / f"rank{rank}_{reduce_amax}_{distributed}.pt" for rank in range(2)]
+    processes = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(rank), str(int(reduce_amax)),
+                                   str(outputs[rank]), init]) for rank in range(2)]
+    assert all(process.wait(timeout=300) == 0 for process in processes)
+    return [torch.load(path) for path in outputs]
+
+
+def test_reduce_amax_gives_every_rank_the_max_of_the_ranks_amaxes(tmp_path):
+    # reference: each rank's amax history computed alone (no process group), then their elementwise max
+    alone = _rank_histories(tmp_path, reduce_amax=True, distributed=False)
+    reduced = _rank_histories(tmp_path, reduce_amax=True, distributed=True)
+    independent = _rank_histories(tmp_path, reduce_amax=False, distributed=True)
+    for role in ("input", "weight", "grad_output"):
+        expected = torch.maximum(alone[0][role], alone[1][role])
+        assert torch.equal(reduced[0][role], expected) and torch.equal(reduced[1][role], expected), role
+        assert torch.equal(independent[0][role], alone[0][role]) and torch.equal(independent[1][role], alone[1][role])
+    assert not torch.equal(alone[0]["input"], alone[1]["input"])  # the ranks did see different amaxes

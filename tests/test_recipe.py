@@ -41,7 +41,8 @@ DOCUMENTED_PRESETS = {
     "int8_per_token": dict(input=IntSpec(8, signed=True, symmetric=True, granularity="axis"),
                            weight=IntSpec(8, signed=True, symmetric=True, granularity="axis")),
 }
-DELAYED_DEFAULTS = dict(amax_history_len=1024, amax_algorithm="max", margin=0)  # TE's defaults (REFERENCE §2)
+DELAYED_DEFAULTS = dict(amax_history_len=1024, amax_algorithm="max", margin=0,  # TE's defaults (REFERENCE §2)
+                        reduce_amax=True)  # TE's DelayedScaling(reduce_amax=True)
 
 
 def test_the_documented_presets_are_exactly_the_presets():
@@ -82,7 +83,7 @@ def test_to_dict_writes_the_spec_kind_and_every_spec_field():
     assert data["dgrad_weight"] is None
     assert data["name"] == "nvfp4"
     assert set(data) == {"name", *ROLES, "delayed", "amax_history_len", "amax_algorithm", "margin",
-                         "backward_override"}
+                         "reduce_amax", "backward_override"}
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -146,6 +147,11 @@ def test_an_explicit_backward_spec_wins_over_the_fallback():
     recipe = Recipe(weight=E4M3, dgrad_weight=E5M2)
     assert recipe.spec("dgrad_weight") == E5M2
     assert recipe.spec("weight") == E4M3
+
+
+def test_reduce_amax_must_be_a_bool():
+    with pytest.raises(TypeError, match="reduce_amax must be a bool"):
+        Recipe(reduce_amax="yes")
 
 
 def test_unknown_role_is_refused():

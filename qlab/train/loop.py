@@ -261,7 +261,8 @@ RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc
 
 def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int = 0) -> dict:
     """Restore a checkpoint into the run's objects. Exact for one process; under DDP every rank takes
-    rank 0's delayed-scaling histories, and ranks > 0 restart their stochastic-rounding generators."""
+    rank 0's delayed-scaling histories (identical on every rank: the recipe's reduce_amax all-reduces
+    each amax), and ranks > 0 restart their stochastic-rounding generators."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved = {k: v for k, v in state["config"].items() if k not in RESUMABLE_CHANGES}
     current = {k: v for k, v in config.to_dict().items() if k in saved}
