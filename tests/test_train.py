@@ -570,6 +570,61 @@ def test_ddp_matches_one_process(tmp_path, recipe):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
 
 
+_CRASHING_DDP_RUN = """
+import json, sys
+from qlab.probes import ProbeSet
+from qlab.train import TrainConfig, train
+
+class Crash(ProbeSet):  # both ranks raise after the optimizer step of step index 9, as CrashingProbes
+    def step(self):
+        super().step()
+        if self.current_step == 10:
+            raise RuntimeError("simulated crash")
+
+train(TrainConfig(**json.loads(sys.argv[1])), probes=lambda model: Crash(None))
+"""
+
+
+def test_exact_ddp_resume_restores_every_ranks_generators(tmp_path):
+    """nvfp4 draws stochastic-rounding noise on each rank from that rank's generator: a 2-process run
+    that crashes during step 10 and resumes from step 8's checkpoint must give the uninterrupted
+    2-process run's metrics and parameters bit for bit (same gloo reductions in the same order)."""
+    import json
+    import subprocess
+    import sys
+
+    settings = dict(recipe="nvfp4", steps=12, batch_size=8, nproc=2, checkpoint_every=4, eval_every=4,
+                    eval_batches=2, warmup_steps=3, **TINY)
+    whole = ["train", "--nproc", "2", "--set", f"out_dir={tmp_path / 'A'}"]
+    for key, value in settings.items():
+        if key != "nproc":
+            whole += ["--set", f"{key}={value}"]
+    assert cli.main(whole) == 0
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASHING_DDP_RUN)
+    crashed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              str(script), json.dumps({**settings, "out_dir": str(tmp_path / "B")})],
+                             capture_output=True, text=True, timeout=600)
+    assert crashed.returncode != 0 and "simulated crash" in crashed.stderr + crashed.stdout
+    checkpoint = torch.load(tmp_path / "B" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert checkpoint["step"] == 8 and len(checkpoint["quant_by_rank"]) == 2
+    assert cli.main(whole[:3] + ["--set", f"out_dir={tmp_path / 'B'}", "--set", "resume=true"] + whole[5:]) == 0
+    a = pd.read_csv(tmp_path / "A" / "metrics.csv").drop(columns="time_s")
+    b = pd.read_csv(tmp_path / "B" / "metrics.csv").drop(columns="time_s")
+    pd.testing.assert_frame_equal(b, a, check_exact=True)
+    final_a = torch.load(tmp_path / "A" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    final_b = torch.load(tmp_path / "B" / "checkpoint.pt", map_location="cpu", weights_only=True)
+    assert all(torch.equal(final_a["model"][k], final_b["model"][k]) for k in final_a["model"])
+    for rank_a, rank_b in zip(final_a["quant_by_rank"], final_b["quant_by_rank"]):
+        for name in rank_a:
+            generators_a, generators_b = rank_a[name]["generators"], rank_b[name]["generators"]
+            assert generators_a.keys() == generators_b.keys()
+            assert all(torch.equal(generators_a[d], generators_b[d]) for d in generators_a)
+    layer = next(iter(final_a["quant_by_rank"][0]))
+    assert not torch.equal(final_a["quant_by_rank"][0][layer]["generators"]["cpu"],
+                           final_a["quant_by_rank"][1][layer]["generators"]["cpu"])  # ranks draw apart
+
+
 def test_nproc_mismatch_is_refused():
     with pytest.raises(ValueError, match="nproc=2"):
         train(TrainConfig(nproc=2, steps=1, batch_size=8, **TINY))

@@ -247,10 +247,25 @@ def _quant_states(model: nn.Module) -> dict:
     return {name: module.quant_state() for name, module in model.named_modules() if isinstance(module, QuantLinear)}
 
 
-def save_checkpoint(path: Path, *, step, model, optimizer, scaler, metrics, fidelity, config) -> None:
+def _quant_states_by_rank(model: nn.Module, world_size: int) -> list[dict]:
+    """Every rank's QuantLinear states (index = rank), gathered on all ranks: each rank has its own
+    stochastic-rounding generators. A collective under DDP: every rank must call it."""
+    states = _quant_states(model)
+    if world_size == 1:
+        return [states]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, states)
+    return gathered
+
+
+def save_checkpoint(path: Path, *, step, model, optimizer, scaler, metrics, fidelity, config,
+                    quant_by_rank: list[dict] | None = None) -> None:
+    """Write the checkpoint atomically. ``quant_by_rank``: every rank's QuantLinear states under DDP
+    (default: this process's only)."""
+    quant_by_rank = quant_by_rank if quant_by_rank is not None else [_quant_states(model)]
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scaler": scaler.state_dict(), "quant": _quant_states(model), "metrics": metrics,
-             "fidelity": fidelity, "config": config.to_dict()}
+             "scaler": scaler.state_dict(), "quant": quant_by_rank[0], "quant_by_rank": quant_by_rank,
+             "metrics": metrics, "fidelity": fidelity, "config": config.to_dict()}
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -260,9 +275,10 @@ RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc
 
 
 def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int = 0) -> dict:
-    """Restore a checkpoint into the run's objects. Exact for one process; under DDP every rank takes
-    rank 0's delayed-scaling histories (identical on every rank: the recipe's reduce_amax all-reduces
-    each amax), and ranks > 0 restart their stochastic-rounding generators."""
+    """Restore a checkpoint into the run's objects, exactly, also under DDP: rank r takes rank r's
+    QuantLinear states (stochastic-rounding generators, delayed-scaling histories). A rank the
+    checkpoint has no states for (resumed with more processes, or a checkpoint from before
+    ``quant_by_rank``) takes rank 0's histories and restarts its generators."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     saved = {k: v for k, v in state["config"].items() if k not in RESUMABLE_CHANGES}
     current = {k: v for k, v in config.to_dict().items() if k in saved}
@@ -273,8 +289,9 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int =
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
-    for name, quant in state["quant"].items():
-        model.get_submodule(name).load_quant_state(quant if rank == 0 else {**quant, "generators": {}})
+    by_rank = state.get("quant_by_rank") or [state["quant"]]
+    for name, quant in (by_rank[rank] if rank < len(by_rank) else by_rank[0]).items():
+        model.get_submodule(name).load_quant_state(quant if rank < len(by_rank) else {**quant, "generators": {}})
     return state
 
 
@@ -366,9 +383,11 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
             last = step + 1 == config.steps
             if out_dir is not None and (last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)):
+                quant_by_rank = _quant_states_by_rank(trained, world_size)  # a collective: all ranks
                 if rank == 0:
                     save_checkpoint(out_dir / CHECKPOINT, step=step + 1, model=trained, optimizer=optimizer,
-                                    scaler=scaler, metrics=metrics, fidelity=fidelity, config=config)
+                                    scaler=scaler, metrics=metrics, fidelity=fidelity, config=config,
+                                    quant_by_rank=quant_by_rank)
             if out_dir is not None and rank == 0 and (last or not math.isnan(row["val_loss"])):
                 write_csv(pd.DataFrame(metrics), out_dir / "metrics.csv")
                 if fidelity:
