@@ -59,6 +59,7 @@ warmup_steps: int = 30  # linear warmup before the cosine decay
 eval_every: int = 25  # steps between validation measurements
 eval_batches: int = 8  # fixed validation batches (of batch_size sequences)
 fidelity_every: int = 25  # steps between gradient-fidelity measurements (0 turns them off)
+gemm: str = "auto"  # FP8 GEMMs: "auto" (FP8 tensor cores on a CUDA GPU that has them) or "emulated"
 
 # %%
 import matplotlib.pyplot as plt
@@ -86,7 +87,7 @@ entropy = unigram_entropy(corpus.train, len(corpus.vocabulary))
 base = TrainConfig(steps=steps, layers=layers, width=width, heads=heads, context=context, batch_size=batch_size,
                    lr=lr, warmup_steps=warmup_steps, eval_every=eval_every, eval_batches=eval_batches,
                    fidelity_every=fidelity_every, keep_high_precision=keep_high_precision, device=device,
-                   progress=False)
+                   gemm=gemm, progress=False)
 configurations = [("fp32", None), ("bf16", None)] + [(recipe, mode) for recipe in recipes for mode in modes]
 print(f"{len(corpus.train):,} training / {len(corpus.val):,} validation characters, vocabulary {len(corpus.vocabulary)}, "
       f"validation plays: {', '.join(corpus.val_plays)}")
