@@ -138,6 +138,12 @@ def _inputs(step: int):
                                     get_recipe("fp8_tensorwise").replace(
                                         input=Q.TensorwiseSpec("e4m3", pow2=True))])
 def test_quantlinear_on_tensor_cores_agrees_with_emulation(recipe):
+    recipe = get_recipe(recipe)
+    for role_a, role_b, k, n in (("input", "weight", 64, 48), ("dgrad_grad_output", "dgrad_weight", 48, 64),
+                                 ("wgrad_grad_output", "wgrad_input", 32, 64)):  # 32 tokens, 64 → 48 features
+        reason = unsupported_reason(recipe.spec(role_a), recipe.spec(role_b), k, n, torch.device(DEVICE))
+        if reason:  # e.g. row-wise float32 results on a GPU without cuBLAS's row-wise path
+            pytest.skip(reason)
     emulated, tensor_cores = _twin_layers(recipe)
     for step in range(3):  # delayed scaling: both histories roll alike, so later steps use the same scales
         x, dy = _inputs(step)
