@@ -1,20 +1,22 @@
 """Quantized layers: QuantLinear (emulated low-precision GEMMs with backward overrides and fused
 main_grad accumulation), fake_quant with straight-through estimators, and model conversion.
 
-GEMMs are emulated by default: operands are quantize→dequantized (``qlab.quantize.qdq``) and
+GEMMs are emulated by default: operands are quantize→dequantized (``qlab.quantize.qdq``; on CUDA
+through qlab's Triton kernels where one covers the spec, ``qlab.kernels.qdq``, the same bits) and
 multiplied in float32 (float64 for unquantized float64 layers; the quantizers take float32/bf16/fp16)
 at "highest" matmul precision, so the only rounding besides the recipe's is the float32 GEMM's:
-16-bit operands are dequantized straight to float32; on CUDA the qdq runs in qlab's Triton kernels
-where one covers the spec (``qlab.kernels.qdq``, the same bits). ``gemm="auto"`` (the default) runs a GEMM whose
-two operands are E4M3/E5M2 TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise FP8) on FP8 tensor
-cores through ``torch._scaled_mm`` (qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU that has
-them and the shapes fit; ``gemm="scaled_mm"`` insists (also on the CPU: PyTorch's CPU implementation,
-for tests), ``gemm="emulated"`` never. The two agree within float32 accumulation order (on the CPU;
-the GPU's FP8 accumulator keeps fewer bits), see tests/test_fp8_gemm.py; with stochastic rounding
-along axis 0 they draw the same noise but may give it to different elements (see ``qdq``). Under autocast the operands are cast to the autocast
-dtype first, as nn.Linear's are. With delayed scaling the backward re-quantizes x and W with
+16-bit operands are dequantized straight to float32. Under autocast the operands are cast to the
+autocast dtype first, as nn.Linear's are. With delayed scaling the backward re-quantizes x and W with
 the scales the forward used; each forward and each backward rolls its amax history once (so once
 per micro-batch under gradient accumulation).
+
+FP8 tensor cores (``gemm=``): "auto" (the default) runs a GEMM whose two operands are E4M3/E5M2
+TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise FP8) through ``torch._scaled_mm``
+(qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU whose kernels take it; "scaled_mm" insists
+(also on the CPU: PyTorch's CPU implementation, for tests); "emulated" never. The two agree within
+float32 accumulation order on the CPU (the GPU's FP8 accumulator keeps fewer bits), see
+tests/test_fp8_gemm.py; with stochastic rounding along axis 0 they draw the same noise but may give
+it to different elements (see ``qlab.quantize.qdq``).
 
 Weight-gradient delivery (REFERENCE §4), for QuantLinear with any recipe (bf16 = plain precision):
 
