@@ -168,7 +168,7 @@ class _LinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x_q, w_q)
         else:  # None re-quantizes from high precision along the backward GEMMs' axes
             ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.is_first_microbatch = layer, is_first_microbatch
+        ctx.layer, ctx.is_first_microbatch, ctx.training = layer, is_first_microbatch, layer.training
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
@@ -201,8 +201,8 @@ class _LinearFunction(torch.autograd.Function):
             dw = layer._deliver_wgrad(dy_w, x_w, ctx.is_first_microbatch)
         if need_b:
             db = dy.to(_compute_dtype(dy)).sum(0).to(ctx.dtypes[2])
-        if quantized:
-            layer._step_scalers("grad_output", dy)
+        if quantized:  # all-reduced only after a training-mode forward, as the forward's are
+            layer._step_scalers("grad_output", dy, reduce=ctx.training)
         return dx, dw, db, None, None
 
 
@@ -335,12 +335,14 @@ class QuantLinear(nn.Linear):
             raise ValueError(f"gemm='scaled_mm' cannot run this layer's {gemm} GEMM: {reason}")
         return reason is None
 
-    def _step_scalers(self, *roles_and_tensors) -> None:
-        """Delayed scaling: record this use's amax and roll the history (once per forward/backward)."""
+    def _step_scalers(self, *roles_and_tensors, reduce: bool = True) -> None:
+        """Delayed scaling: record this use's amax and roll the history (once per forward/backward).
+        With reduce_amax under torch.distributed each amax is one blocking all-reduce (TE fuses a step's
+        amaxes into one); ``reduce=False`` skips it (a backward after an eval-mode forward)."""
         for role, tensor in zip(roles_and_tensors[::2], roles_and_tensors[1::2]):
             if role in self.scalers:
                 amax = tensor.detach().abs().amax().float()
-                if self.recipe.reduce_amax and _distributed():  # every rank the same scales (TE's reduce_amax)
+                if reduce and self.recipe.reduce_amax and _distributed():  # every rank the same scales
                     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
                 self.scalers[role].observe(amax.cpu())
                 self.scalers[role].step()

@@ -546,12 +546,12 @@ def test_ddp_matches_one_process(tmp_path, recipe):
     × 2 × 4. mxfp8's blocks along the token axis are whole 32-token sequences, and its power-of-two block
     scales absorb the factor 2 between the per-rank and the global loss mean, so it quantizes the same
     numbers on either side. (fp8_delayed cannot match: its first backward casts dy with the initial
-    scale 1, and E5M2's subnormals do not commute with the factor 2 — see the reduce_amax test below.) Tolerances: DDP all-reduces (sums) the two ranks' gradients and means the
+    scale 1, and E5M2's subnormals do not commute with the factor 2; tests/test_nn.py tests reduce_amax.) Tolerances: DDP all-reduces (sums) the two ranks' gradients and means the
     loss over ranks, the 1-process run reduces over all 4 sequences at once: the same values summed in
     another order, so float32 rounding differs: rtol 1e-5 on the metrics (measured ≤ 2e-7), atol 1e-6 on
     parameters of size ~0.02–1 (measured ≤ 5e-7)."""
     settings = dict(recipe=recipe, steps=6, batch_size=8, grad_accum=2, eval_every=3, eval_batches=2,
-                    warmup_steps=2, **TINY)
+                    warmup_steps=2, device="cpu", **TINY)  # gloo on CPU, also on a machine with one GPU
     argv = ["train", "--nproc", "2", "--set", f"out_dir={tmp_path / 'ddp'}"]
     for key, value in settings.items():
         argv += ["--set", f"{key}={value}"]
@@ -594,7 +594,7 @@ def test_exact_ddp_resume_restores_every_ranks_generators(tmp_path):
     import sys
 
     settings = dict(recipe="nvfp4", steps=12, batch_size=8, nproc=2, checkpoint_every=4, eval_every=4,
-                    eval_batches=2, warmup_steps=3, **TINY)
+                    eval_batches=2, warmup_steps=3, device="cpu", **TINY)
     whole = ["train", "--nproc", "2", "--set", f"out_dir={tmp_path / 'A'}"]
     for key, value in settings.items():
         if key != "nproc":

@@ -275,7 +275,7 @@ RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc
 
 
 def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int = 0) -> dict:
-    """Restore a checkpoint into the run's objects, exactly, also under DDP: rank r takes rank r's
+    """Restore a checkpoint into the run's objects — bit for bit on CPU (gloo), also under DDP: rank r takes rank r's
     QuantLinear states (stochastic-rounding generators, delayed-scaling histories). A rank the
     checkpoint has no states for (resumed with more processes, or a checkpoint from before
     ``quant_by_rank``) takes rank 0's histories and restarts its generators."""
