@@ -304,10 +304,7 @@ class QuantLinear(nn.Linear):
             return t
         generator = self._generator(t.device) if spec.rounding == "stochastic" else None
         compute = _compute_dtype(t)  # dequantized values stay in the GEMM's dtype, not rounded back to 16 bits
-        scale = None
-        if self.recipe.delayed:
-            scaler = _SCALER_OF_ROLE[role]
-            scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
+        scale = self._delayed_scale(role, scales)
         if scale is None and kernels.covers(spec):  # the Triton kernels on CUDA, the same bits
             return kernels.qdq(t, spec, axis, dtype=compute)
         return Q.qdq(t, spec, axis, generator=generator, scale=scale, dtype=compute)
@@ -315,14 +312,18 @@ class QuantLinear(nn.Linear):
     def _quantize(self, t: torch.Tensor, role: str, axis: int, scales: dict | None = None) -> Q.QTensor:
         """The role's QTensor for the FP8 GEMM (the Triton kernel for current scaling on CUDA)."""
         spec = self.recipe.spec(role)
-        if self.recipe.delayed:
-            scaler = _SCALER_OF_ROLE[role]
-            scale = scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
-            generator = self._generator(t.device) if spec.rounding == "stochastic" else None
-            return Q.quantize(t, spec, axis, scale=scale, generator=generator, keep_source=False)
-        if spec.rounding == "stochastic":
-            return Q.quantize(t, spec, axis, generator=self._generator(t.device), keep_source=False)
-        return kernels.quantize(t, spec, axis)
+        scale = self._delayed_scale(role, scales)
+        if scale is None and spec.rounding == "rne":
+            return kernels.quantize(t, spec, axis)
+        generator = self._generator(t.device) if spec.rounding == "stochastic" else None
+        return Q.quantize(t, spec, axis, scale=scale, generator=generator, keep_source=False)
+
+    def _delayed_scale(self, role: str, scales: dict | None) -> torch.Tensor | None:
+        """Delayed scaling: the role's scale from ``scales`` (the forward's) or the live scaler; else None."""
+        if not self.recipe.delayed:
+            return None
+        scaler = _SCALER_OF_ROLE[role]
+        return scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
 
     def _fp8_gemm(self, gemm: str, role_a: str, role_b: str, k: int, n: int, device: torch.device) -> bool:
         """Whether this GEMM runs through torch._scaled_mm (see ``gemm`` in the module docstring)."""

@@ -44,8 +44,7 @@ def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, dtype: torch.dtype 
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.MXSpec):
         raise TypeError(f"mx_qdq needs an MXSpec (or an MX preset name), got {type(spec).__name__}")
-    if spec.block_size != 32 or spec.rounding != "rne":
-        raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
+    _check_mx_kernel_spec(spec)
     Q._check_input(x, spec, axis)
     backend = _resolve(x, backend)
     if backend == "reference":
@@ -60,6 +59,11 @@ def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, dtype: torch.dtype 
     moved = x.movedim(axis, -1)
     values, codes = mx_qdq_last_axis(moved, get_format(spec.element), spec.mode, out_dtype=dtype)
     return values.movedim(-1, axis), codes
+
+
+def _check_mx_kernel_spec(spec: Q.MXSpec) -> None:
+    if spec.block_size != 32 or spec.rounding != "rne":
+        raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
 
 
 def _auto_backend(x: torch.Tensor) -> str:
@@ -95,9 +99,8 @@ def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, dtype: torch.dt
         return Q.dequantize(q, dtype or x.dtype), q.scales
     if backend == "cpu":  # the compiled qdq, and the scales from the amaxes (one more read of x)
         layout = Q._to_layout(x, spec, axis % x.dim())
-        amax = layout.abs().amax() if spec.granularity == "tensor" else layout.abs().amax(-1, keepdim=True)
-        return Q.qdq(x, spec, axis, dtype=dtype), scaling.fp8_current_scale(amax, spec.element, eps=spec.eps,
-                                                                            pow2=spec.pow2)
+        scales = scaling.fp8_current_scale(Q._amax(layout, spec, -1), spec.element, eps=spec.eps, pow2=spec.pow2)
+        return Q.qdq(x, spec, axis, dtype=dtype), scales
     from qlab.kernels.fp8_triton import fp8_current_scaling
 
     per_row = spec.granularity == "axis"
@@ -117,8 +120,7 @@ def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") ->
     """
     spec = Q.get_spec(spec)
     if isinstance(spec, Q.MXSpec):
-        if spec.block_size != 32 or spec.rounding != "rne":
-            raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
+        _check_mx_kernel_spec(spec)
     elif not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
         raise TypeError(f"kernels.quantize covers MXSpec and TensorwiseSpec with rne rounding, got {spec!r}")
     axis = Q._check_input(x, spec, axis)
