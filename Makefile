@@ -10,7 +10,7 @@ BIN           := $(VENV)/bin
 STAMP         := $(VENV)/.qlab-bootstrapped
 export MPLBACKEND := Agg
 
-.PHONY: help figures test lab sync bench kernel clean
+.PHONY: help figures test lint format lab sync bench kernel clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -27,8 +27,16 @@ kernel: $(STAMP)  ## create .venv and register the `qlab` Jupyter kernel
 figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, figures/*.pdf|png
 	$(BIN)/qlab figures
 
-test: $(STAMP)  ## unit tests and every notebook in smoke mode
+test: lint  ## lint, unit tests and every notebook in smoke mode
 	$(BIN)/python -m pytest
+
+lint: $(STAMP)  ## ruff check and ruff format --check (part of make test)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)  ## ruff format and the safe ruff fixes
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 lab: $(STAMP)  ## JupyterLab with the qlab kernel
 	$(BIN)/jupyter lab notebooks/
