@@ -53,21 +53,41 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|---:|")
     code_bytes = x.numel() * (x.element_size() + 1)
     cases = {
-        "fp8 quantize → codes, per-tensor (e4m3)": (lambda: kernels.quantize(x, "fp8_e4m3", backend="triton"),
-                                                    lambda: Q.quantize(x, "fp8_e4m3", keep_source=False), code_bytes),
-        "mxfp8 quantize → codes (e4m3, rceil)": (lambda: kernels.quantize(x, Q.SPECS["mxfp8_rceil"], backend="triton"),
-                                                 lambda: Q.quantize(x, Q.SPECS["mxfp8_rceil"], keep_source=False),
-                                                 code_bytes + x.numel() // 32),
-        "fp8 per-tensor (e4m3)": (lambda: fp8_qdq(x, "fp8_e4m3", backend="triton"),
-                                  lambda: Q.qdq(x, "fp8_e4m3", fast=False), element_bytes),
-        "fp8 per-row (e4m3)": (lambda: fp8_qdq(x, "fp8_e4m3_rowwise", backend="triton"),
-                               lambda: Q.qdq(x, "fp8_e4m3_rowwise", fast=False), element_bytes + 4 * x.shape[0]),
-        "mxfp8 (e4m3, floor)": (lambda: mx_qdq(x, "mxfp8", backend="triton"),
-                                lambda: Q.qdq(x, "mxfp8", fast=False), element_bytes + x.numel() // 32),
-        "mxfp4 (e2m1, floor)": (lambda: mx_qdq(x, Q.MXSpec("e2m1"), backend="triton"),
-                                lambda: Q.qdq(x, Q.MXSpec("e2m1"), fast=False), element_bytes + x.numel() // 32),
-        "nvfp4 1×16": (lambda: nvfp4_qdq(x, Q.NVFP4Spec(), backend="triton"),
-                       lambda: Q.qdq(x, Q.NVFP4Spec(), fast=False), element_bytes + 4 * x.numel() // 16),
+        "fp8 quantize → codes, per-tensor (e4m3)": (
+            lambda: kernels.quantize(x, "fp8_e4m3", backend="triton"),
+            lambda: Q.quantize(x, "fp8_e4m3", keep_source=False),
+            code_bytes,
+        ),
+        "mxfp8 quantize → codes (e4m3, rceil)": (
+            lambda: kernels.quantize(x, Q.SPECS["mxfp8_rceil"], backend="triton"),
+            lambda: Q.quantize(x, Q.SPECS["mxfp8_rceil"], keep_source=False),
+            code_bytes + x.numel() // 32,
+        ),
+        "fp8 per-tensor (e4m3)": (
+            lambda: fp8_qdq(x, "fp8_e4m3", backend="triton"),
+            lambda: Q.qdq(x, "fp8_e4m3", fast=False),
+            element_bytes,
+        ),
+        "fp8 per-row (e4m3)": (
+            lambda: fp8_qdq(x, "fp8_e4m3_rowwise", backend="triton"),
+            lambda: Q.qdq(x, "fp8_e4m3_rowwise", fast=False),
+            element_bytes + 4 * x.shape[0],
+        ),
+        "mxfp8 (e4m3, floor)": (
+            lambda: mx_qdq(x, "mxfp8", backend="triton"),
+            lambda: Q.qdq(x, "mxfp8", fast=False),
+            element_bytes + x.numel() // 32,
+        ),
+        "mxfp4 (e2m1, floor)": (
+            lambda: mx_qdq(x, Q.MXSpec("e2m1"), backend="triton"),
+            lambda: Q.qdq(x, Q.MXSpec("e2m1"), fast=False),
+            element_bytes + x.numel() // 32,
+        ),
+        "nvfp4 1×16": (
+            lambda: nvfp4_qdq(x, Q.NVFP4Spec(), backend="triton"),
+            lambda: Q.qdq(x, Q.NVFP4Spec(), fast=False),
+            element_bytes + 4 * x.numel() // 16,
+        ),
     }
     torchao_mx = _torchao_mx(x)
     for label, (kernel, eager, nbytes) in cases.items():
@@ -75,8 +95,11 @@ def main() -> int:
         eager_ms = triton.testing.do_bench(eager)
         gbps = nbytes / ms / 1e6
         ao = triton.testing.do_bench(torchao_mx) if (torchao_mx and label.startswith("mxfp8")) else None
-        print(f"| {label} | {ms:.3f} | {gbps:,.0f} | {f'{100 * gbps / peak:.0f} %' if peak else '?'} | "
-              f"{eager_ms:.3f} | {eager_ms / ms:.1f}× | {f'{ao:.3f}' if ao else '–'} |", flush=True)
+        print(
+            f"| {label} | {ms:.3f} | {gbps:,.0f} | {f'{100 * gbps / peak:.0f} %' if peak else '?'} | "
+            f"{eager_ms:.3f} | {eager_ms / ms:.1f}× | {f'{ao:.3f}' if ao else '–'} |",
+            flush=True,
+        )
 
     tokens, hidden = args.tokens, args.hidden
     h = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -88,15 +111,18 @@ def main() -> int:
         def run():
             h.grad = w.grad = b.grad = None
             fn().backward(dy)
+
         return run
 
     torch_ms = triton.testing.do_bench(fwd_bwd(lambda: torch.nn.functional.layer_norm(h, (hidden,), w, b)))
-    print(f"\nLayerNorm forward+backward, {tokens}×{hidden} bf16 (torch.nn.functional.layer_norm {torch_ms:.3f} ms):\n")
+    print(f"\nLayerNorm forward+backward, {tokens}×{hidden} bf16 (F.layer_norm {torch_ms:.3f} ms):\n")
     print("| stats | Triton (ms) | GB/s | vs torch |")
     print("|---|---:|---:|---:|")
     nbytes = 4 * h.numel() * h.element_size()
     for stats in ("welford", "two_pass", "textbook"):
-        ms = triton.testing.do_bench(fwd_bwd(lambda: layer_norm(h, (hidden,), w, b, stats=stats, backend="triton")))
+        ms = triton.testing.do_bench(
+            fwd_bwd(lambda: layer_norm(h, (hidden,), w, b, stats=stats, backend="triton"))
+        )
         print(f"| {stats} | {ms:.3f} | {nbytes / ms / 1e6:,.0f} | {torch_ms / ms:.2f}× |", flush=True)
     _bench_fp8_gemms(tokens, hidden)
     return 0
@@ -117,12 +143,15 @@ def _bench_fp8_gemms(tokens: int, features: int) -> None:
             x.grad = None
             layer.zero_grad(set_to_none=True)
             layer(x).backward(dy)
+
         return run
 
     flops = 3 * 2 * tokens * features * features
     base_ms = triton.testing.do_bench(fwd_bwd(linear))
-    print(f"\nLinear forward+backward, {tokens}×{features} → {features} bf16 (nn.Linear {base_ms:.3f} ms, "
-          f"{flops / base_ms / 1e9:,.0f} TFLOP/s):\n")
+    print(
+        f"\nLinear forward+backward, {tokens}×{features} → {features} bf16 (nn.Linear {base_ms:.3f} ms, "
+        f"{flops / base_ms / 1e9:,.0f} TFLOP/s):\n"
+    )
     print("| recipe | gemm | ms | TFLOP/s | vs emulated | vs bf16 nn.Linear |")
     print("|---|---|---:|---:|---:|---:|")
     for recipe in ("fp8_tensorwise", "fp8_delayed"):
@@ -131,8 +160,11 @@ def _bench_fp8_gemms(tokens: int, features: int) -> None:
             layer = QuantLinear.from_linear(linear, recipe, gemm=gemm)
             ms = triton.testing.do_bench(fwd_bwd(layer))
             emulated_ms = emulated_ms or ms
-            print(f"| {recipe} | {gemm} | {ms:.3f} | {flops / ms / 1e9:,.0f} | {emulated_ms / ms:.2f}× | "
-                  f"{base_ms / ms:.2f}× |", flush=True)
+            print(
+                f"| {recipe} | {gemm} | {ms:.3f} | {flops / ms / 1e9:,.0f} | {emulated_ms / ms:.2f}× | "
+                f"{base_ms / ms:.2f}× |",
+                flush=True,
+            )
 
 
 def _torchao_mx(x):

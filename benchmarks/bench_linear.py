@@ -30,6 +30,7 @@ def forward_backward(layer, x, dy):
         x.grad = None
         layer.zero_grad(set_to_none=True)
         layer(x).backward(dy)
+
     return run
 
 
@@ -47,9 +48,12 @@ def main() -> None:
     with highest_matmul_precision():
         baseline = median_seconds(forward_backward(linear, x, dy), args.repeats)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; {args.tokens}×{args.features} → {args.features} float32, forward+backward; "
-          f"nn.Linear {baseline * 1e3:.0f} ms\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; {args.tokens}×{args.features} → {args.features} float32, "
+        "forward+backward; "
+        f"nn.Linear {baseline * 1e3:.0f} ms\n"
+    )
     print("| recipe | backward_override | QuantLinear (ms) | ratio to nn.Linear |")
     print("|---|---|---:|---:|")
     for preset in PRESETS:

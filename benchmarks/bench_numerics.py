@@ -36,6 +36,7 @@ def layer_norm_fwd_bwd(impl, x, weight, bias, dy):
         w, b = weight.detach().requires_grad_(True), bias.detach().requires_grad_(True)
         out = impl(xg, (x.shape[-1],), w, b, 1e-5)
         torch.autograd.grad(out, (xg, w, b), dy)
+
     return run
 
 
@@ -49,23 +50,34 @@ def main() -> None:
     x = torch.randn(args.rows, args.hidden)
     weight, bias, dy = torch.randn(args.hidden), torch.randn(args.hidden), torch.randn(args.rows, args.hidden)
 
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; shape {args.rows}×{args.hidden} float32\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; shape {args.rows}×{args.hidden} float32\n"
+    )
     print("| operation | qlab (ms) | baseline (ms) | ratio qlab/baseline |")
     print("|---|---:|---:|---:|")
     baseline = median_seconds(layer_norm_fwd_bwd(F.layer_norm, x, weight, bias, dy), args.repeats)
     for stats in numerics.LAYER_NORM_STATS:
         impl = lambda *a, stats=stats: numerics.layer_norm(*a, stats=stats)  # noqa: E731
         t = median_seconds(layer_norm_fwd_bwd(impl, x, weight, bias, dy), args.repeats)
-        print(f"| layer_norm fwd+bwd, stats={stats} vs F.layer_norm | {t * 1e3:.1f} | {baseline * 1e3:.1f} | {t / baseline:.1f} |")
+        print(
+            f"| layer_norm fwd+bwd, stats={stats} vs F.layer_norm | {t * 1e3:.1f} | "
+            f"{baseline * 1e3:.1f} | {t / baseline:.1f} |"
+        )
 
     rows = x[:256]
     baseline = median_seconds(lambda: torch.var(rows, dim=-1, unbiased=False), args.repeats)
     for algorithm in numerics.ALGORITHMS:
         t = median_seconds(lambda: numerics.variance(rows, algorithm), args.repeats)
-        print(f"| variance, {algorithm} (reference, 256 rows) vs torch.var | {t * 1e3:.1f} | {baseline * 1e3:.3f} | {t / baseline:.2g} |")
+        print(
+            f"| variance, {algorithm} (reference, 256 rows) vs torch.var | {t * 1e3:.1f} | "
+            f"{baseline * 1e3:.3f} | {t / baseline:.2g} |"
+        )
     t = median_seconds(lambda: numerics.exact_moments(rows), 1)
-    print(f"| exact_moments (rational arithmetic, 256 rows) vs torch.var | {t * 1e3:.1f} | {baseline * 1e3:.3f} | {t / baseline:.2g} |")
+    print(
+        f"| exact_moments (rational arithmetic, 256 rows) vs torch.var | {t * 1e3:.1f} | "
+        f"{baseline * 1e3:.3f} | {t / baseline:.2g} |"
+    )
 
 
 if __name__ == "__main__":

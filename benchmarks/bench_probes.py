@@ -51,11 +51,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     baseline = mean_step_seconds(make_model(), args.steps)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; baseline step {baseline * 1e3:.1f} ms\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; baseline step {baseline * 1e3:.1f} ms\n"
+    )
     print("| probes | step (ms) | overhead |")
     print("|---|---:|---:|")
-    for label, every in (("all roles, all stats, every step", 1), ("all roles, all stats, every 100 steps", 100)):
+    for label, every in (
+        ("all roles, all stats, every step", 1),
+        ("all roles, all stats, every 100 steps", 100),
+    ):
         model = make_model()
         with ProbeSet(model, every=every) as probes:
             seconds = mean_step_seconds(model, args.steps, probes)

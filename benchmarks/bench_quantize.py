@@ -39,14 +39,16 @@ def torchao_recipes():
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
     def fp8(x):
-        q = hp_tensor_to_float8_dynamic(x, torch.float8_e4m3fn, LinearMMConfig(),
-                                        scaling_granularity=ScalingGranularity.TENSORWISE)
+        q = hp_tensor_to_float8_dynamic(
+            x, torch.float8_e4m3fn, LinearMMConfig(), scaling_granularity=ScalingGranularity.TENSORWISE
+        )
         return q.to_original_precision()
 
     def mx(elem, mode):
         def run(x):
             scale, data = to_mx(x, elem, 32, mode)
             return to_dtype(data, scale, elem, 32, torch.float32)
+
         return run
 
     def nvfp4(x):
@@ -62,8 +64,13 @@ def torchao_recipes():
     }
 
 
-LABELS = {"fp8_e4m3": "FP8 E4M3 tensorwise", "mxfp8": "MXFP8 FLOOR", "mxfp8_rceil": "MXFP8 RCEIL",
-          "mxfp4": "MXFP4 FLOOR", "nvfp4": "NVFP4 1×16 (two-level)"}
+LABELS = {
+    "fp8_e4m3": "FP8 E4M3 tensorwise",
+    "mxfp8": "MXFP8 FLOOR",
+    "mxfp8_rceil": "MXFP8 RCEIL",
+    "mxfp4": "MXFP4 FLOOR",
+    "nvfp4": "NVFP4 1×16 (two-level)",
+}
 
 
 def main() -> None:
@@ -77,11 +84,15 @@ def main() -> None:
     reference = torchao_recipes()
 
     clone = median_seconds(lambda: x.clone(), args.repeats)
-    print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}; qdq of a {args.size}×{args.size} float32 tensor; "
-          f"x.clone() {clone * 1e3:.1f} ms\n")
-    print("| recipe | qlab compiled (ms) | qlab eager (ms) | torchao eager (ms) | torchao / qlab compiled "
-          "| qlab compiled / clone | first call (compile, s) | same bits as torchao |")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; qdq of a {args.size}×{args.size} float32 tensor; "
+        f"x.clone() {clone * 1e3:.1f} ms\n"
+    )
+    print(
+        "| recipe | qlab compiled (ms) | qlab eager (ms) | torchao eager (ms) | torchao / qlab compiled "
+        "| qlab compiled / clone | first call (compile, s) | same bits as torchao |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for name, torchao_qdq in reference.items():
         start = time.perf_counter()
@@ -91,8 +102,11 @@ def main() -> None:
         eager = median_seconds(lambda: Q.qdq(x, name, fast=False), args.repeats)
         theirs = median_seconds(lambda: torchao_qdq(x), args.repeats)
         same = torch.equal(torch.nan_to_num(fast), torch.nan_to_num(torchao_qdq(x)))
-        print(f"| {LABELS[name]} | {compiled * 1e3:.1f} | {eager * 1e3:.1f} | {theirs * 1e3:.1f} | "
-              f"{theirs / compiled:.1f} | {compiled / clone:.2f} | {first_call:.1f} | {'yes' if same else 'no'} |")
+        print(
+            f"| {LABELS[name]} | {compiled * 1e3:.1f} | {eager * 1e3:.1f} | {theirs * 1e3:.1f} | "
+            f"{theirs / compiled:.1f} | {compiled / clone:.2f} | {first_call:.1f} | "
+            f"{'yes' if same else 'no'} |"
+        )
 
 
 if __name__ == "__main__":

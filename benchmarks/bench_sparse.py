@@ -24,8 +24,10 @@ FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 
 def models(device):
     mlp = nn.Sequential(nn.Linear(784, 500), nn.ReLU(), nn.Linear(500, 500), nn.ReLU(), nn.Linear(500, 10))
-    return {"MLP 784-500-500-10": (mlp.to(device), 784, 10, ["4"]),  # the output layer stays dense, as in meProp
-            "Linear 4096×4096": (nn.Linear(4096, 4096).to(device), 4096, 4096, [])}
+    return {
+        "MLP 784-500-500-10": (mlp.to(device), 784, 10, ["4"]),  # the output layer stays dense, as in meProp
+        "Linear 4096×4096": (nn.Linear(4096, 4096).to(device), 4096, 4096, []),
+    }
 
 
 def main() -> None:
@@ -36,9 +38,15 @@ def main() -> None:
     args = parser.parse_args()
     device = resolve_device(args.device)
     torch.manual_seed(0)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    print(f"machine: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}; {args.tokens} rows, "
-          f"backward only, medians of {args.repeats}\n")
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine())
+    )
+    print(
+        f"machine: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}; {args.tokens} rows, "
+        f"backward only, medians of {args.repeats}\n"
+    )
     print("| model | k | dense (ms) | hook_mask | gathered | sparse_rows |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, (model, inputs, outputs, keep) in models(device).items():
@@ -46,10 +54,16 @@ def main() -> None:
         dy = torch.randn(args.tokens, outputs, device=device)
         dense = backward_seconds(model, x, dy, "dense", 1.0, repeats=args.repeats)
         for fraction in FRACTIONS:
-            ratios = [backward_seconds(model, x, dy, variant, fraction, keep=keep, repeats=args.repeats) / dense
-                      for variant in BACKWARDS[1:]]
-            print(f"| {label} | {fraction:.0%} | {dense * 1e3:.1f} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |",
-                  flush=True)
+            ratios = [
+                backward_seconds(model, x, dy, variant, fraction, keep=keep, repeats=args.repeats) / dense
+                for variant in BACKWARDS[1:]
+            ]
+            print(
+                f"| {label} | {fraction:.0%} | {dense * 1e3:.1f} | "
+                + " | ".join(f"{r:.2f}" for r in ratios)
+                + " |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 import warnings
 
 import torch
@@ -27,7 +26,7 @@ from qlab.train.loop import resolve_device
 def seconds_per_step(config: TrainConfig, steps: int, warmup: int = 3) -> float:
     """Seconds per step after ``warmup`` steps, from the run's own cumulative step times (the last
     step, which also evaluates, is left out)."""
-    times = train(config.replace(steps=warmup + steps + 1, eval_every=10 ** 6)).metrics.time_s
+    times = train(config.replace(steps=warmup + steps + 1, eval_every=10**6)).metrics.time_s
     return (times.iloc[-2] - times.iloc[warmup - 1]) / steps
 
 
@@ -39,10 +38,18 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     device = resolve_device(args.device)
-    base = TrainConfig(batch_size=args.batch_size, eval_batches=1, warmup_steps=0, progress=False, device=str(device))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
-    print(f"machine: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}; default CharGPT, "
-          f"batch {args.batch_size} × {base.context} tokens, {args.steps} timed steps\n")
+    base = TrainConfig(
+        batch_size=args.batch_size, eval_batches=1, warmup_steps=0, progress=False, device=str(device)
+    )
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else (platform.processor() or platform.machine())
+    )
+    print(
+        f"machine: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}; default CharGPT, "
+        f"batch {args.batch_size} × {base.context} tokens, {args.steps} timed steps\n"
+    )
     print("| recipe | steps/s | tokens/s | overhead vs fp32 |")
     print("|---|---:|---:|---:|")
     fp32 = None

@@ -37,7 +37,6 @@ ddp_steps: int = 5  # steps of the 2-process DDP run
 # %%
 import inspect
 
-import numpy as np
 import pandas as pd
 import torch
 

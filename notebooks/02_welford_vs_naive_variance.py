@@ -43,7 +43,6 @@ eps: float = 1e-5  # LayerNorm epsilon (the seed's value)
 # %%
 import math
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch

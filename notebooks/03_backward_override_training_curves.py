@@ -62,7 +62,6 @@ fidelity_every: int = 25  # steps between gradient-fidelity measurements (0 turn
 gemm: str = "auto"  # FP8 GEMMs: "auto" (FP8 tensor cores on a CUDA GPU that has them) or "emulated"
 
 # %%
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch

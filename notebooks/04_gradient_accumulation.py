@@ -41,7 +41,6 @@ timing_steps: int = 7  # micro-batches timed per method (the median is reported)
 # %%
 import time
 
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
@@ -244,7 +243,7 @@ table = ax.table(cellText=cells, colLabels=[c.replace(" ", "\n", 1) for c in con
 table.auto_set_font_size(False)
 table.set_fontsize(5.5)
 table.scale(1, 1.6)
-for (row, column), cell in table.get_celld().items():
+for (row, _column), cell in table.get_celld().items():
     cell.set_linewidth(0.3)
     if row == 0:
         cell.set_text_props(weight="bold")

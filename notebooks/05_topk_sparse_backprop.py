@@ -48,8 +48,6 @@ timing_width: int = 2048  # width of the square Linear layer timed
 timing_repeats: int = 5  # backward passes timed per point (median)
 
 # %%
-import matplotlib.pyplot as plt
-import numpy as np
 import pandas as pd
 import torch
 from torch import nn

@@ -30,7 +30,9 @@ def _parse_value(text: str):
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qlab", description="qlab: low-precision training numerics lab bench")
+    parser = argparse.ArgumentParser(
+        prog="qlab", description="qlab: low-precision training numerics lab bench"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("list", help="list the notebooks and their parameters")
@@ -57,7 +59,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     from qlab.train import launch
 
-    launch.add_arguments(sub.add_parser("train", help="train a model (qlab.train); --nproc N runs DDP via torchrun"))
+    launch.add_arguments(
+        sub.add_parser("train", help="train a model (qlab.train); --nproc N runs DDP via torchrun")
+    )
     return parser
 
 
@@ -71,8 +75,9 @@ def _cmd_list(args) -> int:
 
 def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
-    result = notebooks.run_notebook(args.notebook, params, smoke=args.smoke, timeout=args.timeout,
-                                    output=args.output)
+    result = notebooks.run_notebook(
+        args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
+    )
     print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s, executed copy {result.output}")
     return 0
 
@@ -94,7 +99,9 @@ def _cmd_figures(args) -> int:
 
 
 def _cmd_sweep(args) -> int:
-    outcomes = sweep.run_sweep(args.notebook, args.grid, jobs=args.jobs, smoke=args.smoke, timeout=args.timeout)
+    outcomes = sweep.run_sweep(
+        args.notebook, args.grid, jobs=args.jobs, smoke=args.smoke, timeout=args.timeout
+    )
     counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "skipped", "failed")}
     print(f"sweep: {counts['ok']} ran, {counts['skipped']} already complete, {counts['failed']} failed")
     for outcome in outcomes:
@@ -117,8 +124,14 @@ def _cmd_train(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
-    command = {"list": _cmd_list, "run": _cmd_run, "figures": _cmd_figures, "sweep": _cmd_sweep,
-               "sync": _cmd_sync, "train": _cmd_train}[args.command]
+    command = {
+        "list": _cmd_list,
+        "run": _cmd_run,
+        "figures": _cmd_figures,
+        "sweep": _cmd_sweep,
+        "sync": _cmd_sync,
+        "train": _cmd_train,
+    }[args.command]
     try:
         return command(args)
     except NotebookError as err:

@@ -17,10 +17,10 @@ same bits (tests check them against each other and against torch/torchao on ever
 floor(log2)), clamps e below at the format's minimum normal exponent (subnormals share its quantum),
 scales by the quantum 2^(e − mantissa_bits) exactly in float64, rounds to an integer by the named
 mode and scales back. Stochastic rounding of float32/bf16/fp16 inputs uses 15-bit noise
-(``stochastic_noise``, ``_cast_stochastic_float32``); the reference draws float64 noise. The float32 fast path used for
-"rne" rounds by adding and subtracting
-C = 2^(e + 23 − mantissa_bits), whose float32 ulp is the quantum, so the hardware's own
-round-to-nearest-even does the work in two float32 additions.
+(``stochastic_noise``, ``_cast_stochastic_float32``); the reference draws float64 noise. The
+float32 fast path used for "rne" rounds by adding and subtracting C = 2^(e + 23 − mantissa_bits),
+whose float32 ulp is the quantum, so the hardware's own round-to-nearest-even does the work in two
+float32 additions.
 Overflow saturates to ±max by default; ``saturate=False`` follows the format's own rule (inf for
 e5m2/bf16/fp16, NaN for e4m3fn; formats without either always saturate).
 
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -73,9 +73,9 @@ class FloatFormat:
     def values(self) -> torch.Tensor:
         """Every non-negative finite value, ascending, as float64."""
         quantum = self.min_subnormal
-        values = {k * quantum for k in range(2 ** self.mantissa_bits)}  # zero and subnormals
+        values = {k * quantum for k in range(2**self.mantissa_bits)}  # zero and subnormals
         for e in range(1 - self.bias, self.emax + 1):
-            values.update((1 + m / 2 ** self.mantissa_bits) * 2.0 ** e for m in range(2 ** self.mantissa_bits))
+            values.update((1 + m / 2**self.mantissa_bits) * 2.0**e for m in range(2**self.mantissa_bits))
         return torch.tensor(sorted(v for v in values if v <= self.max), dtype=torch.float64)
 
 
@@ -95,7 +95,7 @@ class IntFormat:
 
     @property
     def max(self) -> int:
-        return 2 ** (self.bits - 1) - 1 if self.signed else 2 ** self.bits - 1
+        return 2 ** (self.bits - 1) - 1 if self.signed else 2**self.bits - 1
 
     @property
     def code_dtype(self) -> torch.dtype:
@@ -121,11 +121,11 @@ class E8M0Format:
 
     @property
     def max(self) -> float:
-        return 2.0 ** 127
+        return 2.0**127
 
     @property
     def min(self) -> float:
-        return 2.0 ** -127
+        return 2.0**-127
 
     def values(self) -> torch.Tensor:
         """Every finite value 2^-127 .. 2^127, ascending, as float64."""
@@ -153,18 +153,22 @@ ELEMENT_FORMATS = tuple(name for name, f in FORMATS.items() if not isinstance(f,
 
 
 def get_format(name: str | Format) -> Format:
-    """Look a format up by name: e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..int16, uint2..uint16."""
+    """Look a format up by name: e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..16, uint2..16."""
     if isinstance(name, (FloatFormat, IntFormat, E8M0Format)):
         return name
     if not isinstance(name, str) or name not in FORMATS:
-        raise ValueError(f"unknown element format {name!r}; expected one of: e4m3, e5m2, e3m2, e2m3, e2m1, "
-                         f"bf16, fp16, e8m0, int2..int16, uint2..uint16")
+        raise ValueError(
+            f"unknown element format {name!r}; expected one of: e4m3, e5m2, e3m2, e2m3, e2m1, "
+            f"bf16, fp16, e8m0, int2..int16, uint2..uint16"
+        )
     return FORMATS[name]
 
 
 def _check_floating(x, what: str) -> None:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"{what} expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(
+            f"{what} expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
+        )
 
 
 def _round_integer(scaled: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -179,7 +183,9 @@ def _round_integer(scaled: torch.Tensor, rounding: str, generator: torch.Generat
     return torch.floor(scaled + noise)
 
 
-def round_to_integer(x: torch.Tensor, rounding: str = "rne", generator: torch.Generator | None = None) -> torch.Tensor:
+def round_to_integer(
+    x: torch.Tensor, rounding: str = "rne", generator: torch.Generator | None = None
+) -> torch.Tensor:
     """x rounded to an integer by the named mode (unbounded; "stochastic" is floor(x + U[0,1)))."""
     if rounding == "rne":
         return torch.round(x)
@@ -192,7 +198,9 @@ def _check_cast_arguments(x, fmt, rounding, generator) -> Format:
     fmt = get_format(fmt)
     _check_floating(x, "cast")
     if isinstance(fmt, E8M0Format):
-        raise ValueError("e8m0 is a scale format (powers of two); MX scales come from qlab.scaling.mx_scale_codes")
+        raise ValueError(
+            "e8m0 is a scale format (powers of two); MX scales come from qlab.scaling.mx_scale_codes"
+        )
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"unknown rounding {rounding!r}; expected one of: {', '.join(ROUNDING_MODES)}")
     if generator is not None and rounding != "stochastic":
@@ -202,8 +210,14 @@ def _check_cast_arguments(x, fmt, rounding, generator) -> Format:
     return fmt
 
 
-def reference_cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne", saturate: bool = True,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+def reference_cast(
+    x: torch.Tensor,
+    fmt: str | Format,
+    *,
+    rounding: str = "rne",
+    saturate: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """``cast`` computed in float64 for every format and rounding mode (the reference path)."""
     fmt = _check_cast_arguments(x, fmt, rounding, generator)
     return _reference_cast(x, fmt, rounding, saturate, generator)
@@ -212,7 +226,7 @@ def reference_cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne",
 def _reference_cast(x, fmt, rounding, saturate, generator):
     x64 = x.to(torch.float64)
     if isinstance(fmt, IntFormat):
-        beyond = torch.full_like(x64, 2.0 ** 20)  # ±inf clamp to the ends of any 16-bit grid
+        beyond = torch.full_like(x64, 2.0**20)  # ±inf clamp to the ends of any 16-bit grid
         x64 = torch.where(torch.isfinite(x64), x64, torch.copysign(beyond, x64))
         if rounding == "stochastic":  # floor(x + U) on the signed value: unbiased on both sides of zero
             rounded = _round_integer(x64, rounding, generator)
@@ -269,8 +283,14 @@ def _cast_rne_float32(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Ten
     return torch.copysign(rounded, x)
 
 
-def cast(x: torch.Tensor, fmt: str | Format, *, rounding: str = "rne", saturate: bool = True,
-         generator: torch.Generator | None = None) -> torch.Tensor:
+def cast(
+    x: torch.Tensor,
+    fmt: str | Format,
+    *,
+    rounding: str = "rne",
+    saturate: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """x rounded to ``fmt``, returned in x's dtype (every result exactly representable in fmt).
 
     ``rounding``: "rne" (ties to even, the hardware default), "away" (ties away from zero, as some
@@ -297,7 +317,7 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
     mask = (1 << NOISE_BITS) - 1
     draws = torch.cat([bits & mask, (bits >> NOISE_BITS) & mask])[:count]
-    return (draws.float() * 2.0 ** -NOISE_BITS).reshape(shape)
+    return (draws.float() * 2.0**-NOISE_BITS).reshape(shape)
 
 
 def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.Tensor:
@@ -307,7 +327,9 @@ def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.T
     fraction to within 2^-15 of a step (the float64 reference draws 53 bits).
     ``generator`` may also be the noise itself (``stochastic_noise``), drawn before compiled code.
     """
-    noise = generator if isinstance(generator, torch.Tensor) else stochastic_noise(x.shape, generator, x.device)
+    noise = (
+        generator if isinstance(generator, torch.Tensor) else stochastic_noise(x.shape, generator, x.device)
+    )
     if isinstance(fmt, IntFormat):
         rounded = torch.minimum(torch.floor(x + noise), torch.floor(x) + 1)
         return rounded.clamp(fmt.min, fmt.max)
@@ -330,18 +352,19 @@ def _cast(x, fmt, rounding="rne", saturate=True, generator=None):
 
 # --- integer codes -------------------------------------------------------------------------------
 
-@lru_cache(maxsize=None)
+
+@cache
 def _decode_table(fmt: FloatFormat) -> torch.Tensor:
     """float32 value of every code of a float format of at most 8 bits, from the format's definition."""
     values = []
-    for code in range(2 ** fmt.bits):
+    for code in range(2**fmt.bits):
         sign = -1.0 if code >> (fmt.bits - 1) else 1.0
-        field = (code >> fmt.mantissa_bits) & (2 ** fmt.exponent_bits - 1)
-        mantissa = code & (2 ** fmt.mantissa_bits - 1)
+        field = (code >> fmt.mantissa_bits) & (2**fmt.exponent_bits - 1)
+        mantissa = code & (2**fmt.mantissa_bits - 1)
         if field == 0:
             value = mantissa * fmt.min_subnormal
         else:
-            value = (1 + mantissa / 2 ** fmt.mantissa_bits) * 2.0 ** (field - fmt.bias)
+            value = (1 + mantissa / 2**fmt.mantissa_bits) * 2.0 ** (field - fmt.bias)
         if fmt.name == "e4m3" and field == 15 and mantissa == 7:
             value = float("nan")
         elif fmt.name == "e5m2" and field == 31:
@@ -373,8 +396,10 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
         raise ValueError(f"{fmt.name} has no NaN encoding, but the values hold NaN")
     # checked in the values' own dtype, so a float64 value off the grid is refused, not rounded
     if not torch.equal(torch.nan_to_num(_cast(values, fmt, saturate=False)), torch.nan_to_num(values)):
-        raise ValueError(f"values are not all representable in {fmt.name} (range [{fmt.min if isinstance(fmt, IntFormat) else -fmt.max}, "
-                         f"{fmt.max}]); cast them first")
+        low = fmt.min if isinstance(fmt, IntFormat) else -fmt.max
+        raise ValueError(
+            f"values are not all representable in {fmt.name} (range [{low}, {fmt.max}]); cast them first"
+        )
     if isinstance(fmt, IntFormat):
         return values.to(fmt.code_dtype)
     if fmt.name in ("bf16", "fp16"):
@@ -389,12 +414,12 @@ def _encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     magnitude = x.abs()
     magnitude_bits = magnitude.view(torch.int32)
     field = (magnitude_bits >> 23) - (127 - fmt.bias)
-    mantissa = (magnitude_bits >> (23 - fmt.mantissa_bits)) & (2 ** fmt.mantissa_bits - 1)
+    mantissa = (magnitude_bits >> (23 - fmt.mantissa_bits)) & (2**fmt.mantissa_bits - 1)
     normal = (field << fmt.mantissa_bits) | mantissa
     subnormal = (magnitude * (1.0 / fmt.min_subnormal)).to(torch.int32)  # exact: k·quantum with k < 2^m
     code = torch.where(magnitude < fmt.min_normal, subnormal, normal)
     if fmt.has_inf:
-        code = torch.where(torch.isinf(magnitude), (2 ** fmt.exponent_bits - 1) << fmt.mantissa_bits, code)
+        code = torch.where(torch.isinf(magnitude), (2**fmt.exponent_bits - 1) << fmt.mantissa_bits, code)
     if fmt.has_nan:
         code = torch.where(torch.isnan(magnitude), _nan_code(fmt), code)
     return (code | (sign << (fmt.bits - 1))).to(torch.uint8)
@@ -403,8 +428,15 @@ def _encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """float32 values of integer ``codes`` of ``fmt`` (the inverse of ``encode``)."""
     fmt = get_format(fmt)
-    if not isinstance(codes, torch.Tensor) or codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        raise TypeError(f"decode expects an integer tensor of codes, got {getattr(codes, 'dtype', type(codes).__name__)}")
+    if (
+        not isinstance(codes, torch.Tensor)
+        or codes.is_floating_point()
+        or codes.is_complex()
+        or codes.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"decode expects an integer tensor of codes, got {getattr(codes, 'dtype', type(codes).__name__)}"
+        )
     if isinstance(fmt, IntFormat):
         return codes.float()
     if isinstance(fmt, E8M0Format):

@@ -20,7 +20,7 @@ it to different elements (see ``qlab.quantize.qdq``).
 
 Weight-gradient delivery (REFERENCE §4), for QuantLinear with any recipe (bf16 = plain precision):
 
-| fuse_wgrad_accumulation | delay_wgrad | weight has grad_added_to_main_grad | wgrad goes to | returned to autograd | .grad after |
+| fuse_wgrad_accumulation | delay_wgrad | grad_added_to_main_grad¹ | wgrad goes to | returned | .grad after |
 |---|---|---|---|---|---|
 | False | False | – | a new tensor | wgrad | autograd accumulates |
 | False | True  | – | param.grad at ``backward_dw()`` | None | set/accumulated by backward_dw |
@@ -29,6 +29,7 @@ Weight-gradient delivery (REFERENCE §4), for QuantLinear with any recipe (bf16 
 | True  | True  | no  | main_grad at ``backward_dw()`` | None | untouched |
 | True  | True  | yes | main_grad at ``backward_dw()``; flag set True then | a zero dummy | dummy |
 
+¹ whether the weight has the attribute; "returned": what backward returns to autograd.
 The last row is where the reference system's modules disagreed (Linear returned the dummy,
 GroupedLinear None); qlab returns the dummy, like the reference Linear module and like the
 non-delayed row above it, so the presence of the flag alone decides None vs dummy.
@@ -50,10 +51,20 @@ from qlab.scaling import DelayedScaling
 
 STES = ("identity", "clipped")
 GEMMS = ("auto", "emulated", "scaled_mm")
-_GEMM_ROLES = (("fprop", "input", "weight"), ("dgrad", "dgrad_grad_output", "dgrad_weight"),
-               ("wgrad", "wgrad_grad_output", "wgrad_input"))
-_SCALER_OF_ROLE = {"input": "input", "wgrad_input": "input", "weight": "weight", "dgrad_weight": "weight",
-                   "grad_output": "grad_output", "dgrad_grad_output": "grad_output", "wgrad_grad_output": "grad_output"}
+_GEMM_ROLES = (
+    ("fprop", "input", "weight"),
+    ("dgrad", "dgrad_grad_output", "dgrad_weight"),
+    ("wgrad", "wgrad_grad_output", "wgrad_input"),
+)
+_SCALER_OF_ROLE = {
+    "input": "input",
+    "wgrad_input": "input",
+    "weight": "weight",
+    "dgrad_weight": "weight",
+    "grad_output": "grad_output",
+    "dgrad_grad_output": "grad_output",
+    "wgrad_grad_output": "grad_output",
+}
 
 
 @contextmanager
@@ -79,8 +90,11 @@ def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _distributed() -> bool:
-    return (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1)
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
 def check_gemm(gemm: str, recipe: Recipe) -> str:
@@ -88,10 +102,14 @@ def check_gemm(gemm: str, recipe: Recipe) -> str:
     GEMM whose two operands are E4M3/E5M2 TensorwiseSpec)."""
     if gemm not in GEMMS:
         raise ValueError(f"unknown gemm {gemm!r}; expected one of: {', '.join(GEMMS)}")
-    if gemm == "scaled_mm" and not any(fp8_gemm.is_fp8_spec(recipe.spec(a)) and fp8_gemm.is_fp8_spec(recipe.spec(b))
-                                       for _, a, b in _GEMM_ROLES):
-        raise ValueError(f"gemm='scaled_mm' needs a GEMM with two E4M3/E5M2 TensorwiseSpec operands; recipe "
-                         f"{recipe.name!r} has none (use gemm='auto' or 'emulated')")
+    if gemm == "scaled_mm" and not any(
+        fp8_gemm.is_fp8_spec(recipe.spec(a)) and fp8_gemm.is_fp8_spec(recipe.spec(b))
+        for _, a, b in _GEMM_ROLES
+    ):
+        raise ValueError(
+            f"gemm='scaled_mm' needs a GEMM with two E4M3/E5M2 TensorwiseSpec operands; recipe "
+            f"{recipe.name!r} has none (use gemm='auto' or 'emulated')"
+        )
     return gemm
 
 
@@ -114,6 +132,7 @@ def _wgrad_gemm(dy, x, out: torch.Tensor | None = None, accumulate: bool = False
 
 # --- fake quantization with a straight-through estimator -------------------------------------------
 
+
 class _FakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, axis, ste, generator):
@@ -131,8 +150,9 @@ class _FakeQuant(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def fake_quant(x: torch.Tensor, spec, axis: int = -1, *, ste: str = "identity",
-               generator: torch.Generator | None = None) -> torch.Tensor:
+def fake_quant(
+    x: torch.Tensor, spec, axis: int = -1, *, ste: str = "identity", generator: torch.Generator | None = None
+) -> torch.Tensor:
     """qdq(x, spec, axis) whose gradient is the straight-through estimator.
 
     ste="identity": dL/dx = dL/dy everywhere; ste="clipped": zero where x was outside the
@@ -144,6 +164,7 @@ def fake_quant(x: torch.Tensor, spec, axis: int = -1, *, ste: str = "identity",
 
 
 # --- QuantLinear ----------------------------------------------------------------------------------
+
 
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
@@ -181,18 +202,22 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         tokens, out_features, in_features = dy.shape[0], dy.shape[1], w_saved.shape[1]
         if need_x:
-            if quantized and layer._fp8_gemm("dgrad", "dgrad_grad_output", "dgrad_weight", out_features, in_features,
-                                             dy.device):
-                dx = fp8_gemm.fp8_matmul(layer._quantize(dy, "dgrad_grad_output", axis=-1),
-                                         layer._quantize(w_saved, "dgrad_weight", axis=0, scales=ctx.scales))
+            if quantized and layer._fp8_gemm(
+                "dgrad", "dgrad_grad_output", "dgrad_weight", out_features, in_features, dy.device
+            ):
+                dx = fp8_gemm.fp8_matmul(
+                    layer._quantize(dy, "dgrad_grad_output", axis=-1),
+                    layer._quantize(w_saved, "dgrad_weight", axis=0, scales=ctx.scales),
+                )
             else:
                 dy_d = layer._qdq(dy, "dgrad_grad_output", axis=-1) if quantized else dy
                 w_d = layer._qdq(w_saved, "dgrad_weight", axis=0, scales=ctx.scales) if quantized else w_saved
                 dx = _gemm(dy_d, w_d)
             dx = dx.to(ctx.dtypes[0])
         if need_w:
-            if quantized and layer._fp8_gemm("wgrad", "wgrad_grad_output", "wgrad_input", tokens, in_features,
-                                             dy.device):
+            if quantized and layer._fp8_gemm(
+                "wgrad", "wgrad_grad_output", "wgrad_input", tokens, in_features, dy.device
+            ):
                 dy_w = layer._quantize(dy, "wgrad_grad_output", axis=0)
                 x_w = layer._quantize(x_saved, "wgrad_input", axis=0, scales=ctx.scales)
             else:
@@ -216,9 +241,20 @@ class QuantLinear(nn.Linear):
     See the module docstring for the None/dummy contract.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe="bf16",
-                 fuse_wgrad_accumulation: bool = False, delay_wgrad: bool = False, seed: int = 0,
-                 gemm: str = "auto", device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe="bf16",
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad: bool = False,
+        seed: int = 0,
+        gemm: str = "auto",
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm)
 
@@ -236,54 +272,83 @@ class QuantLinear(nn.Linear):
             for role in ("input", "weight", "grad_output"):
                 spec = self.recipe.spec(role)
                 if spec is not None:
-                    self.scalers[role] = DelayedScaling(spec.element, self.recipe.amax_history_len,
-                                                        self.recipe.amax_algorithm, self.recipe.margin)
+                    self.scalers[role] = DelayedScaling(
+                        spec.element,
+                        self.recipe.amax_history_len,
+                        self.recipe.amax_algorithm,
+                        self.recipe.margin,
+                    )
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> QuantLinear:
         """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
-        layer = linear_sharing_parameters(cls, linear)  # hooks registered on the nn.Linear are not carried over
-        layer._configure(recipe, options.pop("fuse_wgrad_accumulation", False), options.pop("delay_wgrad", False),
-                         options.pop("seed", 0), options.pop("gemm", "auto"))
+        layer = linear_sharing_parameters(
+            cls, linear
+        )  # hooks registered on the nn.Linear are not carried over
+        layer._configure(
+            recipe,
+            options.pop("fuse_wgrad_accumulation", False),
+            options.pop("delay_wgrad", False),
+            options.pop("seed", 0),
+            options.pop("gemm", "auto"),
+        )
         if options:
             raise TypeError(f"unexpected QuantLinear options: {sorted(options)}")
         return layer
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, recipe={self.recipe.name}, "
-                f"backward_override={self.recipe.backward_override}, gemm={self.gemm}")
+        return (
+            f"{super().extra_repr()}, recipe={self.recipe.name}, "
+            f"backward_override={self.recipe.backward_override}, gemm={self.gemm}"
+        )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"QuantLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+            raise TypeError(
+                f"QuantLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
+            )
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"QuantLinear expects input of shape (..., {self.in_features}) like nn.Linear, "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(
+                f"QuantLinear expects input of shape (..., {self.in_features}) like nn.Linear, "
+                f"got {tuple(x.shape)}"
+            )
         weight, bias = self.weight, self.bias
         if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
         if x.dtype != weight.dtype:
-            raise TypeError(f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
-                            f"cast one of them (QuantLinear does not mix dtypes silently)")
+            raise TypeError(
+                f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
+                f"cast one of them (QuantLinear does not mix dtypes silently)"
+            )
         with torch.autocast(x.device.type, enabled=False):
-            y = _LinearFunction.apply(x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch)
+            y = _LinearFunction.apply(
+                x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch
+            )
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def quant_state(self) -> dict:
         """What a checkpoint needs besides the Parameters for an exact resume: the stochastic-rounding
         generators' states and the delayed-scaling histories (plain tensors: ``weights_only`` loadable)."""
-        return {"generators": {str(device): generator.get_state() for device, generator in self._generators.items()},
-                "scalers": {role: {"history": scaler.history.clone(), "scale": scaler.scale.clone()}
-                            for role, scaler in self.scalers.items()}}
+        return {
+            "generators": {
+                str(device): generator.get_state() for device, generator in self._generators.items()
+            },
+            "scalers": {
+                role: {"history": scaler.history.clone(), "scale": scaler.scale.clone()}
+                for role, scaler in self.scalers.items()
+            },
+        }
 
     def load_quant_state(self, state: dict) -> None:
         """Restore ``quant_state()``'s output (same recipe); generators are recreated on their devices."""
         unknown = set(state.get("scalers", {})) - set(self.scalers)
         if unknown:
-            raise ValueError(f"checkpoint has delayed-scaling state for {sorted(unknown)}, "
-                             f"but this layer's recipe {self.recipe.name!r} scales {sorted(self.scalers) or 'nothing'}")
+            raise ValueError(
+                f"checkpoint has delayed-scaling state for {sorted(unknown)}, "
+                f"but this layer's recipe {self.recipe.name!r} scales {sorted(self.scalers) or 'nothing'}"
+            )
         for device, generator_state in state.get("generators", {}).items():
             self._generators[torch.device(device)] = torch.Generator(device=device).set_state(generator_state)
         for role, saved in state.get("scalers", {}).items():
@@ -303,7 +368,9 @@ class QuantLinear(nn.Linear):
         if spec is None:
             return t
         generator = self._generator(t.device) if spec.rounding == "stochastic" else None
-        compute = _compute_dtype(t)  # dequantized values stay in the GEMM's dtype, not rounded back to 16 bits
+        compute = _compute_dtype(
+            t
+        )  # dequantized values stay in the GEMM's dtype, not rounded back to 16 bits
         scale = self._delayed_scale(role, scales)
         if scale is None and kernels.covers(spec):  # the Triton kernels on CUDA, the same bits
             return kernels.qdq(t, spec, axis, dtype=compute)
@@ -331,8 +398,12 @@ class QuantLinear(nn.Linear):
             return False
         spec_a, spec_b = self.recipe.spec(role_a), self.recipe.spec(role_b)
         reason = fp8_gemm.unsupported_reason(spec_a, spec_b, k, n, device)
-        if reason is not None and self.gemm == "scaled_mm" and fp8_gemm.is_fp8_spec(spec_a) \
-                and fp8_gemm.is_fp8_spec(spec_b):
+        if (
+            reason is not None
+            and self.gemm == "scaled_mm"
+            and fp8_gemm.is_fp8_spec(spec_a)
+            and fp8_gemm.is_fp8_spec(spec_b)
+        ):
             raise ValueError(f"gemm='scaled_mm' cannot run this layer's {gemm} GEMM: {reason}")
         return reason is None
 
@@ -350,13 +421,17 @@ class QuantLinear(nn.Linear):
 
     def _dummy_wgrad(self) -> torch.Tensor:
         dummy = self._dummy
-        if dummy is None or (dummy.shape, dummy.dtype, dummy.device) != (self.weight.shape, self.weight.dtype,
-                                                                         self.weight.device):
+        if dummy is None or (dummy.shape, dummy.dtype, dummy.device) != (
+            self.weight.shape,
+            self.weight.dtype,
+            self.weight.device,
+        ):
             self._dummy = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
         return self._dummy.zero_()  # autograd may have stolen it as .grad; it is meaningless there
 
     def _write_main_grad(self, dy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
-        """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x (emulated: one GEMM into main_grad, no temporary)."""
+        """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x (emulated: one GEMM into main_grad,
+        no temporary)."""
         weight = self.weight
         if getattr(weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
@@ -375,7 +450,7 @@ class QuantLinear(nn.Linear):
         return _wgrad_gemm(dy, x).to(self.weight.dtype)
 
     def backward_dw(self) -> None:
-        """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivering them per the table."""
+        """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivered per the table."""
         deferred, self._deferred = self._deferred, []
         for dy, x, overwrite in deferred:
             if self.fuse_wgrad_accumulation:
@@ -390,6 +465,7 @@ class QuantLinear(nn.Linear):
 
 # --- model conversion ---------------------------------------------------------------------------
 
+
 def linear_sharing_parameters(cls: type, linear: nn.Linear) -> nn.Linear:
     """A ``cls`` (nn.Linear or a subclass) holding ``linear``'s weight and bias Parameters (no copy),
     in the same train/eval mode; subclass-specific set-up is the caller's."""
@@ -401,7 +477,9 @@ def linear_sharing_parameters(cls: type, linear: nn.Linear) -> nn.Linear:
     return layer
 
 
-def replace_linears(model: nn.Module, make, *, keep=(), select=lambda module: type(module) is nn.Linear) -> list:
+def replace_linears(
+    model: nn.Module, make, *, keep=(), select=lambda module: type(module) is nn.Linear
+) -> list:
     """Swap (in place) every module for which ``select`` holds by ``make(module, index)``, except names
     matching the fnmatch patterns in ``keep``. A module registered under several names gets one shared
     replacement; all replacements are built before any swap, so a refusal leaves the model as it was.
@@ -430,12 +508,21 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     """
     recipe = get_recipe(recipe)
     base_seed = options.pop("seed", 0)  # layer i gets seed base + i: no two layers share SR noise
-    chosen = replace_linears(model, lambda linear, i: QuantLinear.from_linear(linear, recipe, seed=base_seed + i,
-                                                                              **options),
-                             keep=keep_high_precision)
-    return [{"name": name, "action": "quantized" if replaced else "kept", "recipe": recipe.name,
-             "in_features": module.in_features, "out_features": module.out_features}
-            for name, module, replaced in chosen]
+    chosen = replace_linears(
+        model,
+        lambda linear, i: QuantLinear.from_linear(linear, recipe, seed=base_seed + i, **options),
+        keep=keep_high_precision,
+    )
+    return [
+        {
+            "name": name,
+            "action": "quantized" if replaced else "kept",
+            "recipe": recipe.name,
+            "in_features": module.in_features,
+            "out_features": module.out_features,
+        }
+        for name, module, replaced in chosen
+    ]
 
 
 def unquantize_model(model: nn.Module) -> list[str]:
@@ -446,9 +533,11 @@ def unquantize_model(model: nn.Module) -> list[str]:
 def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
     """Replace (in place) every module that is an instance of ``kind`` but not exactly nn.Linear (a
     QuantLinear, a TopKLinear, ...) by an nn.Linear sharing its Parameters; return the names replaced."""
-    chosen = replace_linears(model, lambda module, i: linear_sharing_parameters(nn.Linear, module),
-                             select=lambda m: isinstance(m, kind) and isinstance(m, nn.Linear)
-                             and type(m) is not nn.Linear)
+    chosen = replace_linears(
+        model,
+        lambda module, i: linear_sharing_parameters(nn.Linear, module),
+        select=lambda m: isinstance(m, kind) and isinstance(m, nn.Linear) and type(m) is not nn.Linear,
+    )
     return [name for name, _, _ in chosen]
 
 

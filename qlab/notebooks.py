@@ -62,10 +62,14 @@ def notebook_parameters(notebook: Path) -> dict[str, dict]:
     """The parameters cell's names -> {"default": source text, "type": annotation or None}."""
     import papermill
 
-    if not any("parameters" in c.metadata.get("tags", []) for c in nbformat.read(notebook, as_version=4).cells):
+    if not any(
+        "parameters" in c.metadata.get("tags", []) for c in nbformat.read(notebook, as_version=4).cells
+    ):
         raise ValueError(f"{notebook.name} has no cell tagged 'parameters'")
     found = papermill.inspect_notebook(str(notebook))
-    return {name: {"default": info["default"], "type": info["inferred_type_name"]} for name, info in found.items()}
+    return {
+        name: {"default": info["default"], "type": info["inferred_type_name"]} for name, info in found.items()
+    }
 
 
 _TYPE_CHECKS = {
@@ -107,7 +111,9 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
             value = _as_float(value)
         check = _TYPE_CHECKS.get(kind)
         if check is not None and not check(value):
-            raise TypeError(f"parameter {name} of {notebook.stem} expects {kind}, got {value!r} ({type(value).__name__})")
+            raise TypeError(
+                f"parameter {name} of {notebook.stem} expects {kind}, got {value!r} ({type(value).__name__})"
+            )
         checked[name] = value
     return checked
 
@@ -139,9 +145,15 @@ def _results_dir(directory: Path | None):
             os.environ[paths.RESULTS_ENV] = previous
 
 
-def run_notebook(notebook: str | os.PathLike, parameters: dict | None = None, *, smoke: bool = False,
-                 output: Path | None = None, results_dir: Path | None = None,
-                 timeout: int = DEFAULT_TIMEOUT_S) -> RunResult:
+def run_notebook(
+    notebook: str | os.PathLike,
+    parameters: dict | None = None,
+    *,
+    smoke: bool = False,
+    output: Path | None = None,
+    results_dir: Path | None = None,
+    timeout: int = DEFAULT_TIMEOUT_S,
+) -> RunResult:
     """Execute a notebook with papermill and the ``qlab`` kernel; return where the copy went.
 
     ``smoke=True`` sets the notebook's ``smoke`` parameter and, unless ``results_dir`` is given,
@@ -167,8 +179,14 @@ def run_notebook(notebook: str | os.PathLike, parameters: dict | None = None, *,
     try:
         with _results_dir(results_dir), _honour_raises_exception():
             executed = papermill.execute_notebook(
-                str(path), str(output), parameters=params, kernel_name=KERNEL_NAME,
-                cwd=str(output.parent), execution_timeout=timeout, progress_bar=False, log_output=False,
+                str(path),
+                str(output),
+                parameters=params,
+                kernel_name=KERNEL_NAME,
+                cwd=str(output.parent),
+                execution_timeout=timeout,
+                progress_bar=False,
+                log_output=False,
             )
     except PapermillExecutionError as err:
         source = "\n".join("    " + line for line in (err.source or "").splitlines()[:12])
@@ -178,8 +196,10 @@ def run_notebook(notebook: str | os.PathLike, parameters: dict | None = None, *,
         ) from None
     for index, cell in enumerate(executed.cells):
         if _expects_error(cell) and not any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
-            raise NotebookError(f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing\n"
-                                f"  executed copy kept at {output}")
+            raise NotebookError(
+                f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing\n"
+                f"  executed copy kept at {output}"
+            )
     return RunResult(path, output, time.perf_counter() - start, params)
 
 

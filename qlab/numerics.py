@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import decimal
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Sequence
 
 import pandas as pd
 import torch
@@ -41,11 +41,14 @@ LAYER_NORM_WELFORD_CHUNK = 16
 # Input checks shared by every public function
 # --------------------------------------------------------------------------------------------
 
+
 def _require_float_tensor(x, what: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
-        raise TypeError(f"{what} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+        raise TypeError(
+            f"{what} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}"
+        )
 
 
 def _require_choice(value, choices: Sequence[str], what: str) -> None:
@@ -58,7 +61,7 @@ def _rows(x: torch.Tensor, dims: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= x.dim():
         raise ValueError(f"dims must be an int between 1 and x.dim()={x.dim()}, got {dims!r}")
     lead = tuple(x.shape[: x.dim() - dims])
-    n = math.prod(x.shape[x.dim() - dims:])
+    n = math.prod(x.shape[x.dim() - dims :])
     if n == 0:
         raise ValueError(f"cannot take moments over zero elements (input shape {tuple(x.shape)})")
     return x.reshape(-1, n), lead
@@ -80,6 +83,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 # --------------------------------------------------------------------------------------------
 # Moments and the algorithms
 # --------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Moments:
@@ -166,9 +170,13 @@ def _merge_tree(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
         pairs = mean.shape[-1] // 2
         carry = mean.shape[-1] % 2
         n, merged_mean, merged_m2 = _chan_merge(
-            count[..., 0:2 * pairs:2], count[..., 1:2 * pairs:2],
-            mean[..., 0:2 * pairs:2], mean[..., 1:2 * pairs:2],
-            m2[..., 0:2 * pairs:2], m2[..., 1:2 * pairs:2])
+            count[..., 0 : 2 * pairs : 2],
+            count[..., 1 : 2 * pairs : 2],
+            mean[..., 0 : 2 * pairs : 2],
+            mean[..., 1 : 2 * pairs : 2],
+            m2[..., 0 : 2 * pairs : 2],
+            m2[..., 1 : 2 * pairs : 2],
+        )
         if carry:
             n = torch.cat([n, count[..., -1:]], dim=-1)
             merged_mean = torch.cat([merged_mean, mean[..., -1:]], dim=-1)
@@ -181,15 +189,30 @@ def merge_moments(a: Moments, b: Moments) -> Moments:
     """Chan et al.'s merge of two sets of moments (rows aligned): n = nA+nB, δ = M_B − M_A,
     M = M_A + δ·nB/n, S = S_A + S_B + δ²·nA·nB/n, in the dtype of a."""
     if a.mean.shape != b.mean.shape:
-        raise ValueError(f"moments to merge must have the same row shape, got {tuple(a.mean.shape)} and {tuple(b.mean.shape)}")
+        raise ValueError(
+            f"moments to merge must have the same row shape, got {tuple(a.mean.shape)} and "
+            f"{tuple(b.mean.shape)}"
+        )
     device = a.mean.device
-    _, mean, m2 = _chan_merge(torch.tensor(a.count, device=device), torch.tensor(b.count, device=device),
-                              a.mean, b.mean.to(a.mean.dtype), a.m2, b.m2.to(a.m2.dtype))
+    _, mean, m2 = _chan_merge(
+        torch.tensor(a.count, device=device),
+        torch.tensor(b.count, device=device),
+        a.mean,
+        b.mean.to(a.mean.dtype),
+        a.m2,
+        b.m2.to(a.m2.dtype),
+    )
     return Moments(a.count + b.count, mean, m2)
 
 
-def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_dtype: torch.dtype | None = None,
-            chunk: int | None = None) -> Moments:
+def moments(
+    x: torch.Tensor,
+    algorithm: str = "welford",
+    *,
+    dims: int = 1,
+    acc_dtype: torch.dtype | None = None,
+    chunk: int | None = None,
+) -> Moments:
     """Moments over the last ``dims`` dimensions of ``x`` by the named algorithm.
 
     ``x`` is converted to ``acc_dtype`` (default: x's dtype) and every step is rounded in it.
@@ -205,7 +228,9 @@ def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_d
     n = rows.shape[1]
     if algorithm == "pairwise":
         if chunk is not None:
-            raise ValueError("'pairwise' already merges single elements; chunk applies to the other algorithms")
+            raise ValueError(
+                "'pairwise' already merges single elements; chunk applies to the other algorithms"
+            )
         count = torch.ones(n, dtype=torch.int64, device=rows.device)
         _, mean, m2 = _merge_tree(count, rows, torch.zeros_like(rows))
         return Moments(n, mean.reshape(lead), m2.reshape(lead))
@@ -219,16 +244,31 @@ def moments(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_d
     if full:
         blocks = rows[:, : full * chunk].reshape(-1, full, chunk).permute(2, 0, 1).contiguous()
         mean, m2 = _SEQUENTIAL[algorithm](blocks)
-        means.append(mean), m2s.append(m2), counts.append(torch.full((full,), chunk, dtype=torch.int64, device=rows.device))
+        (
+            means.append(mean),
+            m2s.append(m2),
+            counts.append(torch.full((full,), chunk, dtype=torch.int64, device=rows.device)),
+        )
     if tail:
-        mean, m2 = _SEQUENTIAL[algorithm](rows[:, full * chunk:].t().contiguous())
-        means.append(mean[:, None]), m2s.append(m2[:, None]), counts.append(torch.tensor([tail], device=rows.device))
+        mean, m2 = _SEQUENTIAL[algorithm](rows[:, full * chunk :].t().contiguous())
+        (
+            means.append(mean[:, None]),
+            m2s.append(m2[:, None]),
+            counts.append(torch.tensor([tail], device=rows.device)),
+        )
     _, mean, m2 = _merge_tree(torch.cat(counts), torch.cat(means, dim=1), torch.cat(m2s, dim=1))
     return Moments(n, mean.reshape(lead), m2.reshape(lead))
 
 
-def variance(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_dtype: torch.dtype | None = None,
-             chunk: int | None = None, correction: int = 0) -> torch.Tensor:
+def variance(
+    x: torch.Tensor,
+    algorithm: str = "welford",
+    *,
+    dims: int = 1,
+    acc_dtype: torch.dtype | None = None,
+    chunk: int | None = None,
+    correction: int = 0,
+) -> torch.Tensor:
     """Variance over the last ``dims`` dimensions (biased by default, as LayerNorm uses)."""
     return moments(x, algorithm, dims=dims, acc_dtype=acc_dtype, chunk=chunk).var(correction)
 
@@ -236,6 +276,7 @@ def variance(x: torch.Tensor, algorithm: str = "welford", *, dims: int = 1, acc_
 # --------------------------------------------------------------------------------------------
 # Exact references
 # --------------------------------------------------------------------------------------------
+
 
 def _exact_row_moments(row: list[float]) -> tuple[Fraction, Fraction]:
     """Exact mean and biased variance of floats: each float is a dyadic rational, so scaling by
@@ -268,9 +309,15 @@ def exact_moments(x: torch.Tensor, *, dims: int = 1) -> tuple[torch.Tensor, torc
     return mean, var
 
 
-def rows_with_condition_number(kappas: Sequence[float], n: int, trials: int = 1, *,
-                               std: float | None = None, dtype: torch.dtype = torch.float32,
-                               generator: torch.Generator | None = None) -> torch.Tensor:
+def rows_with_condition_number(
+    kappas: Sequence[float],
+    n: int,
+    trials: int = 1,
+    *,
+    std: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Rows of length n whose condition number κ = √(1 + mean²/σ²) is each target, ``trials`` rows
     per target (target-major order): shape (len(kappas)·trials, n).
 
@@ -303,7 +350,9 @@ def condition_number(x: torch.Tensor, *, dims: int = 1) -> torch.Tensor:
     return torch.where(var == 0, torch.inf, kappa)  # 0/0 for an all-zero row
 
 
-def exact_layer_norm(x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, digits: int = 50) -> torch.Tensor:
+def exact_layer_norm(
+    x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, digits: int = 50
+) -> torch.Tensor:
     """LayerNorm without affine, (x − M)/√(σ² + eps), from exact moments with the square root and
     division in ``digits``-digit decimal arithmetic, rounded to float64. eps is taken as the exact
     value of the Python float given."""
@@ -329,6 +378,7 @@ def exact_layer_norm(x: torch.Tensor, normalized_shape, eps: float = 1e-5, *, di
 # LayerNorm with selectable statistics and its own backward
 # --------------------------------------------------------------------------------------------
 
+
 def _normalized_shape_tuple(normalized_shape) -> tuple[int, ...]:
     if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
         return (normalized_shape,)
@@ -343,8 +393,8 @@ def _normalized_shape_tuple(normalized_shape) -> tuple[int, ...]:
 def _check_normalized_shape(x: torch.Tensor, normalized_shape) -> tuple[int, ...]:
     _require_float_tensor(x, "input")
     shape = _normalized_shape_tuple(normalized_shape)
-    if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape):]) != shape:
-        trailing = tuple(x.shape[max(x.dim() - len(shape), 0):])
+    if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape) :]) != shape:
+        trailing = tuple(x.shape[max(x.dim() - len(shape), 0) :])
         raise ValueError(
             f"normalized_shape {shape} does not match the input's trailing dimensions {trailing} "
             f"(input shape {tuple(x.shape)})"
@@ -373,7 +423,7 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, n_dims, eps, stats, acc):
         shape = x.shape
-        n = math.prod(shape[x.dim() - n_dims:])
+        n = math.prod(shape[x.dim() - n_dims :])
         rows = x.reshape(-1, n).to(acc)
         mean, var = _layer_norm_stats(rows, stats)
         rstd = torch.rsqrt(var + eps)
@@ -383,7 +433,7 @@ class _LayerNormFunction(torch.autograd.Function):
         if bias is not None:
             y = y + bias.reshape(1, n).to(acc)
         ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.n, ctx.acc, ctx.affine_shape = n, acc, tuple(shape[x.dim() - n_dims:])
+        ctx.n, ctx.acc, ctx.affine_shape = n, acc, tuple(shape[x.dim() - n_dims :])
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return y.to(x.dtype).reshape(shape)
 
@@ -399,7 +449,9 @@ class _LayerNormFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             # dx = rstd · (g − mean(g) − x̂ · mean(g · x̂))
-            dx = rstd[:, None] * (g - g.mean(dim=1, keepdim=True) - xhat * (g * xhat).mean(dim=1, keepdim=True))
+            dx = rstd[:, None] * (
+                g - g.mean(dim=1, keepdim=True) - xhat * (g * xhat).mean(dim=1, keepdim=True)
+            )
             dx = dx.to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             dw = (dy_rows * xhat).sum(dim=0).to(weight.dtype).reshape(ctx.affine_shape)
@@ -426,9 +478,16 @@ def _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dt
     return shape, acc_dtype
 
 
-def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, eps: float = 1e-5, *, stats: str = "welford",
-               acc_dtype: torch.dtype | None = None) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    stats: str = "welford",
+    acc_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """LayerNorm over the trailing ``normalized_shape`` with the statistics computed by ``stats``.
 
     Same signature and semantics as ``torch.nn.functional.layer_norm`` (biased variance, eps inside
@@ -448,7 +507,9 @@ class _SwappedAffineGradsLayerNorm(_LayerNormFunction):
         return (dx, db, dw, *rest)
 
 
-def layer_norm_swapped_affine_grads(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, stats="welford"):
+def layer_norm_swapped_affine_grads(
+    x, normalized_shape, weight=None, bias=None, eps=1e-5, *, stats="welford"
+):
     """DELIBERATELY WRONG: ``layer_norm`` whose backward returns the weight and bias gradients in
     each other's places — the argument-order bug of the OneFlow LayerNorm seed. The forward is
     correct, so only a gradient check catches it (see ``check_layer_norm_grads``)."""
@@ -461,6 +522,7 @@ def layer_norm_swapped_affine_grads(x, normalized_shape, weight=None, bias=None,
 # --------------------------------------------------------------------------------------------
 # Gradient checker for LayerNorm-like callables
 # --------------------------------------------------------------------------------------------
+
 
 def reference_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
     """Plain float64 LayerNorm written with elementary torch ops (two-pass statistics), so that
@@ -506,9 +568,15 @@ def _normwise_error(value: torch.Tensor | None, reference: torch.Tensor) -> floa
     return (value.detach().to(torch.float64) - reference).abs().max().item() / scale
 
 
-def check_layer_norm_grads(fn: Callable, *, shape: tuple[int, ...] = (8, 32), eps: float = 1e-5,
-                           dtype: torch.dtype = torch.float32, seed: int = 0,
-                           tolerance: float | None = None) -> GradCheckResult:
+def check_layer_norm_grads(
+    fn: Callable,
+    *,
+    shape: tuple[int, ...] = (8, 32),
+    eps: float = 1e-5,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tolerance: float | None = None,
+) -> GradCheckResult:
     """Check a LayerNorm-like ``fn(x, normalized_shape, weight, bias, eps)`` against float64.
 
     Draws x, weight (around 1), bias and an upstream gradient dy from ``seed``; compares the output
@@ -537,7 +605,10 @@ def check_layer_norm_grads(fn: Callable, *, shape: tuple[int, ...] = (8, 32), ep
     inputs = [t.to(dtype).requires_grad_(True) for t in (x, weight, bias)]
     out = fn(inputs[0], normalized, inputs[1], inputs[2], eps)
     if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-        raise ValueError(f"fn must return a tensor of the input's shape {tuple(x.shape)}, got {getattr(out, 'shape', out)!r}")
+        raise ValueError(
+            f"fn must return a tensor of the input's shape {tuple(x.shape)}, "
+            f"got {getattr(out, 'shape', out)!r}"
+        )
     grads = torch.autograd.grad(out, inputs, dy.to(dtype), allow_unused=True)
 
     names = ["output", "d_input", "d_weight", "d_bias"]
@@ -549,15 +620,17 @@ def check_layer_norm_grads(fn: Callable, *, shape: tuple[int, ...] = (8, 32), ep
 
     wrong = [name for name, ok in zip(names, table["ok"]) if not ok]
     swapped = (
-        not table["ok"][2] and not table["ok"][3]
+        not table["ok"][2]
+        and not table["ok"][3]
         and _normwise_error(grads[1], ref_grads[2]) <= tol
         and _normwise_error(grads[2], ref_grads[1]) <= tol
     )
     if not wrong:
         diagnosis = "all gradients match the float64 reference"
     elif swapped:
-        diagnosis = "d_weight and d_bias are swapped: each matches the other's reference (forward is " + \
-            ("correct)" if table["ok"][0] else "also wrong)")
+        diagnosis = "d_weight and d_bias are swapped: each matches the other's reference (forward is " + (
+            "correct)" if table["ok"][0] else "also wrong)"
+        )
     else:
         diagnosis = "wrong: " + ", ".join(wrong)
     return GradCheckResult(table=table, diagnosis=diagnosis)

@@ -29,9 +29,9 @@ def use_paper_style() -> None:
     plt.style.use(STYLE_PATH)
 
 
-def subplots(nrows: int = 1, ncols: int = 1, *, width: str | float = "column",
-             aspect: float = 0.7, **kwargs):
-    """``plt.subplots`` sized for a paper: width "column", "text" or inches; height = width·aspect·nrows/ncols."""
+def subplots(nrows: int = 1, ncols: int = 1, *, width: str | float = "column", aspect: float = 0.7, **kwargs):
+    """``plt.subplots`` sized for a paper: width "column", "text" or inches;
+    height = width·aspect·nrows/ncols."""
     if isinstance(width, str):
         widths = {"column": COLUMN_WIDTH, "text": TEXT_WIDTH}
         if width not in widths:

@@ -32,7 +32,7 @@ from qlab import quantize as Q
 STATS = ("min", "max", "mean", "std", "l1", "l2", "amax", "dynamic_range", "zero_fraction")
 WHAT_IF_STATS = ("underflow_fraction", "saturation_fraction", "qdq_mse", "sqnr_db")
 ROLES = ("input", "output", "grad_input", "grad_output", "grad_flow", "param_grad", "probe")
-_ACTIVE: list["ProbeSet"] = []
+_ACTIVE: list[ProbeSet] = []
 
 
 def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
@@ -53,14 +53,33 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     smallest = torch.where(magnitude > 0, magnitude, torch.inf).min()
     mean = wide.mean()
     variance = (wide - mean).square().mean()  # two-pass: E[x²] − E[x]² would cancel (see notebook 02)
-    reduced = torch.stack([x.min().double(), x.max().double(), mean, variance, wide.square().sum(),
-                           magnitude.sum(dtype=torch.float64), magnitude.max().double(), smallest.double(),
-                           (x == 0).sum().double()]).tolist()
+    reduced = torch.stack(
+        [
+            x.min().double(),
+            x.max().double(),
+            mean,
+            variance,
+            wide.square().sum(),
+            magnitude.sum(dtype=torch.float64),
+            magnitude.max().double(),
+            smallest.double(),
+            (x == 0).sum().double(),
+        ]
+    ).tolist()
     low, high, mean, variance, squares, l1, amax, smallest, zeros = reduced
-    values = {"min": low, "max": high, "mean": mean, "std": math.sqrt(variance),
-              "l1": l1, "l2": math.sqrt(squares), "amax": amax,
-              "dynamic_range": math.log2(amax) - math.log2(smallest) if math.isfinite(smallest) and amax > 0 else math.nan,
-              "zero_fraction": zeros / x.numel()}
+    values = {
+        "min": low,
+        "max": high,
+        "mean": mean,
+        "std": math.sqrt(variance),
+        "l1": l1,
+        "l2": math.sqrt(squares),
+        "amax": amax,
+        "dynamic_range": math.log2(amax) - math.log2(smallest)
+        if math.isfinite(smallest) and amax > 0
+        else math.nan,
+        "zero_fraction": zeros / x.numel(),
+    }
     return {name: values[name] for name in stats}
 
 
@@ -70,8 +89,9 @@ def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict
     magnitude = tensor.detach().abs().flatten().float()
     exponent = torch.frexp(magnitude).exponent - 1  # floor(log2 |x|) read from the bits
     nonzero = magnitude > 0
-    counts = torch.bincount((exponent[nonzero & (exponent >= low) & (exponent < high)] - low).long(),
-                            minlength=high - low).tolist()
+    counts = torch.bincount(
+        (exponent[nonzero & (exponent >= low) & (exponent < high)] - low).long(), minlength=high - low
+    ).tolist()
     values = {f"hist/2^{low + i}": float(c) for i, c in enumerate(counts)}
     values["hist/below"] = float((~nonzero | (exponent < low)).sum())
     values["hist/above"] = float((nonzero & (exponent >= high)).sum())
@@ -126,9 +146,21 @@ class ProbeSet:
     counts per tensor.
     """
 
-    def __init__(self, model: nn.Module | None = None, modules=None, *, roles=ROLES, stats=STATS, what_if=None,
-                 what_if_axis: int = -1, every: int = 1, start: int = 0, end: int | None = None, ranks=None,
-                 histograms: bool = False):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        modules=None,
+        *,
+        roles=ROLES,
+        stats=STATS,
+        what_if=None,
+        what_if_axis: int = -1,
+        every: int = 1,
+        start: int = 0,
+        end: int | None = None,
+        ranks=None,
+        histograms: bool = False,
+    ):
         unknown = set(roles) - set(ROLES)
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)}; expected some of: {', '.join(ROLES)}")
@@ -149,7 +181,11 @@ class ProbeSet:
     # --- selection and hooks ---
 
     def _select(self, modules) -> dict[str, nn.Module]:
-        patterns = ["*"] if modules in (None, "*") else ([modules] if isinstance(modules, (str, type)) else list(modules))
+        patterns = (
+            ["*"]
+            if modules in (None, "*")
+            else ([modules] if isinstance(modules, (str, type)) else list(modules))
+        )
         chosen = {}
         for name, module in self.model.named_modules():
             for pattern in patterns:
@@ -164,10 +200,12 @@ class ProbeSet:
                     break
         if not chosen:
             names = [name for name, _ in self.model.named_modules() if name][:8]
-            raise ValueError(f"module patterns {patterns!r} match no module; names look like: {', '.join(names)}")
+            raise ValueError(
+                f"module patterns {patterns!r} match no module; names look like: {', '.join(names)}"
+            )
         return chosen
 
-    def attach(self) -> "ProbeSet":
+    def attach(self) -> ProbeSet:
         """Activate the set; hooks are installed only for sampled steps (none in between)."""
         if self not in _ACTIVE:
             _ACTIVE.append(self)
@@ -202,7 +240,7 @@ class ProbeSet:
             handle.remove()
         self._handles.clear()
 
-    def __enter__(self) -> "ProbeSet":
+    def __enter__(self) -> ProbeSet:
         return self.attach()
 
     def __exit__(self, *exc) -> None:
@@ -218,6 +256,7 @@ class ProbeSet:
                 self._record_first(name, "input", inputs)
             if "output" in self.roles:
                 self._record_first(name, "output", output)
+
         return hook
 
     def _backward_hook(self, name):
@@ -226,11 +265,13 @@ class ProbeSet:
                 self._record_first(name, "grad_input", grad_input)
             if "grad_output" in self.roles:
                 self._record_first(name, "grad_output", grad_output)
+
         return hook
 
     def _grad_hook(self, name):
         def hook(grad):
             self._record(name, "grad_flow", grad)
+
         return hook
 
     # --- recording ---
@@ -238,7 +279,11 @@ class ProbeSet:
     def sampling(self) -> bool:
         """Whether the current step is recorded (and this rank is one of ``ranks``)."""
         step = self.current_step
-        if step < self.start or (self.end is not None and step >= self.end) or (step - self.start) % self.every:
+        if (
+            step < self.start
+            or (self.end is not None and step >= self.end)
+            or (step - self.start) % self.every
+        ):
             return False
         return self.ranks is None or _rank() in self.ranks
 
@@ -286,6 +331,7 @@ class ProbeSet:
 
 # --- the gradient audit -------------------------------------------------------------------------------
 
+
 class GradientAudit:
     """Compare the gradient seen inside backward with the final ``param.grad`` the optimizer uses.
 
@@ -308,7 +354,7 @@ class GradientAudit:
         self.inside: dict[str, torch.Tensor] = {}
         self._handles = []
 
-    def __enter__(self) -> "GradientAudit":
+    def __enter__(self) -> GradientAudit:
         if not self.hook_parameters:  # the caller observes from inside its own backward
             return self
         for name, param in self.model.named_parameters():
@@ -326,8 +372,14 @@ class GradientAudit:
         grad = grad.detach().double()
         self.inside[name] = grad.clone() if name not in self.inside else self.inside[name] + grad
 
-    def report(self, *, loss_scale: float = 1.0, world_size: int | None = None, clip_coefficient: float = 1.0,
-               tolerance: float = 1e-3) -> pd.DataFrame:
+    def report(
+        self,
+        *,
+        loss_scale: float = 1.0,
+        world_size: int | None = None,
+        clip_coefficient: float = 1.0,
+        tolerance: float = 1e-3,
+    ) -> pd.DataFrame:
         """One row per parameter: observed ratio ‖inside‖/‖final‖, the explained factor, what remains.
 
         ``unexplained`` is ‖final − predicted‖ / ‖final‖; a row whose unexplained part exceeds
@@ -349,11 +401,23 @@ class GradientAudit:
             predicted = clip_coefficient * total / (loss_scale * world_size)
             final64 = final.detach().double()
             final_norm = torch.linalg.vector_norm(final64).item()
-            unexplained = torch.linalg.vector_norm(final64 - predicted).item() / final_norm if final_norm else math.nan
-            rows.append({"parameter": name, "inside_norm": torch.linalg.vector_norm(inside).item(),
-                         "final_norm": final_norm,
-                         "observed_ratio": torch.linalg.vector_norm(inside).item() / final_norm if final_norm else math.nan,
-                         "loss_scale": loss_scale, "world_size": world_size, "clip_coefficient": clip_coefficient,
-                         "explained_ratio": loss_scale * world_size / clip_coefficient,
-                         "unexplained": unexplained, "flagged": not unexplained <= tolerance})
+            unexplained = (
+                torch.linalg.vector_norm(final64 - predicted).item() / final_norm if final_norm else math.nan
+            )
+            rows.append(
+                {
+                    "parameter": name,
+                    "inside_norm": torch.linalg.vector_norm(inside).item(),
+                    "final_norm": final_norm,
+                    "observed_ratio": torch.linalg.vector_norm(inside).item() / final_norm
+                    if final_norm
+                    else math.nan,
+                    "loss_scale": loss_scale,
+                    "world_size": world_size,
+                    "clip_coefficient": clip_coefficient,
+                    "explained_ratio": loss_scale * world_size / clip_coefficient,
+                    "unexplained": unexplained,
+                    "flagged": not unexplained <= tolerance,
+                }
+            )
         return pd.DataFrame(rows)

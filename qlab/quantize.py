@@ -16,7 +16,7 @@ Specs (frozen dataclasses, hashable, usable as papermill strings through ``SPECS
 
 | spec | elements | scales |
 |---|---|---|
-| TensorwiseSpec | e4m3/e5m2 (any float format) | FP8 current scaling per tensor or per slice; or a given scale (delayed) |
+| TensorwiseSpec | e4m3/e5m2 (any float format) | FP8 current, per tensor or per slice; or given (delayed) |
 | IntSpec | intN/uintN | symmetric amax/qmax, or asymmetric with a zero point |
 | MXSpec | e4m3, e5m2, e3m2, e2m3, e2m1 | one E8M0 per 32 elements, mode floor/rceil/ceil/even |
 | NVFP4Spec | e2m1 | one E4M3 per 16 (1×16) or per 16×16 tile, FP32 global; optional RHT |
@@ -37,8 +37,18 @@ from dataclasses import dataclass, field
 import torch
 
 from qlab import scaling
-from qlab.formats import (ROUNDING_MODES, FloatFormat, _cast, _encode_float, _fast_path_applies, decode,
-                          get_format, pack_fp4, round_to_integer, stochastic_noise)
+from qlab.formats import (
+    ROUNDING_MODES,
+    FloatFormat,
+    _cast,
+    _encode_float,
+    _fast_path_applies,
+    decode,
+    get_format,
+    pack_fp4,
+    round_to_integer,
+    stochastic_noise,
+)
 
 GRANULARITIES = ("tensor", "axis")
 
@@ -83,8 +93,10 @@ class IntSpec:
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
             raise ValueError(f"IntSpec bits must be an int in 2..16, got {self.bits!r}")
         if not self.signed and self.symmetric:
-            raise ValueError("an unsigned symmetric IntSpec would zero every negative value; "
-                             "use signed=True, or symmetric=False for an unsigned grid with a zero point")
+            raise ValueError(
+                "an unsigned symmetric IntSpec would zero every negative value; "
+                "use signed=True, or symmetric=False for an unsigned grid with a zero point"
+            )
         _check_granularity(self.granularity)
         _check_rounding(self.rounding)
 
@@ -109,7 +121,9 @@ class MXSpec:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         if self.mode not in scaling.MX_SCALE_MODES:
-            raise ValueError(f"unknown MX scale mode {self.mode!r}; expected one of: {', '.join(scaling.MX_SCALE_MODES)}")
+            raise ValueError(
+                f"unknown MX scale mode {self.mode!r}; expected one of: {', '.join(scaling.MX_SCALE_MODES)}"
+            )
         _check_rounding(self.rounding)
 
 
@@ -161,7 +175,9 @@ def get_spec(spec: str | Spec) -> Spec:
         return spec
     if isinstance(spec, str) and spec in SPECS:
         return SPECS[spec]
-    raise ValueError(f"unknown quantization spec {spec!r}; expected a spec object or one of: {', '.join(SPECS)}")
+    raise ValueError(
+        f"unknown quantization spec {spec!r}; expected a spec object or one of: {', '.join(SPECS)}"
+    )
 
 
 @dataclass
@@ -191,15 +207,17 @@ class QTensor:
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return dequantize(self, dtype)
 
-    def along(self, axis: int, *, generator: torch.Generator | None = None) -> "QTensor":
+    def along(self, axis: int, *, generator: torch.Generator | None = None) -> QTensor:
         """The same high-precision tensor quantized along ``axis`` (never transposed codes).
 
         A fixed scale given to ``quantize`` (delayed scaling) is kept; stochastic rounding needs
         ``generator`` again.
         """
         if self.source is None:
-            raise ValueError("this QTensor kept no high-precision source (keep_source=False); "
-                             "re-quantizing along another axis needs the original tensor")
+            raise ValueError(
+                "this QTensor kept no high-precision source (keep_source=False); "
+                "re-quantizing along another axis needs the original tensor"
+            )
         return quantize(self.source, self.spec, axis=axis, generator=generator, scale=self.fixed_scale)
 
     def packed_codes(self) -> torch.Tensor:
@@ -211,15 +229,20 @@ class QTensor:
 
 # --- layout ---------------------------------------------------------------------------------------
 
+
 def _check_input(x, spec, axis):
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(f"quantize expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise TypeError(
+            f"quantize expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
+        )
     if x.dtype == torch.float64 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"quantize expects float32, bfloat16 or float16, got {x.dtype}")
     if x.dim() == 0:
         raise ValueError("quantize expects at least one dimension, got a 0-d tensor")
     if not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
-        raise ValueError(f"axis must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {axis!r}")
+        raise ValueError(
+            f"axis must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {axis!r}"
+        )
     if isinstance(spec, NVFP4Spec) and spec.block_2d and x.dim() < 2:
         raise ValueError("2D 16x16 NVFP4 blocks need a tensor with at least 2 dimensions")
     element = get_format(spec.element)
@@ -234,8 +257,10 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int, pad: bool) -> torch.Tensor
     if extra == 0:
         return x
     if not pad:
-        raise ValueError(f"axis length {length} is not a multiple of the block size {multiple}; "
-                         f"pass pad=True in the spec or use a length divisible by {multiple}")
+        raise ValueError(
+            f"axis length {length} is not a multiple of the block size {multiple}; "
+            f"pass pad=True in the spec or use a length divisible by {multiple}"
+        )
     widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
     return torch.nn.functional.pad(x, widths)
 
@@ -260,7 +285,9 @@ def _to_layout(x: torch.Tensor, spec, axis: int) -> torch.Tensor:
     return moved.contiguous()
 
 
-def _from_layout(values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _from_layout(
+    values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
     if not _moves_axis(spec):
         return values.to(dtype)
     moved_shape = list(shape)
@@ -281,6 +308,7 @@ def _from_layout(values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype
 # blocked layout (…, n_blocks, block) that quantize() stores, −2 in qdq's in-place layout
 # (outer, n_blocks, block, inner) that avoids transposing x (see _inplace_layout).
 
+
 def _amax(x: torch.Tensor, spec, dim: int) -> torch.Tensor:
     if spec.granularity == "tensor":
         return x.abs().amax()
@@ -298,7 +326,9 @@ def _int(x, spec: IntSpec, generator, scale, dim=-1):
     fmt = get_format(spec.element)
     if spec.symmetric:
         scale = scaling.int_symmetric_scale(_amax(x, spec, dim), fmt.max) if scale is None else scale
-        values = _cast(x / scale, fmt, spec.rounding, True, generator) + 0.0  # -0 → +0: integer codes have no -0
+        values = (
+            _cast(x / scale, fmt, spec.rounding, True, generator) + 0.0
+        )  # -0 → +0: integer codes have no -0
         return {"values": values, "scales": scale}, values * scale
     if scale is not None:
         raise ValueError("a fixed scale is only supported for symmetric IntSpec")
@@ -307,7 +337,9 @@ def _int(x, spec: IntSpec, generator, scale, dim=-1):
     else:
         lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     scale, zero_point = scaling.int_affine_parameters(lo, hi, fmt.min, fmt.max)
-    values = _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt) + 0.0  # clamp; -0 → +0
+    values = (
+        _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt) + 0.0
+    )  # clamp; -0 → +0
     return {"values": values, "scales": scale, "zero_point": zero_point}, (values - zero_point) * scale
 
 
@@ -318,7 +350,11 @@ def _mx(x, spec: MXSpec, generator, scale, dim=-1):
     scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
     scales = scaling.mx_scale_values(codes)
-    return {"values": values, "scales": scales.squeeze(dim), "scale_codes": codes.squeeze(dim)}, values * scales
+    return {
+        "values": values,
+        "scales": scales.squeeze(dim),
+        "scale_codes": codes.squeeze(dim),
+    }, values * scales
 
 
 def _nvfp4(x, spec: NVFP4Spec, generator, scale, dim=-1):
@@ -336,7 +372,9 @@ def _nvfp4(x, spec: NVFP4Spec, generator, scale, dim=-1):
         inverse = 1.0 / block_scales
     else:  # torchao's order; for amax < 2688·2^-128 the reciprocal of the (subnormal) global scale overflows
         reciprocal = 1.0 / global_scale
-        inverse = torch.where(torch.isinf(reciprocal), 1.0 / (global_scale * block_scales), reciprocal / block_scales)
+        inverse = torch.where(
+            torch.isinf(reciprocal), 1.0 / (global_scale * block_scales), reciprocal / block_scales
+        )
     scaled = torch.clamp(x * inverse, -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX)
     scaled = torch.where(torch.isnan(scaled), 0.0, scaled)  # only in NaN/inf blocks, whose scale is NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
@@ -366,8 +404,16 @@ def _check_generator(spec, generator):
 
 # --- public API ------------------------------------------------------------------------------------
 
-def quantize(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
-             scale: torch.Tensor | float | None = None, keep_source: bool = True) -> QTensor:
+
+def quantize(
+    x: torch.Tensor,
+    spec: str | Spec,
+    axis: int = -1,
+    *,
+    generator: torch.Generator | None = None,
+    scale: torch.Tensor | float | None = None,
+    keep_source: bool = True,
+) -> QTensor:
     """Quantize x (float32/bf16/fp16) by ``spec`` with scales shared along ``axis``.
 
     ``scale`` fixes the scale: for TensorwiseSpec the multiplier (delayed scaling passes
@@ -388,8 +434,18 @@ def quantize(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: to
     scale_codes = parts.pop("scale_codes", None)
     if isinstance(spec, NVFP4Spec):
         scale_codes = _encode_float(parts["scales"], get_format("e4m3"))
-    return QTensor(codes=codes, scales=parts.pop("scales"), spec=spec, axis=axis, shape=x.shape, dtype=x.dtype,
-                   scale_codes=scale_codes, source=x if keep_source else None, fixed_scale=scale, **parts)
+    return QTensor(
+        codes=codes,
+        scales=parts.pop("scales"),
+        spec=spec,
+        axis=axis,
+        shape=x.shape,
+        dtype=x.dtype,
+        scale_codes=scale_codes,
+        source=x if keep_source else None,
+        fixed_scale=scale,
+        **parts,
+    )
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -409,7 +465,9 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return _from_layout(out, spec, q.axis, q.shape, dtype or q.dtype)
 
 
-def _nvfp4_element_scales(spec: NVFP4Spec, scales: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+def _nvfp4_element_scales(
+    spec: NVFP4Spec, scales: torch.Tensor, global_scale: torch.Tensor | None
+) -> torch.Tensor:
     """The per-block multiplier global·block (…, n_blocks) from stored NVFP4 scales (16×16 tiles expanded)."""
     block_scales = scales.repeat_interleave(16, dim=-2) if spec.block_2d else scales
     return block_scales if global_scale is None else global_scale * block_scales
@@ -429,7 +487,7 @@ def _inplace_applies(x: torch.Tensor, spec: Spec, axis: int) -> bool:
 def _inplace_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
     """x as (outer, n_blocks, block, inner) float32 with blocks along ``axis`` (scale dim −2), zero-padded."""
     outer = math.prod(x.shape[:axis])
-    inner = math.prod(x.shape[axis + 1:])
+    inner = math.prod(x.shape[axis + 1 :])
     view = x.float().reshape(outer, x.shape[axis], inner)
     if isinstance(spec, (MXSpec, NVFP4Spec)):
         view = _pad_to(view, 1, spec.block_size, spec.pad)
@@ -439,7 +497,9 @@ def _inplace_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
     return view.reshape(outer, 1, x.shape[axis], inner)
 
 
-def _from_inplace_layout(values: torch.Tensor, spec: Spec, axis: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def _from_inplace_layout(
+    values: torch.Tensor, spec: Spec, axis: int, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
     outer, inner = values.shape[0], values.shape[-1]
     values = values.reshape(outer, -1, inner)
     if isinstance(spec, NVFP4Spec) and spec.hadamard:
@@ -452,12 +512,16 @@ def _qdq_any_layout(x: torch.Tensor, spec: Spec, axis: int, generator, scale, dt
     if _inplace_applies(x, spec, axis):
         out = _qdq_layout(_inplace_layout(x, spec, axis), spec, generator, scale, dim=-2)
         return _from_inplace_layout(out, spec, axis, x.shape, dtype)
-    return _from_layout(_qdq_layout(_to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, dtype)
+    return _from_layout(
+        _qdq_layout(_to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, dtype
+    )
 
 
 def _noise_shape(x: torch.Tensor, spec: Spec, axis: int) -> torch.Size:
     meta = torch.empty(x.shape, device="meta")
-    layout = _inplace_layout(meta, spec, axis) if _inplace_applies(x, spec, axis) else _to_layout(meta, spec, axis)
+    layout = (
+        _inplace_layout(meta, spec, axis) if _inplace_applies(x, spec, axis) else _to_layout(meta, spec, axis)
+    )
     return layout.shape
 
 
@@ -479,8 +543,14 @@ def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor
     return layout.abs() / full[..., None] <= scaling.NVFP4_ELEMENT_MAX
 
 
-def qdq_with_mask(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
-                  scale: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def qdq_with_mask(
+    x: torch.Tensor,
+    spec: str | Spec,
+    axis: int = -1,
+    *,
+    generator: torch.Generator | None = None,
+    scale: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(qdq(x), inside): inside is True where x was within the representable range (not clipped).
 
     The mask is what a clipped straight-through estimator passes gradients through. Eager only;
@@ -488,14 +558,18 @@ def qdq_with_mask(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generato
     """
     spec = get_spec(spec)
     if isinstance(spec, NVFP4Spec) and spec.hadamard:
-        raise ValueError("a clipping mask is not defined for hadamard=True specs (clipping happens after rotation)")
+        raise ValueError(
+            "a clipping mask is not defined for hadamard=True specs (clipping happens after rotation)"
+        )
     axis = _check_input(x, spec, axis)
     _check_generator(spec, generator)
     layout = _to_layout(x, spec, axis)
     parts, out = _RECIPES[type(spec)](layout, spec, generator, _check_scale(scale, spec))
     inside = _inside_range(layout, spec, parts)
-    return (_from_layout(out, spec, axis, x.shape, x.dtype),
-            _from_layout(inside.to(torch.uint8), spec, axis, x.shape, torch.uint8).bool())
+    return (
+        _from_layout(out, spec, axis, x.shape, x.dtype),
+        _from_layout(inside.to(torch.uint8), spec, axis, x.shape, torch.uint8).bool(),
+    )
 
 
 COMPILE_MIN_NUMEL = 1 << 20
@@ -518,10 +592,13 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
         return None
     if key not in _compiled:
         if isinstance(spec, NVFP4Spec) and spec.hadamard:
-            scaling._cached_hadamard(scaling.NVFP4_BLOCK, spec.hadamard_seed)  # fill the cache outside tracing
+            scaling._cached_hadamard(
+                scaling.NVFP4_BLOCK, spec.hadamard_seed
+            )  # fill the cache outside tracing
 
         def qdq_full(x, scale, noise):
             return _qdq_any_layout(x, spec, axis, noise, scale, dtype)
+
         # dynamo counts its recompile limit (8 shapes) per code object: give every (spec, axis) its own
         qdq_full.__code__ = qdq_full.__code__.replace(co_name=f"qdq_{len(_compiled)}")
         _compiled[key] = torch.compile(qdq_full, dynamic=False, fullgraph=True)
@@ -533,12 +610,23 @@ def _compilable(spec: Spec) -> bool:
     if spec.rounding == "rne":
         return True
     fast_stochastic = _fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
-    return spec.rounding == "stochastic" and fast_stochastic and not (isinstance(spec, IntSpec) and not spec.symmetric)
+    return (
+        spec.rounding == "stochastic"
+        and fast_stochastic
+        and not (isinstance(spec, IntSpec) and not spec.symmetric)
+    )
 
 
-def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.Generator | None = None,
-        scale: torch.Tensor | float | None = None, dtype: torch.dtype | None = None,
-        fast: bool | None = None) -> torch.Tensor:
+def qdq(
+    x: torch.Tensor,
+    spec: str | Spec,
+    axis: int = -1,
+    *,
+    generator: torch.Generator | None = None,
+    scale: torch.Tensor | float | None = None,
+    dtype: torch.dtype | None = None,
+    fast: bool | None = None,
+) -> torch.Tensor:
     """dequantize(quantize(x, spec, axis), dtype) without materializing codes: same bits and shape.
 
     ``dtype``: the result's dtype (default x's; float32 keeps dequantized values that a 16-bit
@@ -573,8 +661,10 @@ def qdq(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, generator: torch.G
 
 # --- measurements ---------------------------------------------------------------------------------
 
+
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64 (inf if exact)."""
+    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64
+    (inf if exact)."""
     x64, error = x.double(), (x.double() - x_hat.double())
     noise = float((error * error).sum())
     signal = float((x64 * x64).sum())

@@ -36,7 +36,15 @@ from qlab.scaling import AMAX_ALGORITHMS
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 ENVIRONMENT_VARIABLE = "QLAB_BACKWARD_OVERRIDE"
-ROLES = ("input", "weight", "grad_output", "dgrad_weight", "dgrad_grad_output", "wgrad_input", "wgrad_grad_output")
+ROLES = (
+    "input",
+    "weight",
+    "grad_output",
+    "dgrad_weight",
+    "dgrad_grad_output",
+    "wgrad_input",
+    "wgrad_grad_output",
+)
 _SPEC_CLASSES = {cls.__name__: cls for cls in (TensorwiseSpec, IntSpec, MXSpec, NVFP4Spec)}
 _FROM_ENVIRONMENT = "from the environment"
 
@@ -75,22 +83,33 @@ class Recipe:
         elif isinstance(self.backward_override, str) and self.backward_override.strip().lower() == "none":
             object.__setattr__(self, "backward_override", None)  # YAML's `none` is a string
         if self.backward_override not in BACKWARD_OVERRIDES:
-            raise ValueError(f"unknown backward_override {self.backward_override!r}; expected None, "
-                             f"'high_precision' or 'dequantized'")
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
-                or self.amax_history_len < 1:
+            raise ValueError(
+                f"unknown backward_override {self.backward_override!r}; expected None, "
+                f"'high_precision' or 'dequantized'"
+            )
+        if (
+            isinstance(self.amax_history_len, bool)
+            or not isinstance(self.amax_history_len, int)
+            or self.amax_history_len < 1
+        ):
             raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
         if not isinstance(self.reduce_amax, bool):
-            raise TypeError(f"reduce_amax must be a bool, got {type(self.reduce_amax).__name__} {self.reduce_amax!r}")
+            raise TypeError(
+                f"reduce_amax must be a bool, got {type(self.reduce_amax).__name__} {self.reduce_amax!r}"
+            )
         if self.amax_algorithm not in AMAX_ALGORITHMS:
-            raise ValueError(f"unknown amax_algorithm {self.amax_algorithm!r}; expected 'max' or 'most_recent'")
+            raise ValueError(
+                f"unknown amax_algorithm {self.amax_algorithm!r}; expected 'max' or 'most_recent'"
+            )
         if self.delayed:
             used = [getattr(self, role) for role in ROLES if getattr(self, role) is not None]
             if not all(isinstance(spec, TensorwiseSpec) and spec.granularity == "tensor" for spec in used):
                 raise ValueError("delayed scaling needs per-tensor TensorwiseSpec operands")
             if self.backward_override is not None:
-                raise ValueError(f"backward_override={self.backward_override!r} is not supported with delayed scaling "
-                                 f"(refused rather than silently ignored); use current scaling, e.g. 'fp8_tensorwise'")
+                raise ValueError(
+                    f"backward_override={self.backward_override!r} is not supported with delayed scaling "
+                    f"(refused rather than silently ignored); use current scaling, e.g. 'fp8_tensorwise'"
+                )
 
     def spec(self, role: str) -> Spec | None:
         """The spec for a role; backward operands fall back to their forward role's spec."""
@@ -111,25 +130,32 @@ class Recipe:
         for role in ROLES:
             spec = getattr(self, role)
             out[role] = None if spec is None else {"kind": type(spec).__name__, **dataclasses.asdict(spec)}
-        out.update(delayed=self.delayed, amax_history_len=self.amax_history_len,
-                   amax_algorithm=self.amax_algorithm, margin=self.margin, reduce_amax=self.reduce_amax,
-                   backward_override=self.backward_override)
+        out.update(
+            delayed=self.delayed,
+            amax_history_len=self.amax_history_len,
+            amax_algorithm=self.amax_algorithm,
+            margin=self.margin,
+            reduce_amax=self.reduce_amax,
+            backward_override=self.backward_override,
+        )
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Recipe":
+    def from_dict(cls, data: dict) -> Recipe:
         if not isinstance(data, dict):
             raise TypeError(f"Recipe.from_dict expects a dict, got {type(data).__name__}")
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
-            raise ValueError(f"unknown recipe fields {sorted(unknown)}; expected some of: "
-                             f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+            raise ValueError(
+                f"unknown recipe fields {sorted(unknown)}; expected some of: "
+                f"{', '.join(f.name for f in dataclasses.fields(cls))}"
+            )
         fields = dict(data)
         for role in ROLES:
             fields[role] = _spec_from_dict(fields.get(role))
         return cls(**fields)
 
-    def replace(self, **changes) -> "Recipe":
+    def replace(self, **changes) -> Recipe:
         return dataclasses.replace(self, **changes)
 
 
@@ -142,7 +168,10 @@ def _spec_from_dict(value):
         raise ValueError(f"unknown spec kind {kind!r}; expected one of: {', '.join(_SPEC_CLASSES)}")
     known = {f.name for f in dataclasses.fields(_SPEC_CLASSES[kind])}
     if set(fields) - known:
-        raise ValueError(f"unknown {kind} fields {sorted(set(fields) - known)}; expected some of: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"unknown {kind} fields {sorted(set(fields) - known)}; "
+            f"expected some of: {', '.join(sorted(known))}"
+        )
     return _SPEC_CLASSES[kind](**fields)
 
 
@@ -154,11 +183,16 @@ def _presets() -> dict[str, dict]:
         "fp8_tensorwise": dict(input=e4m3, weight=e4m3, grad_output=e5m2),
         "fp8_delayed": dict(input=e4m3, weight=e4m3, grad_output=e5m2, delayed=True),
         "mxfp8": dict(input=mx8, weight=mx8, grad_output=mx8),
-        "mxfp4": dict(input=MXSpec("e2m1"), weight=MXSpec("e2m1"), grad_output=MXSpec("e2m1", rounding="stochastic")),
-        "nvfp4": dict(input=NVFP4Spec(), weight=NVFP4Spec(block_2d=True),
-                      grad_output=NVFP4Spec(rounding="stochastic"),
-                      wgrad_input=NVFP4Spec(hadamard=True),
-                      wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic")),
+        "mxfp4": dict(
+            input=MXSpec("e2m1"), weight=MXSpec("e2m1"), grad_output=MXSpec("e2m1", rounding="stochastic")
+        ),
+        "nvfp4": dict(
+            input=NVFP4Spec(),
+            weight=NVFP4Spec(block_2d=True),
+            grad_output=NVFP4Spec(rounding="stochastic"),
+            wgrad_input=NVFP4Spec(hadamard=True),
+            wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
+        ),
         "int8_per_token": dict(input=IntSpec(8, granularity="axis"), weight=IntSpec(8, granularity="axis")),
     }
 
@@ -187,7 +221,9 @@ def get_recipe(recipe: str | dict | Recipe | None = None, *, backward_override=_
             fields["backward_override"] = backward_override
         return Recipe(name=recipe, **fields)
     else:
-        raise ValueError(f"unknown recipe {recipe!r}; expected a Recipe, a dict or one of: {', '.join(PRESETS)}")
+        raise ValueError(
+            f"unknown recipe {recipe!r}; expected a Recipe, a dict or one of: {', '.join(PRESETS)}"
+        )
     if backward_override != _FROM_ENVIRONMENT:
         result = result.replace(backward_override=backward_override)
     return result

@@ -14,6 +14,7 @@ import pandas as pd
 
 from qlab import paths
 
+
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
         raise ValueError(f"expected a plain file stem like '02_topic_what', got {name!r}")

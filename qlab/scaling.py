@@ -29,13 +29,16 @@ E8M0_NAN = 0xFF
 NVFP4_BLOCK = 16
 NVFP4_ELEMENT_MAX = 6.0
 NVFP4_SCALE_MAX = 448.0
-NVFP4_SCALE_MIN = 2.0 ** -6  # the smallest normal E4M3 value, the floor torchao's reference clamps to
+NVFP4_SCALE_MIN = 2.0**-6  # the smallest normal E4M3 value, the floor torchao's reference clamps to
 
 
 def _float_format(name) -> FloatFormat:
     fmt = get_format(name)
     if not isinstance(fmt, FloatFormat):
-        raise ValueError(f"expected a floating-point element format (e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16), got {fmt.name}")
+        raise ValueError(
+            "expected a floating-point element format (e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16), "
+            f"got {fmt.name}"
+        )
     return fmt
 
 
@@ -55,6 +58,7 @@ def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
 
 # --- integer affine ------------------------------------------------------------------------------
 
+
 def int_symmetric_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
     """amax / qmax in float32; 1 where amax is zero or not finite (so q = round(x / scale) is safe)."""
     amax = amax.float()
@@ -63,7 +67,9 @@ def int_symmetric_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.where(usable, scale, 1.0)
 
 
-def int_affine_parameters(lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+def int_affine_parameters(
+    lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) for asymmetric quantization of values in [lo, hi].
 
     The range is widened to include 0 so that zero is exact; scale = (hi − lo) / (qmax − qmin)
@@ -81,7 +87,10 @@ def int_affine_parameters(lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: i
 
 # --- FP8 current and delayed scaling --------------------------------------------------------------
 
-def fp8_current_scale(amax: torch.Tensor, fmt="e4m3", *, eps: float = 0.0, pow2: bool = False) -> torch.Tensor:
+
+def fp8_current_scale(
+    amax: torch.Tensor, fmt="e4m3", *, eps: float = 0.0, pow2: bool = False
+) -> torch.Tensor:
     """TE's current scaling: fmt_max / max(amax, eps) in float32, applied as stored = cast(x · scale).
 
     An amax of 0 (after eps), inf or NaN gives 1. A scale that overflows float32 (tiny amax) becomes
@@ -113,7 +122,9 @@ class DelayedScaling:
         if not isinstance(history_len, int) or history_len < 1:
             raise ValueError(f"history_len must be a positive int, got {history_len!r}")
         if algorithm not in AMAX_ALGORITHMS:
-            raise ValueError(f"unknown amax algorithm {algorithm!r}; expected one of: {', '.join(AMAX_ALGORITHMS)}")
+            raise ValueError(
+                f"unknown amax algorithm {algorithm!r}; expected one of: {', '.join(AMAX_ALGORITHMS)}"
+            )
         self.algorithm = algorithm
         self.margin = margin
         self.history = torch.zeros(history_len, dtype=torch.float32)
@@ -130,13 +141,14 @@ class DelayedScaling:
         self.history = torch.cat([newest.reshape(1), self.history[:-1]])
         self._step_amax = None
         amax = self.history.max() if self.algorithm == "max" else self.history[0]
-        candidate = _divide(self.fmt.max, amax) / 2.0 ** self.margin
+        candidate = _divide(self.fmt.max, amax) / 2.0**self.margin
         if torch.isfinite(amax) and amax > 0 and torch.isfinite(candidate):
             self.scale = candidate.float()
         return self.scale
 
 
 # --- MX block scales --------------------------------------------------------------------------------
+
 
 def _unbiased_exponent(x: torch.Tensor) -> torch.Tensor:
     """The float32 exponent field minus 127 (−127 for zero and subnormals), as int32."""
@@ -163,8 +175,8 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
         descale = amax / fmt.max
         exponent = _unbiased_exponent(descale) + ((descale.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
         # a float32-subnormal descale: ceil(log2) is -126 above 2^-127 and at most -127 otherwise
-        subnormal = descale < 2.0 ** -126
-        exponent = torch.where(subnormal, torch.where(descale > 2.0 ** -127, -126, -127), exponent)
+        subnormal = descale < 2.0**-126
+        exponent = torch.where(subnormal, torch.where(descale > 2.0**-127, -126, -127), exponent)
     else:
         if mode == "even":  # round the mantissa to the element's width (half up) before taking floor
             rounded = amax.view(torch.int32) + (1 << (22 - fmt.mantissa_bits))
@@ -192,6 +204,7 @@ def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 
 # --- NVFP4 ---------------------------------------------------------------------------------------
 
+
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax_tensor / (448·6) in float32; 1 when that is zero (amax < 3.8e-42) or amax is not finite."""
     amax = amax.float()
@@ -213,6 +226,7 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
 
 
 # --- random Hadamard transform -----------------------------------------------------------------------
+
 
 def hadamard_matrix(size: int = NVFP4_BLOCK, seed: int = 0) -> torch.Tensor:
     """The orthonormal randomized Hadamard matrix D·H/√size (float32, size×size), signs D from ``seed``.
@@ -241,22 +255,26 @@ def _randomized_hadamard(size: int, seed: int) -> torch.Tensor:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     generator = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (size,), generator=generator, dtype=torch.int64).to(torch.float64) * 2 - 1
-    return (signs[:, None] * h / size ** 0.5).float()
+    return (signs[:, None] * h / size**0.5).float()
 
 
 def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, dim: int = -1) -> torch.Tensor:
     """x along ``dim``, in chunks of 16, times the seeded randomized Hadamard matrix (or its inverse).
 
     Computed in float32 as an exact ×1/4 (first, so no partial sum can overflow), signs, and four
-    butterfly stages of sums and differences (Sylvester's H₁₆ = H₂⊗H₂⊗H₂⊗H₂): the same values as ``chunk @ hadamard_matrix(16, seed)``
-    up to float32 rounding of the partial sums, in one elementwise pass that needs no transpose.
+    butterfly stages of sums and differences (Sylvester's H₁₆ = H₂⊗H₂⊗H₂⊗H₂): the same values as
+    ``chunk @ hadamard_matrix(16, seed)`` up to float32 rounding of the partial sums, in one
+    elementwise pass that needs no transpose.
     """
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {dim}")
     dim = dim % x.dim()
     if x.shape[dim] % NVFP4_BLOCK:
-        raise ValueError(f"the Hadamard transform needs the axis length to be a multiple of {NVFP4_BLOCK}, got {x.shape[dim]}")
-    lead, trail = x.shape[:dim], math.prod(x.shape[dim + 1:])
+        raise ValueError(
+            f"the Hadamard transform needs the axis length to be a multiple of {NVFP4_BLOCK}, "
+            f"got {x.shape[dim]}"
+        )
+    lead, trail = x.shape[:dim], math.prod(x.shape[dim + 1 :])
     chunks = x.float().reshape(*lead, -1, NVFP4_BLOCK, trail) * 0.25  # first, as x·M does: no overflow
     signs = _cached_hadamard_signs(seed).to(x.device)[:, None]
     if not inverse:

@@ -17,11 +17,15 @@ where autograd records nothing (``SeedQuantizerFunction.backward_calls`` counts 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from qlab.probes import probe
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 MODES = ("as_written", "corrected")
 
@@ -143,10 +147,25 @@ def permutation_task_batch(batch: int, tokens: int, vocab: int, generator: torch
 
 # --- training and auditing --------------------------------------------------------------------------
 
-def train(mode: str = "corrected", optimizer: str = "adam", steps: int = 150, *, lr: float | None = None,
-          loss_scale: float | None = None, growth_interval: int = 50, microbatches: int = 1,
-          clip_norm: float | None = None, batch: int = 16, tokens: int = 32, vocab: int = 32, width: int = 64,
-          depth: int = 2, seed: int = 0, watch: str = "blocks.0.fc1") -> "pd.DataFrame":
+
+def train(
+    mode: str = "corrected",
+    optimizer: str = "adam",
+    steps: int = 150,
+    *,
+    lr: float | None = None,
+    loss_scale: float | None = None,
+    growth_interval: int = 50,
+    microbatches: int = 1,
+    clip_norm: float | None = None,
+    batch: int = 16,
+    tokens: int = 32,
+    vocab: int = 32,
+    width: int = 64,
+    depth: int = 2,
+    seed: int = 0,
+    watch: str = "blocks.0.fc1",
+) -> pd.DataFrame:
     """Train a SeedTransformer on the permutation task; one row per step.
 
     Columns: step, loss, loss_scale (GradScaler's scale during that step's backward, 1 without),
@@ -162,9 +181,16 @@ def train(mode: str = "corrected", optimizer: str = "adam", steps: int = 150, *,
         raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'sgd'")
     model = SeedTransformer(vocab=vocab, width=width, depth=depth, tokens=tokens, mode=mode, seed=seed)
     lr = lr if lr is not None else (3e-3 if optimizer == "adam" else 0.5)
-    opt = torch.optim.Adam(model.parameters(), lr) if optimizer == "adam" else torch.optim.SGD(model.parameters(), lr)
-    scaler = (torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=growth_interval)
-              if loss_scale is not None else None)
+    opt = (
+        torch.optim.Adam(model.parameters(), lr)
+        if optimizer == "adam"
+        else torch.optim.SGD(model.parameters(), lr)
+    )
+    scaler = (
+        torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=growth_interval)
+        if loss_scale is not None
+        else None
+    )
     generator = torch.Generator().manual_seed(seed + 1)
     watched = model.get_submodule(watch)
     rows = []
@@ -190,9 +216,18 @@ def train(mode: str = "corrected", optimizer: str = "adam", steps: int = 150, *,
         frame = probes.to_frame()
         inside = frame[frame.module == f"{watch}.weight.grad_inside"].value.iloc[0]
         final = watched.weight.grad.norm().item()
-        rows.append({"step": step, "loss": loss_total, "loss_scale": scale, "inside_norm": inside,
-                     "final_norm": final, "ratio": inside / final, "clip_coefficient": coefficient,
-                     "audit_unexplained": report.unexplained.max()})
+        rows.append(
+            {
+                "step": step,
+                "loss": loss_total,
+                "loss_scale": scale,
+                "inside_norm": inside,
+                "final_norm": final,
+                "ratio": inside / final,
+                "clip_coefficient": coefficient,
+                "audit_unexplained": report.unexplained.max(),
+            }
+        )
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -221,17 +256,26 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, result_file: str, st
             report = audit.report()
             local = audit.inside["blocks.0.fc1.weight"].norm().item()
             final = model.module.blocks[0].fc1.weight.grad.norm().item()
-            rows.append({"step": step, "rank": rank, "local_norm": local, "final_norm": final,
-                         "ratio": local / final, "world_size": world_size,
-                         "audit_unexplained": report.unexplained.max()})
+            rows.append(
+                {
+                    "step": step,
+                    "rank": rank,
+                    "local_norm": local,
+                    "final_norm": final,
+                    "ratio": local / final,
+                    "world_size": world_size,
+                    "audit_unexplained": report.unexplained.max(),
+                }
+            )
             opt.step()
         import pandas as pd
+
         pd.DataFrame(rows).to_csv(f"{result_file}.{rank}", index=False)
     finally:
         dist.destroy_process_group()
 
 
-def ddp_audit(world_size: int = 2, steps: int = 5, seed: int = 0) -> "pd.DataFrame":
+def ddp_audit(world_size: int = 2, steps: int = 5, seed: int = 0) -> pd.DataFrame:
     """Train the corrected SeedTransformer under DDP (gloo, ``world_size`` CPU processes) and audit
     every step on every rank: the local gradient against the averaged ``param.grad``."""
     import tempfile
@@ -241,5 +285,10 @@ def ddp_audit(world_size: int = 2, steps: int = 5, seed: int = 0) -> "pd.DataFra
 
     with tempfile.TemporaryDirectory() as folder:
         result = f"{folder}/audit"
-        mp.spawn(_ddp_worker, args=(world_size, f"{folder}/init", result, steps, seed), nprocs=world_size, join=True)
+        mp.spawn(
+            _ddp_worker,
+            args=(world_size, f"{folder}/init", result, steps, seed),
+            nprocs=world_size,
+            join=True,
+        )
         return pd.concat([pd.read_csv(f"{result}.{rank}") for rank in range(world_size)], ignore_index=True)

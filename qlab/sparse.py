@@ -12,8 +12,8 @@ Two ways to do it, which must give the same gradients and very different costs:
 
 | mode | which entries of dy (N tokens × M features) survive | dx | dW, db |
 |---|---|---|---|
-| ``"shared"`` | the k features with the largest Σₙ|dy[n, m]|, for every row | dy[:, idx]·W[idx, :] | only rows idx non-zero: dy[:, idx]ᵀ·x |
-| ``"row"`` | each row's own k largest |dy[n, m]| | sparse(dy)·W | sparse(dy)ᵀ·x (rows hit by any row's top-k) |
+| ``"shared"`` | the k features of largest Σₙ|dy[n, m]| | dy[:, idx]·W[idx, :] | rows idx: dy[:, idx]ᵀ·x |
+| ``"row"`` | each row's own k largest |dy[n, m]| | sparse(dy)·W | sparse(dy)ᵀ·x (rows any top-k hit) |
 
 k is a count (int ≥ 1) or a fraction of the features (float in (0, 1]: k = max(1, round(f·M))).
 With k = M every variant is the dense layer, bit for bit. Ties at the k-th magnitude are broken
@@ -80,12 +80,14 @@ def shared_indices(dy: torch.Tensor, count: int) -> torch.Tensor:
 
 # --- masking by hooks -------------------------------------------------------------------------------
 
+
 class GradientMask:
     """Backward pre-hooks that keep only the top-k entries of the selected modules' output gradient.
 
     modules: fnmatch patterns of qualified names and/or module classes (default: every nn.Linear);
-    keep: fnmatch patterns of names left alone (as in ``sparsify_model``). Removable (``remove()`` or use as a context manager); other hooks (probes) see the masked dy if
-    they run after it. ``fractions`` records, per call, the fraction of dy entries kept.
+    keep: fnmatch patterns of names left alone (as in ``sparsify_model``). Removable (``remove()``
+    or use as a context manager); other hooks (probes) see the masked dy if they run after it.
+    ``fractions`` records, per call, the fraction of dy entries kept.
     """
 
     def __init__(self, model: nn.Module, k, *, mode: str = "shared", modules=(nn.Linear,), keep=()):
@@ -94,14 +96,21 @@ class GradientMask:
         check_k(k)  # against the feature count at each call
         self.k, self.mode = k, mode
         patterns = [modules] if isinstance(modules, (str, type)) else list(modules)
-        self.selected = {name: module for name, module in model.named_modules()
-                         if any(isinstance(module, p) if isinstance(p, type) else fnmatch.fnmatchcase(name, p)
-                                for p in patterns)
-                         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in _patterns(keep))}
+        self.selected = {
+            name: module
+            for name, module in model.named_modules()
+            if any(
+                isinstance(module, p) if isinstance(p, type) else fnmatch.fnmatchcase(name, p)
+                for p in patterns
+            )
+            and not any(fnmatch.fnmatchcase(name, pattern) for pattern in _patterns(keep))
+        }
         if not self.selected:
             raise ValueError(f"module patterns {patterns!r} match no module of the model")
         self.fractions: list[float] = []
-        self._handles = [module.register_full_backward_pre_hook(self._hook) for module in self.selected.values()]
+        self._handles = [
+            module.register_full_backward_pre_hook(self._hook) for module in self.selected.values()
+        ]
 
     def _hook(self, module, grad_output):
         dy = grad_output[0]
@@ -119,14 +128,16 @@ class GradientMask:
             handle.remove()
         self._handles.clear()
 
-    def __enter__(self) -> "GradientMask":
+    def __enter__(self) -> GradientMask:
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
 
 
-def mask_gradients(model: nn.Module, k, *, mode: str = "shared", modules=(nn.Linear,), keep=()) -> GradientMask:
+def mask_gradients(
+    model: nn.Module, k, *, mode: str = "shared", modules=(nn.Linear,), keep=()
+) -> GradientMask:
     """Keep only the top-k output-gradient entries of the selected modules (see GradientMask)."""
     return GradientMask(model, k, mode=mode, modules=modules, keep=keep)
 
@@ -136,6 +147,7 @@ def _patterns(keep) -> list[str]:
 
 
 # --- TopKLinear: a backward that shrinks the GEMMs ---------------------------------------------------
+
 
 class _TopKLinearFunction(torch.autograd.Function):
     @staticmethod
@@ -157,8 +169,11 @@ class _TopKLinearFunction(torch.autograd.Function):
         if ctx.variant == "max_child":
             dx, dw, db = dy @ weight, dy.T @ x, dy.sum(0) if ctx.has_bias else None
             # only gradients someone needs compete (a first layer's dx would otherwise win and be dropped)
-            norms = {key: grad.abs().sum() for key, grad, needed in (("x", dx, need_x), ("w", dw, need_w),
-                                                                      ("b", db, need_b)) if needed and grad is not None}
+            norms = {
+                key: grad.abs().sum()
+                for key, grad, needed in (("x", dx, need_x), ("w", dw, need_w), ("b", db, need_b))
+                if needed and grad is not None
+            }
             winner = max(norms, key=lambda key: norms[key]) if norms else None
             dx = dx if winner == "x" else torch.zeros_like(dx)
             dw = dw if winner == "w" else torch.zeros_like(dw)
@@ -178,8 +193,9 @@ class _TopKLinearFunction(torch.autograd.Function):
             keep = dy.abs().topk(ctx.count, dim=1).indices
             rows = torch.arange(dy.shape[0], device=dy.device).repeat_interleave(ctx.count)
             values = dy.gather(1, keep).reshape(-1)
-            sparse_dy = torch.sparse_coo_tensor(torch.stack([rows, keep.reshape(-1)]), values, dy.shape,
-                                                check_invariants=False).coalesce()
+            sparse_dy = torch.sparse_coo_tensor(
+                torch.stack([rows, keep.reshape(-1)]), values, dy.shape, check_invariants=False
+            ).coalesce()
             if need_x:
                 dx = torch.sparse.mm(sparse_dy, weight)
             if need_w:
@@ -196,8 +212,18 @@ class TopKLinear(nn.Linear):
     """Drop-in nn.Linear (inputs (..., in_features)) whose backward keeps only the top-k output
     gradient features, computed with gathered (mode "shared") or sparse (mode "row") GEMMs."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, k=1.0, mode: str = "shared",
-                 variant: str = "topk", device=None, dtype=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        k=1.0,
+        mode: str = "shared",
+        variant: str = "topk",
+        device=None,
+        dtype=None,
+    ):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(k, mode, variant)
 
@@ -210,7 +236,9 @@ class TopKLinear(nn.Linear):
         self.k, self.mode, self.variant = k, mode, variant
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, k=1.0, *, mode: str = "shared", variant: str = "topk") -> "TopKLinear":
+    def from_linear(
+        cls, linear: nn.Linear, k=1.0, *, mode: str = "shared", variant: str = "topk"
+    ) -> TopKLinear:
         """A TopKLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
         layer = linear_sharing_parameters(cls, linear)
         layer._configure(k, mode, variant)
@@ -221,13 +249,18 @@ class TopKLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(f"TopKLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+            raise TypeError(
+                f"TopKLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
+            )
         if x.dim() == 0 or x.shape[-1] != self.in_features:
-            raise ValueError(f"TopKLinear expects input of shape (..., {self.in_features}), got {tuple(x.shape)}")
+            raise ValueError(
+                f"TopKLinear expects input of shape (..., {self.in_features}), got {tuple(x.shape)}"
+            )
         if self.count == self.out_features and self.variant == "topk":
             return F.linear(x, self.weight, self.bias)  # k = all: exactly the dense layer
-        y = _TopKLinearFunction.apply(x.reshape(-1, self.in_features), self.weight, self.bias, self.count,
-                                      self.mode, self.variant)
+        y = _TopKLinearFunction.apply(
+            x.reshape(-1, self.in_features), self.weight, self.bias, self.count, self.mode, self.variant
+        )
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -235,8 +268,9 @@ def sparsify_model(model: nn.Module, k, *, mode: str = "shared", variant: str = 
     """Replace every nn.Linear (in place) by a TopKLinear sharing its Parameters, except names matching
     the fnmatch patterns in ``keep``; return the replaced names. A Linear registered under several
     names becomes one shared TopKLinear. Nothing is replaced if any layer refuses k."""
-    chosen = replace_linears(model, lambda linear, i: TopKLinear.from_linear(linear, k, mode=mode, variant=variant),
-                             keep=keep)
+    chosen = replace_linears(
+        model, lambda linear, i: TopKLinear.from_linear(linear, k, mode=mode, variant=variant), keep=keep
+    )
     return [name for name, _, replaced in chosen if replaced]
 
 
@@ -245,8 +279,9 @@ def sparsify_model(model: nn.Module, k, *, mode: str = "shared", variant: str = 
 BACKWARDS = ("dense", "hook_mask", "gathered", "sparse_rows")
 
 
-def backward_seconds(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, backward: str, k, *,
-                     keep=(), repeats: int = 5) -> float:
+def backward_seconds(
+    model: nn.Module, x: torch.Tensor, dy: torch.Tensor, backward: str, k, *, keep=(), repeats: int = 5
+) -> float:
     """Median seconds of one backward pass of ``model`` (forward excluded) for the ``backward`` variant:
 
     dense (the model as it is), hook_mask (mask_gradients, shared index set), gathered

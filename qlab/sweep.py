@@ -1,10 +1,10 @@
 """Parameter sweeps: the cartesian product of a YAML grid, one executed notebook per point.
 
-Each point runs in ``runs/<notebook>/<point-slug>/`` (``runs/smoke/...`` for smoke sweeps) with its own data/ and figures/ and, once it
-has finished, a ``metrics.json`` (parameters, seconds, and every ``data/*.json`` the notebook wrote
-through ``qlab.results.save_metrics``). A point with a metrics.json is complete and is skipped by
-the next invocation; a failing point leaves ``error.txt`` instead and is retried next time. Nothing
-a completed point wrote is ever deleted.
+Each point runs in ``runs/<notebook>/<point-slug>/`` (``runs/smoke/...`` for smoke sweeps) with its
+own data/ and figures/ and, once it has finished, a ``metrics.json`` (parameters, seconds, and
+every ``data/*.json`` the notebook wrote through ``qlab.results.save_metrics``). A point with a
+metrics.json is complete and is skipped by the next invocation; a failing point leaves
+``error.txt`` instead and is retried next time. Nothing a completed point wrote is ever deleted.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def load_grid(path: str | os.PathLike) -> dict[str, list]:
     except yaml.YAMLError as err:
         raise ValueError(f"malformed YAML in {path}: {err}") from None
     if not isinstance(raw, dict) or not raw:
-        raise ValueError(f"grid {path} must be a non-empty mapping of parameter name -> list of values, "
-                         f"got {type(raw).__name__}")
+        raise ValueError(
+            f"grid {path} must be a non-empty mapping of parameter name -> list of values, "
+            f"got {type(raw).__name__}"
+        )
     grid = {}
     for name, values in raw.items():
         if not isinstance(name, str):
@@ -77,8 +79,14 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
     directory = Path(directory)
     start = time.perf_counter()
     try:
-        run_notebook(notebook, parameters, smoke=smoke, output=directory / f"{Path(notebook).stem}.ipynb",
-                     results_dir=directory, timeout=timeout)
+        run_notebook(
+            notebook,
+            parameters,
+            smoke=smoke,
+            output=directory / f"{Path(notebook).stem}.ipynb",
+            results_dir=directory,
+            timeout=timeout,
+        )
         collected = {}
         for metrics_file in sorted((directory / "data").glob("*.json")):
             collected.update(json.loads(metrics_file.read_text()))
@@ -86,8 +94,12 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
         message = f"{type(err).__name__}: {err}"
         (directory / ERROR_FILE).write_text(message + "\n")
         return PointOutcome(directory.name, "failed", message.splitlines()[0])
-    record = {"parameters": parameters, "smoke": smoke, "seconds": round(time.perf_counter() - start, 3),
-              "metrics": collected}
+    record = {
+        "parameters": parameters,
+        "smoke": smoke,
+        "seconds": round(time.perf_counter() - start, 3),
+        "metrics": collected,
+    }
     tmp = directory / (METRICS_FILE + ".tmp")
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, directory / METRICS_FILE)
@@ -95,8 +107,15 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
     return PointOutcome(directory.name, "ok")
 
 
-def run_sweep(notebook: str, grid_file: str | os.PathLike, *, jobs: int = 1, smoke: bool = False,
-              timeout: int = 1800, progress: bool = True) -> list[PointOutcome]:
+def run_sweep(
+    notebook: str,
+    grid_file: str | os.PathLike,
+    *,
+    jobs: int = 1,
+    smoke: bool = False,
+    timeout: int = 1800,
+    progress: bool = True,
+) -> list[PointOutcome]:
     """Run every point of the grid not yet complete, ``jobs`` at a time; return one outcome per point.
 
     Every parameter name is checked against the notebook before anything runs.

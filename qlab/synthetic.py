@@ -11,8 +11,14 @@ import torch
 DISTRIBUTIONS = ("gaussian", "laplace", "student_t3", "outlier_channels")
 
 
-def activations(kind: str, shape: tuple[int, ...], generator: torch.Generator, *,
-                outlier_channels: int = 8, outlier_scale: float = 100.0) -> torch.Tensor:
+def activations(
+    kind: str,
+    shape: tuple[int, ...],
+    generator: torch.Generator,
+    *,
+    outlier_channels: int = 8,
+    outlier_scale: float = 100.0,
+) -> torch.Tensor:
     """Draw activations of one kind, unit scale (standard deviation ≈ 1 before outliers):
 
     gaussian — N(0, 1); laplace — Laplace(0, 1/√2) (unit variance, exponential tails);
@@ -27,8 +33,8 @@ def activations(kind: str, shape: tuple[int, ...], generator: torch.Generator, *
         return normal
     if kind == "laplace":
         # u in the open interval (−1/2, 1/2): torch.rand can return 0, and log1p(−1) = −inf
-        uniform = torch.rand(shape, generator=generator) * (1 - 2.0 ** -24) + 2.0 ** -25 - 0.5
-        return -torch.sign(uniform) * torch.log1p(-2 * uniform.abs()) / 2 ** 0.5
+        uniform = torch.rand(shape, generator=generator) * (1 - 2.0**-24) + 2.0**-25 - 0.5
+        return -torch.sign(uniform) * torch.log1p(-2 * uniform.abs()) / 2**0.5
     if kind == "student_t3":
         chi2 = (torch.randn((*shape, 3), generator=generator) ** 2).sum(-1)
         return normal / torch.sqrt(chi2 / 3)

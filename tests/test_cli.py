@@ -7,18 +7,18 @@ import pytest
 
 from qlab import cli, notebooks, paths, sweep
 
-TINY_PARAMETERS = '''smoke: bool = False  # tiny sizes
+TINY_PARAMETERS = """smoke: bool = False  # tiny sizes
 device: str = "auto"  # unused here
 a: int = 1  # a number recorded in the results
 label: str = "x"  # a string recorded in the results
-fail: bool = False  # raise inside the notebook'''
+fail: bool = False  # raise inside the notebook"""
 
-TINY_BODY = '''import pandas as pd
+TINY_BODY = """import pandas as pd
 from qlab.results import save_csv, save_metrics
 if fail:
     raise RuntimeError(f"boom at a={a}")
 save_csv(pd.DataFrame({"a": [a], "square": [a * a]}), "tiny")
-save_metrics("tiny", a=a, square=a * a, label=label, smoke=smoke)'''
+save_metrics("tiny", a=a, square=a * a, label=label, smoke=smoke)"""
 
 
 @pytest.fixture
@@ -52,11 +52,14 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
     assert (tmp_path / "runs" / "99_tiny.ipynb").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["run", "no_such_notebook"], "unknown notebook 'no_such_notebook'; available: 00_"),
-    (["run", "02", "-p", "no_such_parameter", "1"], "unknown parameter(s) no_such_parameter"),
-    (["run", "02", "-p", "n", "many"], "parameter n of 02_welford_vs_naive_variance expects int"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "no_such_notebook"], "unknown notebook 'no_such_notebook'; available: 00_"),
+        (["run", "02", "-p", "no_such_parameter", "1"], "unknown parameter(s) no_such_parameter"),
+        (["run", "02", "-p", "n", "many"], "parameter n of 02_welford_vs_naive_variance expects int"),
+    ],
+)
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
@@ -83,12 +86,15 @@ def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, c
     assert (done / sweep.METRICS_FILE).stat().st_mtime_ns == before
 
 
-@pytest.mark.parametrize("text, message", [
-    ("a: [1, 2\n", "malformed YAML"),
-    ("- 1\n- 2\n", "must be a non-empty mapping"),
-    ("a: []\n", "empty list of values"),
-    ("b: [1]\n", "unknown parameter(s) b"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a: [1, 2\n", "malformed YAML"),
+        ("- 1\n- 2\n", "must be a non-empty mapping"),
+        ("a: []\n", "empty list of values"),
+        ("b: [1]\n", "unknown parameter(s) b"),
+    ],
+)
 def test_sweep_rejects_bad_grids_before_running_anything(tiny, tmp_path, text, message, capsys):
     grid = tmp_path / "grid.yaml"
     grid.write_text(text)
@@ -107,7 +113,9 @@ def test_grid_points_product_and_slugs():
 
 def test_float_parameters_accept_exponent_notation_and_ints(tiny):
     """YAML 1.1 reads `1e6` as a string; a float parameter must still take it."""
-    params = notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": "1e6", "eps": 1, "n": 8})
+    params = notebooks.check_parameters(
+        notebooks.resolve_notebook("02"), {"kappa_max": "1e6", "eps": 1, "n": 8}
+    )
     assert params == {"kappa_max": 1e6, "eps": 1.0, "n": 8}
     assert type(params["eps"]) is float
     for bad in ("big", "nan", "inf"):
@@ -143,4 +151,6 @@ def test_list_and_resolve(capsys):
     out = capsys.readouterr().out
     assert "02_welford_vs_naive_variance" in out and "smoke: bool = False" in out
     assert notebooks.resolve_notebook("02").name == "02_welford_vs_naive_variance.ipynb"
-    assert notebooks.resolve_notebook(paths.NOTEBOOKS_DIR / "02_welford_vs_naive_variance.py").suffix == ".ipynb"
+    assert (
+        notebooks.resolve_notebook(paths.NOTEBOOKS_DIR / "02_welford_vs_naive_variance.py").suffix == ".ipynb"
+    )

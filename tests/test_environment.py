@@ -1,7 +1,6 @@
 """environment.yml names exactly the dependencies pyproject.toml declares (runtime + dev)."""
 
 import tomllib
-
 import yaml
 
 from qlab import paths
@@ -21,5 +20,7 @@ def test_environment_yml_matches_pyproject():
 def test_makefile_pins_torch_before_the_package():
     makefile = (paths.ROOT / "Makefile").read_text()
     assert "TORCH_VERSION ?=" in makefile
-    assert makefile.index('pip install -q "torch==$(TORCH_VERSION)"') < makefile.index('pip install -q -e ".[dev]"')
+    assert makefile.index('pip install -q "torch==$(TORCH_VERSION)"') < makefile.index(
+        'pip install -q -e ".[dev]"'
+    )
     assert "make test" in (paths.ROOT / ".ci" / "run").read_text()

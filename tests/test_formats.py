@@ -11,7 +11,7 @@ import torch
 
 from qlab import formats
 
-ALL_BF16 = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+ALL_BF16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
 FINITE_BF16 = ALL_BF16[torch.isfinite(ALL_BF16)]
 
 
@@ -20,10 +20,13 @@ def assert_same_bits(actual, expected):
     same = actual.view(torch.int32) == expected.view(torch.int32)
     both_nan = torch.isnan(actual) & torch.isnan(expected)
     bad = ~(same | both_nan)
-    assert not bad.any(), f"{int(bad.sum())} mismatches, e.g. x -> {actual[bad][:5].tolist()} vs {expected[bad][:5].tolist()}"
+    assert not bad.any(), (
+        f"{int(bad.sum())} mismatches, e.g. x -> {actual[bad][:5].tolist()} vs {expected[bad][:5].tolist()}"
+    )
 
 
 # --- against torch's native casts -------------------------------------------------------------
+
 
 def test_e4m3_saturating_equals_torch_float8_e4m3fn_on_every_bf16_value():
     # torch 2.13's CPU cast to float8_e4m3fn saturates (inf -> 448); NaN stays NaN
@@ -37,19 +40,32 @@ def test_e5m2_non_saturating_equals_torch_float8_e5m2_on_every_bf16_value():
 
 @pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_ieee_16_bit_rne_equals_torch_on_random_float32_bit_patterns(name, dtype):
-    bits = torch.randint(-(2 ** 31), 2 ** 31 - 1, (200_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64)
+    bits = torch.randint(
+        -(2**31), 2**31 - 1, (200_000,), generator=torch.Generator().manual_seed(0), dtype=torch.int64
+    )
     x = bits.to(torch.int32).view(torch.float32)
-    x = torch.cat([x, torch.tensor([3.4028234663852886e38, -3.4028234663852886e38, 65519.0, 65520.0, 2.0 ** -25, 2.0 ** -24 * 1.5])])
+    x = torch.cat(
+        [
+            x,
+            torch.tensor(
+                [3.4028234663852886e38, -3.4028234663852886e38, 65519.0, 65520.0, 2.0**-25, 2.0**-24 * 1.5]
+            ),
+        ]
+    )
     assert_same_bits(formats.cast(x, name, saturate=False), x.to(dtype).float())
 
 
 # --- against torchao's reference FP4/FP6 quantizers (saturating, RNE) ----------------------------
 
-@pytest.mark.parametrize("name, to_bits, from_bits", [
-    ("e2m1", "f32_to_f4_unpacked", "f4_unpacked_to_f32"),
-    ("e3m2", "f32_to_f6_e3m2_unpacked", "f6_e3m2_unpacked_to_f32"),
-    ("e2m3", "f32_to_f6_e2m3_unpacked", "f6_e2m3_unpacked_to_f32"),
-])
+
+@pytest.mark.parametrize(
+    "name, to_bits, from_bits",
+    [
+        ("e2m1", "f32_to_f4_unpacked", "f4_unpacked_to_f32"),
+        ("e3m2", "f32_to_f6_e3m2_unpacked", "f6_e3m2_unpacked_to_f32"),
+        ("e2m3", "f32_to_f6_e2m3_unpacked", "f6_e2m3_unpacked_to_f32"),
+    ],
+)
 def test_fp4_fp6_equal_torchao_reference_on_every_finite_bf16_value(name, to_bits, from_bits):
     kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
     expected = getattr(kernels, from_bits)(getattr(kernels, to_bits)(FINITE_BF16))
@@ -58,14 +74,18 @@ def test_fp4_fp6_equal_torchao_reference_on_every_finite_bf16_value(name, to_bit
 
 # --- published format facts -----------------------------------------------------------------
 
-@pytest.mark.parametrize("name, max_, min_normal, min_subnormal, emax, count", [
-    # OCP FP8 and MX v1.0 specs; count = non-negative finite encodings
-    ("e4m3", 448.0, 2 ** -6, 2 ** -9, 8, 127),
-    ("e5m2", 57344.0, 2 ** -14, 2 ** -16, 15, 124),
-    ("e3m2", 28.0, 2 ** -2, 2 ** -4, 4, 32),
-    ("e2m3", 7.5, 1.0, 2 ** -3, 2, 32),
-    ("e2m1", 6.0, 1.0, 0.5, 2, 8),
-])
+
+@pytest.mark.parametrize(
+    "name, max_, min_normal, min_subnormal, emax, count",
+    [
+        # OCP FP8 and MX v1.0 specs; count = non-negative finite encodings
+        ("e4m3", 448.0, 2**-6, 2**-9, 8, 127),
+        ("e5m2", 57344.0, 2**-14, 2**-16, 15, 124),
+        ("e3m2", 28.0, 2**-2, 2**-4, 4, 32),
+        ("e2m3", 7.5, 1.0, 2**-3, 2, 32),
+        ("e2m1", 6.0, 1.0, 0.5, 2, 8),
+    ],
+)
 def test_format_table(name, max_, min_normal, min_subnormal, emax, count):
     fmt = formats.get_format(name)
     assert (fmt.max, fmt.min_normal, fmt.min_subnormal, fmt.emax) == (max_, min_normal, min_subnormal, emax)
@@ -89,17 +109,21 @@ def test_every_listed_value_casts_to_itself():
 
 # --- rounding modes: a table of ties and special cases ----------------------------------------
 
-@pytest.mark.parametrize("x, rne, away, toward_zero", [
-    (2.5, 2.0, 3.0, 2.0),      # tie between 2 (even mantissa) and 3
-    (-2.5, -2.0, -3.0, -2.0),
-    (5.0, 4.0, 6.0, 4.0),      # tie between 4 (mantissa 0) and 6 (mantissa 1)
-    (0.25, 0.0, 0.5, 0.0),     # half the smallest subnormal
-    (-0.25, -0.0, -0.5, -0.0),  # signed underflow keeps the sign
-    (0.75, 1.0, 1.0, 0.5),     # tie between subnormal 0.5 (odd) and 1.0
-    (5.9, 6.0, 6.0, 4.0),
-    (7.0, 6.0, 6.0, 6.0),      # above max: saturates
-    (1e30, 6.0, 6.0, 6.0),
-])
+
+@pytest.mark.parametrize(
+    "x, rne, away, toward_zero",
+    [
+        (2.5, 2.0, 3.0, 2.0),  # tie between 2 (even mantissa) and 3
+        (-2.5, -2.0, -3.0, -2.0),
+        (5.0, 4.0, 6.0, 4.0),  # tie between 4 (mantissa 0) and 6 (mantissa 1)
+        (0.25, 0.0, 0.5, 0.0),  # half the smallest subnormal
+        (-0.25, -0.0, -0.5, -0.0),  # signed underflow keeps the sign
+        (0.75, 1.0, 1.0, 0.5),  # tie between subnormal 0.5 (odd) and 1.0
+        (5.9, 6.0, 6.0, 4.0),
+        (7.0, 6.0, 6.0, 6.0),  # above max: saturates
+        (1e30, 6.0, 6.0, 6.0),
+    ],
+)
 def test_e2m1_rounding_table(x, rne, away, toward_zero):
     t = torch.tensor([x])
     for mode, expected in (("rne", rne), ("away", away), ("toward_zero", toward_zero)):
@@ -107,14 +131,17 @@ def test_e2m1_rounding_table(x, rne, away, toward_zero):
         assert out.item() == expected and math.copysign(1, out.item()) == math.copysign(1, expected), mode
 
 
-@pytest.mark.parametrize("name, x, expected", [
-    ("e4m3", 464.0, 448.0),            # midpoint 448|480 rounds to even 448: not an overflow
-    ("e4m3", 465.0, math.nan),         # past it: NaN (e4m3fn has no inf)
-    ("e4m3", math.inf, math.nan),
-    ("e5m2", 61440.0, math.inf),       # midpoint 57344|65536 rounds to even 65536 = inf
-    ("e5m2", -1e6, -math.inf),
-    ("e2m1", 100.0, 6.0),              # no inf/NaN encodings: always saturates
-])
+@pytest.mark.parametrize(
+    "name, x, expected",
+    [
+        ("e4m3", 464.0, 448.0),  # midpoint 448|480 rounds to even 448: not an overflow
+        ("e4m3", 465.0, math.nan),  # past it: NaN (e4m3fn has no inf)
+        ("e4m3", math.inf, math.nan),
+        ("e5m2", 61440.0, math.inf),  # midpoint 57344|65536 rounds to even 65536 = inf
+        ("e5m2", -1e6, -math.inf),
+        ("e2m1", 100.0, 6.0),  # no inf/NaN encodings: always saturates
+    ],
+)
 def test_non_saturating_overflow(name, x, expected):
     out = formats.cast(torch.tensor([x]), name, saturate=False).item()
     assert (math.isnan(out) and math.isnan(expected)) or out == expected
@@ -142,13 +169,24 @@ def test_output_dtype_follows_input_and_nan_is_kept():
     assert out.dtype == torch.bfloat16 and out[0].item() == 1.25 and math.isnan(out[1].item())
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: formats.cast(torch.tensor([1.0]), "e9m9"), ValueError, "unknown element format 'e9m9'"),
-    (lambda: formats.cast(torch.tensor([1.0]), "e4m3", rounding="up"), ValueError, "unknown rounding 'up'"),
-    (lambda: formats.cast(torch.tensor([1]), "e4m3"), TypeError, "torch.int64"),
-    (lambda: formats.cast(torch.tensor([math.nan]), "e2m1"), ValueError, "e2m1 has no NaN"),
-    (lambda: formats.cast(torch.tensor([1.0]), "e4m3", generator=torch.Generator()), ValueError, "stochastic"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: formats.cast(torch.tensor([1.0]), "e9m9"), ValueError, "unknown element format 'e9m9'"),
+        (
+            lambda: formats.cast(torch.tensor([1.0]), "e4m3", rounding="up"),
+            ValueError,
+            "unknown rounding 'up'",
+        ),
+        (lambda: formats.cast(torch.tensor([1]), "e4m3"), TypeError, "torch.int64"),
+        (lambda: formats.cast(torch.tensor([math.nan]), "e2m1"), ValueError, "e2m1 has no NaN"),
+        (
+            lambda: formats.cast(torch.tensor([1.0]), "e4m3", generator=torch.Generator()),
+            ValueError,
+            "stochastic",
+        ),
+    ],
+)
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
@@ -159,8 +197,13 @@ def test_bad_input(call, error, message):
 # =================================================================================================
 
 FLOAT_FORMATS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "bf16", "fp16"]
-RANDOM_FLOAT32 = torch.randint(-(2 ** 31), 2 ** 31 - 1, (200_000,), generator=torch.Generator().manual_seed(1),
-                               dtype=torch.int64).to(torch.int32).view(torch.float32)
+RANDOM_FLOAT32 = (
+    torch.randint(
+        -(2**31), 2**31 - 1, (200_000,), generator=torch.Generator().manual_seed(1), dtype=torch.int64
+    )
+    .to(torch.int32)
+    .view(torch.float32)
+)
 
 
 @pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "no_saturate"])
@@ -172,28 +215,36 @@ def test_fast_rne_cast_equals_float64_reference_cast(name, saturate):
     for x in (ALL_BF16, RANDOM_FLOAT32):
         if not fmt.has_nan:
             x = x[~torch.isnan(x)]
-        assert_same_bits(formats.cast(x, name, saturate=saturate), formats.reference_cast(x, name, saturate=saturate))
+        assert_same_bits(
+            formats.cast(x, name, saturate=saturate), formats.reference_cast(x, name, saturate=saturate)
+        )
         # the fast path also runs for bfloat16 inputs (widened to float32); the results must agree there too
         xb = x.to(torch.bfloat16)
-        assert_same_bits(formats.cast(xb, name, saturate=saturate).float(),
-                         formats.reference_cast(xb, name, saturate=saturate).float())
+        assert_same_bits(
+            formats.cast(xb, name, saturate=saturate).float(),
+            formats.reference_cast(xb, name, saturate=saturate).float(),
+        )
 
 
 # =================================================================================================
 # Integer formats
 # =================================================================================================
 
-@pytest.mark.parametrize("name, bits, signed, lo, hi", [
-    ("int2", 2, True, -2, 1),
-    ("int8", 8, True, -128, 127),
-    ("uint4", 4, False, 0, 15),
-    ("int16", 16, True, -32768, 32767),
-    ("uint16", 16, False, 0, 65535),
-])
+
+@pytest.mark.parametrize(
+    "name, bits, signed, lo, hi",
+    [
+        ("int2", 2, True, -2, 1),
+        ("int8", 8, True, -128, 127),
+        ("uint4", 4, False, 0, 15),
+        ("int16", 16, True, -32768, 32767),
+        ("uint16", 16, False, 0, 65535),
+    ],
+)
 def test_int_format_range_table(name, bits, signed, lo, hi):
     fmt = formats.get_format(name)
     # two's complement / unsigned ranges from the textbook formula
-    formula = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    formula = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
     assert (fmt.min, fmt.max) == formula == (lo, hi)
     assert fmt.values().tolist() == list(range(lo, hi + 1))
     # the code dtype holds every value of the grid
@@ -203,30 +254,38 @@ def test_int_format_range_table(name, bits, signed, lo, hi):
 
 
 def test_int8_cast_equals_round_half_even_and_clamp_in_float64():
-    x = torch.cat([FINITE_BF16, RANDOM_FLOAT32[torch.isfinite(RANDOM_FLOAT32)] * 1e-37,
-                   torch.tensor([math.inf, -math.inf, 126.5, 127.5, -128.5, -127.5])])
+    x = torch.cat(
+        [
+            FINITE_BF16,
+            RANDOM_FLOAT32[torch.isfinite(RANDOM_FLOAT32)] * 1e-37,
+            torch.tensor([math.inf, -math.inf, 126.5, 127.5, -128.5, -127.5]),
+        ]
+    )
     expected = torch.round(x.double()).clamp(-128, 127).float()  # torch.round is half-to-even; inf clamps
     assert_same_bits(formats.cast(x, "int8") + 0.0, expected + 0.0)  # + 0.0: -0 and 0 are the same integer
     assert_same_bits(formats.reference_cast(x, "int8") + 0.0, expected + 0.0)
 
 
-@pytest.mark.parametrize("name, x, rne, away, toward_zero", [
-    ("int8", 2.5, 2, 3, 2),
-    ("int8", -2.5, -2, -3, -2),
-    ("int8", 3.5, 4, 4, 3),
-    ("int8", 0.5, 0, 1, 0),
-    ("int8", -0.5, 0, -1, 0),
-    ("int8", 2.4999998, 2, 2, 2),
-    ("int8", 127.5, 127, 127, 127),       # rne 128 and away 128 saturate to max
-    ("int8", -128.5, -128, -128, -128),
-    ("int8", math.inf, 127, 127, 127),
-    ("int8", -math.inf, -128, -128, -128),
-    ("int8", 1e30, 127, 127, 127),
-    ("uint4", -3.0, 0, 0, 0),             # unsigned: negatives clamp to 0
-    ("uint4", 15.5, 15, 15, 15),
-    ("int2", 1.5, 1, 1, 1),
-    ("int2", -1.5, -2, -2, -1),
-])
+@pytest.mark.parametrize(
+    "name, x, rne, away, toward_zero",
+    [
+        ("int8", 2.5, 2, 3, 2),
+        ("int8", -2.5, -2, -3, -2),
+        ("int8", 3.5, 4, 4, 3),
+        ("int8", 0.5, 0, 1, 0),
+        ("int8", -0.5, 0, -1, 0),
+        ("int8", 2.4999998, 2, 2, 2),
+        ("int8", 127.5, 127, 127, 127),  # rne 128 and away 128 saturate to max
+        ("int8", -128.5, -128, -128, -128),
+        ("int8", math.inf, 127, 127, 127),
+        ("int8", -math.inf, -128, -128, -128),
+        ("int8", 1e30, 127, 127, 127),
+        ("uint4", -3.0, 0, 0, 0),  # unsigned: negatives clamp to 0
+        ("uint4", 15.5, 15, 15, 15),
+        ("int2", 1.5, 1, 1, 1),
+        ("int2", -1.5, -2, -2, -1),
+    ],
+)
 def test_int_rounding_table(name, x, rne, away, toward_zero):
     t = torch.tensor([x])
     for mode, expected in (("rne", rne), ("away", away), ("toward_zero", toward_zero)):
@@ -237,6 +296,7 @@ def test_int_rounding_table(name, x, rne, away, toward_zero):
 # =================================================================================================
 # E8M0
 # =================================================================================================
+
 
 def test_e8m0_values_are_the_255_powers_of_two():
     fmt = formats.get_format("e8m0")
@@ -254,7 +314,7 @@ def test_e8m0_encode_decode_round_trip_of_every_code():
     assert_same_bits(formats.decode(codes, "e8m0"), values)
 
 
-@pytest.mark.parametrize("value", [3.0, 0.0, -2.0, 2.0 ** -128, math.inf])
+@pytest.mark.parametrize("value", [3.0, 0.0, -2.0, 2.0**-128, math.inf])
 def test_e8m0_encode_of_a_non_power_of_two_raises(value):
     with pytest.raises(ValueError, match="powers of two"):
         formats.encode(torch.tensor([value]), "e8m0")
@@ -263,6 +323,7 @@ def test_e8m0_encode_of_a_non_power_of_two_raises(value):
 # =================================================================================================
 # encode / decode against torch and torchao
 # =================================================================================================
+
 
 def signed_values(name):
     """Every finite value of a float format with both signs (incl. -0), as float32."""
@@ -278,8 +339,11 @@ def test_fp8_encode_equals_torch_float8_bits(name, dtype):
     expected = v.to(dtype).view(torch.uint8)
     assert torch.equal(formats.encode(v, name), expected)
     assert_same_bits(formats.decode(formats.encode(v, name), name), v)
-    assert formats.encode(torch.tensor([math.nan]), name).item() == 0x7F == \
-        torch.tensor([math.nan]).to(dtype).view(torch.uint8).item()
+    assert (
+        formats.encode(torch.tensor([math.nan]), name).item()
+        == 0x7F
+        == torch.tensor([math.nan]).to(dtype).view(torch.uint8).item()
+    )
 
 
 @pytest.mark.parametrize("name, dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
@@ -288,11 +352,14 @@ def test_fp8_decode_of_all_256_codes_equals_torch(name, dtype):
     assert_same_bits(formats.decode(codes, name), codes.view(dtype).float())
 
 
-@pytest.mark.parametrize("name, to_bits, from_bits, n_codes", [
-    ("e2m1", "f32_to_f4_unpacked", "f4_unpacked_to_f32", 16),
-    ("e3m2", "f32_to_f6_e3m2_unpacked", "f6_e3m2_unpacked_to_f32", 64),
-    ("e2m3", "f32_to_f6_e2m3_unpacked", "f6_e2m3_unpacked_to_f32", 64),
-])
+@pytest.mark.parametrize(
+    "name, to_bits, from_bits, n_codes",
+    [
+        ("e2m1", "f32_to_f4_unpacked", "f4_unpacked_to_f32", 16),
+        ("e3m2", "f32_to_f6_e3m2_unpacked", "f6_e3m2_unpacked_to_f32", 64),
+        ("e2m3", "f32_to_f6_e2m3_unpacked", "f6_e2m3_unpacked_to_f32", 64),
+    ],
+)
 def test_fp4_fp6_encode_decode_equal_torchao_codes(name, to_bits, from_bits, n_codes):
     kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
     v = signed_values(name)
@@ -304,10 +371,23 @@ def test_fp4_fp6_encode_decode_equal_torchao_codes(name, to_bits, from_bits, n_c
     assert_same_bits(formats.decode(every_code, name), getattr(kernels, from_bits)(every_code).float())
 
 
-@pytest.mark.parametrize("name, value", [
-    ("e4m3", 1.1), ("e4m3", 464.0), ("e4m3", 2.0 ** -10), ("e5m2", 1e6), ("e5m2", 1.1),
-    ("e3m2", 0.3), ("e2m3", 7.75), ("e2m1", 2.5), ("e2m1", 0.25), ("int8", 0.5), ("int8", 200.0), ("uint4", -1.0),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("e4m3", 1.1),
+        ("e4m3", 464.0),
+        ("e4m3", 2.0**-10),
+        ("e5m2", 1e6),
+        ("e5m2", 1.1),
+        ("e3m2", 0.3),
+        ("e2m3", 7.75),
+        ("e2m1", 2.5),
+        ("e2m1", 0.25),
+        ("int8", 0.5),
+        ("int8", 200.0),
+        ("uint4", -1.0),
+    ],
+)
 def test_encode_of_a_non_representable_value_raises(name, value):
     with pytest.raises(ValueError, match=f"{name}"):
         formats.encode(torch.tensor([value]), name)
@@ -322,7 +402,7 @@ def test_ieee_16_bit_encode_of_a_non_representable_value_raises(name):
 @pytest.mark.parametrize("name", ["e4m3", "int8", "e8m0"])
 def test_encode_of_a_float64_value_off_the_grid_raises(name):
     with pytest.raises(ValueError):
-        formats.encode(torch.tensor([1.0 + 2.0 ** -40], dtype=torch.float64), name)
+        formats.encode(torch.tensor([1.0 + 2.0**-40], dtype=torch.float64), name)
 
 
 def test_pack_fp4_equals_torchao_pack_uint4_and_round_trips():
@@ -337,7 +417,7 @@ def test_pack_fp4_equals_torchao_pack_uint4_and_round_trips():
 
 
 def test_bf16_encode_is_the_bit_pattern_of_every_non_nan_value():
-    codes = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    codes = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     keep = ~torch.isnan(ALL_BF16)
     assert torch.equal(formats.encode(ALL_BF16[keep], "bf16"), codes[keep])
     assert_same_bits(formats.decode(codes[keep], "bf16"), ALL_BF16[keep])
@@ -345,7 +425,7 @@ def test_bf16_encode_is_the_bit_pattern_of_every_non_nan_value():
 
 
 def test_fp16_encode_is_the_bit_pattern_of_every_non_nan_value():
-    codes = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    codes = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     values = codes.view(torch.float16).float()  # float16 -> float32 is exact
     keep = ~torch.isnan(values)
     assert torch.equal(formats.encode(values[keep], "fp16"), codes[keep])
@@ -357,19 +437,55 @@ def test_fp16_encode_is_the_bit_pattern_of_every_non_nan_value():
 # bad inputs
 # =================================================================================================
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: formats.get_format("e9m9"), ValueError, r"unknown element format 'e9m9'; expected one of: e4m3, e5m2"),
-    (lambda: formats.get_format(7), ValueError, r"expected one of: .*int2\.\.int16"),
-    (lambda: formats.cast(torch.tensor([1.0]), "e8m0"), ValueError, "e8m0 is a scale format"),
-    (lambda: formats.reference_cast(torch.tensor([1.0]), "e8m0"), ValueError, "e8m0 is a scale format"),
-    (lambda: formats.decode(torch.tensor([1.0]), "e4m3"), TypeError, "integer tensor of codes, got torch.float32"),
-    (lambda: formats.decode(torch.tensor([True]), "e4m3"), TypeError, "integer tensor of codes, got torch.bool"),
-    (lambda: formats.encode(torch.tensor([1]), "e4m3"), TypeError, "floating-point tensor, got torch.int64"),
-    (lambda: formats.pack_fp4(torch.zeros(3, dtype=torch.uint8)), ValueError, r"even last axis, got shape \(3,\)"),
-    (lambda: formats.pack_fp4(torch.zeros(4, dtype=torch.int32)), TypeError, "uint8 codes, got torch.int32"),
-    (lambda: formats.unpack_fp4(torch.zeros(4, dtype=torch.int8)), TypeError, "uint8 bytes, got torch.int8"),
-    (lambda: formats.cast(torch.tensor([1.0]), "int8", rounding="up"), ValueError, "expected one of: rne, away"),
-])
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda: formats.get_format("e9m9"),
+            ValueError,
+            r"unknown element format 'e9m9'; expected one of: e4m3, e5m2",
+        ),
+        (lambda: formats.get_format(7), ValueError, r"expected one of: .*int2\.\.int16"),
+        (lambda: formats.cast(torch.tensor([1.0]), "e8m0"), ValueError, "e8m0 is a scale format"),
+        (lambda: formats.reference_cast(torch.tensor([1.0]), "e8m0"), ValueError, "e8m0 is a scale format"),
+        (
+            lambda: formats.decode(torch.tensor([1.0]), "e4m3"),
+            TypeError,
+            "integer tensor of codes, got torch.float32",
+        ),
+        (
+            lambda: formats.decode(torch.tensor([True]), "e4m3"),
+            TypeError,
+            "integer tensor of codes, got torch.bool",
+        ),
+        (
+            lambda: formats.encode(torch.tensor([1]), "e4m3"),
+            TypeError,
+            "floating-point tensor, got torch.int64",
+        ),
+        (
+            lambda: formats.pack_fp4(torch.zeros(3, dtype=torch.uint8)),
+            ValueError,
+            r"even last axis, got shape \(3,\)",
+        ),
+        (
+            lambda: formats.pack_fp4(torch.zeros(4, dtype=torch.int32)),
+            TypeError,
+            "uint8 codes, got torch.int32",
+        ),
+        (
+            lambda: formats.unpack_fp4(torch.zeros(4, dtype=torch.int8)),
+            TypeError,
+            "uint8 bytes, got torch.int8",
+        ),
+        (
+            lambda: formats.cast(torch.tensor([1.0]), "int8", rounding="up"),
+            ValueError,
+            "expected one of: rne, away",
+        ),
+    ],
+)
 def test_bad_format_input(call, error, message):
     with pytest.raises(error, match=message):
         call()

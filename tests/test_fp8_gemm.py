@@ -20,7 +20,7 @@ from qlab.nn import QuantLinear, check_gemm
 from qlab.recipe import Recipe, get_recipe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-UNIT_ROUNDOFF = 2.0 ** -13 if DEVICE == "cuda" else 2.0 ** -24
+UNIT_ROUNDOFF = 2.0**-13 if DEVICE == "cuda" else 2.0**-24
 TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -50,7 +50,7 @@ def test_fp8_matmul_is_the_exact_product_within_a_float32_dot_product_bound(elem
         pytest.skip(unsupported_reason(spec_a, spec_b, 64, 48, torch.device(DEVICE)))
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(32, 64, generator=generator) * torch.logspace(-2, 2, 64)  # (M, K), K along axis 1
-    b = torch.randn(48, 64, generator=generator) * 30                         # (N, K)
+    b = torch.randn(48, 64, generator=generator) * 30  # (N, K)
     a, b = (a if axes[0] == 1 else a.T.contiguous()), (b if axes[1] == 1 else b.T.contiguous())
     qa, qb = Q.quantize(a.to(DEVICE), spec_a, axes[0]), Q.quantize(b.to(DEVICE), spec_b, axes[1])
     out = fp8_matmul(qa, qb)
@@ -75,24 +75,48 @@ def test_fp8_matmul_takes_any_output_dtype_and_refuses_bad_operands():
 
 
 E4M3, E5M2 = Q.TensorwiseSpec("e4m3"), Q.TensorwiseSpec("e5m2")
-E4M3_ROW, E5M2_ROW = Q.TensorwiseSpec("e4m3", granularity="axis"), Q.TensorwiseSpec("e5m2", granularity="axis")
+E4M3_ROW, E5M2_ROW = (
+    Q.TensorwiseSpec("e4m3", granularity="axis"),
+    Q.TensorwiseSpec("e5m2", granularity="axis"),
+)
 
 
-@pytest.mark.parametrize("spec_a, spec_b, k, n, capability, cuda, out_dtype, reason", [
-    (E4M3, E4M3, 64, 48, (9, 0), "12.4", torch.float32, None),
-    (E5M2, E4M3, 64, 48, (8, 9), "12.4", torch.float32, None),                      # Ada has FP8 tensor cores
-    (E4M3, E4M3, 64, 48, (8, 0), "12.4", torch.float32, "compute capability 8.9"),  # Ampere has none
-    (E4M3, E4M3, 40, 48, (9, 0), "12.4", torch.float32, "multiples of 16"),
-    (E4M3, E4M3, 64, 40, (9, 0), "12.4", torch.float32, "multiples of 16"),
-    (E5M2, E5M2, 64, 48, (9, 0), "12.4", torch.float32, "E5M2 × E5M2"),
-    (E5M2_ROW, E4M3_ROW, 64, 48, (9, 0), "12.9", torch.float32, None),             # cuBLAS's row-wise path
-    (E5M2_ROW, E4M3_ROW, 64, 48, (9, 0), "12.4", torch.float32, "float32 result"),  # CUTLASS: bf16/fp16 only
-    (E5M2_ROW, E4M3_ROW, 64, 48, (10, 0), "12.9", torch.float32, "float32 result"),
-    (E5M2_ROW, E4M3_ROW, 64, 48, (8, 9), "12.4", torch.bfloat16, None),
-    (E4M3_ROW, E5M2_ROW, 64, 48, (9, 0), "12.9", torch.float32, "operand B in E4M3"),
-    (Q.SPECS["mxfp8"], E4M3, 64, 48, (9, 0), "12.4", torch.float32, "not an E4M3/E5M2 TensorwiseSpec"),
-    (Q.TensorwiseSpec("e3m2"), E4M3, 64, 48, (9, 0), "12.4", torch.float32, "not an E4M3/E5M2 TensorwiseSpec"),
-])
+@pytest.mark.parametrize(
+    "spec_a, spec_b, k, n, capability, cuda, out_dtype, reason",
+    [
+        (E4M3, E4M3, 64, 48, (9, 0), "12.4", torch.float32, None),
+        (E5M2, E4M3, 64, 48, (8, 9), "12.4", torch.float32, None),  # Ada has FP8 tensor cores
+        (E4M3, E4M3, 64, 48, (8, 0), "12.4", torch.float32, "compute capability 8.9"),  # Ampere has none
+        (E4M3, E4M3, 40, 48, (9, 0), "12.4", torch.float32, "multiples of 16"),
+        (E4M3, E4M3, 64, 40, (9, 0), "12.4", torch.float32, "multiples of 16"),
+        (E5M2, E5M2, 64, 48, (9, 0), "12.4", torch.float32, "E5M2 × E5M2"),
+        (E5M2_ROW, E4M3_ROW, 64, 48, (9, 0), "12.9", torch.float32, None),  # cuBLAS's row-wise path
+        (
+            E5M2_ROW,
+            E4M3_ROW,
+            64,
+            48,
+            (9, 0),
+            "12.4",
+            torch.float32,
+            "float32 result",
+        ),  # CUTLASS: bf16/fp16 only
+        (E5M2_ROW, E4M3_ROW, 64, 48, (10, 0), "12.9", torch.float32, "float32 result"),
+        (E5M2_ROW, E4M3_ROW, 64, 48, (8, 9), "12.4", torch.bfloat16, None),
+        (E4M3_ROW, E5M2_ROW, 64, 48, (9, 0), "12.9", torch.float32, "operand B in E4M3"),
+        (Q.SPECS["mxfp8"], E4M3, 64, 48, (9, 0), "12.4", torch.float32, "not an E4M3/E5M2 TensorwiseSpec"),
+        (
+            Q.TensorwiseSpec("e3m2"),
+            E4M3,
+            64,
+            48,
+            (9, 0),
+            "12.4",
+            torch.float32,
+            "not an E4M3/E5M2 TensorwiseSpec",
+        ),
+    ],
+)
 def test_the_cuda_constraints_table(monkeypatch, spec_a, spec_b, k, n, capability, cuda, out_dtype, reason):
     # PyTorch's constraints (aten/src/ATen/native/cuda/ScaledBlas.cpp, RowwiseScaledMM.cu), checked here
     # without a GPU: a regression in unsupported_reason would send a GEMM to a kernel that refuses it
@@ -134,13 +158,22 @@ def _inputs(step: int):
     return x.to(DEVICE), dy.to(DEVICE)
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_delayed", ROWWISE,
-                                    get_recipe("fp8_tensorwise").replace(
-                                        input=Q.TensorwiseSpec("e4m3", pow2=True))])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "fp8_tensorwise",
+        "fp8_delayed",
+        ROWWISE,
+        get_recipe("fp8_tensorwise").replace(input=Q.TensorwiseSpec("e4m3", pow2=True)),
+    ],
+)
 def test_quantlinear_on_tensor_cores_agrees_with_emulation(recipe):
     recipe = get_recipe(recipe)
-    for role_a, role_b, k, n in (("input", "weight", 64, 48), ("dgrad_grad_output", "dgrad_weight", 48, 64),
-                                 ("wgrad_grad_output", "wgrad_input", 32, 64)):  # 32 tokens, 64 → 48 features
+    for role_a, role_b, k, n in (
+        ("input", "weight", 64, 48),
+        ("dgrad_grad_output", "dgrad_weight", 48, 64),
+        ("wgrad_grad_output", "wgrad_input", 32, 64),
+    ):  # 32 tokens, 64 → 48 features
         reason = unsupported_reason(recipe.spec(role_a), recipe.spec(role_b), k, n, torch.device(DEVICE))
         if reason:  # e.g. row-wise float32 results on a GPU without cuBLAS's row-wise path
             pytest.skip(reason)
@@ -154,9 +187,14 @@ def test_quantlinear_on_tensor_cores_agrees_with_emulation(recipe):
         # |qdq(v)| ≤ 2|v| (RNE onto a grid holding 0), so Σ|q(a)||q(b)| ≤ 4·Σ|a||b| on the high-precision
         # operands; the two GEMMs each stay within the dot-product bound of the exact one, hence 2·4·bound
         w = emulated.weight.detach()
-        for got, want, a, b in ((y_t - emulated.bias, y_e - emulated.bias, x, w),
-                                (dx_t, dx_e, dy, w.T), (dw_t, dw_e, dy.T, x.T)):
-            limit = 8 * _bound(a.double().cpu(), b.double().cpu()) + 2 * UNIT_ROUNDOFF * want.abs().double().cpu()
+        for got, want, a, b in (
+            (y_t - emulated.bias, y_e - emulated.bias, x, w),
+            (dx_t, dx_e, dy, w.T),
+            (dw_t, dw_e, dy.T, x.T),
+        ):
+            limit = (
+                8 * _bound(a.double().cpu(), b.double().cpu()) + 2 * UNIT_ROUNDOFF * want.abs().double().cpu()
+            )
             assert bool(((got - want).abs().double().cpu() <= limit).all())
         assert torch.equal(db_t, db_e)  # the bias gradient is Σ dy either way
     if emulated.recipe.delayed:
@@ -173,8 +211,13 @@ def test_the_dequantized_override_gives_the_emulated_backward_bit_for_bit():
 
 
 def test_delayed_scaling_with_stochastic_rounding_draws_from_the_layer_generator():
-    recipe = Recipe(name="fp8_delayed_sr", input=E4M3, weight=E4M3, delayed=True,
-                    grad_output=Q.TensorwiseSpec("e5m2", rounding="stochastic"))
+    recipe = Recipe(
+        name="fp8_delayed_sr",
+        input=E4M3,
+        weight=E4M3,
+        delayed=True,
+        grad_output=Q.TensorwiseSpec("e5m2", rounding="stochastic"),
+    )
     gradients = []
     for global_seed in (1, 2):
         torch.manual_seed(0)
@@ -195,8 +238,13 @@ def test_main_grad_fusion_and_delayed_wgrad_on_tensor_cores():
     x0, dy0 = _inputs(0)
     x1, dy1 = _inputs(1)
     magnitude = (dy0.abs().T @ x0.abs() + dy1.abs().T @ x1.abs()).double().cpu()
-    limit = 8 * (32 + 3) * UNIT_ROUNDOFF * magnitude + 2 * UNIT_ROUNDOFF * emulated.weight.main_grad.abs().double().cpu()
-    assert bool(((tensor_cores.weight.main_grad - emulated.weight.main_grad).abs().double().cpu() <= limit).all())
+    limit = (
+        8 * (32 + 3) * UNIT_ROUNDOFF * magnitude
+        + 2 * UNIT_ROUNDOFF * emulated.weight.main_grad.abs().double().cpu()
+    )
+    assert bool(
+        ((tensor_cores.weight.main_grad - emulated.weight.main_grad).abs().double().cpu() <= limit).all()
+    )
 
 
 def test_auto_on_a_cpu_is_the_emulated_gemm_bit_for_bit():
@@ -223,7 +271,9 @@ def test_gemm_option_is_checked():
 
 
 def test_forced_scaled_mm_names_the_gemm_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(fp8_gemm, "unsupported_reason", lambda *args: "the reduction length K=40 is not a multiple of 16")
+    monkeypatch.setattr(
+        fp8_gemm, "unsupported_reason", lambda *args: "the reduction length K=40 is not a multiple of 16"
+    )
     layer = QuantLinear(40, 16, recipe="fp8_tensorwise", gemm="scaled_mm")
     with pytest.raises(ValueError, match="fprop GEMM: the reduction length K=40"):
         layer(torch.randn(16, 40))

@@ -17,10 +17,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter (numpy) on NaN blocks
 
-from qlab import quantize as Q  # noqa: E402
-from qlab import numerics  # noqa: E402
-from qlab import kernels  # noqa: E402
-from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq  # noqa: E402
+from qlab import kernels, numerics
+from qlab import quantize as Q
+from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"]
@@ -35,12 +34,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _special_blocks(rows: int = 19, cols: int = 72) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=generator) * torch.logspace(-4, 4, cols)
-    x[0, :32] = float("nan")            # a NaN block: byte 0xFF, every value NaN
-    x[1, 40] = float("inf")             # an inf in the second block
-    x[2, 32:64] = 0.0                   # an all-zero block: byte 0
-    x[3, :32] = 1e-40                   # float32 subnormals: the smallest scales
+    x[0, :32] = float("nan")  # a NaN block: byte 0xFF, every value NaN
+    x[1, 40] = float("inf")  # an inf in the second block
+    x[2, 32:64] = 0.0  # an all-zero block: byte 0
+    x[3, :32] = 1e-40  # float32 subnormals: the smallest scales
     x[4, :32] = torch.linspace(-3e38, 3e38, 32)  # near float32's max: the largest scales
-    x[5, 64:] = 480.0                   # saturates under FLOOR for E4M3 (480 → 448)
+    x[5, 64:] = 480.0  # saturates under FLOOR for E4M3 (480 → 448)
     x[6, :4] = torch.tensor([-0.0, 0.0, -1e-30, 1e-30])  # signed zeros, and values that round to ±0
     return x
 
@@ -68,13 +67,18 @@ def test_mx_kernel_both_axes_and_16_bit_inputs(axis, dtype):
     assert torch.equal(_bits(values.cpu()), _bits(ref_values))
 
 
-@pytest.mark.parametrize("mode, value, expected", [
-    ("floor", 480.0, 448.0),   # REFERENCE §2: FLOOR scale 2^0, 480 saturates to E4M3's 448
-    ("floor", 957.0, 896.0),   # scale 2^1: 478.5 saturates to 448, times 2
-    ("rceil", 480.0, 480.0),   # RCEIL scale 2^1: 240 is on the grid, nothing saturates
-])
+@pytest.mark.parametrize(
+    "mode, value, expected",
+    [
+        ("floor", 480.0, 448.0),  # REFERENCE §2: FLOOR scale 2^0, 480 saturates to E4M3's 448
+        ("floor", 957.0, 896.0),  # scale 2^1: 478.5 saturates to 448, times 2
+        ("rceil", 480.0, 480.0),  # RCEIL scale 2^1: 240 is on the grid, nothing saturates
+    ],
+)
 def test_published_floor_clipping_examples(mode, value, expected):
-    values, _ = mx_qdq(torch.full((1, 32), value, device=DEVICE), Q.MXSpec("e4m3", mode=mode), backend="triton")
+    values, _ = mx_qdq(
+        torch.full((1, 32), value, device=DEVICE), Q.MXSpec("e4m3", mode=mode), backend="triton"
+    )
     assert values[0, 0].item() == expected
 
 
@@ -136,13 +140,14 @@ def test_mx_codes_of_the_ocp_e2m1_table():
 
 # --- FP8 current scaling ---------------------------------------------------------------------------
 
+
 def _fp8_inputs() -> torch.Tensor:
     generator = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3, 1100, generator=generator) * torch.logspace(-3, 3, 1100)  # rows > one 1024 chunk
-    x[1, 2, 3] = float("nan")   # a NaN: scale 1 (per tensor, and for its row), NaN stays NaN
-    x[2, 0, 7] = float("inf")   # an inf: scale 1, inf saturates to the format's max
-    x[3] = 0.0                  # all-zero rows: scale 1
-    x[4, 2] = 1e-42             # a row of float32 subnormals: the scale overflows to float32's max
+    x[1, 2, 3] = float("nan")  # a NaN: scale 1 (per tensor, and for its row), NaN stays NaN
+    x[2, 0, 7] = float("inf")  # an inf: scale 1, inf saturates to the format's max
+    x[3] = 0.0  # all-zero rows: scale 1
+    x[4, 2] = 1e-42  # a row of float32 subnormals: the scale overflows to float32's max
     return x
 
 
@@ -204,12 +209,27 @@ def test_layer_norm_kernel_matches_the_float64_reference(stats, affine):
     weight = torch.randn(50, generator=generator) if affine else None
     bias = torch.randn(50, generator=generator) if affine else None
     dy = torch.randn(6, 50, generator=generator)
-    got = _layer_norm_grads(lambda a, w, b: layer_norm(a.to(DEVICE), (50,), w if w is None else w.to(DEVICE),
-                                                       b if b is None else b.to(DEVICE), stats=stats,
-                                                       backend="triton"), x, weight, bias, dy.to(DEVICE))
-    ref = _layer_norm_grads(lambda a, w, b: numerics.reference_layer_norm(a, (50,), w, b), x.double(),
-                            None if weight is None else weight.double(), None if bias is None else bias.double(),
-                            dy.double())
+    got = _layer_norm_grads(
+        lambda a, w, b: layer_norm(
+            a.to(DEVICE),
+            (50,),
+            w if w is None else w.to(DEVICE),
+            b if b is None else b.to(DEVICE),
+            stats=stats,
+            backend="triton",
+        ),
+        x,
+        weight,
+        bias,
+        dy.to(DEVICE),
+    )
+    ref = _layer_norm_grads(
+        lambda a, w, b: numerics.reference_layer_norm(a, (50,), w, b),
+        x.double(),
+        None if weight is None else weight.double(),
+        None if bias is None else bias.double(),
+        dy.double(),
+    )
     for g, r in zip(got, ref):
         assert ((g.cpu().double() - r).norm() / r.norm()).item() < 2e-5
 
@@ -221,11 +241,14 @@ def test_layer_norm_kernel_16_bit_inputs_match_qlab_numerics(dtype):
     # a rounding boundary: |Δ| ≤ 2 ulp(|y|) with ulp = 2^-7 (bf16) or 2^-10 (fp16) relative.
     generator = torch.Generator().manual_seed(4)
     x = (torch.randn(5, 96, generator=generator) * 3).to(dtype)
-    weight, bias = torch.randn(96, generator=generator).to(dtype), torch.randn(96, generator=generator).to(dtype)
+    weight, bias = (
+        torch.randn(96, generator=generator).to(dtype),
+        torch.randn(96, generator=generator).to(dtype),
+    )
     out = layer_norm(x.to(DEVICE), (96,), weight.to(DEVICE), bias.to(DEVICE), backend="triton")
     assert out.dtype == dtype
     y, ref = out.cpu().float(), numerics.layer_norm(x, (96,), weight, bias).float()
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
     assert (y - ref).abs().le(2 * ulp * ref.abs().clamp_min(1e-3)).all()
 
 
@@ -235,8 +258,13 @@ def test_layer_norm_kernel_statistics_differ_where_the_numerics_notebook_says():
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(8, 256, generator=generator) + 3000.0
     exact = numerics.reference_layer_norm(x, (256,))
-    errors = {stats: (layer_norm(x.to(DEVICE), (256,), stats=stats, backend="triton").cpu().double() - exact)
-              .abs().max().item() for stats in STATS}
+    errors = {
+        stats: (layer_norm(x.to(DEVICE), (256,), stats=stats, backend="triton").cpu().double() - exact)
+        .abs()
+        .max()
+        .item()
+        for stats in STATS
+    }
     assert errors["welford"] < 1e-2 and errors["two_pass"] < 1e-2
     assert errors["textbook"] > 30 * max(errors["welford"], errors["two_pass"])
 
@@ -253,12 +281,13 @@ def test_layer_norm_dispatch_refuses_bad_input():
 
 # --- NVFP4 ------------------------------------------------------------------------------------------
 
+
 def _nvfp4_inputs(special: bool) -> torch.Tensor:
     generator = torch.Generator().manual_seed(6)
     x = torch.randn(20, 72, generator=generator) * torch.logspace(-3, 3, 72)  # 20 rows, 72 = 4½ blocks
     if special:
-        x[2, :16] = 0.0                    # an all-zero block: the smallest block scale 2^-6
-        x[3, 20] = float("nan")            # a NaN block: NaN scale, NaN values; global scale 1
+        x[2, :16] = 0.0  # an all-zero block: the smallest block scale 2^-6
+        x[3, 20] = float("nan")  # a NaN block: NaN scale, NaN values; global scale 1
     return x
 
 
@@ -293,8 +322,8 @@ def test_nvfp4_stochastic_rounding_is_reproducible_and_unbiased():
     # unbiased: the mean of 1024 draws per element is x within 5 standard errors, plus the 2^-15 bias
     # bound of 15 random bits, plus 1e-6 relative for the block amax (on the grid, but x·s⁻¹·s ≠ x exactly)
     gap = above - below
-    standard_error = gap / 2 / 1024 ** 0.5
-    assert ((first.mean(0) - block[0]).abs() <= 5 * standard_error + gap * 2.0 ** -15 + 1e-6 * block[0]).all()
+    standard_error = gap / 2 / 1024**0.5
+    assert ((first.mean(0) - block[0]).abs() <= 5 * standard_error + gap * 2.0**-15 + 1e-6 * block[0]).all()
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "axis"])
@@ -318,8 +347,9 @@ def test_fp8_kernel_codes_for_every_element_and_nan(element):
         x = x[2:]  # FP6/FP4 have no NaN encoding (refused, as tested above)
     for spec in (Q.TensorwiseSpec(element), Q.TensorwiseSpec(element, granularity="axis", pow2=True)):
         for axis in (-1, 0):
-            _assert_same_qtensor(kernels.quantize(x.to(DEVICE), spec, axis, backend="triton"),
-                                 Q.quantize(x, spec, axis))
+            _assert_same_qtensor(
+                kernels.quantize(x.to(DEVICE), spec, axis, backend="triton"), Q.quantize(x, spec, axis)
+            )
 
 
 def test_quantize_dispatch_refuses_what_it_does_not_cover():
@@ -334,6 +364,7 @@ def test_quantize_dispatch_refuses_what_it_does_not_cover():
 
 
 # --- QuantLinear through the kernels -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("recipe", ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"])
@@ -372,10 +403,18 @@ def test_quantlinear_with_kernel_qdq_is_bit_identical(monkeypatch, recipe, dtype
 
 
 def test_kernel_qdq_covers_and_falls_back():
-    assert kernels.covers("mxfp8") and kernels.covers("fp8_e4m3_rowwise") and kernels.covers(Q.NVFP4Spec(block_2d=True))
-    assert not kernels.covers(Q.NVFP4Spec(hadamard=True)) and not kernels.covers(Q.MXSpec("e2m1", rounding="stochastic"))
+    assert (
+        kernels.covers("mxfp8")
+        and kernels.covers("fp8_e4m3_rowwise")
+        and kernels.covers(Q.NVFP4Spec(block_2d=True))
+    )
+    assert not kernels.covers(Q.NVFP4Spec(hadamard=True)) and not kernels.covers(
+        Q.MXSpec("e2m1", rounding="stochastic")
+    )
     assert not kernels.covers("int8") and not kernels.covers(Q.MXSpec("e4m3", block_size=16))
-    x = torch.randn(3, 16, 32)  # NVFP4's 16×16 tiles on a 3-D tensor: the kernel wants 2-D, qlab.quantize takes it
+    x = torch.randn(
+        3, 16, 32
+    )  # NVFP4's 16×16 tiles on a 3-D tensor: the kernel wants 2-D, qlab.quantize takes it
     spec = Q.NVFP4Spec(block_2d=True)
     assert torch.equal(kernels.qdq(x, spec, backend="triton"), Q.qdq(x, spec))
     assert kernels.qdq(torch.empty(0, 32), "mxfp8", backend="triton").shape == (0, 32)

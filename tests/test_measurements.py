@@ -15,11 +15,14 @@ from qlab import synthetic
 N = 400_000
 
 
-@pytest.mark.parametrize("kind, median_abs", [
-    ("gaussian", 0.6744897501960817),                 # Φ⁻¹(0.75)
-    ("laplace", math.log(2) / math.sqrt(2)),          # b·ln 2 with b = 1/√2 (unit variance)
-    ("student_t3", 0.7648923284937),                  # t₃ quantile at 0.75
-])
+@pytest.mark.parametrize(
+    "kind, median_abs",
+    [
+        ("gaussian", 0.6744897501960817),  # Φ⁻¹(0.75)
+        ("laplace", math.log(2) / math.sqrt(2)),  # b·ln 2 with b = 1/√2 (unit variance)
+        ("student_t3", 0.7648923284937),  # t₃ quantile at 0.75
+    ],
+)
 def test_distributions_match_their_published_quantiles(kind, median_abs):
     x = synthetic.activations(kind, (N,), torch.Generator().manual_seed(0))
     # the sample median of |x| has standard error ≈ 1/(2 f(m) √N) < 2e-3 here; allow 4 of them
@@ -37,7 +40,9 @@ def test_outlier_channels_scale_exactly_the_chosen_columns():
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     x = synthetic.activations("outlier_channels", (50, 9), g1, outlier_channels=3, outlier_scale=100.0)
     base = torch.randn((50, 9), generator=g2)
-    assert torch.equal(x[:, [0, 4, 8]], base[:, [0, 4, 8]] * 100) and torch.equal(x[:, [1, 2, 3, 5, 6, 7]], base[:, [1, 2, 3, 5, 6, 7]])
+    assert torch.equal(x[:, [0, 4, 8]], base[:, [0, 4, 8]] * 100) and torch.equal(
+        x[:, [1, 2, 3, 5, 6, 7]], base[:, [1, 2, 3, 5, 6, 7]]
+    )
 
 
 def test_same_seed_same_bytes_and_bad_kind():
@@ -53,7 +58,7 @@ def test_same_seed_same_bytes_and_bad_kind():
 def test_sqnr_db_is_ten_log10_of_the_power_ratio():
     x = torch.ones(1000)
     # an error of 2^-4 on every element: noise/signal = 2^-8, so SQNR = 80·log10(2) dB
-    assert Q.sqnr_db(x, x * (1 + 2 ** -4)) == pytest.approx(80 * math.log10(2), rel=1e-12)
+    assert Q.sqnr_db(x, x * (1 + 2**-4)) == pytest.approx(80 * math.log10(2), rel=1e-12)
     assert Q.sqnr_db(x, x) == math.inf
 
 

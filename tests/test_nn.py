@@ -53,18 +53,41 @@ INT8_AXIS = IntSpec(8, granularity="axis")
 # The spec of every GEMM operand per preset (qlab.recipe's preset definitions, written out by hand
 # with the backward roles' fallback to their forward role already applied).
 OPERANDS = {
-    "bf16": dict(input=None, weight=None, dgrad_grad_output=None, dgrad_weight=None,
-                 wgrad_grad_output=None, wgrad_input=None),
-    "fp8_tensorwise": dict(input=E4M3, weight=E4M3, dgrad_grad_output=E5M2, dgrad_weight=E4M3,
-                           wgrad_grad_output=E5M2, wgrad_input=E4M3),
-    "mxfp8": dict(input=MX8, weight=MX8, dgrad_grad_output=MX8, dgrad_weight=MX8,
-                  wgrad_grad_output=MX8, wgrad_input=MX8),
-    "nvfp4": dict(input=NVFP4Spec(), weight=NVFP4Spec(block_2d=True),
-                  dgrad_grad_output=NVFP4Spec(rounding="stochastic"), dgrad_weight=NVFP4Spec(block_2d=True),
-                  wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
-                  wgrad_input=NVFP4Spec(hadamard=True)),
-    "int8_per_token": dict(input=INT8_AXIS, weight=INT8_AXIS, dgrad_grad_output=None, dgrad_weight=INT8_AXIS,
-                           wgrad_grad_output=None, wgrad_input=INT8_AXIS),
+    "bf16": dict(
+        input=None,
+        weight=None,
+        dgrad_grad_output=None,
+        dgrad_weight=None,
+        wgrad_grad_output=None,
+        wgrad_input=None,
+    ),
+    "fp8_tensorwise": dict(
+        input=E4M3,
+        weight=E4M3,
+        dgrad_grad_output=E5M2,
+        dgrad_weight=E4M3,
+        wgrad_grad_output=E5M2,
+        wgrad_input=E4M3,
+    ),
+    "mxfp8": dict(
+        input=MX8, weight=MX8, dgrad_grad_output=MX8, dgrad_weight=MX8, wgrad_grad_output=MX8, wgrad_input=MX8
+    ),
+    "nvfp4": dict(
+        input=NVFP4Spec(),
+        weight=NVFP4Spec(block_2d=True),
+        dgrad_grad_output=NVFP4Spec(rounding="stochastic"),
+        dgrad_weight=NVFP4Spec(block_2d=True),
+        wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
+        wgrad_input=NVFP4Spec(hadamard=True),
+    ),
+    "int8_per_token": dict(
+        input=INT8_AXIS,
+        weight=INT8_AXIS,
+        dgrad_grad_output=None,
+        dgrad_weight=INT8_AXIS,
+        wgrad_grad_output=None,
+        wgrad_input=INT8_AXIS,
+    ),
 }
 QUANTIZED = ["fp8_tensorwise", "mxfp8", "nvfp4", "int8_per_token"]
 OVERRIDES = [None, "high_precision", "dequantized"]
@@ -97,8 +120,9 @@ def make_data(seed=0, tokens=TOKENS, dtype=torch.float32):
 
 
 def make_layer(recipe, weight, bias, **options):
-    layer = QuantLinear(weight.shape[1], weight.shape[0], bias=bias is not None, recipe=recipe,
-                        dtype=weight.dtype, **options)
+    layer = QuantLinear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, recipe=recipe, dtype=weight.dtype, **options
+    )
     with torch.no_grad():
         layer.weight.copy_(weight)
         if bias is not None:
@@ -128,7 +152,9 @@ def reference_gradients(name, override, x, weight, dy, need_x=True, need_w=True,
         dx, dw = dy @ w_q, dy.T @ x_q
     else:
         if need_x:
-            dx = operand(dy, specs["dgrad_grad_output"], -1, generator) @ operand(weight, specs["dgrad_weight"], 0)
+            dx = operand(dy, specs["dgrad_grad_output"], -1, generator) @ operand(
+                weight, specs["dgrad_weight"], 0
+            )
         if need_w:
             dw = operand(dy, specs["wgrad_grad_output"], 0, generator).T @ operand(x, specs["wgrad_input"], 0)
     return (dx if need_x else None), (dw if need_w else None)
@@ -148,11 +174,14 @@ def case_id(case):
 
 # --- gradcheck in float64 (no quantization) ---------------------------------------------------------------
 
+
 def linear_as_function(layer):
     """(x, weight, bias) -> layer(x) with the layer's parameters swapped for the given tensors."""
+
     def function(x, weight, bias=None):
         parameters = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
         return functional_call(layer, parameters, (x,))
+
     return function
 
 
@@ -182,13 +211,16 @@ def test_gradcheck_bf16_at_float64_precision():
 
 # --- quantized recipes: forward, every override, every requires_grad combination ---------------------------
 
+
 @pytest.mark.parametrize("name", QUANTIZED)
 @pytest.mark.parametrize("override", OVERRIDES, ids=str)
 @pytest.mark.parametrize("case", requires_grad_cases(), ids=case_id)
 def test_backward_produces_exactly_the_required_gradients(name, override, case):
     needs_x, needs_w, needs_b = case
     x, weight, bias, dy = make_data()
-    layer = make_layer(get_recipe(name, backward_override=override), weight, None if needs_b is None else bias)
+    layer = make_layer(
+        get_recipe(name, backward_override=override), weight, None if needs_b is None else bias
+    )
     layer.weight.requires_grad_(needs_w)
     if needs_b is not None:
         layer.bias.requires_grad_(needs_b)
@@ -213,7 +245,8 @@ def test_backward_produces_exactly_the_required_gradients(name, override, case):
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_dequantized_override_is_autograd_through_the_straight_through_estimator(name):
-    """x.grad, W.grad, b.grad = autograd of F.linear(x + (qdq(x) − x).detach(), W + (qdq(W) − W).detach(), b)."""
+    """x.grad, W.grad, b.grad = autograd of
+    F.linear(x + (qdq(x) − x).detach(), W + (qdq(W) − W).detach(), b)."""
     x, weight, bias, dy = make_data(seed=1)
     specs = OPERANDS[name]
     layer = make_layer(get_recipe(name, backward_override="dequantized"), weight, bias)
@@ -275,7 +308,8 @@ def test_default_backward_differs_from_both_overrides():
 
 
 def test_stochastic_rounding_draws_continue_across_steps():
-    """The generator is seeded once per layer: the second backward draws the next numbers, not the first again."""
+    """The generator is seeded once per layer: the second backward draws the next numbers, not the
+    first again."""
     x, weight, bias, dy = make_data(seed=4)
     specs = OPERANDS["nvfp4"]
     layer = make_layer("nvfp4", weight, bias, seed=3)
@@ -313,6 +347,7 @@ def test_3d_input_equals_the_flattened_2d_result(name, override):
 
 # --- delayed scaling ---------------------------------------------------------------------------------
 
+
 def fp8(t, element, scale):
     """TE's FP8 qdq with a given scale, by torch's own casts: cast(sat(t·scale)) / scale."""
     dtype, limit = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}[element]
@@ -346,7 +381,9 @@ def test_delayed_scaling_first_forward_uses_scale_one_then_the_amax_history():
     scale_x, scale_w = layer.scalers["input"].scale.clone(), layer.scalers["weight"].scale.clone()
     y2 = layer(x2)
     assert_same_bits(y2, (fp8(x2, "e4m3", scale_x) @ fp8(weight, "e4m3", scale_w).T) + bias)
-    assert_same_bits(layer.scalers["input"].scale, float32_quotient(448.0, max(x1.abs().max(), x2.abs().max())))
+    assert_same_bits(
+        layer.scalers["input"].scale, float32_quotient(448.0, max(x1.abs().max(), x2.abs().max()))
+    )
     assert_same_bits(layer.scalers["weight"].scale, float32_quotient(448.0, weight.abs().max()))
 
 
@@ -360,7 +397,7 @@ def test_delayed_scaling_backward_uses_the_forwards_scales():
     assert_same_bits(x_layer.grad, fp8(dy, "e5m2", 1.0) @ fp8(weight, "e4m3", 1.0))
 
 
-# --- wgrad delivery (qlab.nn's table, REFERENCE §4) ----------------------------------------------------------
+# --- wgrad delivery (qlab.nn's table, REFERENCE §4) ---------------------------------------------
 
 # fuse_wgrad_accumulation, delay_wgrad, weight has grad_added_to_main_grad → what backward returns to autograd
 DELIVERY = [
@@ -490,8 +527,21 @@ def test_delayed_wgrad_accumulates_into_an_existing_grad():
 
 # --- fake_quant ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", [E4M3, IntSpec(8), IntSpec(4, signed=False, symmetric=False), INT8_AXIS,
-                                  MXSpec("e4m3"), MXSpec("e2m1"), NVFP4Spec(), NVFP4Spec(hadamard=True)], ids=repr)
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        E4M3,
+        IntSpec(8),
+        IntSpec(4, signed=False, symmetric=False),
+        INT8_AXIS,
+        MXSpec("e4m3"),
+        MXSpec("e2m1"),
+        NVFP4Spec(),
+        NVFP4Spec(hadamard=True),
+    ],
+    ids=repr,
+)
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_fake_quant_identity_ste_passes_the_gradient_unchanged(spec, axis):
     x, _, _, _ = make_data(seed=15)
@@ -531,7 +581,7 @@ def test_fake_quant_clipped_ste_matches_torch_fake_quantize(make_case):
     if spec.signed:
         fmt_min, fmt_max = -(2 ** (spec.bits - 1)), 2 ** (spec.bits - 1) - 1
     else:
-        fmt_min, fmt_max = 0, 2 ** spec.bits - 1
+        fmt_min, fmt_max = 0, 2**spec.bits - 1
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(19))
 
     x_torch = x.clone().requires_grad_()
@@ -551,9 +601,9 @@ def test_fake_quant_clipped_ste_zeroes_the_gradient_where_mx_floor_saturates():
     amax 957 gets scale 2^1, so 957/2 = 478.5 and −900/2 = 450 clip, 896/2 = 448 does not."""
     g = torch.Generator().manual_seed(20)
     x = (torch.rand(2, 64, generator=g) - 0.5) * 400.0  # |x| < 200 everywhere: never clipped
-    x[0, 3] = 480.0              # block (0, 0)
+    x[0, 3] = 480.0  # block (0, 0)
     x[0, 40], x[0, 41], x[0, 42] = 957.0, -900.0, 896.0  # block (0, 1)
-    x[1, 10] = 448.0             # block (1, 0): exactly the max, in range
+    x[1, 10] = 448.0  # block (1, 0): exactly the max, in range
     inside = torch.ones_like(x, dtype=torch.bool)
     inside[0, 3] = inside[0, 40] = inside[0, 41] = False
     upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(21))
@@ -579,11 +629,14 @@ def test_fake_quant_refuses_clipped_ste_with_hadamard():
 
 # --- quantize_model / unquantize_model ------------------------------------------------------------------
 
+
 class Block(nn.Module):
     def __init__(self):
         super().__init__()
         self.attn = nn.Linear(IN_FEATURES, IN_FEATURES)
-        self.mlp = nn.Sequential(nn.Linear(IN_FEATURES, 96), nn.GELU(), nn.Linear(96, IN_FEATURES, bias=False))
+        self.mlp = nn.Sequential(
+            nn.Linear(IN_FEATURES, 96), nn.GELU(), nn.Linear(96, IN_FEATURES, bias=False)
+        )
 
     def forward(self, x):
         return x + self.mlp(self.attn(x))
@@ -591,29 +644,52 @@ class Block(nn.Module):
 
 def make_model():
     torch.manual_seed(22)
-    return nn.Sequential(OrderedDict(layers=nn.Sequential(Block(), Block()), norm=nn.LayerNorm(IN_FEATURES),
-                                     lm_head=nn.Linear(IN_FEATURES, OUT_FEATURES)))
+    return nn.Sequential(
+        OrderedDict(
+            layers=nn.Sequential(Block(), Block()),
+            norm=nn.LayerNorm(IN_FEATURES),
+            lm_head=nn.Linear(IN_FEATURES, OUT_FEATURES),
+        )
+    )
 
 
-LINEAR_NAMES = ["layers.0.attn", "layers.0.mlp.0", "layers.0.mlp.2",
-                "layers.1.attn", "layers.1.mlp.0", "layers.1.mlp.2", "lm_head"]
+LINEAR_NAMES = [
+    "layers.0.attn",
+    "layers.0.mlp.0",
+    "layers.0.mlp.2",
+    "layers.1.attn",
+    "layers.1.mlp.0",
+    "layers.1.mlp.2",
+    "lm_head",
+]
 LINEAR_SHAPES = [(64, 64), (64, 96), (96, 64), (64, 64), (64, 96), (96, 64), (64, 48)]
 
 
-@pytest.mark.parametrize("keep,kept", [
-    ((), set()),
-    (["lm_head"], {"lm_head"}),
-    (["lm_head", "layers.1.*"], {"lm_head", "layers.1.attn", "layers.1.mlp.0", "layers.1.mlp.2"}),
-    ("*.mlp.?", {"layers.0.mlp.0", "layers.0.mlp.2", "layers.1.mlp.0", "layers.1.mlp.2"}),
-    (["layers.1"], set()),  # patterns match whole qualified names: the container itself is no Linear
-])
+@pytest.mark.parametrize(
+    "keep,kept",
+    [
+        ((), set()),
+        (["lm_head"], {"lm_head"}),
+        (["lm_head", "layers.1.*"], {"lm_head", "layers.1.attn", "layers.1.mlp.0", "layers.1.mlp.2"}),
+        ("*.mlp.?", {"layers.0.mlp.0", "layers.0.mlp.2", "layers.1.mlp.0", "layers.1.mlp.2"}),
+        (["layers.1"], set()),  # patterns match whole qualified names: the container itself is no Linear
+    ],
+)
 def test_quantize_model_swaps_linears_and_keeps_parameters(keep, kept):
     model = make_model()
     parameters = dict(model.named_parameters())
     report = quantize_model(model, "fp8_tensorwise", keep_high_precision=keep)
 
-    assert report == [{"name": name, "action": "kept" if name in kept else "quantized", "recipe": "fp8_tensorwise",
-                       "in_features": k, "out_features": m} for name, (k, m) in zip(LINEAR_NAMES, LINEAR_SHAPES)]
+    assert report == [
+        {
+            "name": name,
+            "action": "kept" if name in kept else "quantized",
+            "recipe": "fp8_tensorwise",
+            "in_features": k,
+            "out_features": m,
+        }
+        for name, (k, m) in zip(LINEAR_NAMES, LINEAR_SHAPES)
+    ]
     for name in LINEAR_NAMES:
         module = model.get_submodule(name)
         assert type(module) is (nn.Linear if name in kept else QuantLinear), name
@@ -693,11 +769,15 @@ def test_quantize_model_refuses_unknown_recipe():
 
 # --- bad input ------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shape", [(TOKENS, IN_FEATURES - 1), (2, 8, IN_FEATURES + 1), ()])
 def test_wrong_input_shape_is_refused(shape):
     layer = QuantLinear(IN_FEATURES, OUT_FEATURES, recipe="fp8_tensorwise")
-    with pytest.raises(ValueError, match=rf"expects input of shape \(\.\.\., {IN_FEATURES}\) like nn.Linear, "
-                                         rf"got " + re.escape(str(tuple(shape)))):
+    with pytest.raises(
+        ValueError,
+        match=rf"expects input of shape \(\.\.\., {IN_FEATURES}\) like nn.Linear, "
+        rf"got " + re.escape(str(tuple(shape))),
+    ):
         layer(torch.randn(shape))
 
 
@@ -708,8 +788,10 @@ def test_1d_and_4d_inputs_equal_the_flattened_2d_result(shape):
     assert torch.equal(layer(x), layer(x.reshape(-1, IN_FEATURES)).reshape(*shape[:-1], OUT_FEATURES))
 
 
-@pytest.mark.parametrize("x_dtype,layer_dtype", [(torch.float16, torch.float32), (torch.float32, torch.bfloat16),
-                                                 (torch.float64, torch.float32)])
+@pytest.mark.parametrize(
+    "x_dtype,layer_dtype",
+    [(torch.float16, torch.float32), (torch.float32, torch.bfloat16), (torch.float64, torch.float32)],
+)
 def test_dtype_mismatch_is_refused(x_dtype, layer_dtype):
     layer = QuantLinear(IN_FEATURES, OUT_FEATURES, recipe="mxfp8", dtype=layer_dtype)
     with pytest.raises(TypeError, match="does not match the weight's"):
@@ -734,7 +816,8 @@ def test_unknown_recipe_is_refused():
 
 
 def test_float64_layer_with_a_quantized_recipe_is_refused():
-    """qlab.quantize takes float32/bf16/fp16 only, so quantized recipes cannot run (or be gradchecked) in float64."""
+    """qlab.quantize takes float32/bf16/fp16 only, so quantized recipes cannot run (or be
+    gradchecked) in float64."""
     layer = QuantLinear(IN_FEATURES, OUT_FEATURES, recipe="fp8_tensorwise", dtype=torch.float64)
     with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         layer(torch.randn(TOKENS, IN_FEATURES, dtype=torch.float64))
@@ -749,6 +832,7 @@ def test_converted_layers_keep_the_training_mode():
 
 
 # --- fixes from review -----------------------------------------------------------------------------
+
 
 def test_bf16_layers_dequantize_straight_to_float32():
     # a bf16 layer's dequantized operands are not rounded back to bf16 before the float32 GEMM
@@ -766,7 +850,9 @@ def test_zero_tokens_pass_through():
     x = torch.empty(0, 64, requires_grad=True)
     y = layer(x)
     y.sum().backward()
-    assert y.shape == (0, 32) and x.grad.shape == (0, 64) and torch.equal(layer.weight.grad, torch.zeros(32, 64))
+    assert (
+        y.shape == (0, 32) and x.grad.shape == (0, 64) and torch.equal(layer.weight.grad, torch.zeros(32, 64))
+    )
 
 
 def test_dummy_wgrad_follows_the_weights_dtype_and_device():
@@ -819,8 +905,14 @@ def _rank_histories(tmp_path, reduce_amax: bool, distributed: bool) -> list[dict
 
     init = f"file://{tmp_path / f'rendezvous_{reduce_amax}'}" if distributed else "local"
     outputs = [tmp_path / f"rank{rank}_{reduce_amax}_{distributed}.pt" for rank in range(2)]
-    processes = [subprocess.Popen([sys.executable, "-c", _RANK_SCRIPT, str(rank), str(int(reduce_amax)),
-                                   str(outputs[rank]), init], stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_SCRIPT, str(rank), str(int(reduce_amax)), str(outputs[rank]), init],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     try:
         errors = [process.communicate(timeout=300)[1] for process in processes]
     finally:
@@ -838,6 +930,10 @@ def test_reduce_amax_gives_every_rank_the_max_of_the_ranks_amaxes(tmp_path):
     for role in ("input", "weight", "grad_output"):
         expected = torch.maximum(alone[0][role], alone[1][role])
         assert torch.equal(reduced[0][role], expected) and torch.equal(reduced[1][role], expected), role
-        assert torch.equal(independent[0][role], alone[0][role]) and torch.equal(independent[1][role], alone[1][role])
+        assert torch.equal(independent[0][role], alone[0][role]) and torch.equal(
+            independent[1][role], alone[1][role]
+        )
     for role in ("input", "grad_output"):  # the ranks did see different amaxes, each rank winning once
-        assert bool((alone[0][role][:2] > alone[1][role][:2]).any()) and bool((alone[1][role][:2] > alone[0][role][:2]).any())
+        assert bool((alone[0][role][:2] > alone[1][role][:2]).any()) and bool(
+            (alone[1][role][:2] > alone[0][role][:2]).any()
+        )

@@ -37,10 +37,13 @@ def test_pair_in_sync_and_without_outputs(ipynb):
     stored = nbformat.read(ipynb, as_version=4)
     for cell in stored.cells:
         if cell.cell_type == "code":
-            assert not cell.outputs and cell.execution_count is None, f"{ipynb.name} carries outputs: run `make sync`"
+            assert not cell.outputs and cell.execution_count is None, (
+                f"{ipynb.name} carries outputs: run `make sync`"
+            )
     from_py = jupytext.read(source)
-    assert [(c.cell_type, c.source) for c in from_py.cells] == [(c.cell_type, c.source) for c in stored.cells], \
-        f"{ipynb.name} and {source.name} differ: run `make sync`"
+    assert [(c.cell_type, c.source) for c in from_py.cells] == [
+        (c.cell_type, c.source) for c in stored.cells
+    ], f"{ipynb.name} and {source.name} differ: run `make sync`"
     assert stored.metadata["kernelspec"]["name"] == "qlab"
     assert "py:percent" in from_py.metadata["jupytext"]["formats"]
 
@@ -48,19 +51,24 @@ def test_pair_in_sync_and_without_outputs(ipynb):
 @pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_parameters_cell_is_first_typed_and_commented(ipynb):
     code_cells = [c for c in nbformat.read(ipynb, as_version=4).cells if c.cell_type == "code"]
-    assert "parameters" in code_cells[0].metadata.get("tags", []), "the first code cell must be tagged parameters"
+    assert "parameters" in code_cells[0].metadata.get("tags", []), (
+        "the first code cell must be tagged parameters"
+    )
     lines = [line for line in code_cells[0].source.splitlines() if line.strip()]
     assert "smoke: bool = False" in code_cells[0].source
     for line in lines:
-        assert re.match(r"^\w+: [\w\[\], ]+ = .+  # .+", line), f"parameter line not 'name: type = value  # comment': {line!r}"
+        assert re.match(r"^\w+: [\w\[\], ]+ = .+  # .+", line), (
+            f"parameter line not 'name: type = value  # comment': {line!r}"
+        )
     declared = notebooks.notebook_parameters(ipynb)
     assert all(info["type"] for info in declared.values())
     assert "device" in declared and "smoke" in declared
 
 
 def _smoke_outputs(notebook, results_dir, tmp_path):
-    result = notebooks.run_notebook(notebook, smoke=True, output=tmp_path / f"{notebook.stem}.ipynb",
-                                    results_dir=results_dir)
+    result = notebooks.run_notebook(
+        notebook, smoke=True, output=tmp_path / f"{notebook.stem}.ipynb", results_dir=results_dir
+    )
     assert result.output.exists()
     return {p.relative_to(results_dir): p.read_bytes() for p in sorted(results_dir.rglob("*")) if p.is_file()}
 
@@ -80,8 +88,12 @@ def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, mon
     # named *_timing (wall-clock measurements, which no seed can fix); they must exist both times
     second = _smoke_outputs(ipynb, tmp_path / "b", tmp_path)
     assert set(first) == set(second)
-    differing = [str(p) for p in first if not p.stem.endswith("_timing")
-                 and hashlib.sha256(first[p]).digest() != hashlib.sha256(second[p]).digest()]
+    differing = [
+        str(p)
+        for p in first
+        if not p.stem.endswith("_timing")
+        and hashlib.sha256(first[p]).digest() != hashlib.sha256(second[p]).digest()
+    ]
     assert not differing, f"outputs differ between two identical runs: {differing}"
 
 
@@ -102,11 +114,14 @@ def test_welford_notebook_reproduces_the_seed(tmp_path):
 
 
 def _tagged_notebook(path, tagged_source):
-    cells = [nbformat.v4.new_code_cell("smoke: bool = False  # unused", metadata={"tags": ["parameters"]}),
-             nbformat.v4.new_code_cell(tagged_source, metadata={"tags": ["raises-exception"]}),
-             nbformat.v4.new_code_cell("ran_after = True\nprint('after the tagged cell')")]
-    notebook = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "qlab", "display_name": "qlab",
-                                                                             "language": "python"}})
+    cells = [
+        nbformat.v4.new_code_cell("smoke: bool = False  # unused", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(tagged_source, metadata={"tags": ["raises-exception"]}),
+        nbformat.v4.new_code_cell("ran_after = True\nprint('after the tagged cell')"),
+    ]
+    notebook = nbformat.v4.new_notebook(
+        cells=cells, metadata={"kernelspec": {"name": "qlab", "display_name": "qlab", "language": "python"}}
+    )
     nbformat.write(notebook, path)
     return path
 

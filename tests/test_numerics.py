@@ -44,6 +44,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Independent exact references (written here, not taken from qlab)
 # --------------------------------------------------------------------------------------------
 
+
 def frac_moments(row: list[float]) -> tuple[Fraction, Fraction]:
     """Exact mean M and S = Σ(x − M)² of a row of floats (the two-pass formula over rationals)."""
     xs = [Fraction(v) for v in row]
@@ -84,7 +85,9 @@ def decimal_layer_norm_row(row: list[float], eps: float, prec: int = 60) -> list
     out = []
     for v in row:
         c = Fraction(v) - mean
-        out.append(ctx.divide(ctx.divide(decimal.Decimal(c.numerator), decimal.Decimal(c.denominator)), denom))
+        out.append(
+            ctx.divide(ctx.divide(decimal.Decimal(c.numerator), decimal.Decimal(c.denominator)), denom)
+        )
     return out
 
 
@@ -97,9 +100,15 @@ def randn(*shape, seed: int, dtype=torch.float32, scale: float = 1.0, offset: fl
 # 6. unit_roundoff: published IEEE / bfloat16 values
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "dtype, expected",
-    [(torch.float64, 2.0**-53), (torch.float32, 2.0**-24), (torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)],
+    [
+        (torch.float64, 2.0**-53),
+        (torch.float32, 2.0**-24),
+        (torch.float16, 2.0**-11),
+        (torch.bfloat16, 2.0**-8),
+    ],
 )
 def test_unit_roundoff_published_values(dtype, expected):
     assert unit_roundoff(dtype) == expected
@@ -108,6 +117,7 @@ def test_unit_roundoff_published_values(dtype, expected):
 # --------------------------------------------------------------------------------------------
 # 1. exact_moments: equals our own Fraction computation, correctly rounded to float64
 # --------------------------------------------------------------------------------------------
+
 
 def assert_exact_moments_match(x: torch.Tensor):
     mean, var = exact_moments(x)
@@ -180,6 +190,7 @@ def test_condition_number_of_zero_row_is_inf_as_documented():
 # 2. moments / variance of every algorithm
 # --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_float64_agrees_with_exact(algorithm):
     """Well-conditioned data (κ ≈ 1.1) in float64: the weakest bound, textbook's n·κ²·u, is ~5e-15
@@ -210,7 +221,9 @@ def float32_bound(algorithm: str, n: int, kappa: float, kappa_shift: float) -> f
     }[algorithm]
 
 
-FLOAT32_BOUND_CASES = [(a, k) for a in ALGORITHMS for k in (1.0, 30.0, 1000.0) if not (a == "textbook" and k > 100)]
+FLOAT32_BOUND_CASES = [
+    (a, k) for a in ALGORITHMS for k in (1.0, 30.0, 1000.0) if not (a == "textbook" and k > 100)
+]
 
 
 @pytest.mark.parametrize("algorithm, kappa", FLOAT32_BOUND_CASES)
@@ -243,7 +256,7 @@ def test_textbook_loses_all_digits_at_kappa_1e4_while_welford_and_two_pass_do_no
     textbook = moments(x, "textbook").m2.tolist()
     welford = moments(x, "welford").m2.tolist()
     two_pass = moments(x, "two_pass").m2.tolist()
-    for (mean, s), t, w, p in zip(refs, textbook, welford, two_pass):
+    for (_mean, s), t, w, p in zip(refs, textbook, welford, two_pass):
         assert rel_err(t, s) > 0.1
         assert rel_err(w, s) < 1e-2
         assert rel_err(p, s) < 1e-2
@@ -268,7 +281,9 @@ def test_tiny_exact_case_1234(algorithm, chunk, dtype):
     assert variance(x, algorithm, chunk=chunk).item() == 1.25
     # S/(n − 1) = 5/3 is not representable: expect it correctly rounded once to the dtype
     bits = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}[dtype]
-    assert variance(x, algorithm, chunk=chunk, correction=1).item() == float(round_to_bits(Fraction(5, 3), bits))
+    assert variance(x, algorithm, chunk=chunk, correction=1).item() == float(
+        round_to_bits(Fraction(5, 3), bits)
+    )
 
 
 def test_bf16_sequential_sum_stagnates_at_256():
@@ -391,6 +406,7 @@ def test_correction_leaving_no_degrees_of_freedom_raises():
 # 3. Bad input to moments / variance / exact_moments
 # --------------------------------------------------------------------------------------------
 
+
 def test_unknown_algorithm_message_names_value_and_choices():
     with pytest.raises(ValueError) as info:
         moments(torch.ones(2, 4), "kahan")
@@ -472,8 +488,9 @@ def test_layer_norm_partial_affine_matches_torch(affine):
     w = w if affine == "weight" else None
     b = b if affine == "bias" else None
     torch.testing.assert_close(layer_norm(x, 12, w, b), F.layer_norm(x, (12,), w, b), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(layer_norm(x, torch.Size([12]), w, b), F.layer_norm(x, (12,), w, b),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        layer_norm(x, torch.Size([12]), w, b), F.layer_norm(x, (12,), w, b), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -501,8 +518,9 @@ def test_seed_exact_value_from_fraction_and_decimal():
     assert out[0] + out[1] == 0  # antisymmetric for n = 2, exactly
 
 
-@pytest.mark.parametrize("stats, max_err, min_err", [("welford", 2e-5, 0.0), ("two_pass", 2e-5, 0.0),
-                                                     ("textbook", 5e-3, 2e-3)])
+@pytest.mark.parametrize(
+    "stats, max_err, min_err", [("welford", 2e-5, 0.0), ("two_pass", 2e-5, 0.0), ("textbook", 5e-3, 2e-3)]
+)
 def test_seed_forward_accuracy_per_stats(stats, max_err, min_err):
     """welford / two_pass are within 2e-5 of the exact ±0.845427...; textbook's cancellation in fp32
     gives ≈ ±0.8428, an error above 2e-3."""
@@ -645,6 +663,7 @@ def test_layer_norm_output_sums_to_zero_per_row():
 # 5. check_layer_norm_grads
 # --------------------------------------------------------------------------------------------
 
+
 class _DoubleGrad(torch.autograd.Function):
     """Identity forward, backward multiplies the incoming gradient by 2."""
 
@@ -704,5 +723,6 @@ def test_reference_layer_norm_matches_torch_float64():
     """The checker's own reference, against F.layer_norm in float64 (κ ≈ 1, n = 16: ~1e-15)."""
     x, w, b, _ = ln_inputs((3, 16), (16,), seed=4)
     x, w, b = x.double(), w.double(), b.double()
-    torch.testing.assert_close(qn.reference_layer_norm(x, (16,), w, b), F.layer_norm(x, (16,), w, b),
-                               rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(
+        qn.reference_layer_norm(x, (16,), w, b), F.layer_norm(x, (16,), w, b), rtol=1e-13, atol=1e-13
+    )

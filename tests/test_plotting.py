@@ -23,8 +23,12 @@ plotting.save_figure(fig, "probe")
 
 
 def _render(directory, hash_seed):
-    env = {"QLAB_RESULTS_DIR": str(directory), "PYTHONHASHSEED": hash_seed, "MPLBACKEND": "Agg",
-           "PATH": "/usr/bin:/bin"}
+    env = {
+        "QLAB_RESULTS_DIR": str(directory),
+        "PYTHONHASHSEED": hash_seed,
+        "MPLBACKEND": "Agg",
+        "PATH": "/usr/bin:/bin",
+    }
     subprocess.run([sys.executable, "-c", SCRIPT], env=env, check=True)
     return {ext: (directory / "figures" / f"probe.{ext}").read_bytes() for ext in ("pdf", "png")}
 

@@ -19,7 +19,7 @@ def small_model(seed=0):
 
 
 def test_tensor_stats_equal_direct_float64_computation():
-    x = torch.tensor([0.0, -3.0, 0.25, 0.0, 5.0, -2.0 ** -10])
+    x = torch.tensor([0.0, -3.0, 0.25, 0.0, 5.0, -(2.0**-10)])
     s = tensor_stats(x)
     x64 = x.double()
     assert (s["min"], s["max"], s["amax"]) == (-3.0, 5.0, 5.0)  # exact
@@ -27,8 +27,8 @@ def test_tensor_stats_equal_direct_float64_computation():
     assert s["dynamic_range"] == math.log2(5.0) + 10  # log2(5) − log2(2^-10)
     assert s["mean"] == pytest.approx(x64.mean().item(), rel=1e-15)
     assert s["std"] == pytest.approx(math.sqrt(((x64 - x64.mean()) ** 2).mean().item()), rel=1e-14)
-    assert s["l1"] == pytest.approx(8.25 + 2.0 ** -10, rel=1e-15)
-    assert s["l2"] == pytest.approx(math.sqrt(9 + 0.0625 + 25 + 2.0 ** -20), rel=1e-15)
+    assert s["l1"] == pytest.approx(8.25 + 2.0**-10, rel=1e-15)
+    assert s["l2"] == pytest.approx(math.sqrt(9 + 0.0625 + 25 + 2.0**-20), rel=1e-15)
     assert math.isnan(tensor_stats(torch.zeros(3))["dynamic_range"])
 
 
@@ -36,10 +36,10 @@ def test_what_if_counts_underflow_and_saturation_by_hand():
     # MXFP8 FLOOR on one block: amax 480 → X = 1, so 480 saturates to 448 and 2^-11 (below e4m3's
     # smallest subnormal 2^-9, under X = 1) flushes to zero; the other 30 zeros are not underflow
     x = torch.zeros(32)
-    x[0], x[1] = 480.0, 2.0 ** -11
+    x[0], x[1] = 480.0, 2.0**-11
     stats = what_if_stats(x, "mxfp8")
     assert stats["underflow_fraction"] == 1 / 32 and stats["saturation_fraction"] == 1 / 32
-    expected_mse = ((480.0 - 448.0) ** 2 + (2.0 ** -11) ** 2) / 32
+    expected_mse = ((480.0 - 448.0) ** 2 + (2.0**-11) ** 2) / 32
     assert stats["qdq_mse"] == pytest.approx(expected_mse, rel=1e-15)
     assert stats["sqnr_db"] == pytest.approx(Q.sqnr_db(x, Q.qdq(x, "mxfp8")), rel=1e-15)
 
@@ -52,7 +52,9 @@ def test_recorded_statistics_equal_statistics_of_the_same_tensors():
         probes.record_param_grads()
     frame = probes.to_frame().set_index(["module", "role", "stat"]).value
     assert frame["0", "input", "amax"] == x.abs().max().item()
-    assert frame["0", "output", "l2"] == pytest.approx(torch.linalg.vector_norm(model[0](x).double()).item(), rel=1e-12)
+    assert frame["0", "output", "l2"] == pytest.approx(
+        torch.linalg.vector_norm(model[0](x).double()).item(), rel=1e-12
+    )
     assert frame["0.weight", "param_grad", "max"] == model[0].weight.grad.max().item()
 
 
@@ -71,7 +73,9 @@ def test_hooks_are_removed_on_exit_and_change_nothing():
 
     model, y_probed, grads_probed = run(True)
     _, y_plain, grads_plain = run(False)
-    assert torch.equal(y_probed, y_plain) and all(torch.equal(a, b) for a, b in zip(grads_probed, grads_plain))
+    assert torch.equal(y_probed, y_plain) and all(
+        torch.equal(a, b) for a, b in zip(grads_probed, grads_plain)
+    )
     assert all(not m._forward_hooks and not m._backward_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())
 
@@ -84,7 +88,9 @@ def test_probe_records_into_the_active_set_with_the_step_and_is_a_no_op_otherwis
         probe(torch.ones(3), "inside backward")
     probe(torch.ones(3), "after exit")
     frame = probes.to_frame()
-    assert frame[["step", "module", "role", "stat", "value"]].values.tolist() == [[1, "inside backward", "probe", "l1", 3.0]]
+    assert frame[["step", "module", "role", "stat", "value"]].values.tolist() == [
+        [1, "inside backward", "probe", "l1", 3.0]
+    ]
 
 
 def test_sampling_every_n_steps_between_start_and_end():
@@ -96,12 +102,15 @@ def test_sampling_every_n_steps_between_start_and_end():
     assert sorted(probes.to_frame().step.tolist()) == [2, 5, 8]
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: ProbeSet(small_model(), modules=["encoder.*"]), "match no module"),
-    (lambda: ProbeSet(small_model(), stats=("median",)), "unknown statistics \\['median'\\]"),
-    (lambda: ProbeSet(small_model(), roles=("activations",)), "unknown roles"),
-    (lambda: ProbeSet(small_model(), every=0), "every must be a positive int"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ProbeSet(small_model(), modules=["encoder.*"]), "match no module"),
+        (lambda: ProbeSet(small_model(), stats=("median",)), "unknown statistics \\['median'\\]"),
+        (lambda: ProbeSet(small_model(), roles=("activations",)), "unknown roles"),
+        (lambda: ProbeSet(small_model(), every=0), "every must be a positive int"),
+    ],
+)
 def test_bad_input(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -109,7 +118,7 @@ def test_bad_input(make, message):
 
 def test_audit_explains_grad_scaler_accumulation_and_clipping():
     model = small_model(seed=5)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     microbatches = 4
     with GradientAudit(model) as audit:
@@ -124,7 +133,7 @@ def test_audit_explains_grad_scaler_accumulation_and_clipping():
     assert len(report) == 4 and not report.flagged.any()
     # float32 gradients against a float64 prediction: a few float32 ulps
     assert (report.unexplained < 1e-5).all()
-    assert report.explained_ratio.iloc[0] == pytest.approx(2.0 ** 16 / coefficient)
+    assert report.explained_ratio.iloc[0] == pytest.approx(2.0**16 / coefficient)
 
 
 def test_audit_flags_an_injected_scale_bug():
@@ -164,7 +173,7 @@ def _ddp_audit_worker(rank, world_size, init_file, result_file):
     try:
         torch.manual_seed(0)  # the same initial weights on both ranks
         model = DistributedDataParallel(small_model(seed=7))
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         with GradientAudit(model.module) as audit:
             for micro in range(2):  # each rank its own data, two micro-batches
                 x = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * rank + micro))
@@ -206,7 +215,7 @@ def test_hooks_exist_only_on_sampled_steps():
 def test_log2_histogram_counts_binades_by_hand():
     from qlab.probes import log2_histogram
 
-    h = log2_histogram(torch.tensor([0.0, 1.0, 1.5, -3.0, 2.0 ** -50, 2.0 ** 30]), low=-2, high=4)
+    h = log2_histogram(torch.tensor([0.0, 1.0, 1.5, -3.0, 2.0**-50, 2.0**30]), low=-2, high=4)
     # 1 and 1.5 in [2^0, 2^1); -3 in [2^1, 2^2); 0 and 2^-50 below 2^-2; 2^30 at or above 2^4
     assert (h["hist/2^0"], h["hist/2^1"], h["hist/below"], h["hist/above"]) == (2.0, 1.0, 2.0, 1.0)
     assert sum(h.values()) == 6
@@ -225,6 +234,7 @@ def test_probe_set_saves_a_tidy_csv(tmp_path, monkeypatch):
 def test_seed_model_training_ratio_is_the_loss_scale():
     from qlab import seed_model
 
-    run = seed_model.train("corrected", "adam", 3, loss_scale=2.0 ** 10, width=32, depth=1, tokens=8, batch=4)
-    # the probe inside backward sees ×scale; param.grad is unscaled: the ratio is the scale to float32 rounding
+    run = seed_model.train("corrected", "adam", 3, loss_scale=2.0**10, width=32, depth=1, tokens=8, batch=4)
+    # the probe inside backward sees ×scale; param.grad is unscaled: the ratio is the scale to
+    # float32 rounding
     assert ((run.ratio / run.loss_scale - 1).abs() < 1e-5).all() and (run.audit_unexplained < 1e-6).all()

@@ -35,6 +35,7 @@ def eager_only(monkeypatch):
 
 # --- helpers ---------------------------------------------------------------------------------------
 
+
 def assert_same_bits(actual, expected):
     """Same dtype, same bits (any NaN matches any NaN); -0 and +0 differ."""
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
@@ -50,7 +51,7 @@ def mixed_magnitudes(shape, block, low, high, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g, dtype=torch.float64)
     k = torch.randint(low, high + 1, (*shape[:-1], shape[-1] // block, 1), generator=g).double()
-    return (x.reshape(*shape[:-1], -1, block) * 10.0 ** k).reshape(shape).to(dtype)
+    return (x.reshape(*shape[:-1], -1, block) * 10.0**k).reshape(shape).to(dtype)
 
 
 def torchao_mx():
@@ -58,8 +59,13 @@ def torchao_mx():
     config = pytest.importorskip("torchao.prototype.mx_formats.config")
     constants = pytest.importorskip("torchao.prototype.mx_formats.constants")
     kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
-    dtypes = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e3m2": constants.DTYPE_FP6_E3M2,
-              "e2m3": constants.DTYPE_FP6_E2M3, "e2m1": torch.float4_e2m1fn_x2}
+    dtypes = {
+        "e4m3": torch.float8_e4m3fn,
+        "e5m2": torch.float8_e5m2,
+        "e3m2": constants.DTYPE_FP6_E3M2,
+        "e2m3": constants.DTYPE_FP6_E2M3,
+        "e2m1": torch.float4_e2m1fn_x2,
+    }
     return mx, config.ScaleCalculationMode, dtypes, kernels
 
 
@@ -124,6 +130,7 @@ FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # MX against torchao's to_mx / to_dtype
 # =================================================================================================
 
+
 @pytest.mark.parametrize("mode", MX_MODES)
 @pytest.mark.parametrize("element", MX_ELEMENTS)
 def test_mx_equals_torchao_to_mx_and_to_dtype(element, mode):
@@ -178,29 +185,47 @@ MX_SPECIAL_BLOCKS = [
     ("957 rceil", "e4m3", "rceil", [957.0], 129, [960.0], True),
     # smallest element subnormals at scale 1 (amax 448 / 6): 2^-9 exact, 2^-10 ties to 0 (even),
     # 3·2^-10 ties between 2^-9 (odd code 1) and 2^-8 (even code 2); e2m1: 0.25 ties to 0, 0.75 to 1
-    ("e4m3 subnormals", "e4m3", "floor", [448.0, 2 ** -9, -2 ** -9, 2 ** -10, 3 * 2 ** -10, 2 ** -11], 127,
-     [448.0, 2 ** -9, -2 ** -9, 0.0, 2 ** -8, 0.0], True),
-    ("e2m1 subnormals", "e2m1", "floor", [6.0, 0.5, 0.25, 0.75, -0.75], 127, [6.0, 0.5, 0.0, 1.0, -1.0], True),
+    (
+        "e4m3 subnormals",
+        "e4m3",
+        "floor",
+        [448.0, 2**-9, -(2**-9), 2**-10, 3 * 2**-10, 2**-11],
+        127,
+        [448.0, 2**-9, -(2**-9), 0.0, 2**-8, 0.0],
+        True,
+    ),
+    (
+        "e2m1 subnormals",
+        "e2m1",
+        "floor",
+        [6.0, 0.5, 0.25, 0.75, -0.75],
+        127,
+        [6.0, 0.5, 0.0, 1.0, -1.0],
+        True,
+    ),
     # signed underflow keeps the sign: -2^-11 at scale 1 rounds to -0
-    ("e4m3 signed underflow", "e4m3", "floor", [448.0, -2 ** -11], 127, [448.0, -0.0], True),
+    ("e4m3 signed underflow", "e4m3", "floor", [448.0, -(2**-11)], 127, [448.0, -0.0], True),
     ("e2m1 signed underflow", "e2m1", "floor", [6.0, -0.2], 127, [6.0, -0.0], True),
     # tiny blocks: floor(log2 2^-120) - 8 = -128 clamps to -127 (byte 0, X = 2^-127); 2^-120 / 2^-127 =
     # 128 is an e4m3 value, so the block is exact. torchao 0.18 quantizes with X clamped to 2^-126
     # (element 64) but dequantizes with 2^-127 and returns 2^-121; its RCEIL uses 1/X = 1 for byte 0
     # and returns 0. Neither is the reference here.
-    ("2^-120 floor", "e4m3", "floor", [2.0 ** -120, -2.0 ** -121], 0, [2.0 ** -120, -2.0 ** -121], False),
-    ("2^-120 rceil", "e4m3", "rceil", [2.0 ** -120], 0, [2.0 ** -120], False),
-    ("2^-120 ceil", "e4m3", "ceil", [2.0 ** -120], 0, [2.0 ** -120], False),
-    ("2^-126 fp4", "e2m1", "floor", [2.0 ** -126], 0, [2.0 ** -126], False),  # 2^-126 / 2^-127 = 2
+    ("2^-120 floor", "e4m3", "floor", [2.0**-120, -(2.0**-121)], 0, [2.0**-120, -(2.0**-121)], False),
+    ("2^-120 rceil", "e4m3", "rceil", [2.0**-120], 0, [2.0**-120], False),
+    ("2^-120 ceil", "e4m3", "ceil", [2.0**-120], 0, [2.0**-120], False),
+    ("2^-126 fp4", "e2m1", "floor", [2.0**-126], 0, [2.0**-126], False),  # 2^-126 / 2^-127 = 2
     # the smallest float32 subnormal: byte 0, and 2^-149 · 2^127 = 2^-22 is below e4m3's 2^-9/2: 0
-    ("2^-149", "e4m3", "floor", [2.0 ** -149], 0, [0.0], True),
+    ("2^-149", "e4m3", "floor", [2.0**-149], 0, [0.0], True),
     # the largest float32: floor(log2) = 127, e = 119, 3.4e38 / 2^119 = 511.99997 saturates to 448
-    ("float32 max floor", "e4m3", "floor", [3.4028234663852886e38], 246, [448.0 * 2.0 ** 119], True),
+    ("float32 max floor", "e4m3", "floor", [3.4028234663852886e38], 246, [448.0 * 2.0**119], True),
 ]
 
 
-@pytest.mark.parametrize("name, element, mode, values, byte, expected, torchao_agrees", MX_SPECIAL_BLOCKS,
-                         ids=[row[0] for row in MX_SPECIAL_BLOCKS])
+@pytest.mark.parametrize(
+    "name, element, mode, values, byte, expected, torchao_agrees",
+    MX_SPECIAL_BLOCKS,
+    ids=[row[0] for row in MX_SPECIAL_BLOCKS],
+)
 def test_mx_special_block(name, element, mode, values, byte, expected, torchao_agrees):
     x, q = mx_block(values, element, mode)
     assert q.scale_codes.tolist() == [[byte]]
@@ -216,13 +241,16 @@ def test_mx_special_block(name, element, mode, values, byte, expected, torchao_a
 
 def test_mx_all_zero_block_has_zero_codes():
     _, q = mx_block([0.0])
-    assert q.codes.eq(0).all() and q.scales.tolist() == [[2.0 ** -127]]
+    assert q.codes.eq(0).all() and q.scales.tolist() == [[2.0**-127]]
 
 
 def test_mx_signed_underflow_gives_the_negative_zero_code():
-    _, q = mx_block([448.0, -2 ** -11])
+    _, q = mx_block([448.0, -(2**-11)])
     assert q.codes[0, 0, :2].tolist() == [0x7E, 0x80]  # 448 = S.1111.110; -0 = 1.0000.000
-    assert q.codes[0, 0, :2].tolist() == torch.tensor([448.0, -0.0]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    assert (
+        q.codes[0, 0, :2].tolist()
+        == torch.tensor([448.0, -0.0]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    )
 
 
 def test_mx_even_mode_near_float32_max_gives_a_finite_scale():
@@ -240,9 +268,12 @@ def test_mx_scale_exponent_is_exact_just_below_at_and_above_powers_of_two(elemen
     # ceil) once k is large; the expected byte comes from math.frexp on the exact float values.
     fmt = formats.get_format(element)
     for k in (-110, -20, -1, 0, 1, 20, 60, 100):
-        anchor = fmt.max * 2.0 ** k if mode == "rceil" else 2.0 ** k
-        for amax in (np.nextafter(np.float32(anchor), np.float32(0)), np.float32(anchor),
-                     np.nextafter(np.float32(anchor), np.float32(np.inf))):
+        anchor = fmt.max * 2.0**k if mode == "rceil" else 2.0**k
+        for amax in (
+            np.nextafter(np.float32(anchor), np.float32(0)),
+            np.float32(anchor),
+            np.nextafter(np.float32(anchor), np.float32(np.inf)),
+        ):
             amax = float(amax)
             if mode == "rceil":  # the division amax / elem_max is rounded to float32 first (cuBLAS)
                 e = frexp_ceil_log2(float(np.float32(amax) / np.float32(fmt.max)))
@@ -252,7 +283,10 @@ def test_mx_scale_exponent_is_exact_just_below_at_and_above_powers_of_two(elemen
                 e = frexp_floor_log2(amax) - fmt.emax
             else:  # even: amax rounded half-up to the element's mantissa width, then floor
                 ulp = 2.0 ** (frexp_floor_log2(amax) - fmt.mantissa_bits)
-                e = frexp_floor_log2(math.floor(Fraction(amax) / Fraction(ulp) + Fraction(1, 2)) * ulp) - fmt.emax
+                e = (
+                    frexp_floor_log2(math.floor(Fraction(amax) / Fraction(ulp) + Fraction(1, 2)) * ulp)
+                    - fmt.emax
+                )
             byte = min(max(e, -127), 127) + 127
             x, q = mx_block([amax], element, mode)
             assert q.scale_codes.item() == byte, (k, amax)
@@ -268,12 +302,12 @@ def test_rceil_just_above_a_power_of_two_does_not_saturate():
     # rounds to 2^100 (1 + 2^-23) in float32; torchao 0.18 takes ceil(float32 log2(descale)), the log2
     # rounds to 100, so its byte is 227 and amax/2^100 = 448 (1 + 2^-23/1.75) saturates to 448. The true
     # ceil is 101: amax / 2^101 = 224 (1 + 2^-23/1.75) rounds to 224, and nothing saturates.
-    amax = float(np.nextafter(np.float32(448.0 * 2.0 ** 100), np.float32(np.inf)))
-    assert Fraction(amax) == 448 * Fraction(2) ** 100 * (1 + Fraction(1, 2 ** 23) / Fraction(7, 4))
-    assert f32(amax / 448) == 2.0 ** 100 * (1 + 2.0 ** -23)
+    amax = float(np.nextafter(np.float32(448.0 * 2.0**100), np.float32(np.inf)))
+    assert Fraction(amax) == 448 * Fraction(2) ** 100 * (1 + Fraction(1, 2**23) / Fraction(7, 4))
+    assert f32(amax / 448) == 2.0**100 * (1 + 2.0**-23)
     x, q = mx_block([amax], "e4m3", "rceil")
     assert q.scale_codes.item() == 101 + 127
-    assert dequantize(q)[0, 0].item() == 224.0 * 2.0 ** 101
+    assert dequantize(q)[0, 0].item() == 224.0 * 2.0**101
 
 
 def test_mx_partial_trailing_block_equals_zero_padding():
@@ -297,11 +331,14 @@ def test_mx_without_padding_rejects_a_partial_block():
 # NVFP4 against torchao
 # =================================================================================================
 
+
 @pytest.mark.parametrize("global_scale", [True, False], ids=["global_scale", "block_scale_only"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_nvfp4_equals_torchao(dtype, global_scale):
     nv, kernels = torchao_nvfp4()
-    for seed, (shape, spread) in enumerate([((64, 128), 0), ((64, 128), 3), ((3, 5, 64), 6), ((1, 16), 2), ((32, 32), 12)]):
+    for seed, (shape, spread) in enumerate(
+        [((64, 128), 0), ((64, 128), 3), ((3, 5, 64), 6), ((1, 16), 2), ((32, 32), 12)]
+    ):
         # per-16-block magnitudes 10^k, k in [-spread, spread]: with a global scale, blocks far below the
         # tensor amax hit the 2^-6 block-scale floor, which is exercised too
         x = mixed_magnitudes(shape, 16, -spread, spread, seed, dtype)
@@ -321,7 +358,7 @@ def test_nvfp4_all_zero_tensor_gives_zeros_not_nan():
     # documented: global scale 1 for amax 0, block scale clamped up to 2^-6 (torchao would divide by 0)
     q = quantize(torch.zeros(2, 32), NVFP4Spec())
     assert q.global_scale.item() == 1.0
-    e4m3_2_to_minus_6 = torch.tensor(2.0 ** -6).to(torch.float8_e4m3fn).view(torch.uint8).item()
+    e4m3_2_to_minus_6 = torch.tensor(2.0**-6).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert q.scale_codes.eq(e4m3_2_to_minus_6).all() and q.codes.eq(0).all()
     assert_same_bits(dequantize(q), torch.zeros(2, 32))
 
@@ -342,10 +379,13 @@ def test_nvfp4_nan_block_dequantizes_to_nan_and_other_blocks_stay_finite():
     assert qdq(x[:, 16:], NVFP4Spec()).eq(1.0).all()
 
 
-@pytest.mark.parametrize("amax", [
-    1e-30,
-    1e-36,  # 1/global_scale overflows float32 here (torchao 0.18 then clamps every element to ±6)
-])
+@pytest.mark.parametrize(
+    "amax",
+    [
+        1e-30,
+        1e-36,  # 1/global_scale overflows float32 here (torchao 0.18 then clamps every element to ±6)
+    ],
+)
 def test_nvfp4_tiny_tensor_keeps_its_relative_values(amax):
     ratios = [1.0, 0.5, 0.1, -0.3]
     x = torch.zeros(1, 16)
@@ -363,14 +403,16 @@ def test_nvfp4_2d_blocks_share_one_scale_per_16x16_tile():
     # tiles with very different magnitudes; 40 rows pad to 48 (3 row tiles), 64 columns = 4 tiles
     g = torch.Generator().manual_seed(3)
     tile_mag = 10.0 ** torch.randint(-3, 4, (3, 4), generator=g).double()
-    x = (torch.randn(48, 64, generator=g, dtype=torch.float64)
-         * tile_mag.repeat_interleave(16, 0).repeat_interleave(16, 1)).float()[:40]
+    x = (
+        torch.randn(48, 64, generator=g, dtype=torch.float64)
+        * tile_mag.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    ).float()[:40]
     q = quantize(x, NVFP4Spec(block_2d=True))
 
     padded = F.pad(x, (0, 0, 0, 8))  # zero rows do not change a tile's amax
     tile_amax = padded.reshape(3, 16, 4, 16).abs().amax(dim=(1, 3))
     global_scale = x.abs().amax() / (448.0 * 6.0)
-    scale = torch.clamp(tile_amax / 6.0 / global_scale, 2.0 ** -6, 448.0).to(torch.float8_e4m3fn)
+    scale = torch.clamp(tile_amax / 6.0 / global_scale, 2.0**-6, 448.0).to(torch.float8_e4m3fn)
     assert torch.equal(q.scale_codes.reshape(3, 4), scale.view(torch.uint8))
     assert_same_bits(q.scales.reshape(3, 4), scale.float())
     assert_same_bits(q.global_scale, global_scale)
@@ -389,7 +431,7 @@ def test_nvfp4_2d_on_a_3d_tensor_tiles_the_last_two_axes():
     q = quantize(x, NVFP4Spec(block_2d=True))
     # one global scale for the whole tensor, one e4m3 scale per 16x16 tile of each 32x32 matrix
     tile_amax = x.reshape(2, 2, 16, 2, 16).abs().amax(dim=(2, 4))
-    scale = torch.clamp(tile_amax / 6.0 / (x.abs().amax() / 2688.0), 2.0 ** -6, 448.0).to(torch.float8_e4m3fn)
+    scale = torch.clamp(tile_amax / 6.0 / (x.abs().amax() / 2688.0), 2.0**-6, 448.0).to(torch.float8_e4m3fn)
     assert torch.equal(q.scale_codes.reshape(2, 2, 2), scale.view(torch.uint8))
     # every element of a tile is dequantized with that tile's scale: |value| <= 6 · global · tile scale
     full = (x.abs().amax() / 2688.0) * scale.float().repeat_interleave(16, 1).repeat_interleave(16, 2)
@@ -399,16 +441,18 @@ def test_nvfp4_2d_on_a_3d_tensor_tiles_the_last_two_axes():
 
 # --- random Hadamard transform -------------------------------------------------------------------
 
+
 def test_hadamard_matrix_is_an_orthonormal_signed_sylvester_matrix():
     for size in (1, 2, 4, 16, 64):
         m = scaling.hadamard_matrix(size, seed=5).double()
         gram = m @ m.T
         # 1/sqrt(size) is exact in float32 for 1, 4, 16, 64; for 2 it is rounded (relative error <= 2^-24)
-        tolerance = 0.0 if size in (1, 4, 16, 64) else 2.0 ** -22
+        tolerance = 0.0 if size in (1, 4, 16, 64) else 2.0**-22
         assert (gram - torch.eye(size, dtype=torch.float64)).abs().max().item() <= tolerance
         # D·H/sqrt(n): row i times (-1)^popcount(i & j) · sqrt(n) is one sign d_i for every j
-        sylvester = torch.tensor([[(-1.0) ** bin(i & j).count("1") for j in range(size)] for i in range(size)],
-                                 dtype=torch.float64)
+        sylvester = torch.tensor(
+            [[(-1.0) ** bin(i & j).count("1") for j in range(size)] for i in range(size)], dtype=torch.float64
+        )
         signs = torch.round(m * sylvester * math.sqrt(size))
         assert torch.equal(signs, signs[:, :1].expand(-1, size)) and signs.abs().eq(1).all()
 
@@ -432,12 +476,18 @@ def test_hadamard_transform_preserves_dot_products_along_the_axis():
     assert torch.allclose((xm * ym).sum(-1), exact, rtol=0, atol=1e-12)
     # qlab's float32 transform equals x M up to float32 rounding of 16-term sums of ±x/4
     tx = scaling.hadamard_transform(x, seed=2)
-    bound = 16 * 2.0 ** -24 * (x.double().abs().reshape(8, 4, 1, 16).sum(-1) / 4).expand(8, 4, 16).reshape(8, 64)
+    bound = (
+        16 * 2.0**-24 * (x.double().abs().reshape(8, 4, 1, 16).sum(-1) / 4).expand(8, 4, 16).reshape(8, 64)
+    )
     assert ((tx.double() - xm).abs() <= bound).all()
     ty = scaling.hadamard_transform(y, seed=2)
     # dot products of float32-transformed vectors: 64 products with relative error ~ 2^-20 each
-    assert torch.allclose((tx.double() * ty.double()).sum(-1), exact, rtol=0,
-                          atol=1e-5 * (x.double().abs() * y.double().abs()).sum(-1).max().item())
+    assert torch.allclose(
+        (tx.double() * ty.double()).sum(-1),
+        exact,
+        rtol=0,
+        atol=1e-5 * (x.double().abs() * y.double().abs()).sum(-1).max().item(),
+    )
     back = scaling.hadamard_transform(tx, seed=2, inverse=True)
     assert torch.allclose(back, x, rtol=0, atol=1e-5 * x.abs().max().item())
 
@@ -456,7 +506,7 @@ def test_nvfp4_with_hadamard_quantizes_the_rotated_tensor_and_rotates_back():
     # of 2 at the top binade) times the block's scale s <= (block amax / 6)(1 + 2^-4) (e4m3 rounding);
     # the inverse rotation is orthonormal, so the L2 error per 16-chunk is bounded by sqrt(16) of that
     block_amax = rotated.abs().reshape(16, 4, 16).amax(-1).double()
-    bound = torch.sqrt((16 * (block_amax * (1 + 2 ** -4) / 6) ** 2).sum(-1)) * (1 + 1e-5)
+    bound = torch.sqrt((16 * (block_amax * (1 + 2**-4) / 6) ** 2).sum(-1)) * (1 + 1e-5)
     err = (out.double() - x.double()).reshape(16, 4, 16).pow(2).sum((-2, -1)).sqrt()
     assert (err <= bound).all()
     assert not torch.equal(out, qdq(x, NVFP4Spec()))  # the rotation really changed the quantization
@@ -465,6 +515,7 @@ def test_nvfp4_with_hadamard_quantizes_the_rotated_tensor_and_rotates_back():
 # =================================================================================================
 # Tensorwise FP8 (TE current scaling)
 # =================================================================================================
+
 
 def tensorwise_formula(x, element, scale):
     fp8_max = torch.finfo(FP8_DTYPES[element]).max
@@ -533,6 +584,7 @@ def test_tensorwise_axis_granularity_has_one_scale_per_slice(axis):
 # Delayed scaling
 # =================================================================================================
 
+
 def delayed_reference(amaxes_per_step, fmt_max, history_len, algorithm, margin):
     """Plain-Python TE delayed scaling: scale used at each step, from the amaxes of earlier steps."""
     history = [0.0] * history_len
@@ -543,19 +595,42 @@ def delayed_reference(amaxes_per_step, fmt_max, history_len, algorithm, margin):
         if any(math.isnan(a) for a in amaxes):
             step_amax = NAN
         history = [step_amax] + history[:-1]
-        amax = (NAN if any(math.isnan(h) for h in history) else max(history)) if algorithm == "max" else history[0]
+        amax = (
+            (NAN if any(math.isnan(h) for h in history) else max(history))
+            if algorithm == "max"
+            else history[0]
+        )
         if math.isfinite(amax) and amax > 0:
-            candidate = f32(fmt_max / amax) / 2.0 ** margin  # float32 quotient (Figueroa: float64 then
-            if math.isfinite(candidate):                    # float32 rounds like a float32 division)
+            candidate = f32(fmt_max / amax) / 2.0**margin  # float32 quotient (Figueroa: float64 then
+            if math.isfinite(candidate):  # float32 rounds like a float32 division)
                 scale = candidate
     return used, scale
 
 
 @pytest.mark.parametrize("algorithm", ["max", "most_recent"])
-@pytest.mark.parametrize("history_len, margin, fmt", [(1, 0, "e4m3"), (3, 0, "e4m3"), (4, 2, "e5m2"), (1024, 1, "e4m3")])
+@pytest.mark.parametrize(
+    "history_len, margin, fmt", [(1, 0, "e4m3"), (3, 0, "e4m3"), (4, 2, "e5m2"), (1024, 1, "e4m3")]
+)
 def test_delayed_scaling_sequence_equals_reference(algorithm, history_len, margin, fmt):
-    steps = [[3.0], [10.0, 2.0], [1.0], [], [0.5, 0.25, 0.75], [0.0], [INF], [2.0], [NAN], [4.0],
-             [1e-45], [6.0], [1.0], [1.0], [1.0], [1.0], [1.0]]
+    steps = [
+        [3.0],
+        [10.0, 2.0],
+        [1.0],
+        [],
+        [0.5, 0.25, 0.75],
+        [0.0],
+        [INF],
+        [2.0],
+        [NAN],
+        [4.0],
+        [1e-45],
+        [6.0],
+        [1.0],
+        [1.0],
+        [1.0],
+        [1.0],
+        [1.0],
+    ]
     fmt_max = formats.get_format(fmt).max
     expected_used, expected_final = delayed_reference(steps, fmt_max, history_len, algorithm, margin)
     ds = scaling.DelayedScaling(fmt, history_len=history_len, algorithm=algorithm, margin=margin)
@@ -603,12 +678,15 @@ def test_delayed_scale_feeds_tensorwise_quantize():
     ds.observe(torch.tensor(7.0))
     ds.step()
     x = torch.tensor([1.0, -7.0, 9.0, 0.3])  # 9 · 64 = 576 saturates: delayed scales can be stale
-    assert_same_bits(qdq(x, TensorwiseSpec("e4m3"), scale=ds.scale), tensorwise_formula(x, "e4m3", torch.tensor(64.0)))
+    assert_same_bits(
+        qdq(x, TensorwiseSpec("e4m3"), scale=ds.scale), tensorwise_formula(x, "e4m3", torch.tensor(64.0))
+    )
 
 
 # =================================================================================================
 # Integer quantization
 # =================================================================================================
+
 
 def test_int8_symmetric_per_tensor_equals_the_formula():
     x = mixed_magnitudes((16, 64), 16, -2, 2, seed=3)
@@ -656,7 +734,7 @@ def test_uint8_asymmetric():
         # each value is within half a step of x; the slack covers the float32 roundings of x/scale and of
         # (code - zp)·scale, each at most 255·2^-24 steps (~1.5e-5)
         step = q.scales.item()
-        assert ((out.double() - x.double()).abs() <= step * (0.5 + 2.0 ** -13)).all()
+        assert ((out.double() - x.double()).abs() <= step * (0.5 + 2.0**-13)).all()
         assert q.codes.dtype == torch.uint8
 
 
@@ -678,6 +756,7 @@ def test_int_axis_granularity_along_each_axis(axis):
 # =================================================================================================
 # QTensor
 # =================================================================================================
+
 
 def test_along_requantizes_from_high_precision_and_differs_from_transposed_codes():
     x = mixed_magnitudes((64, 64), 32, -3, 3, seed=8)
@@ -757,8 +836,12 @@ def blocked_tensors(draw, blocks=2, block=32):
 # families of specs; hypothesis draws the spec within a family together with the tensor
 IDEMPOTENT_FAMILIES = {
     **{f"mx_{e}": [MXSpec(e, mode=m) for m in MX_MODES] for e in MX_ELEMENTS},
-    "tensorwise": [TensorwiseSpec("e4m3"), TensorwiseSpec("e5m2"), TensorwiseSpec("e4m3", pow2=True),
-                   TensorwiseSpec("e4m3", granularity="axis")],
+    "tensorwise": [
+        TensorwiseSpec("e4m3"),
+        TensorwiseSpec("e5m2"),
+        TensorwiseSpec("e4m3", pow2=True),
+        TensorwiseSpec("e4m3", granularity="axis"),
+    ],
     # NVFP4 without a global scale: the block's amax maps to 6·s, whose scale is s again. With the global
     # scale (amax/2688), qdq changes the tensor amax and so the global scale: not idempotent by design.
     "nvfp4_no_global": [NVFP4Spec(global_scale=False), NVFP4Spec(global_scale=False, block_2d=True)],
@@ -833,7 +916,9 @@ def test_elementwise_cast_error_bound_and_monotonicity(name, values):
 
 
 @PROPERTY
-@given(value=st.floats(-0.875, 0.875, width=32), element=st.sampled_from(MX_ELEMENTS), seed=st.integers(0, 2 ** 31))
+@given(
+    value=st.floats(-0.875, 0.875, width=32), element=st.sampled_from(MX_ELEMENTS), seed=st.integers(0, 2**31)
+)
 def test_mx_stochastic_rounding_is_unbiased_and_seeded(value, element, seed):
     fmt = formats.get_format(element)
     n = 4000
@@ -846,7 +931,7 @@ def test_mx_stochastic_rounding_is_unbiased_and_seeded(value, element, seed):
     assert torch.equal(draws, again)
     # exact neighbours lo <= y < lo + step of y = value / scale on the element grid; a draw is lo or
     # lo + step with P(up) = p, so the mean's standard deviation is step·sqrt(p(1-p)/n) (times scale)
-    scale = 2.0 ** -fmt.emax
+    scale = 2.0**-fmt.emax
     y = Fraction(value) / Fraction(scale)
     step = Fraction(2) ** (max(frexp_floor_log2(abs(float(y))) if y else 0, 1 - fmt.bias) - fmt.mantissa_bits)
     lo = math.floor(y / step) * step
@@ -868,6 +953,7 @@ def test_stochastic_rounding_differs_across_seeds():
 # Compiled path (slow: torch.compile takes ~10-40 s on 2 cores)
 # =================================================================================================
 
+
 def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
     """COMPILED PATH: qdq(fast=True) through torch.compile gives the same bits as eager."""
     monkeypatch.setenv("QLAB_COMPILE", "1")
@@ -883,10 +969,17 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
 
     x = mixed_magnitudes((256, 256), 32, -12, 12, seed=12)
     x[0] = 0.0
-    x[1, :5] = torch.tensor([2.0 ** -149, 3.3e38, -2.0 ** -130, 480.0, -957.0])
+    x[1, :5] = torch.tensor([2.0**-149, 3.3e38, -(2.0**-130), 480.0, -957.0])
     # axis 0 compiles the transpose into the kernel; RHT compiles a matmul; 2D tiles a reshape
-    for name, axis in (("mxfp8", -1), ("mxfp8", 0), ("nvfp4", -1), ("nvfp4_rht", 0), ("nvfp4_2d", 0),
-                       ("fp8_e4m3", -1), ("int8_rowwise", 0)):
+    for name, axis in (
+        ("mxfp8", -1),
+        ("mxfp8", 0),
+        ("nvfp4", -1),
+        ("nvfp4_rht", 0),
+        ("nvfp4_2d", 0),
+        ("fp8_e4m3", -1),
+        ("int8_rowwise", 0),
+    ):
         graphs = counters["stats"]["unique_graphs"]
         fast = qdq(x, name, axis, fast=True)
         key = (Q.get_spec(name), axis % x.dim(), x.dtype)
@@ -894,7 +987,10 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
         assert counters["stats"]["unique_graphs"] > graphs, f"{name} did not run through torch.compile"
         assert_same_bits(fast, qdq(x, name, axis, fast=False))
     # stochastic rounding: the noise is drawn eagerly from the generator, so the bits match too
-    for spec, axis in ((NVFP4Spec(hadamard=True, rounding="stochastic"), 0), (MXSpec("e2m1", rounding="stochastic"), -1)):
+    for spec, axis in (
+        (NVFP4Spec(hadamard=True, rounding="stochastic"), 0),
+        (MXSpec("e2m1", rounding="stochastic"), -1),
+    ):
         fast = qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=True)
         key = (spec, axis % x.dim(), x.dtype)
         assert key in Q._compiled and key not in Q._compile_failed
@@ -906,47 +1002,185 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
 # =================================================================================================
 
 BAD_INPUTS = [
-    ("unknown spec name", lambda: qdq(torch.ones(32), "mxfp9"), ValueError, r"unknown quantization spec 'mxfp9'; expected .*mxfp8"),
-    ("unknown MX mode", lambda: MXSpec("e4m3", mode="round"), ValueError, r"unknown MX scale mode 'round'; expected one of: floor, rceil, ceil, even"),
-    ("unknown MX element", lambda: MXSpec("int8"), ValueError, r"MX elements are e4m3, e5m2, e3m2, e2m3 or e2m1, got 'int8'"),
-    ("unknown tensorwise element", lambda: TensorwiseSpec("e9m9"), ValueError, r"unknown element format 'e9m9'; expected one of: e4m3"),
-    ("integer tensorwise element", lambda: TensorwiseSpec("int8"), ValueError, r"expected a floating-point element format"),
+    (
+        "unknown spec name",
+        lambda: qdq(torch.ones(32), "mxfp9"),
+        ValueError,
+        r"unknown quantization spec 'mxfp9'; expected .*mxfp8",
+    ),
+    (
+        "unknown MX mode",
+        lambda: MXSpec("e4m3", mode="round"),
+        ValueError,
+        r"unknown MX scale mode 'round'; expected one of: floor, rceil, ceil, even",
+    ),
+    (
+        "unknown MX element",
+        lambda: MXSpec("int8"),
+        ValueError,
+        r"MX elements are e4m3, e5m2, e3m2, e2m3 or e2m1, got 'int8'",
+    ),
+    (
+        "unknown tensorwise element",
+        lambda: TensorwiseSpec("e9m9"),
+        ValueError,
+        r"unknown element format 'e9m9'; expected one of: e4m3",
+    ),
+    (
+        "integer tensorwise element",
+        lambda: TensorwiseSpec("int8"),
+        ValueError,
+        r"expected a floating-point element format",
+    ),
     ("IntSpec bits=1", lambda: IntSpec(bits=1), ValueError, r"bits must be an int in 2\.\.16, got 1"),
     ("IntSpec bits=17", lambda: IntSpec(bits=17), ValueError, r"in 2\.\.16, got 17"),
-    ("unknown granularity", lambda: IntSpec(granularity="row"), ValueError, r"unknown granularity 'row'; expected one of: tensor, axis"),
-    ("unknown rounding", lambda: NVFP4Spec(rounding="up"), ValueError, r"unknown rounding 'up'; expected one of: rne, away"),
-    ("integer tensor", lambda: quantize(torch.ones(32, dtype=torch.int32), "mxfp8"), TypeError, r"floating-point tensor, got torch.int32"),
-    ("float64 tensor", lambda: quantize(torch.ones(32, dtype=torch.float64), "mxfp8"), TypeError, r"float32, bfloat16 or float16, got torch.float64"),
-    ("float64 tensor qdq", lambda: qdq(torch.ones(32, dtype=torch.float64), "int8"), TypeError, r"float32, bfloat16 or float16"),
+    (
+        "unknown granularity",
+        lambda: IntSpec(granularity="row"),
+        ValueError,
+        r"unknown granularity 'row'; expected one of: tensor, axis",
+    ),
+    (
+        "unknown rounding",
+        lambda: NVFP4Spec(rounding="up"),
+        ValueError,
+        r"unknown rounding 'up'; expected one of: rne, away",
+    ),
+    (
+        "integer tensor",
+        lambda: quantize(torch.ones(32, dtype=torch.int32), "mxfp8"),
+        TypeError,
+        r"floating-point tensor, got torch.int32",
+    ),
+    (
+        "float64 tensor",
+        lambda: quantize(torch.ones(32, dtype=torch.float64), "mxfp8"),
+        TypeError,
+        r"float32, bfloat16 or float16, got torch.float64",
+    ),
+    (
+        "float64 tensor qdq",
+        lambda: qdq(torch.ones(32, dtype=torch.float64), "int8"),
+        TypeError,
+        r"float32, bfloat16 or float16",
+    ),
     ("0-d tensor", lambda: quantize(torch.tensor(1.0), "int8"), ValueError, r"at least one dimension"),
-    ("axis out of range", lambda: quantize(torch.ones(2, 32), "mxfp8", axis=2), ValueError, r"axis must be an int in \[-2, 1\] for a 2-d tensor, got 2"),
-    ("axis not an int", lambda: quantize(torch.ones(2, 32), "mxfp8", axis=1.0), ValueError, r"axis must be an int"),
-    ("2D NVFP4 on a 1-D tensor", lambda: quantize(torch.ones(32), "nvfp4_2d"), ValueError, r"2D 16x16 NVFP4 blocks need a tensor with at least 2 dimensions"),
-    ("pad=False, MX", lambda: quantize(torch.ones(2, 40), MXSpec(pad=False)), ValueError, r"axis length 40 is not a multiple of the block size 32"),
-    ("pad=False, NVFP4", lambda: qdq(torch.ones(2, 24), NVFP4Spec(pad=False)), ValueError, r"axis length 24 is not a multiple of the block size 16"),
-    ("pad=False, NVFP4 2D rows", lambda: qdq(torch.ones(20, 32), NVFP4Spec(block_2d=True, pad=False)), ValueError, r"axis length 20 is not a multiple of the block size 16"),
-    ("generator with rne", lambda: quantize(torch.ones(32), "mxfp8", generator=torch.Generator()), ValueError, r"rounding is 'stochastic'"),
-    ("fixed scale for MX", lambda: quantize(torch.ones(32), "mxfp8", scale=2.0), ValueError, r"only supported for TensorwiseSpec and IntSpec"),
-    ("fixed scale for NVFP4", lambda: qdq(torch.ones(32), "nvfp4", scale=2.0), ValueError, r"only supported for TensorwiseSpec and IntSpec"),
-    ("non-positive fixed scale", lambda: qdq(torch.ones(32), "fp8_e4m3", scale=0.0), ValueError, r"finite and positive"),
-    ("fixed scale, asymmetric int", lambda: qdq(torch.ones(32), "uint8_asymmetric", scale=1.0), ValueError, r"only supported for symmetric IntSpec"),
-    ("NaN into a NaN-less int grid", lambda: quantize(torch.tensor([1.0, NAN]), "int8"), ValueError, r"int8 has no NaN encoding"),
-    ("dequantize of a tensor", lambda: dequantize(torch.ones(3)), TypeError, r"expects a QTensor, got Tensor"),
-    ("delayed: bad algorithm", lambda: scaling.DelayedScaling(algorithm="mean"), ValueError, r"expected one of: max, most_recent"),
-    ("delayed: bad history", lambda: scaling.DelayedScaling(history_len=0), ValueError, r"history_len must be a positive int, got 0"),
+    (
+        "axis out of range",
+        lambda: quantize(torch.ones(2, 32), "mxfp8", axis=2),
+        ValueError,
+        r"axis must be an int in \[-2, 1\] for a 2-d tensor, got 2",
+    ),
+    (
+        "axis not an int",
+        lambda: quantize(torch.ones(2, 32), "mxfp8", axis=1.0),
+        ValueError,
+        r"axis must be an int",
+    ),
+    (
+        "2D NVFP4 on a 1-D tensor",
+        lambda: quantize(torch.ones(32), "nvfp4_2d"),
+        ValueError,
+        r"2D 16x16 NVFP4 blocks need a tensor with at least 2 dimensions",
+    ),
+    (
+        "pad=False, MX",
+        lambda: quantize(torch.ones(2, 40), MXSpec(pad=False)),
+        ValueError,
+        r"axis length 40 is not a multiple of the block size 32",
+    ),
+    (
+        "pad=False, NVFP4",
+        lambda: qdq(torch.ones(2, 24), NVFP4Spec(pad=False)),
+        ValueError,
+        r"axis length 24 is not a multiple of the block size 16",
+    ),
+    (
+        "pad=False, NVFP4 2D rows",
+        lambda: qdq(torch.ones(20, 32), NVFP4Spec(block_2d=True, pad=False)),
+        ValueError,
+        r"axis length 20 is not a multiple of the block size 16",
+    ),
+    (
+        "generator with rne",
+        lambda: quantize(torch.ones(32), "mxfp8", generator=torch.Generator()),
+        ValueError,
+        r"rounding is 'stochastic'",
+    ),
+    (
+        "fixed scale for MX",
+        lambda: quantize(torch.ones(32), "mxfp8", scale=2.0),
+        ValueError,
+        r"only supported for TensorwiseSpec and IntSpec",
+    ),
+    (
+        "fixed scale for NVFP4",
+        lambda: qdq(torch.ones(32), "nvfp4", scale=2.0),
+        ValueError,
+        r"only supported for TensorwiseSpec and IntSpec",
+    ),
+    (
+        "non-positive fixed scale",
+        lambda: qdq(torch.ones(32), "fp8_e4m3", scale=0.0),
+        ValueError,
+        r"finite and positive",
+    ),
+    (
+        "fixed scale, asymmetric int",
+        lambda: qdq(torch.ones(32), "uint8_asymmetric", scale=1.0),
+        ValueError,
+        r"only supported for symmetric IntSpec",
+    ),
+    (
+        "NaN into a NaN-less int grid",
+        lambda: quantize(torch.tensor([1.0, NAN]), "int8"),
+        ValueError,
+        r"int8 has no NaN encoding",
+    ),
+    (
+        "dequantize of a tensor",
+        lambda: dequantize(torch.ones(3)),
+        TypeError,
+        r"expects a QTensor, got Tensor",
+    ),
+    (
+        "delayed: bad algorithm",
+        lambda: scaling.DelayedScaling(algorithm="mean"),
+        ValueError,
+        r"expected one of: max, most_recent",
+    ),
+    (
+        "delayed: bad history",
+        lambda: scaling.DelayedScaling(history_len=0),
+        ValueError,
+        r"history_len must be a positive int, got 0",
+    ),
     ("hadamard size", lambda: scaling.hadamard_matrix(12), ValueError, r"power of two, got 12"),
-    ("hadamard axis length", lambda: scaling.hadamard_transform(torch.ones(24)), ValueError, r"multiple of 16, got 24"),
-    ("mx_scale_codes mode", lambda: scaling.mx_scale_codes(torch.ones(1), "e4m3", "nearest"), ValueError, r"expected one of: floor, rceil, ceil, even"),
+    (
+        "hadamard axis length",
+        lambda: scaling.hadamard_transform(torch.ones(24)),
+        ValueError,
+        r"multiple of 16, got 24",
+    ),
+    (
+        "mx_scale_codes mode",
+        lambda: scaling.mx_scale_codes(torch.ones(1), "e4m3", "nearest"),
+        ValueError,
+        r"expected one of: floor, rceil, ceil, even",
+    ),
 ]
 
 
-@pytest.mark.parametrize("call, error, message", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS])
+@pytest.mark.parametrize(
+    "call, error, message", [row[1:] for row in BAD_INPUTS], ids=[row[0] for row in BAD_INPUTS]
+)
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
 
 
 # --- fixes from review -----------------------------------------------------------------------------
+
 
 def test_unsigned_symmetric_int_is_refused():
     with pytest.raises(ValueError, match="symmetric=False"):

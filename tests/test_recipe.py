@@ -30,19 +30,34 @@ DOCUMENTED_PRESETS = {
     "bf16": {},
     "fp8_tensorwise": dict(input=E4M3, weight=E4M3, grad_output=E5M2),
     "fp8_delayed": dict(input=E4M3, weight=E4M3, grad_output=E5M2, delayed=True),
-    "mxfp8": dict(input=MXSpec("e4m3", 32, mode="rceil"), weight=MXSpec("e4m3", 32, mode="rceil"),
-                  grad_output=MXSpec("e4m3", 32, mode="rceil")),
-    "mxfp4": dict(input=MXSpec("e2m1", 32, mode="floor"), weight=MXSpec("e2m1", 32, mode="floor"),
-                  grad_output=MXSpec("e2m1", 32, mode="floor", rounding="stochastic")),
-    "nvfp4": dict(input=NVFP4Spec(), weight=NVFP4Spec(block_2d=True),
-                  grad_output=NVFP4Spec(rounding="stochastic"),
-                  wgrad_input=NVFP4Spec(hadamard=True),
-                  wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic")),
-    "int8_per_token": dict(input=IntSpec(8, signed=True, symmetric=True, granularity="axis"),
-                           weight=IntSpec(8, signed=True, symmetric=True, granularity="axis")),
+    "mxfp8": dict(
+        input=MXSpec("e4m3", 32, mode="rceil"),
+        weight=MXSpec("e4m3", 32, mode="rceil"),
+        grad_output=MXSpec("e4m3", 32, mode="rceil"),
+    ),
+    "mxfp4": dict(
+        input=MXSpec("e2m1", 32, mode="floor"),
+        weight=MXSpec("e2m1", 32, mode="floor"),
+        grad_output=MXSpec("e2m1", 32, mode="floor", rounding="stochastic"),
+    ),
+    "nvfp4": dict(
+        input=NVFP4Spec(),
+        weight=NVFP4Spec(block_2d=True),
+        grad_output=NVFP4Spec(rounding="stochastic"),
+        wgrad_input=NVFP4Spec(hadamard=True),
+        wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
+    ),
+    "int8_per_token": dict(
+        input=IntSpec(8, signed=True, symmetric=True, granularity="axis"),
+        weight=IntSpec(8, signed=True, symmetric=True, granularity="axis"),
+    ),
 }
-DELAYED_DEFAULTS = dict(amax_history_len=1024, amax_algorithm="max", margin=0,  # TE's defaults (REFERENCE §2)
-                        reduce_amax=True)  # TE's DelayedScaling(reduce_amax=True)
+DELAYED_DEFAULTS = dict(
+    amax_history_len=1024,
+    amax_algorithm="max",
+    margin=0,  # TE's defaults (REFERENCE §2)
+    reduce_amax=True,
+)  # TE's DelayedScaling(reduce_amax=True)
 
 
 def test_the_documented_presets_are_exactly_the_presets():
@@ -50,6 +65,7 @@ def test_the_documented_presets_are_exactly_the_presets():
 
 
 # --- serialization -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_round_trips_through_to_dict_and_from_dict(name):
@@ -78,12 +94,27 @@ def test_an_override_round_trips_through_yaml(override):
 
 def test_to_dict_writes_the_spec_kind_and_every_spec_field():
     data = get_recipe("nvfp4").to_dict()
-    assert data["weight"] == {"kind": "NVFP4Spec", "block_2d": True, "hadamard": False, "hadamard_seed": 0,
-                              "global_scale": True, "pad": True, "rounding": "rne"}
+    assert data["weight"] == {
+        "kind": "NVFP4Spec",
+        "block_2d": True,
+        "hadamard": False,
+        "hadamard_seed": 0,
+        "global_scale": True,
+        "pad": True,
+        "rounding": "rne",
+    }
     assert data["dgrad_weight"] is None
     assert data["name"] == "nvfp4"
-    assert set(data) == {"name", *ROLES, "delayed", "amax_history_len", "amax_algorithm", "margin",
-                         "reduce_amax", "backward_override"}
+    assert set(data) == {
+        "name",
+        *ROLES,
+        "delayed",
+        "amax_history_len",
+        "amax_algorithm",
+        "margin",
+        "reduce_amax",
+        "backward_override",
+    }
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -106,6 +137,7 @@ def test_a_spec_given_by_its_preset_name_becomes_the_spec_object():
 
 # --- preset contents ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", PRESETS)
 def test_preset_contents_match_their_documented_definition(name):
     recipe = get_recipe(name)
@@ -127,10 +159,15 @@ def test_bf16_quantizes_nothing():
 
 
 @pytest.mark.parametrize("name", PRESETS)
-@pytest.mark.parametrize("role,forward_role", [
-    ("dgrad_weight", "weight"), ("dgrad_grad_output", "grad_output"),
-    ("wgrad_input", "input"), ("wgrad_grad_output", "grad_output"),
-])
+@pytest.mark.parametrize(
+    "role,forward_role",
+    [
+        ("dgrad_weight", "weight"),
+        ("dgrad_grad_output", "grad_output"),
+        ("wgrad_input", "input"),
+        ("wgrad_grad_output", "grad_output"),
+    ],
+)
 def test_backward_roles_fall_back_to_their_forward_role(name, role, forward_role):
     documented = DOCUMENTED_PRESETS[name]
     expected = documented[role] if role in documented else documented.get(forward_role)
@@ -161,23 +198,34 @@ def test_unknown_role_is_refused():
 
 # --- backward_override ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
 def test_backward_override_argument_is_used(override):
     assert get_recipe("fp8_tensorwise", backward_override=override).backward_override == override
     assert Recipe(input=E4M3, backward_override=override).backward_override == override
 
 
-@pytest.mark.parametrize("env_value,expected", [
-    ("high_precision", "high_precision"),
-    ("dequantized", "dequantized"),
-    (" dequantized\n", "dequantized"),  # surrounding whitespace is stripped
-    ("none", None), ("None", None), ("NONE", None), ("", None), ("  ", None),
-])
+@pytest.mark.parametrize(
+    "env_value,expected",
+    [
+        ("high_precision", "high_precision"),
+        ("dequantized", "dequantized"),
+        (" dequantized\n", "dequantized"),  # surrounding whitespace is stripped
+        ("none", None),
+        ("None", None),
+        ("NONE", None),
+        ("", None),
+        ("  ", None),
+    ],
+)
 def test_environment_variable_is_used_when_the_argument_is_unset(monkeypatch, env_value, expected):
     monkeypatch.setenv(ENV, env_value)
     assert get_recipe("fp8_tensorwise").backward_override == expected
     assert Recipe(input=E4M3).backward_override == expected
-    assert Recipe.from_dict({"input": {"kind": "TensorwiseSpec", "element": "e4m3"}}).backward_override == expected
+    assert (
+        Recipe.from_dict({"input": {"kind": "TensorwiseSpec", "element": "e4m3"}}).backward_override
+        == expected
+    )
 
 
 def test_unset_environment_variable_means_no_override():
@@ -257,6 +305,7 @@ def test_delayed_scaling_with_explicit_none_ignores_the_environment(monkeypatch)
 
 # --- refused configurations ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["fp8", "FP8_TENSORWISE", "nvfp4 ", "mxfp6", ""])
 def test_unknown_preset_name_is_refused(name):
     with pytest.raises(ValueError, match="unknown recipe .*one of: bf16, fp8_tensorwise"):
@@ -269,8 +318,9 @@ def test_get_recipe_of_an_unsupported_type_is_refused(value):
         get_recipe(value)
 
 
-@pytest.mark.parametrize("spec", [{"kind": "FP8Spec", "element": "e4m3"}, {"element": "e4m3"},
-                                  {"kind": "tensorwisespec"}])
+@pytest.mark.parametrize(
+    "spec", [{"kind": "FP8Spec", "element": "e4m3"}, {"element": "e4m3"}, {"kind": "tensorwisespec"}]
+)
 def test_from_dict_with_unknown_spec_kind_is_refused(spec):
     with pytest.raises(ValueError, match="unknown spec kind .*TensorwiseSpec, IntSpec, MXSpec, NVFP4Spec"):
         Recipe.from_dict({"input": spec})
@@ -290,9 +340,15 @@ def test_from_dict_of_a_non_dict_is_refused(value):
         Recipe.from_dict(value)
 
 
-@pytest.mark.parametrize("spec", [
-    MXSpec("e4m3"), NVFP4Spec(), IntSpec(8), TensorwiseSpec("e4m3", granularity="axis"),
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        MXSpec("e4m3"),
+        NVFP4Spec(),
+        IntSpec(8),
+        TensorwiseSpec("e4m3", granularity="axis"),
+    ],
+)
 @pytest.mark.parametrize("role", ["input", "weight", "grad_output", "dgrad_weight", "wgrad_grad_output"])
 def test_delayed_scaling_with_a_non_tensorwise_spec_is_refused(spec, role):
     fields = dict(input=E4M3, weight=E4M3, grad_output=E5M2, delayed=True)
@@ -328,11 +384,14 @@ def test_delayed_scaling_with_empty_amax_history_is_refused():
         Recipe(input=E4M3, delayed=True, amax_history_len=0)
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"amax_history_len": -3}, "amax_history_len must be a positive int"),
-    ({"amax_algorithm": "bogus"}, "unknown amax_algorithm 'bogus'"),
-    ({"input": {"kind": "MXSpec", "blocksize": 32}}, r"unknown MXSpec fields \['blocksize'\]"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"amax_history_len": -3}, "amax_history_len must be a positive int"),
+        ({"amax_algorithm": "bogus"}, "unknown amax_algorithm 'bogus'"),
+        ({"input": {"kind": "MXSpec", "blocksize": 32}}, r"unknown MXSpec fields \['blocksize'\]"),
+    ],
+)
 def test_settings_are_validated_even_without_delayed_scaling(fields, message):
     with pytest.raises(ValueError, match=message):
         Recipe.from_dict(fields)

@@ -92,7 +92,7 @@ def test_audit_explains_the_loss_scale_and_flags_the_written_bug(mode, flagged, 
         return grads
 
     monkeypatch.setattr(seed_model.SeedLinearFunction, "backward", staticmethod(observing_backward))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     with audit:
         scaler.scale(model(torch.randn(4, 16)).pow(2).sum()).backward()
     scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))

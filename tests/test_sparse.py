@@ -35,6 +35,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)  # fp32 GEMMs of different shapes sum in diffe
 
 # --- helpers ---------------------------------------------------------------------------------------------
 
+
 def _linear(in_features, out_features, bias=True, seed=0):
     torch.manual_seed(seed)
     return nn.Linear(in_features, out_features, bias=bias)
@@ -42,8 +43,14 @@ def _linear(in_features, out_features, bias=True, seed=0):
 
 def _topk_copy(reference: nn.Linear, k, mode="shared", variant="topk") -> TopKLinear:
     """A TopKLinear with the reference's values (copied through the state dict, not shared)."""
-    layer = TopKLinear(reference.in_features, reference.out_features, bias=reference.bias is not None, k=k,
-                       mode=mode, variant=variant)
+    layer = TopKLinear(
+        reference.in_features,
+        reference.out_features,
+        bias=reference.bias is not None,
+        k=k,
+        mode=mode,
+        variant=variant,
+    )
     layer.load_state_dict(reference.state_dict())
     return layer
 
@@ -54,7 +61,11 @@ def _grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     module.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     module(x).backward(dy)
-    linear = module if isinstance(module, nn.Linear) else next(m for m in module.modules() if isinstance(m, nn.Linear))
+    linear = (
+        module
+        if isinstance(module, nn.Linear)
+        else next(m for m in module.modules() if isinstance(m, nn.Linear))
+    )
     return x.grad, linear.weight.grad, None if linear.bias is None else linear.bias.grad
 
 
@@ -106,33 +117,40 @@ def _assert_close64(actual, expected):
 
 # --- 1. k resolution and the errors -------------------------------------------------------------------
 
-@pytest.mark.parametrize("k, features, count", [
-    (0.05, 500, 25),      # 0.05·500 = 25.000000000000004 in binary: rounds to 25
-    (0.16, 500, 80),
-    (0.25, 8, 2),
-    (0.99, 10, 10),       # 9.9 rounds up to all
-    (1e-6, 500, 1),       # a tiny fraction still keeps one feature
-    (0.01, 3, 1),
-    (1.0, 500, 500),      # 1.0 = all
-    (1.0, 1, 1),
-    (1, 500, 1),          # counts pass through
-    (25, 500, 25),
-    (500, 500, 500),
-    (7, 7, 7),
-])
+
+@pytest.mark.parametrize(
+    "k, features, count",
+    [
+        (0.05, 500, 25),  # 0.05·500 = 25.000000000000004 in binary: rounds to 25
+        (0.16, 500, 80),
+        (0.25, 8, 2),
+        (0.99, 10, 10),  # 9.9 rounds up to all
+        (1e-6, 500, 1),  # a tiny fraction still keeps one feature
+        (0.01, 3, 1),
+        (1.0, 500, 500),  # 1.0 = all
+        (1.0, 1, 1),
+        (1, 500, 1),  # counts pass through
+        (25, 500, 25),
+        (500, 500, 500),
+        (7, 7, 7),
+    ],
+)
 def test_resolve_k(k, features, count):
     assert resolve_k(k, features) == count
 
 
-@pytest.mark.parametrize("k, features, expected_words", [
-    (0, 500, ("at least 1", "got 0")),
-    (-3, 500, ("at least 1", "got -3")),
-    (501, 500, ("larger than the feature count", "501", "500")),
-    (0.0, 500, ("(0, 1]", "got 0.0")),
-    (1.5, 500, ("(0, 1]", "got 1.5")),
-    (-0.1, 500, ("(0, 1]", "got -0.1")),
-    (float("nan"), 500, ("(0, 1]", "nan")),
-])
+@pytest.mark.parametrize(
+    "k, features, expected_words",
+    [
+        (0, 500, ("at least 1", "got 0")),
+        (-3, 500, ("at least 1", "got -3")),
+        (501, 500, ("larger than the feature count", "501", "500")),
+        (0.0, 500, ("(0, 1]", "got 0.0")),
+        (1.5, 500, ("(0, 1]", "got 1.5")),
+        (-0.1, 500, ("(0, 1]", "got -0.1")),
+        (float("nan"), 500, ("(0, 1]", "nan")),
+    ],
+)
 def test_resolve_k_value_errors(k, features, expected_words):
     with pytest.raises(ValueError) as error:
         resolve_k(k, features)
@@ -147,22 +165,25 @@ def test_resolve_k_type_errors(k):
     assert repr(k) in str(error.value)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: TopKLinear(8, 4, k=0), "at least 1"),
-    (lambda: TopKLinear(8, 4, k=5), "larger than the feature count 4"),
-    (lambda: TopKLinear(8, 4, k=1.5), r"\(0, 1\]"),
-    (lambda: TopKLinear(8, 4, k=2, mode="columns"), "unknown mode"),
-    (lambda: TopKLinear(8, 4, k=2, variant="max"), "unknown variant"),
-    (lambda: mask_gradients(nn.Sequential(nn.Linear(8, 4)), 0), "at least 1"),
-    (lambda: mask_gradients(nn.Sequential(nn.Linear(8, 4)), 2, mode="columns"), "unknown mode"),
-    (lambda: topk_mask(torch.ones(2, 4), 0), "at least 1"),
-    (lambda: topk_mask(torch.ones(2, 4), 2, mode="columns"), "unknown mode"),
-    (lambda: TrainConfig(task="digits", topk=0), "at least 1"),
-    (lambda: TrainConfig(task="digits", topk=1.5), r"\(0, 1\]"),
-    (lambda: TrainConfig(task="digits", topk=4, topk_mode="bogus"), "unknown topk_mode 'bogus'"),
-    (lambda: TrainConfig(task="digits", topk=4, recipe="mxfp8"), "unquantized.*'mxfp8'"),
-    (lambda: TrainConfig(task="digits", optimizer="lion"), "unknown optimizer"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: TopKLinear(8, 4, k=0), "at least 1"),
+        (lambda: TopKLinear(8, 4, k=5), "larger than the feature count 4"),
+        (lambda: TopKLinear(8, 4, k=1.5), r"\(0, 1\]"),
+        (lambda: TopKLinear(8, 4, k=2, mode="columns"), "unknown mode"),
+        (lambda: TopKLinear(8, 4, k=2, variant="max"), "unknown variant"),
+        (lambda: mask_gradients(nn.Sequential(nn.Linear(8, 4)), 0), "at least 1"),
+        (lambda: mask_gradients(nn.Sequential(nn.Linear(8, 4)), 2, mode="columns"), "unknown mode"),
+        (lambda: topk_mask(torch.ones(2, 4), 0), "at least 1"),
+        (lambda: topk_mask(torch.ones(2, 4), 2, mode="columns"), "unknown mode"),
+        (lambda: TrainConfig(task="digits", topk=0), "at least 1"),
+        (lambda: TrainConfig(task="digits", topk=1.5), r"\(0, 1\]"),
+        (lambda: TrainConfig(task="digits", topk=4, topk_mode="bogus"), "unknown topk_mode 'bogus'"),
+        (lambda: TrainConfig(task="digits", topk=4, recipe="mxfp8"), "unquantized.*'mxfp8'"),
+        (lambda: TrainConfig(task="digits", optimizer="lion"), "unknown optimizer"),
+    ],
+)
 def test_constructors_refuse_bad_k_and_modes(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -177,25 +198,26 @@ def test_train_config_type_errors(changes):
 # --- 2. topk_mask on hand-made tensors ----------------------------------------------------------------
 
 # distinct magnitudes; column sums of |g|: 3.6, 5.8, 9.4, 7.8, 6.55
-G = torch.tensor([[0.1, -5.0, 2.0, -0.3, 4.0],
-                  [-3.0, 0.2, -0.4, 1.0, -2.5],
-                  [0.5, 0.6, -7.0, 6.5, -0.05]])
+G = torch.tensor([[0.1, -5.0, 2.0, -0.3, 4.0], [-3.0, 0.2, -0.4, 1.0, -2.5], [0.5, 0.6, -7.0, 6.5, -0.05]])
 T, F_ = True, False
 
 
-@pytest.mark.parametrize("k, mode, expected", [
-    # row: each row's own largest |g|: row 0 → cols 1, 4; row 1 → 0, 4; row 2 → 2, 3
-    (2, "row", [[F_, T, F_, F_, T], [T, F_, F_, F_, T], [F_, F_, T, T, F_]]),
-    (1, "row", [[F_, T, F_, F_, F_], [T, F_, F_, F_, F_], [F_, F_, T, F_, F_]]),
-    (3, "row", [[F_, T, T, F_, T], [T, F_, F_, T, T], [F_, T, T, T, F_]]),
-    # shared: columns 2 (9.4) and 3 (7.8) in every row, though rows 0 and 1 would pick others
-    (2, "shared", [[F_, F_, T, T, F_]] * 3),
-    (1, "shared", [[F_, F_, T, F_, F_]] * 3),
-    (3, "shared", [[F_, F_, T, T, T]] * 3),      # + column 4 (6.55) over column 1 (5.8)
-    (0.4, "shared", [[F_, F_, T, T, F_]] * 3),   # 0.4·5 = 2
-    (5, "row", [[T] * 5] * 3),
-    (1.0, "shared", [[T] * 5] * 3),
-])
+@pytest.mark.parametrize(
+    "k, mode, expected",
+    [
+        # row: each row's own largest |g|: row 0 → cols 1, 4; row 1 → 0, 4; row 2 → 2, 3
+        (2, "row", [[F_, T, F_, F_, T], [T, F_, F_, F_, T], [F_, F_, T, T, F_]]),
+        (1, "row", [[F_, T, F_, F_, F_], [T, F_, F_, F_, F_], [F_, F_, T, F_, F_]]),
+        (3, "row", [[F_, T, T, F_, T], [T, F_, F_, T, T], [F_, T, T, T, F_]]),
+        # shared: columns 2 (9.4) and 3 (7.8) in every row, though rows 0 and 1 would pick others
+        (2, "shared", [[F_, F_, T, T, F_]] * 3),
+        (1, "shared", [[F_, F_, T, F_, F_]] * 3),
+        (3, "shared", [[F_, F_, T, T, T]] * 3),  # + column 4 (6.55) over column 1 (5.8)
+        (0.4, "shared", [[F_, F_, T, T, F_]] * 3),  # 0.4·5 = 2
+        (5, "row", [[T] * 5] * 3),
+        (1.0, "shared", [[T] * 5] * 3),
+    ],
+)
 def test_topk_mask_by_hand(k, mode, expected):
     expected = torch.tensor(expected)
     assert torch.equal(topk_mask(G, k, mode), expected)
@@ -218,12 +240,14 @@ def test_topk_mask_row_mode_matches_torch_topk_per_row():
 def test_topk_mask_shared_mode_sums_over_batch_and_tokens():
     # (2 batches, 2 tokens, 4 features): per token the winner is always a different column,
     # but the sums over all four rows are 1.0+0.1+0.1+0.1 = 1.3 (col 0) < 0.9·2 = 1.8 (col 3)
-    g = torch.tensor([[[1.0, 0.0, 0.0, 0.9], [0.1, 0.0, 0.0, 0.9]],
-                      [[0.1, 0.0, 0.0, 0.0], [0.1, 0.5, 0.0, 0.0]]])
+    g = torch.tensor(
+        [[[1.0, 0.0, 0.0, 0.9], [0.1, 0.0, 0.0, 0.9]], [[0.1, 0.0, 0.0, 0.0], [0.1, 0.5, 0.0, 0.0]]]
+    )
     assert torch.equal(topk_mask(g, 1, "shared"), torch.tensor([F_, F_, F_, T]).expand(2, 2, 4))
 
 
 # --- 3. k = all is the dense layer, bit for bit -----------------------------------------------------
+
 
 @pytest.mark.parametrize("how", ["topk_shared", "topk_row", "hook_shared", "hook_row"])
 @pytest.mark.parametrize("shape", [(5, 8), (2, 3, 8)])
@@ -250,6 +274,7 @@ def test_k_all_is_dense_bit_for_bit(how, shape, bias, k):
 
 
 # --- 4. gathered GEMMs = hook masking with the shared index set ----------------------------------------
+
 
 @pytest.mark.parametrize("k", [1, 3, 0.5])
 @pytest.mark.parametrize("shape", [(7, 5), (2, 4, 5)])
@@ -301,6 +326,7 @@ def test_shared_topk_linear_equals_hook_masking_and_float64(k, shape, bias):
 
 # --- 5. row mode (sparse tensors) vs the float64 per-row-masked reference ----------------------------
 
+
 @pytest.mark.parametrize("k", [1, 3, 0.25])
 @pytest.mark.parametrize("shape", [(9, 6), (3, 4, 6)])
 @pytest.mark.parametrize("bias", [True, False])
@@ -334,14 +360,18 @@ def test_row_mode_equals_float64_reference_and_hook_masking(k, shape, bias):
 
 # --- 6. max_child: only the largest-L1 gradient goes on ----------------------------------------------
 
-@pytest.mark.parametrize("winner, x_scale, w_scale, bias", [
-    # N = 4, I = 3, O = 5, dy = 1 + [0, 1): L1(dx) ~ N·I·O·w, L1(dW) ~ N·I·O·x, L1(db) ~ N·O
-    ("x", 1e-3, 10.0, True),
-    ("w", 10.0, 1e-3, True),
-    ("b", 1e-3, 1e-3, True),
-    ("x", 1e-3, 10.0, False),
-    ("w", 10.0, 1e-3, False),
-])
+
+@pytest.mark.parametrize(
+    "winner, x_scale, w_scale, bias",
+    [
+        # N = 4, I = 3, O = 5, dy = 1 + [0, 1): L1(dx) ~ N·I·O·w, L1(dW) ~ N·I·O·x, L1(db) ~ N·O
+        ("x", 1e-3, 10.0, True),
+        ("w", 10.0, 1e-3, True),
+        ("b", 1e-3, 1e-3, True),
+        ("x", 1e-3, 10.0, False),
+        ("w", 10.0, 1e-3, False),
+    ],
+)
 def test_max_child_keeps_exactly_the_largest_gradient(winner, x_scale, w_scale, bias):
     generator = torch.Generator().manual_seed(13)
     reference = nn.Linear(3, 5, bias=bias)
@@ -352,8 +382,11 @@ def test_max_child_keeps_exactly_the_largest_gradient(winner, x_scale, w_scale, 
     x = x_scale * (1 + torch.rand(4, 3, generator=generator))
     dy = 1 + torch.rand(4, 5, generator=generator)
     dense = _grads(reference, x, dy)
-    norms = {"x": dense[0].double().abs().sum(), "w": dense[1].double().abs().sum(),
-             "b": dense[2].double().abs().sum() if bias else -1.0}
+    norms = {
+        "x": dense[0].double().abs().sum(),
+        "w": dense[1].double().abs().sum(),
+        "b": dense[2].double().abs().sum() if bias else -1.0,
+    }
     assert max(norms, key=norms.get) == winner  # the hand-crafted scales do pick this winner
 
     got = _grads(_topk_copy(reference, 1.0, variant="max_child"), x, dy)
@@ -367,6 +400,7 @@ def test_max_child_keeps_exactly_the_largest_gradient(winner, x_scale, w_scale, 
 
 
 # --- 7. sparsify_model -----------------------------------------------------------------------------------
+
 
 def _check_sparsified(model, k, keep, expected_names, inputs):
     before = model(inputs).detach()
@@ -395,13 +429,36 @@ def test_sparsify_mlp_keeps_patterns():
     assert int(model.layers[0].weight.grad.abs().sum(1).ne(0).sum()) == 4
 
 
-@pytest.mark.parametrize("keep, expected", [
-    (["head"], [f"blocks.{i}.{leaf}" for i in (0, 1) for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]),
-    (["head", "blocks.0.*"], [f"blocks.1.{leaf}" for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]),
-    ("head", [f"blocks.{i}.{leaf}" for i in (0, 1) for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]),
-    ((), [f"blocks.{i}.{leaf}" for i in (0, 1) for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
-     + ["head"]),
-])
+@pytest.mark.parametrize(
+    "keep, expected",
+    [
+        (
+            ["head"],
+            [
+                f"blocks.{i}.{leaf}"
+                for i in (0, 1)
+                for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+            ],
+        ),
+        (
+            ["head", "blocks.0.*"],
+            [f"blocks.1.{leaf}" for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")],
+        ),
+        (
+            "head",
+            [
+                f"blocks.{i}.{leaf}"
+                for i in (0, 1)
+                for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+            ],
+        ),
+        (
+            (),
+            [f"blocks.{i}.{leaf}" for i in (0, 1) for leaf in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")]
+            + ["head"],
+        ),
+    ],
+)
 def test_sparsify_chargpt(keep, expected):
     torch.manual_seed(0)
     model = CharGPT(11, context=8, layers=2, width=16, heads=2, tied_head=False)
@@ -418,6 +475,7 @@ def test_sparsify_replaces_a_shared_linear_under_every_name():
 
 
 # --- 8. GradientMask ------------------------------------------------------------------------------------
+
 
 def _setup_one_layer(M=8, seed=0):
     model = nn.Sequential(_linear(5, M, seed=seed))
@@ -451,13 +509,16 @@ def test_gradient_mask_context_manager():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("k, M, mode, fraction", [
-    (2, 8, "shared", Fraction(2, 8)),
-    (0.25, 8, "shared", Fraction(2, 8)),
-    (3, 6, "shared", Fraction(3, 6)),
-    (2, 8, "row", Fraction(2, 8)),
-    (8, 8, "shared", Fraction(1)),     # k = all passes dy untouched, fraction 1
-])
+@pytest.mark.parametrize(
+    "k, M, mode, fraction",
+    [
+        (2, 8, "shared", Fraction(2, 8)),
+        (0.25, 8, "shared", Fraction(2, 8)),
+        (3, 6, "shared", Fraction(3, 6)),
+        (2, 8, "row", Fraction(2, 8)),
+        (8, 8, "shared", Fraction(1)),  # k = all passes dy untouched, fraction 1
+    ],
+)
 def test_gradient_mask_fractions(k, M, mode, fraction):
     model, _, x, dy = _setup_one_layer(M)
     with mask_gradients(model, k, mode=mode) as mask:
@@ -515,8 +576,18 @@ def test_gradient_mask_composes_with_probes(probes_first):
 
 # --- 9. training integration -----------------------------------------------------------------------------
 
-RUN = dict(task="digits", hidden=[64], steps=20, batch_size=32, optimizer="sgd", track_updates=True, progress=False,
-           eval_every=10, weight_decay=0.0, lr=0.1)
+RUN = dict(
+    task="digits",
+    hidden=[64],
+    steps=20,
+    batch_size=32,
+    optimizer="sgd",
+    track_updates=True,
+    progress=False,
+    eval_every=10,
+    weight_decay=0.0,
+    lr=0.1,
+)
 # hidden layer: 4 of 64 output rows × 64 inputs; last layer (kept dense by "last_layer"): 10 × 64
 BOUND = Fraction(4 * 64 + 10 * 64, 64 * 64 + 10 * 64)
 
@@ -594,10 +665,15 @@ def test_fidelity_of_a_topk_model_is_measured_against_the_dense_gradient():
     model.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     for name in ("layers.0", "layers.1"):
-        g, g_ref = model.get_submodule(name).weight.grad.double(), dense.get_submodule(name).weight.grad.double()
+        g, g_ref = (
+            model.get_submodule(name).weight.grad.double(),
+            dense.get_submodule(name).weight.grad.double(),
+        )
         assert rows[name]["quantized"] is True  # "not a plain nn.Linear"
         assert rows[name]["relative_error"] > 0.1
-        assert rows[name]["relative_error"] == pytest.approx(((g - g_ref).norm() / g_ref.norm()).item(), rel=1e-9)
+        assert rows[name]["relative_error"] == pytest.approx(
+            ((g - g_ref).norm() / g_ref.norm()).item(), rel=1e-9
+        )
 
 
 def test_max_child_only_lets_needed_gradients_compete():

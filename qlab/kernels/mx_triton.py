@@ -6,8 +6,8 @@ E8M0 byte by qlab.scaling.mx_scale_codes's modes (FLOOR: floor(log2 amax) − em
 RCEIL: ceil(log2(amax / elem_max))), all from the float32 bits, clamped to [−127, 127]; 0xFF for a
 NaN/inf block) → x · 2^-e → saturating round-to-nearest-
 even onto the element grid by the add-and-subtract trick (C = 2^(e_x + 23 − m) has the grid's
-quantum as its float32 ulp) → values · 2^e (qdq), or → the elements' codes (quantize). A partial last block is masked (as if
-zero-padded; its padding gets code 0, as quantize's zero padding does).
+quantum as its float32 ulp) → values · 2^e (qdq), or → the elements' codes (quantize). A partial
+last block is masked (as if zero-padded; its padding gets code 0, as quantize's zero padding does).
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (slow: small shapes only).
 """
 
@@ -24,11 +24,27 @@ ROWS = 16
 
 
 @triton.jit
-def _mx_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
-               ELEM_MAX: tl.constexpr, EMAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr,
-               MODE: tl.constexpr, EMIT_CODES: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-               MIN_NORMAL: tl.constexpr, INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr,
-               ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _mx_kernel(
+    x_ptr,
+    out_ptr,
+    codes_ptr,
+    n_rows,
+    n_cols,
+    n_blocks,
+    ELEM_MAX: tl.constexpr,
+    EMAX: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    MIN_BIASED: tl.constexpr,
+    MODE: tl.constexpr,
+    EMIT_CODES: tl.constexpr,
+    BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    INV_MIN_SUBNORMAL: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row_tile = tl.program_id(0)
     block = tl.program_id(1)
     rows = row_tile * ROWS + tl.arange(0, ROWS)
@@ -44,8 +60,11 @@ def _mx_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
         descale = amax / ELEM_MAX
         bits = descale.to(tl.int32, bitcast=True)
         exponent = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-        exponent = tl.where(descale < 1.1754943508222875e-38,  # float32-subnormal descale
-                            tl.where(descale > 5.877471754111438e-39, -126, -127), exponent)
+        exponent = tl.where(
+            descale < 1.1754943508222875e-38,  # float32-subnormal descale
+            tl.where(descale > 5.877471754111438e-39, -126, -127),
+            exponent,
+        )
     else:
         bits = amax.to(tl.int32, bitcast=True)
         if MODE == "even":  # the mantissa rounded to the element's width (half up) before the floor
@@ -62,8 +81,11 @@ def _mx_kernel(x_ptr, out_ptr, codes_ptr, n_rows, n_cols, n_blocks,
     values = round_to_grid(scaled, ELEM_MAX, MANTISSA, MIN_BIASED)
     if EMIT_CODES:  # out is (n_rows, n_blocks · BLOCK) uint8: the padding of a partial block included
         element_codes = encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE)
-        tl.store(out_ptr + rows[:, None] * (n_blocks * BLOCK) + cols[None, :], element_codes,
-                 mask=rows[:, None] < n_rows)
+        tl.store(
+            out_ptr + rows[:, None] * (n_blocks * BLOCK) + cols[None, :],
+            element_codes,
+            mask=rows[:, None] < n_rows,
+        )
     else:
         values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
         tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
@@ -75,14 +97,28 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_code
     n_blocks = triton.cdiv(n_cols, BLOCK)
     scale_codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=rows.device)
     grid = (triton.cdiv(n_rows, ROWS), n_blocks)
-    _mx_kernel[grid](rows, out, scale_codes, n_rows, n_cols, n_blocks, ELEM_MAX=float(element.max),
-                     EMAX=element.emax, MIN_BIASED=128 - element.bias, MODE=mode, EMIT_CODES=emit_codes,
-                     **encode_constants(element), ROWS=ROWS, BLOCK=BLOCK)
+    _mx_kernel[grid](
+        rows,
+        out,
+        scale_codes,
+        n_rows,
+        n_cols,
+        n_blocks,
+        ELEM_MAX=float(element.max),
+        EMAX=element.emax,
+        MIN_BIASED=128 - element.bias,
+        MODE=mode,
+        EMIT_CODES=emit_codes,
+        **encode_constants(element),
+        ROWS=ROWS,
+        BLOCK=BLOCK,
+    )
     return scale_codes
 
 
-def mx_qdq_last_axis(x: torch.Tensor, element, mode: str,
-                     out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_qdq_last_axis(
+    x: torch.Tensor, element, mode: str, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dequantized values in ``out_dtype`` (default x's) and x's shape (one rounding from float32, as
     qdq), E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()

@@ -24,8 +24,23 @@ ROWS = 16
 
 
 @triton.jit
-def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_rows, n_cols, n_blocks, seed, offset,
-                  TILE_2D: tl.constexpr, STOCHASTIC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _nvfp4_kernel(
+    x_ptr,
+    out_ptr,
+    scales_ptr,
+    global_ptr,
+    amax_ptr,
+    nan_ptr,
+    n_rows,
+    n_cols,
+    n_blocks,
+    seed,
+    offset,
+    TILE_2D: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -50,9 +65,11 @@ def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_r
     block_scale = tl.where(block_finite, block_scale, float("nan"))
 
     reciprocal = tl.math.div_rn(1.0, global_scale)
-    inverse = tl.where(reciprocal == float("inf"),
-                       tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + 1.0, global_scale * block_scale),
-                       tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + reciprocal, block_scale))
+    inverse = tl.where(
+        reciprocal == float("inf"),
+        tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + 1.0, global_scale * block_scale),
+        tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + reciprocal, block_scale),
+    )
     scaled = tl.minimum(tl.maximum(x * inverse[:, None], -6.0), 6.0)
     scaled = tl.where((scaled != scaled) | (x != x) | (block_finite[:, None] == 0), 0.0, scaled)
     if STOCHASTIC:
@@ -68,15 +85,25 @@ def _nvfp4_kernel(x_ptr, out_ptr, scales_ptr, global_ptr, amax_ptr, nan_ptr, n_r
     full_scale = global_scale * block_scale
     tl.store(out_ptr + offsets, (values * full_scale[:, None]).to(out_ptr.dtype.element_ty), mask=inside)
     if TILE_2D:
-        tl.store(scales_ptr + tl.program_id(0) * n_blocks + tl.program_id(1), tl.max(block_scale, axis=0),
-                 mask=tl.program_id(0) * ROWS < n_rows)
+        tl.store(
+            scales_ptr + tl.program_id(0) * n_blocks + tl.program_id(1),
+            tl.max(block_scale, axis=0),
+            mask=tl.program_id(0) * ROWS < n_rows,
+        )
     else:
         tl.store(scales_ptr + rows * n_blocks + tl.program_id(1), block_scale, mask=rows < n_rows)
     tl.store(global_ptr, global_scale, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
 
 
-def nvfp4_qdq_last_axis(x: torch.Tensor, *, block_2d: bool, stochastic: bool, seed: int, offset: int,
-                        out_dtype: torch.dtype | None = None):
+def nvfp4_qdq_last_axis(
+    x: torch.Tensor,
+    *,
+    block_2d: bool,
+    stochastic: bool,
+    seed: int,
+    offset: int,
+    out_dtype: torch.dtype | None = None,
+):
     """(qdq values in ``out_dtype`` (default x's) and x's shape, float32 block scales, float32 global
     scale ()) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
@@ -90,6 +117,21 @@ def nvfp4_qdq_last_axis(x: torch.Tensor, *, block_2d: bool, stochastic: bool, se
     scales = torch.empty((scale_rows, n_blocks), dtype=torch.float32, device=x.device)
     global_scale = torch.empty(1, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n_rows, ROWS), n_blocks)
-    _nvfp4_kernel[grid](rows, out, scales, global_scale, amax, has_nan, n_rows, n_cols, n_blocks, seed, offset,
-                        TILE_2D=block_2d, STOCHASTIC=stochastic, ROWS=ROWS, BLOCK=BLOCK)
+    _nvfp4_kernel[grid](
+        rows,
+        out,
+        scales,
+        global_scale,
+        amax,
+        has_nan,
+        n_rows,
+        n_cols,
+        n_blocks,
+        seed,
+        offset,
+        TILE_2D=block_2d,
+        STOCHASTIC=stochastic,
+        ROWS=ROWS,
+        BLOCK=BLOCK,
+    )
     return out.reshape(x.shape), scales, global_scale.reshape(())

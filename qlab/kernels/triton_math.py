@@ -19,8 +19,15 @@ def round_to_grid(x, ELEM_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED:
 
 
 @triton.jit
-def encode_float(values, BITS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-                 INV_MIN_SUBNORMAL: tl.constexpr, NAN_CODE: tl.constexpr):
+def encode_float(
+    values,
+    BITS: tl.constexpr,
+    MANTISSA: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    INV_MIN_SUBNORMAL: tl.constexpr,
+    NAN_CODE: tl.constexpr,
+):
     """uint8 codes of float32 ``values`` already on the format's finite grid (qlab.formats._encode_float):
     sign in bit BITS−1, then the biased exponent field and the top MANTISSA bits; subnormals as
     |v| / min_subnormal (exact); NaN as S.11..1 (NAN_CODE < 0: the format has no NaN, none expected)."""
@@ -39,9 +46,14 @@ def encode_float(values, BITS: tl.constexpr, MANTISSA: tl.constexpr, BIAS: tl.co
 
 def encode_constants(element) -> dict:
     """The constexpr arguments of ``encode_float`` for a qlab.formats FloatFormat."""
-    return dict(BITS=element.bits, MANTISSA=element.mantissa_bits, BIAS=element.bias,
-                MIN_NORMAL=float(element.min_normal), INV_MIN_SUBNORMAL=float(1.0 / element.min_subnormal),
-                NAN_CODE=2 ** (element.bits - 1) - 1 if element.has_nan else -1)
+    return dict(
+        BITS=element.bits,
+        MANTISSA=element.mantissa_bits,
+        BIAS=element.bias,
+        MIN_NORMAL=float(element.min_normal),
+        INV_MIN_SUBNORMAL=float(1.0 / element.min_subnormal),
+        NAN_CODE=2 ** (element.bits - 1) - 1 if element.has_nan else -1,
+    )
 
 
 @triton.jit

@@ -16,8 +16,15 @@ Example::
 
 import importlib
 
-_EXPORTS = {"RECIPES": "config", "TrainConfig": "config", "load_config": "config",
-            "TrainResult": "loop", "build_model": "loop", "gradient_fidelity": "loop", "train": "loop"}
+_EXPORTS = {
+    "RECIPES": "config",
+    "TrainConfig": "config",
+    "load_config": "config",
+    "TrainResult": "loop",
+    "build_model": "loop",
+    "gradient_fidelity": "loop",
+    "train": "loop",
+}
 __all__ = sorted(_EXPORTS)
 
 

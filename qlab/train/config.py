@@ -36,8 +36,12 @@ class TrainConfig:
     task: str = "shakespeare"
     recipe: str = "fp32"  # fp32, bf16 or a qlab.recipe preset
     backward_override: str | None = None  # None, "high_precision" or "dequantized"
-    gemm: str = "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
-    keep_high_precision: list[str] | dict[str, list[str]] = field(default_factory=lambda: ["head", "last_layer"])
+    gemm: str = (
+        "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
+    )
+    keep_high_precision: list[str] | dict[str, list[str]] = field(
+        default_factory=lambda: ["head", "last_layer"]
+    )
     # model (CharGPT for shakespeare, MLP for digits)
     context: int = 128
     layers: int = 5
@@ -57,7 +61,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float | None = 1.0
-    optimizer: str = "adamw"  # "adamw", or "sgd" (no momentum: with weight_decay 0 only weights with a gradient move)
+    optimizer: str = (
+        "adamw"  # "adamw", or "sgd" (no momentum: with weight_decay 0 only weights with a gradient move)
+    )
     autocast: str | None = None  # None, "bf16" or "fp16"
     grad_scaler: bool = False  # torch.amp.GradScaler (dynamic loss scaling)
     # sparse back-propagation (qlab.sparse): keep the top-k output-gradient features of each Linear
@@ -82,7 +88,11 @@ class TrainConfig:
         for f in dataclasses.fields(self):  # YAML 1.1 reads 3e-4 (no dot) as a string
             value = getattr(self, f.name)
             fraction = f.name == "topk" and isinstance(value, str) and any(c in value for c in ".eE")
-            if (isinstance(f.default, float) or fraction) and isinstance(value, str) and _FLOAT.fullmatch(value.strip()):
+            if (
+                (isinstance(f.default, float) or fraction)
+                and isinstance(value, str)
+                and _FLOAT.fullmatch(value.strip())
+            ):
                 setattr(self, f.name, float(value))
         self._check_types()
         if self.task not in TASKS:
@@ -90,45 +100,72 @@ class TrainConfig:
         if self.recipe not in RECIPES:
             raise ValueError(f"unknown recipe {self.recipe!r}; expected one of: {', '.join(RECIPES)}")
         if self.recipe in BASELINES and self.backward_override is not None:
-            raise ValueError(f"backward_override={self.backward_override!r} needs a quantized recipe, "
-                             f"got the unquantized baseline {self.recipe!r}")
+            raise ValueError(
+                f"backward_override={self.backward_override!r} needs a quantized recipe, "
+                f"got the unquantized baseline {self.recipe!r}"
+            )
         if self.recipe not in BASELINES:
             get_recipe(self.recipe, backward_override=self.backward_override)  # refuses bad combinations
         check_gemm(self.gemm, get_recipe("bf16" if self.recipe in BASELINES else self.recipe))
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}")
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}"
+            )
         if self.topk_mode not in TOPK_MODES:
-            raise ValueError(f"unknown topk_mode {self.topk_mode!r}; expected one of: {', '.join(TOPK_MODES)}")
+            raise ValueError(
+                f"unknown topk_mode {self.topk_mode!r}; expected one of: {', '.join(TOPK_MODES)}"
+            )
         if self.topk is not None:
             check_k(self.topk)
             if self.recipe not in BASELINES:
-                raise ValueError(f"topk sparse back-propagation runs on unquantized layers; got recipe "
-                                 f"{self.recipe!r} (use fp32 or bf16)")
+                raise ValueError(
+                    f"topk sparse back-propagation runs on unquantized layers; got recipe "
+                    f"{self.recipe!r} (use fp32 or bf16)"
+                )
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"unknown autocast {self.autocast!r}; expected None, 'bf16' or 'fp16'")
         if self.recipe == "bf16" and self.autocast not in (None, "bf16"):
             raise ValueError(f"recipe 'bf16' runs under bf16 autocast; got autocast={self.autocast!r}")
-        if not (isinstance(self.hidden, (list, tuple)) and self.hidden
-                and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden)):
+        if not (
+            isinstance(self.hidden, (list, tuple))
+            and self.hidden
+            and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden)
+        ):
             raise ValueError(f"hidden must be a non-empty list of positive ints, got {self.hidden!r}")
         if self.device != "auto":
             try:
                 torch.device(self.device)
             except RuntimeError:
-                raise ValueError(f"unknown device {self.device!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-        for name in ("steps", "batch_size", "grad_accum", "nproc", "eval_batches", "context", "layers", "width",
-                     "heads", "eval_every"):
+                raise ValueError(
+                    f"unknown device {self.device!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+                ) from None
+        for name in (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "nproc",
+            "eval_batches",
+            "context",
+            "layers",
+            "width",
+            "heads",
+            "eval_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)}")
         for name in ("warmup_steps", "fidelity_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
         if self.batch_size % (self.nproc * self.grad_accum):
-            raise ValueError(f"batch_size {self.batch_size} is not divisible by nproc × grad_accum = "
-                             f"{self.nproc} × {self.grad_accum}")
+            raise ValueError(
+                f"batch_size {self.batch_size} is not divisible by nproc × grad_accum = "
+                f"{self.nproc} × {self.grad_accum}"
+            )
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0:
-            raise ValueError(f"need lr > 0, 0 ≤ min_lr_ratio ≤ 1 and weight_decay ≥ 0; got lr={self.lr}, "
-                             f"min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}")
+            raise ValueError(
+                f"need lr > 0, 0 ≤ min_lr_ratio ≤ 1 and weight_decay ≥ 0; got lr={self.lr}, "
+                f"min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}"
+            )
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
         if self.width % self.heads:
@@ -144,14 +181,20 @@ class TrainConfig:
                 expected = (int, float, type(None))
             if f.name in ("backward_override", "autocast", "out_dir"):
                 expected = (str, type(None))
-            if expected and (not isinstance(value, expected) or (bool not in expected and isinstance(value, bool))):
-                raise TypeError(f"{f.name} must be {' or '.join(t.__name__ for t in expected)}, "
-                                f"got {type(value).__name__} {value!r}")
+            if expected and (
+                not isinstance(value, expected) or (bool not in expected and isinstance(value, bool))
+            ):
+                raise TypeError(
+                    f"{f.name} must be {' or '.join(t.__name__ for t in expected)}, "
+                    f"got {type(value).__name__} {value!r}"
+                )
         if not isinstance(self.topk_keep, (list, tuple)):
             raise TypeError(f"topk_keep must be a list of patterns, got {type(self.topk_keep).__name__}")
         if not isinstance(self.keep_high_precision, (list, tuple, dict)):
-            raise TypeError(f"keep_high_precision must be a list of patterns or a dict recipe -> list, "
-                            f"got {type(self.keep_high_precision).__name__}")
+            raise TypeError(
+                f"keep_high_precision must be a list of patterns or a dict recipe -> list, "
+                f"got {type(self.keep_high_precision).__name__}"
+            )
 
     @property
     def micro_batch(self) -> int:
@@ -169,7 +212,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TrainConfig":
+    def from_dict(cls, data: dict) -> TrainConfig:
         if not isinstance(data, dict):
             raise TypeError(f"a training config is a mapping of fields, got {type(data).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -178,7 +221,7 @@ class TrainConfig:
             raise ValueError(f"unknown config keys {unknown}; expected some of: {', '.join(sorted(known))}")
         return cls(**data)
 
-    def replace(self, **changes) -> "TrainConfig":
+    def replace(self, **changes) -> TrainConfig:
         return self.from_dict({**self.to_dict(), **changes})
 
 

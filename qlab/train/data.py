@@ -43,8 +43,9 @@ def _require(module: str, pip_name: str):
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
-        raise ModuleNotFoundError(f"qlab's {module!r} data needs the package {pip_name!r}: "
-                                  f"pip install {pip_name}") from err
+        raise ModuleNotFoundError(
+            f"qlab's {module!r} data needs the package {pip_name!r}: pip install {pip_name}"
+        ) from err
 
 
 def markdown_to_text(markdown: str) -> str:
@@ -91,7 +92,8 @@ def validation_plays(names: list[str], fraction: float = VAL_FRACTION) -> list[s
 
 
 class Vocabulary:
-    """Characters ↔ integer ids (sorted code points); ``decode(encode(s)) == s`` for text in the vocabulary."""
+    """Characters ↔ integer ids (sorted code points); ``decode(encode(s)) == s`` for text in the
+    vocabulary."""
 
     def __init__(self, characters):
         self.characters = "".join(sorted(set(characters)))
@@ -104,7 +106,9 @@ class Vocabulary:
         unknown = sorted(set(text) - set(self._index))
         if unknown:
             raise ValueError(f"characters not in the vocabulary: {unknown[:10]!r}")
-        code_points = torch.from_numpy(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64))
+        code_points = torch.from_numpy(
+            np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        )
         table = torch.zeros(max(map(ord, self.characters), default=0) + 1, dtype=torch.long)
         table[[ord(c) for c in self.characters]] = torch.arange(len(self.characters))
         return table[code_points]
@@ -114,11 +118,13 @@ class Vocabulary:
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
-        path.write_text(json.dumps({"characters": self.characters}, ensure_ascii=False) + "\n", encoding="utf-8")
+        path.write_text(
+            json.dumps({"characters": self.characters}, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Vocabulary":
+    def load(cls, path: str | Path) -> Vocabulary:
         return cls(json.loads(Path(path).read_text(encoding="utf-8"))["characters"])
 
 

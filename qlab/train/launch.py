@@ -17,9 +17,17 @@ import sys
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one field (value parsed as YAML); repeatable")
-    parser.add_argument("--nproc", type=int, help="processes (DDP through torchrun); overrides the config's nproc")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field (value parsed as YAML); repeatable",
+    )
+    parser.add_argument(
+        "--nproc", type=int, help="processes (DDP through torchrun); overrides the config's nproc"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,8 +38,15 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides)  # errors surface before any process starts
     under_torchrun = "LOCAL_RANK" in os.environ
     if config.nproc > 1 and not under_torchrun:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.nproc}",
-                   "-m", "qlab.train"] + (["--config", args.config] if args.config else [])
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={config.nproc}",
+            "-m",
+            "qlab.train",
+        ] + (["--config", args.config] if args.config else [])
         for item in overrides:
             command += ["--set", item]
         return subprocess.call(command)
@@ -40,9 +55,11 @@ def run(args: argparse.Namespace) -> int:
     result = train(config)
     if int(os.environ.get("RANK", "0")) == 0:
         last = result.metrics.iloc[-1]
-        print(f"qlab train: {config.recipe} step {int(last.step)} train_loss {last.train_loss:.4f} "
-              f"val_loss {last.val_loss:.4f} in {result.seconds:.1f} s"
-              + (f"; results in {config.out_dir}" if config.out_dir else ""))
+        print(
+            f"qlab train: {config.recipe} step {int(last.step)} train_loss {last.train_loss:.4f} "
+            f"val_loss {last.val_loss:.4f} in {result.seconds:.1f} s"
+            + (f"; results in {config.out_dir}" if config.out_dir else "")
+        )
     return 0
 
 

@@ -56,6 +56,7 @@ class TrainResult:
 
 # --- set-up ------------------------------------------------------------------------------------------
 
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,8 +70,10 @@ def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     """(rank, world_size, device); joins the process group when launched by torchrun."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != config.nproc:
-        raise ValueError(f"config.nproc={config.nproc} but {world_size} processes were launched; "
-                         f"use `qlab train --nproc {config.nproc}` (or torchrun --nproc_per_node {config.nproc})")
+        raise ValueError(
+            f"config.nproc={config.nproc} but {world_size} processes were launched; "
+            f"use `qlab train --nproc {config.nproc}` (or torchrun --nproc_per_node {config.nproc})"
+        )
     device = resolve_device(config.device)
     if world_size == 1:
         return 0, 1, device
@@ -89,14 +92,25 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         if config.task == "shakespeare":
-            model = CharGPT(vocab_size, context=config.context, layers=config.layers, width=config.width,
-                            heads=config.heads, tied_head=config.tied_head)
+            model = CharGPT(
+                vocab_size,
+                context=config.context,
+                layers=config.layers,
+                width=config.width,
+                heads=config.heads,
+                tied_head=config.tied_head,
+            )
         else:
             model = MLP(64, tuple(config.hidden), 10)
     if config.recipe not in BASELINES:
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
-        quantize_model(model, get_recipe(config.recipe, backward_override=config.backward_override),
-                       keep_high_precision=keep, seed=config.seed + 10_000 * rank, gemm=config.gemm)
+        quantize_model(
+            model,
+            get_recipe(config.recipe, backward_override=config.backward_override),
+            keep_high_precision=keep,
+            seed=config.seed + 10_000 * rank,
+            gemm=config.gemm,
+        )
     if config.topk is not None:
         keep = [pattern for name in config.topk_keep for pattern in _expand(model, name)]
         sparsify_model(model, config.topk, mode=config.topk_mode, keep=keep)
@@ -123,6 +137,7 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 
 
 # --- data ----------------------------------------------------------------------------------------------
+
 
 class Batches:
     """Stateless batches: ``train(step, micro, rank)`` depends only on (seed, step), never on history."""
@@ -175,13 +190,17 @@ class Batches:
     def fidelity_batch(self):
         """One fixed training batch (batch_size items) on which gradients are compared."""
         generator = torch.Generator().manual_seed(104729)
-        return self._draw(torch.randint(self._population("train"), (self.config.batch_size,),
-                                        generator=generator), "train")
+        return self._draw(
+            torch.randint(self._population("train"), (self.config.batch_size,), generator=generator), "train"
+        )
 
 
 # --- measurements ---------------------------------------------------------------------------------------
 
-def _loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _loss(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, autocast
+) -> tuple[torch.Tensor, torch.Tensor]:
     with autocast():
         logits = model(inputs)
     logits = logits.float()
@@ -203,8 +222,12 @@ def evaluate(model: nn.Module, batches, autocast, device) -> dict[str, float]:
     return {"val_loss": sum(losses) / len(losses), "val_accuracy": correct / count}
 
 
-def gradient_fidelity(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, autocast=contextlib.nullcontext,
-                      ) -> list[dict]:
+def gradient_fidelity(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    autocast=contextlib.nullcontext,
+) -> list[dict]:
     """Per Linear weight: cosine similarity and relative error ‖g − g_ref‖/‖g_ref‖ of the model's gradient
     against the fp32 gradient (every layer a plain nn.Linear: no quantization, no top-k; no autocast) at
     the same weights on the same batch.
@@ -218,14 +241,24 @@ def gradient_fidelity(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     for candidate, context in ((measured, autocast), (reference, contextlib.nullcontext)):
         candidate.zero_grad(set_to_none=True)
         _loss(candidate, inputs, targets, context)[0].backward()
-        gradients.append({name: module.weight.grad.double() for name, module in candidate.named_modules()
-                          if isinstance(module, nn.Linear)})
+        gradients.append(
+            {
+                name: module.weight.grad.double()
+                for name, module in candidate.named_modules()
+                if isinstance(module, nn.Linear)
+            }
+        )
     rows = []
     for name, g_ref in gradients[1].items():
         g = gradients[0][name]
-        rows.append({"layer": name, "quantized": type(model.get_submodule(name)) is not nn.Linear,
-                     "cosine": F.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0).item(),
-                     "relative_error": ((g - g_ref).norm() / g_ref.norm()).item()})
+        rows.append(
+            {
+                "layer": name,
+                "quantized": type(model.get_submodule(name)) is not nn.Linear,
+                "cosine": F.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0).item(),
+                "relative_error": ((g - g_ref).norm() / g_ref.norm()).item(),
+            }
+        )
     return rows
 
 
@@ -243,8 +276,13 @@ def _update_footprint(weights, before) -> dict[str, float]:
 
 # --- checkpoints ---------------------------------------------------------------------------------------
 
+
 def _quant_states(model: nn.Module) -> dict:
-    return {name: module.quant_state() for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    return {
+        name: module.quant_state()
+        for name, module in model.named_modules()
+        if isinstance(module, QuantLinear)
+    }
 
 
 def _quant_states_by_rank(model: nn.Module, world_size: int) -> list[dict]:
@@ -258,14 +296,32 @@ def _quant_states_by_rank(model: nn.Module, world_size: int) -> list[dict]:
     return gathered
 
 
-def save_checkpoint(path: Path, *, step, model, optimizer, scaler, metrics, fidelity, config,
-                    quant_by_rank: list[dict] | None = None) -> None:
+def save_checkpoint(
+    path: Path,
+    *,
+    step,
+    model,
+    optimizer,
+    scaler,
+    metrics,
+    fidelity,
+    config,
+    quant_by_rank: list[dict] | None = None,
+) -> None:
     """Write the checkpoint atomically. ``quant_by_rank``: every rank's QuantLinear states under DDP
     (default: this process's only)."""
     quant_by_rank = quant_by_rank if quant_by_rank is not None else [_quant_states(model)]
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "scaler": scaler.state_dict(), "quant": quant_by_rank[0], "quant_by_rank": quant_by_rank,
-             "metrics": metrics, "fidelity": fidelity, "config": config.to_dict()}
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "quant": quant_by_rank[0],
+        "quant_by_rank": quant_by_rank,
+        "metrics": metrics,
+        "fidelity": fidelity,
+        "config": config.to_dict(),
+    }
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
@@ -275,8 +331,8 @@ RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc
 
 
 def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int = 0) -> dict:
-    """Restore a checkpoint into the run's objects — bit for bit on CPU (gloo), also under DDP: rank r takes rank r's
-    QuantLinear states (stochastic-rounding generators, delayed-scaling histories). A rank the
+    """Restore a checkpoint into the run's objects — bit for bit on CPU (gloo), also under DDP: rank r
+    takes rank r's QuantLinear states (stochastic-rounding generators, delayed-scaling histories). A rank the
     checkpoint has no states for (resumed with more processes, or a checkpoint from before
     ``quant_by_rank``) takes rank 0's histories and restarts its generators."""
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -284,18 +340,23 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int =
     current = {k: v for k, v in config.to_dict().items() if k in saved}
     if saved != current:
         changed = sorted(k for k in saved if saved[k] != current[k])
-        raise ValueError(f"{path} was written by a run with different settings {changed}; resume with the "
-                         f"same config (the lr schedule depends on steps, so even steps must match)")
+        raise ValueError(
+            f"{path} was written by a run with different settings {changed}; resume with the "
+            f"same config (the lr schedule depends on steps, so even steps must match)"
+        )
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])
     by_rank = state.get("quant_by_rank") or [state["quant"]]
     for name, quant in (by_rank[rank] if rank < len(by_rank) else by_rank[0]).items():
-        model.get_submodule(name).load_quant_state(quant if rank < len(by_rank) else {**quant, "generators": {}})
+        model.get_submodule(name).load_quant_state(
+            quant if rank < len(by_rank) else {**quant, "generators": {}}
+        )
     return state
 
 
 # --- the loop ---------------------------------------------------------------------------------------------
+
 
 def train(config: TrainConfig, *, probes=None) -> TrainResult:
     """Train ``config``'s model; see the module docstring. ``probes``: a callable model → ProbeSet,
@@ -307,11 +368,17 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     vocab_size = len(batches.vocabulary) if batches.vocabulary is not None else None
     model = build_model(config, vocab_size, rank).to(device)
     autocast_name = "bf16" if config.recipe == "bf16" else config.autocast
-    autocast = (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[autocast_name])) if autocast_name \
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[autocast_name]))
+        if autocast_name
         else contextlib.nullcontext
+    )
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     if config.optimizer == "adamw":
         optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
     else:
@@ -320,8 +387,9 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     out_dir = Path(config.out_dir) if config.out_dir else None
     metrics, fidelity, start = [], [], 0
     if out_dir is not None and config.resume and (out_dir / CHECKPOINT).exists():
-        state = load_checkpoint(out_dir / CHECKPOINT, model=model, optimizer=optimizer, scaler=scaler, config=config,
-                                rank=rank)
+        state = load_checkpoint(
+            out_dir / CHECKPOINT, model=model, optimizer=optimizer, scaler=scaler, config=config, rank=rank
+        )
         start, metrics, fidelity = state["step"], list(state["metrics"]), list(state["fidelity"])
     if out_dir is not None and rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -330,7 +398,9 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             batches.vocabulary.save(out_dir / "vocab.json")
     trained = model
     if world_size > 1:
-        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
     probe_set = probes(trained) if probes is not None else None
     if probe_set is not None:
         probe_set.current_step = start
@@ -344,7 +414,9 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     try:
         for step in range(start, config.steps):
             if fidelity_inputs is not None and step % config.fidelity_every == 0:
-                fidelity += [{"step": step, **row} for row in gradient_fidelity(trained, *fidelity_inputs, autocast)]
+                fidelity += [
+                    {"step": step, **row} for row in gradient_fidelity(trained, *fidelity_inputs, autocast)
+                ]
             lr = learning_rate(config, step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -369,8 +441,14 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             if world_size > 1:
                 dist.all_reduce(train_loss)
                 train_loss /= world_size
-            row = {"step": step + 1, "tokens": (step + 1) * config.batch_size * tokens_per_item,
-                   "train_loss": train_loss.item(), "val_loss": math.nan, "grad_norm": grad_norm.item(), "lr": lr}
+            row = {
+                "step": step + 1,
+                "tokens": (step + 1) * config.batch_size * tokens_per_item,
+                "train_loss": train_loss.item(),
+                "val_loss": math.nan,
+                "grad_norm": grad_norm.item(),
+                "lr": lr,
+            }
             if before is not None:
                 row.update(_update_footprint(_linear_weights(trained), before))
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
@@ -382,12 +460,22 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             progress.update(1)
             progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
             last = step + 1 == config.steps
-            if out_dir is not None and (last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)):
+            if out_dir is not None and (
+                last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+            ):
                 quant_by_rank = _quant_states_by_rank(trained, world_size)  # a collective: all ranks
                 if rank == 0:
-                    save_checkpoint(out_dir / CHECKPOINT, step=step + 1, model=trained, optimizer=optimizer,
-                                    scaler=scaler, metrics=metrics, fidelity=fidelity, config=config,
-                                    quant_by_rank=quant_by_rank)
+                    save_checkpoint(
+                        out_dir / CHECKPOINT,
+                        step=step + 1,
+                        model=trained,
+                        optimizer=optimizer,
+                        scaler=scaler,
+                        metrics=metrics,
+                        fidelity=fidelity,
+                        config=config,
+                        quant_by_rank=quant_by_rank,
+                    )
             if out_dir is not None and rank == 0 and (last or not math.isnan(row["val_loss"])):
                 write_csv(pd.DataFrame(metrics), out_dir / "metrics.csv")
                 if fidelity:
@@ -404,5 +492,11 @@ def _progress(config: TrainConfig, rank: int, start: int):
     from tqdm.auto import tqdm
 
     label = config.recipe + (f"/{config.backward_override}" if config.backward_override else "")
-    return tqdm(total=config.steps, initial=start, desc=label, unit="step", leave=False,
-                disable=not config.progress or rank != 0)
+    return tqdm(
+        total=config.steps,
+        initial=start,
+        desc=label,
+        unit="step",
+        leave=False,
+        disable=not config.progress or rank != 0,
+    )

@@ -59,8 +59,16 @@ class Block(nn.Module):
 class CharGPT(nn.Module):
     """ids (batch, tokens ≤ context) int64 → logits (batch, tokens, vocab_size) float32."""
 
-    def __init__(self, vocab_size: int, *, context: int = 128, layers: int = 5, width: int = 128, heads: int = 4,
-                 tied_head: bool = True):
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        context: int = 128,
+        layers: int = 5,
+        width: int = 128,
+        heads: int = 4,
+        tied_head: bool = True,
+    ):
         super().__init__()
         self.context = context
         self.token_embedding = nn.Embedding(vocab_size, width)
@@ -77,7 +85,9 @@ class CharGPT(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dim() != 2 or ids.dtype != torch.long:
-            raise TypeError(f"CharGPT expects int64 ids of shape (batch, tokens), got {ids.dtype} {tuple(ids.shape)}")
+            raise TypeError(
+                f"CharGPT expects int64 ids of shape (batch, tokens), got {ids.dtype} {tuple(ids.shape)}"
+            )
         if ids.shape[1] > self.context:
             raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than the context {self.context}")
         positions = torch.arange(ids.shape[1], device=ids.device)
