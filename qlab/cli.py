@@ -5,10 +5,12 @@
     qlab figures [--smoke]                      every notebook, default parameters
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--smoke]
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
+    qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
     qlab train [--config F.yaml] [--set key=value ...] [--nproc N]   train a model (qlab.train)
 
 Parameter values are parsed as YAML scalars/lists (``-p n 1024 -p dtypes '[float32, bfloat16]'``).
-Exit status: 0 success, 1 a notebook or sweep point failed, 2 bad input.
+Exit status: 0 success, 1 a notebook or sweep point failed or training diverged, 2 bad input (one line
+on stderr: bad YAML, an unsafe tag or checkpoint, an unknown key or value).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
+
+    lab = sub.add_parser(
+        "lab", help="JupyterLab on the repository root (qlab.lab); other options go to jupyter lab"
+    )
+    lab.add_argument("jupyter_options", nargs=argparse.REMAINDER, help="passed to jupyter lab")
 
     from qlab.train import launch
 
@@ -116,6 +123,13 @@ def _cmd_sync(args) -> int:
     return 0
 
 
+def _cmd_lab(args) -> int:
+    from qlab import lab
+
+    lab.main(args.jupyter_options)  # replaces this process with JupyterLab
+    return 0
+
+
 def _cmd_train(args) -> int:
     from qlab.train import launch
 
@@ -130,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         "figures": _cmd_figures,
         "sweep": _cmd_sweep,
         "sync": _cmd_sync,
+        "lab": _cmd_lab,
         "train": _cmd_train,
     }[args.command]
     try:
         return command(args)
-    except NotebookError as err:
+    except (NotebookError, FloatingPointError) as err:  # a notebook failed; training diverged
         print(f"qlab: {err}", file=sys.stderr)
         return 1
     except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as err:

@@ -38,6 +38,8 @@ from functools import cache
 
 import torch
 
+from qlab import checks
+
 ROUNDING_MODES = ("rne", "away", "toward_zero", "stochastic")
 
 
@@ -156,19 +158,19 @@ def get_format(name: str | Format) -> Format:
     """Look a format up by name: e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..16, uint2..16."""
     if isinstance(name, (FloatFormat, IntFormat, E8M0Format)):
         return name
-    if not isinstance(name, str) or name not in FORMATS:
-        raise ValueError(
-            f"unknown element format {name!r}; expected one of: e4m3, e5m2, e3m2, e2m3, e2m1, "
-            f"bf16, fp16, e8m0, int2..int16, uint2..uint16"
+    expected = "e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..int16, uint2..uint16"
+    if not isinstance(name, str):
+        raise TypeError(
+            f"an element format is a name ({expected}) or a format object, got {checks.shown(name)}"
         )
+    if name not in FORMATS:
+        raise ValueError(f"unknown element format {name!r}; expected one of: {expected}")
     return FORMATS[name]
 
 
 def _check_floating(x, what: str) -> None:
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(
-            f"{what} expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
-        )
+    """``what`` (the argument's name) must be a real floating-point tensor."""
+    checks.tensor(what, x, floating=True)
 
 
 def _round_integer(scaled: torch.Tensor, rounding: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -187,6 +189,8 @@ def round_to_integer(
     x: torch.Tensor, rounding: str = "rne", generator: torch.Generator | None = None
 ) -> torch.Tensor:
     """x rounded to an integer by the named mode (unbounded; "stochastic" is floor(x + U[0,1)))."""
+    _check_floating(x, "x")
+    _check_rounding_and_generator(rounding, generator)
     if rounding == "rne":
         return torch.round(x)
     if rounding == "stochastic":
@@ -194,19 +198,26 @@ def round_to_integer(
     return torch.copysign(_round_integer(x.abs(), rounding, generator), x)
 
 
-def _check_cast_arguments(x, fmt, rounding, generator) -> Format:
+def _check_rounding_and_generator(rounding, generator) -> None:
+    checks.choice("rounding", rounding, ROUNDING_MODES)
+    checks.generator("generator", generator)
+    if generator is not None and rounding != "stochastic":
+        raise ValueError(
+            f"a generator only makes sense with rounding='stochastic', got rounding={rounding!r}"
+        )
+
+
+def _check_cast_arguments(x, fmt, rounding, generator, saturate=True) -> Format:
     fmt = get_format(fmt)
-    _check_floating(x, "cast")
+    _check_floating(x, "x")
     if isinstance(fmt, E8M0Format):
         raise ValueError(
-            "e8m0 is a scale format (powers of two); MX scales come from qlab.scaling.mx_scale_codes"
+            "fmt e8m0 is a scale format (powers of two); MX scales come from qlab.scaling.mx_scale_codes"
         )
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"unknown rounding {rounding!r}; expected one of: {', '.join(ROUNDING_MODES)}")
-    if generator is not None and rounding != "stochastic":
-        raise ValueError("a generator only makes sense with rounding='stochastic'")
+    _check_rounding_and_generator(rounding, generator)
+    checks.boolean("saturate", saturate)
     if not fmt.has_nan and torch.isnan(x).any():
-        raise ValueError(f"{fmt.name} has no NaN encoding, but the input holds NaN")
+        raise ValueError(f"{fmt.name} has no NaN encoding, but x holds NaN")
     return fmt
 
 
@@ -219,7 +230,7 @@ def reference_cast(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """``cast`` computed in float64 for every format and rounding mode (the reference path)."""
-    fmt = _check_cast_arguments(x, fmt, rounding, generator)
+    fmt = _check_cast_arguments(x, fmt, rounding, generator, saturate)
     return _reference_cast(x, fmt, rounding, saturate, generator)
 
 
@@ -298,7 +309,7 @@ def cast(
     unbiased). NaN stays NaN where the format has one; a NaN input to a format without NaN raises.
     Integer formats round to the integer grid and clamp to [min, max].
     """
-    fmt = _check_cast_arguments(x, fmt, rounding, generator)
+    fmt = _check_cast_arguments(x, fmt, rounding, generator, saturate)
     return _cast(x, fmt, rounding, saturate, generator)
 
 
@@ -313,6 +324,11 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     probability of rounding up is the exact fraction rounded up to a multiple of 2^-15, so the bias
     is below 2^-15 of a grid step; hardware SR units likewise use a limited number of random bits.
     """
+    if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    ):
+        raise TypeError(f"shape must be a tuple of non-negative ints, got {checks.shown(shape)}")
+    checks.generator("generator", generator)
     count = math.prod(shape)
     bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
     mask = (1 << NOISE_BITS) - 1
@@ -385,15 +401,15 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     the integers in int8/uint8/int16/int32. Raises ValueError for a value not in the format.
     """
     fmt = get_format(fmt)
-    _check_floating(values, "encode")
+    _check_floating(values, "values")
     if isinstance(fmt, E8M0Format):
         nan = torch.isnan(values)
         mantissa, exponent = torch.frexp(torch.where(nan, 1.0, values).double())
         if not (torch.all(mantissa == 0.5) and torch.all((exponent >= -126) & (exponent <= 128))):
-            raise ValueError("e8m0 holds only powers of two 2^-127 .. 2^127 (and NaN)")
+            raise ValueError("values for e8m0 must be powers of two 2^-127 .. 2^127 (or NaN)")
         return torch.where(nan, fmt.nan_code, exponent - 1 + fmt.bias).to(torch.uint8)
     if not fmt.has_nan and torch.isnan(values).any():
-        raise ValueError(f"{fmt.name} has no NaN encoding, but the values hold NaN")
+        raise ValueError(f"{fmt.name} has no NaN encoding, but values hold NaN")
     # checked in the values' own dtype, so a float64 value off the grid is refused, not rounded
     if not torch.equal(torch.nan_to_num(_cast(values, fmt, saturate=False)), torch.nan_to_num(values)):
         low = fmt.min if isinstance(fmt, IntFormat) else -fmt.max
@@ -428,15 +444,12 @@ def _encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """float32 values of integer ``codes`` of ``fmt`` (the inverse of ``encode``)."""
     fmt = get_format(fmt)
-    if (
-        not isinstance(codes, torch.Tensor)
-        or codes.is_floating_point()
-        or codes.is_complex()
-        or codes.dtype == torch.bool
-    ):
-        raise TypeError(
-            f"decode expects an integer tensor of codes, got {getattr(codes, 'dtype', type(codes).__name__)}"
-        )
+    _check_codes(codes, "codes", *_code_range(fmt), fmt.name)
+    return _decode(codes, fmt)
+
+
+def _decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """``decode`` without argument checks (codes known to be in range: no host sync)."""
     if isinstance(fmt, IntFormat):
         return codes.float()
     if isinstance(fmt, E8M0Format):
@@ -447,17 +460,47 @@ def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     return _decode_table(fmt).to(codes.device)[codes.long()]
 
 
+def _code_range(fmt: Format) -> tuple[int, int]:
+    """The integer codes ``decode`` takes for ``fmt``: bit patterns of ≤ 8-bit formats, int16 or
+    uint16 patterns of bf16/fp16, the integers themselves for intN/uintN."""
+    if isinstance(fmt, IntFormat):
+        return fmt.min, fmt.max
+    if fmt.bits == 16:
+        return -(2**15), 2**16 - 1
+    return 0, 2**fmt.bits - 1
+
+
+def _check_codes(codes, name: str, low: int, high: int, what: str) -> None:
+    if (
+        not isinstance(codes, torch.Tensor)
+        or codes.is_floating_point()
+        or codes.is_complex()
+        or codes.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"{name} must be an integer tensor of codes, got {getattr(codes, 'dtype', checks.shown(codes))}"
+        )
+    if codes.numel() and (int(codes.min()) < low or int(codes.max()) > high):
+        found = f"[{int(codes.min())}, {int(codes.max())}]"
+        raise ValueError(f"{name} must lie in [{low}, {high}] for {what}, got values in {found}")
+
+
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """Two 4-bit codes per byte along the last axis (even index in the low nibble); last axis must be even."""
-    if codes.dtype != torch.uint8:
-        raise TypeError(f"pack_fp4 expects uint8 codes, got {codes.dtype}")
-    if codes.shape[-1] % 2:
-        raise ValueError(f"pack_fp4 needs an even last axis, got shape {tuple(codes.shape)}")
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(
+            f"codes must be a uint8 tensor of 4-bit codes, got {getattr(codes, 'dtype', checks.shown(codes))}"
+        )
+    _check_codes(codes, "codes", 0, 15, "4-bit codes")
+    if codes.dim() == 0 or codes.shape[-1] % 2:
+        raise ValueError(f"codes need an even last axis to pack two per byte, got shape {tuple(codes.shape)}")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_fp4``: uint8 bytes → twice as many uint8 codes along the last axis."""
-    if packed.dtype != torch.uint8:
-        raise TypeError(f"unpack_fp4 expects uint8 bytes, got {packed.dtype}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(
+            f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', checks.shown(packed))}"
+        )
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from qlab import kernels
+from qlab import checks, kernels
 from qlab import quantize as Q
 from qlab.kernels import fp8_gemm
 from qlab.recipe import Recipe, get_recipe
@@ -158,8 +158,8 @@ def fake_quant(
     ste="identity": dL/dx = dL/dy everywhere; ste="clipped": zero where x was outside the
     representable range (clipped), as torch.ao.quantization.FakeQuantize does.
     """
-    if ste not in STES:
-        raise ValueError(f"unknown ste {ste!r}; expected 'identity' or 'clipped'")
+    checks.choice("ste", ste, STES)
+    checks.tensor("x", x, floating=True)
     return _FakeQuant.apply(x, Q.get_spec(spec), axis, ste, generator)
 
 
@@ -255,15 +255,19 @@ class QuantLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
+        checks.integer("in_features", in_features, low=1)
+        checks.integer("out_features", out_features, low=1)
+        checks.boolean("bias", bias)
+        checks.floating_dtype("dtype", dtype)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm)
 
     def _configure(self, recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm="auto"):
         self.recipe: Recipe = get_recipe(recipe)
         self.gemm = check_gemm(gemm, self.recipe)
-        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        self.delay_wgrad = bool(delay_wgrad)
-        self.seed = seed
+        self.fuse_wgrad_accumulation = checks.boolean("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
+        self.delay_wgrad = checks.boolean("delay_wgrad", delay_wgrad)
+        self.seed = checks.seed("seed", seed)
         self._generators: dict = {}
         self._deferred: list = []
         self._dummy: torch.Tensor | None = None
@@ -282,6 +286,8 @@ class QuantLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> QuantLinear:
         """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {checks.shown(linear)}")
         layer = linear_sharing_parameters(
             cls, linear
         )  # hooks registered on the nn.Linear are not carried over
@@ -303,15 +309,13 @@ class QuantLinear(nn.Linear):
         )
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError(
-                f"QuantLinear expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
-            )
+        checks.tensor("input x", x, floating=True)
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"QuantLinear expects input of shape (..., {self.in_features}) like nn.Linear, "
-                f"got {tuple(x.shape)}"
+                f"input x must have shape (..., {self.in_features}) like nn.Linear's, got {tuple(x.shape)}"
             )
+        if is_first_microbatch is not None:
+            checks.boolean("is_first_microbatch", is_first_microbatch)
         weight, bias = self.weight, self.bias
         if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -343,6 +347,8 @@ class QuantLinear(nn.Linear):
 
     def load_quant_state(self, state: dict) -> None:
         """Restore ``quant_state()``'s output (same recipe); generators are recreated on their devices."""
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be the dict quant_state() returns, got {checks.shown(state)}")
         unknown = set(state.get("scalers", {})) - set(self.scalers)
         if unknown:
             raise ValueError(
@@ -478,17 +484,29 @@ def linear_sharing_parameters(cls: type, linear: nn.Linear) -> nn.Linear:
 
 
 def replace_linears(
-    model: nn.Module, make, *, keep=(), select=lambda module: type(module) is nn.Linear
+    model: nn.Module,
+    make,
+    *,
+    keep=(),
+    select=lambda module: type(module) is nn.Linear,
+    keep_name: str = "keep",
 ) -> list:
     """Swap (in place) every module for which ``select`` holds by ``make(module, index)``, except names
-    matching the fnmatch patterns in ``keep``. A module registered under several names gets one shared
-    replacement; all replacements are built before any swap, so a refusal leaves the model as it was.
+    matching the fnmatch patterns in ``keep`` (a bare string is one pattern; ``keep_name`` names the
+    argument in errors). Every pattern must match a selected module, else ValueError naming the
+    closest names. A module registered under several names gets one shared replacement; all
+    replacements are built before any swap, so a refusal leaves the model as it was.
     Returns (name, module, replaced) for every selected module, kept ones included."""
-    keep = [keep] if isinstance(keep, str) else list(keep)
+    checks.module("model", model)
+    keep = checks.patterns(keep_name, keep)
+    candidates = [
+        (name, module) for name, module in model.named_modules(remove_duplicate=False) if select(module)
+    ]
+    if keep and not candidates:
+        raise ValueError(f"{keep_name} patterns {keep} name layers to keep, but the model has no such layer")
+    checks.patterns_match(keep_name, keep, [name for name, _ in candidates], what="Linear layer")
     chosen, replacements = [], {}
-    for name, module in list(model.named_modules(remove_duplicate=False)):
-        if not select(module):
-            continue
+    for name, module in candidates:
         replaced = not any(fnmatch.fnmatchcase(name, pattern) for pattern in keep)
         if replaced and id(module) not in replacements:
             replacements[id(module)] = make(module, len(replacements))
@@ -503,15 +521,17 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     """Replace every nn.Linear in ``model`` (in place) by a QuantLinear sharing its Parameters.
 
     keep_high_precision: fnmatch patterns of qualified module names left as nn.Linear (e.g.
-    ["lm_head", "layers.11.*"]). options go to QuantLinear (fuse_wgrad_accumulation, ...).
+    ["lm_head", "layers.11.*"]; a bare string is one pattern; each must match a Linear, else
+    ValueError naming the closest names). options go to QuantLinear (fuse_wgrad_accumulation, ...).
     Returns a report: one dict per nn.Linear with name, action ("quantized" or "kept"), shape.
     """
     recipe = get_recipe(recipe)
-    base_seed = options.pop("seed", 0)  # layer i gets seed base + i: no two layers share SR noise
+    base_seed = checks.seed("seed", options.pop("seed", 0))  # layer i gets seed base + i: no shared SR noise
     chosen = replace_linears(
         model,
         lambda linear, i: QuantLinear.from_linear(linear, recipe, seed=base_seed + i, **options),
         keep=keep_high_precision,
+        keep_name="keep_high_precision",
     )
     return [
         {
@@ -543,6 +563,8 @@ def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     if not name:
-        raise ValueError("the model itself is a Linear; wrap it in a container to convert it")
+        raise ValueError(
+            "model is itself a Linear; wrap it in a container (nn.Sequential(model)) to convert it"
+        )
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import nbformat
 
-from qlab import paths
+from qlab import checks, paths
 
 KERNEL_NAME = "qlab"
 DEFAULT_TIMEOUT_S = 1800  # per cell
@@ -44,6 +44,8 @@ def list_notebooks() -> list[Path]:
 
 def resolve_notebook(name: str | os.PathLike) -> Path:
     """Find a notebook by path (.ipynb or its paired .py), by stem, or by its number ("02")."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"notebook must be a name, number string or path, got {checks.shown(name)}")
     candidate = Path(name)
     if candidate.suffix in (".ipynb", ".py") and candidate.exists():
         ipynb = candidate.with_suffix(".ipynb").resolve()
@@ -97,6 +99,8 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
     Raises ValueError for a name the notebook does not declare and TypeError for a value that does
     not fit the declared type (bool, int, float, str; other annotations are not checked).
     """
+    if not isinstance(parameters, dict):
+        raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
     declared = notebook_parameters(notebook)
     unknown = sorted(set(parameters) - set(declared))
     if unknown:
@@ -114,6 +118,8 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
             raise TypeError(
                 f"parameter {name} of {notebook.stem} expects {kind}, got {value!r} ({type(value).__name__})"
             )
+        if kind == "float" and not math.isfinite(value):
+            raise ValueError(f"parameter {name} of {notebook.stem} must be a finite float, got {value!r}")
         checked[name] = value
     return checked
 
@@ -165,6 +171,10 @@ def run_notebook(
     from papermill.exceptions import PapermillExecutionError
 
     path = resolve_notebook(notebook)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
+    checks.boolean("smoke", smoke)
+    checks.integer("timeout", timeout, low=1)
     params = dict(parameters or {})
     if smoke:
         params["smoke"] = True

@@ -32,6 +32,8 @@ from fractions import Fraction
 import pandas as pd
 import torch
 
+from qlab import checks
+
 ALGORITHMS = ("textbook", "two_pass", "welford", "pairwise", "shifted")
 LAYER_NORM_STATS = ("welford", "two_pass", "textbook")
 LAYER_NORM_WELFORD_CHUNK = 16
@@ -58,7 +60,8 @@ def _require_choice(value, choices: Sequence[str], what: str) -> None:
 
 def _rows(x: torch.Tensor, dims: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Flatten the last ``dims`` dimensions: returns (rows × n view, leading shape)."""
-    if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= x.dim():
+    checks.integer("dims", dims, low=1, high=max(1, x.dim()))
+    if dims > x.dim():
         raise ValueError(f"dims must be an int between 1 and x.dim()={x.dim()}, got {dims!r}")
     lead = tuple(x.shape[: x.dim() - dims])
     n = math.prod(x.shape[x.dim() - dims :])
@@ -77,6 +80,7 @@ def _resolve_acc_dtype(x: torch.Tensor, acc_dtype) -> torch.dtype:
 
 def unit_roundoff(dtype: torch.dtype) -> float:
     """u = 2^-p for a dtype with p significand bits: fp32 2^-24, fp16 2^-11, bf16 2^-8."""
+    checks.floating_dtype("dtype", dtype, optional=False)
     return torch.finfo(dtype).eps / 2
 
 
@@ -95,6 +99,7 @@ class Moments:
 
     def var(self, correction: int = 0) -> torch.Tensor:
         """S / (count − correction), rounded once to the accumulation dtype."""
+        checks.integer("correction", correction, low=0)
         if self.count - correction <= 0:
             raise ValueError(f"correction={correction} leaves no degrees of freedom for count={self.count}")
         return _div(self.m2, self.count - correction)
@@ -188,6 +193,9 @@ def _merge_tree(count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor):
 def merge_moments(a: Moments, b: Moments) -> Moments:
     """Chan et al.'s merge of two sets of moments (rows aligned): n = nA+nB, δ = M_B − M_A,
     M = M_A + δ·nB/n, S = S_A + S_B + δ²·nA·nB/n, in the dtype of a."""
+    for name, value in (("a", a), ("b", b)):
+        if not isinstance(value, Moments):
+            raise TypeError(f"{name} must be Moments (from qlab.numerics.moments), got {checks.shown(value)}")
     if a.mean.shape != b.mean.shape:
         raise ValueError(
             f"moments to merge must have the same row shape, got {tuple(a.mean.shape)} and "
@@ -326,8 +334,12 @@ def rows_with_condition_number(
     the dtype cannot resolve σ — measure it with ``condition_number``. With ``std=None`` the rows
     have unit RMS (mean² + σ² = 1, safe in float16); with ``std`` given, σ = std and mean = σ·√(κ²−1).
     """
-    if not isinstance(n, int) or n < 2 or not isinstance(trials, int) or trials < 1:
-        raise ValueError(f"need an int n >= 2 and trials >= 1, got n={n!r}, trials={trials!r}")
+    checks.integer("n", n, low=2)
+    checks.integer("trials", trials, low=1)
+    if std is not None:
+        checks.number("std", std, low=0, open_low=True)
+    checks.floating_dtype("dtype", dtype, optional=False)
+    checks.generator("generator", generator)
     kappas = torch.as_tensor(kappas, dtype=torch.float64).reshape(-1, 1, 1)
     if not torch.isfinite(kappas).all() or (kappas < 1).any():
         raise ValueError(f"every target κ must be finite and >= 1, got {kappas.flatten().tolist()}")
@@ -356,6 +368,8 @@ def exact_layer_norm(
     """LayerNorm without affine, (x − M)/√(σ² + eps), from exact moments with the square root and
     division in ``digits``-digit decimal arithmetic, rounded to float64. eps is taken as the exact
     value of the Python float given."""
+    checks.number("eps", eps, low=0)
+    checks.integer("digits", digits, low=1)
     dims = len(_check_normalized_shape(x, normalized_shape))
     rows, lead = _rows_as_floats(x, dims)
     ctx = decimal.Context(prec=digits)
@@ -391,7 +405,7 @@ def _normalized_shape_tuple(normalized_shape) -> tuple[int, ...]:
 
 
 def _check_normalized_shape(x: torch.Tensor, normalized_shape) -> tuple[int, ...]:
-    _require_float_tensor(x, "input")
+    _require_float_tensor(x, "x")
     shape = _normalized_shape_tuple(normalized_shape)
     if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape) :]) != shape:
         trailing = tuple(x.shape[max(x.dim() - len(shape), 0) :])
@@ -469,8 +483,8 @@ def _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dt
         _require_float_tensor(p, name)
         if tuple(p.shape) != shape:
             raise ValueError(f"{name} shape {tuple(p.shape)} does not match normalized_shape {shape}")
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative number, got {eps!r}")
+    checks.number("eps", eps, low=0)
+    checks.floating_dtype("acc_dtype", acc_dtype)
     if acc_dtype is None:
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     if acc_dtype not in (torch.float32, torch.float64):
@@ -590,6 +604,14 @@ def check_layer_norm_grads(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if dtype not in _GRADCHECK_TOLERANCE:
         raise ValueError(f"dtype must be one of {list(_GRADCHECK_TOLERANCE)}, got {dtype}")
+    checks.seed("seed", seed)
+    checks.number("eps", eps, low=0)
+    if tolerance is not None:
+        checks.number("tolerance", tolerance, low=0, open_low=True)
+    if not isinstance(shape, (tuple, list)) or len(shape) < 1:
+        raise TypeError(f"shape must be a tuple of positive ints, got {checks.shown(shape)}")
+    for size in shape:
+        checks.integer("shape", size, low=1)
     tol = _GRADCHECK_TOLERANCE[dtype] if tolerance is None else tolerance
     generator = torch.Generator().manual_seed(seed)
     normalized = shape[-1:]

@@ -9,11 +9,12 @@ the same figure saved twice (or by a rerun on the same machine) is byte-identica
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import matplotlib
 import matplotlib.pyplot as plt
 
-from qlab import paths
+from qlab import checks, paths
 
 STYLE_PATH = Path(__file__).resolve().parent / "styles" / "paper.mplstyle"
 COLUMN_WIDTH = 3.3  # inches, one column of a two-column paper
@@ -32,27 +33,51 @@ def use_paper_style() -> None:
 def subplots(nrows: int = 1, ncols: int = 1, *, width: str | float = "column", aspect: float = 0.7, **kwargs):
     """``plt.subplots`` sized for a paper: width "column", "text" or inches;
     height = width·aspect·nrows/ncols."""
+    checks.integer("nrows", nrows, low=1)
+    checks.integer("ncols", ncols, low=1)
+    checks.number("aspect", aspect, low=0, open_low=True)
     if isinstance(width, str):
         widths = {"column": COLUMN_WIDTH, "text": TEXT_WIDTH}
         if width not in widths:
             raise ValueError(f"width must be 'column', 'text' or a number of inches, got {width!r}")
         width = widths[width]
+    else:
+        width = checks.number("width", width, low=0, open_low=True)
     height = width * aspect * nrows / ncols
     return plt.subplots(nrows, ncols, figsize=(width, height), **kwargs)
 
 
-def save_figure(fig: matplotlib.figure.Figure, name: str) -> tuple[Path, Path]:
+class SavedFigure(NamedTuple):
+    """Where ``save_figure`` wrote a figure. A notebook cell ending in ``save_figure(...)`` shows one
+    line saying where (its ``_repr_pretty_``), beside the figure itself, not a tuple of paths."""
+
+    pdf: Path
+    png: Path
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        try:
+            shown = self.pdf.relative_to(paths.ROOT)
+        except ValueError:
+            shown = self.pdf
+        printer.text(f"saved {shown.with_suffix('')}.pdf and .png")
+
+
+def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:
     """Write ``figures/<name>.pdf`` and ``figures/<name>.png`` (300 dpi); return both paths.
 
     Bytes are deterministic: the PDF carries no creation date or producer string, the PNG no
     software tag.
     """
     if not isinstance(fig, matplotlib.figure.Figure):
-        raise TypeError(f"expected a matplotlib Figure, got {type(fig).__name__}")
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name:
-        raise ValueError(f"expected a plain figure name like '02_topic_what', got {name!r}")
+        raise TypeError(f"fig must be a matplotlib Figure, got {checks.shown(fig)}")
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a plain figure name (str) like '02_topic_what', got {checks.shown(name)}"
+        )
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise ValueError(f"name must be a plain figure name like '02_topic_what', got {name!r}")
     out = paths.figures_dir()
     pdf, png = out / f"{name}.pdf", out / f"{name}.png"
     fig.savefig(pdf, format="pdf", metadata=_PDF_METADATA)
     fig.savefig(png, format="png", metadata=_PNG_METADATA)
-    return pdf, png
+    return SavedFigure(pdf, png)

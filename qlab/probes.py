@@ -27,6 +27,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from qlab import checks
 from qlab import quantize as Q
 
 STATS = ("min", "max", "mean", "std", "l1", "l2", "amax", "dynamic_range", "zero_fraction")
@@ -42,9 +43,8 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros. All
     reductions are stacked and moved to the host in one transfer.
     """
-    unknown = set(stats) - set(STATS)
-    if unknown:
-        raise ValueError(f"unknown statistics {sorted(unknown)}; expected some of: {', '.join(STATS)}")
+    stats = checks.names("stats", stats, STATS)
+    _check_real_tensor("tensor", tensor)
     x = tensor.detach().flatten()
     if x.numel() == 0:
         return {name: math.nan for name in stats}
@@ -83,9 +83,20 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     return {name: values[name] for name in stats}
 
 
+def _check_real_tensor(name: str, tensor) -> None:
+    """Statistics are of real numbers: bool and complex tensors are refused."""
+    checks.tensor(name, tensor)
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        raise TypeError(f"{name} must hold real numbers (a floating or integer dtype), got {tensor.dtype}")
+
+
 def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict[str, float]:
     """Counts of |x| per binade: key "hist/2^k" counts low ≤ k = floor(log2|x|) < high; values below
     2^low (and zeros) go to "hist/below", at or above 2^high to "hist/above". Exponents from frexp."""
+    _check_real_tensor("tensor", tensor)
+    checks.integer("low", low)
+    if checks.integer("high", high) <= low:
+        raise ValueError(f"high must be greater than low, got low={low}, high={high}")
     magnitude = tensor.detach().abs().flatten().float()
     exponent = torch.frexp(magnitude).exponent - 1  # floor(log2 |x|) read from the bits
     nonzero = magnitude > 0
@@ -105,6 +116,7 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
     the representable range (clipped); qdq_mse and sqnr_db of the quantize→dequantize round trip.
     Tensors that cannot be blocked along ``axis`` (e.g. a length not divisible with pad=False) raise.
     """
+    _check_real_tensor("tensor", tensor)
     x = tensor.detach()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
@@ -131,6 +143,9 @@ def _rank() -> int:
 
 def probe(tensor: torch.Tensor, name: str) -> None:
     """Record ``tensor`` under ``name`` (role "probe") in every active ProbeSet; a no-op when none is."""
+    checks.tensor("tensor", tensor)
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {checks.shown(name)}")
     for probes in _ACTIVE:
         probes._record(name, "probe", tensor)
 
@@ -161,18 +176,34 @@ class ProbeSet:
         ranks=None,
         histograms: bool = False,
     ):
-        unknown = set(roles) - set(ROLES)
-        if unknown:
-            raise ValueError(f"unknown roles {sorted(unknown)}; expected some of: {', '.join(ROLES)}")
-        tensor_stats(torch.zeros(1), stats)  # validates the names
-        if not isinstance(every, int) or every < 1:
-            raise ValueError(f"every must be a positive int, got {every!r}")
-        self.model, self.roles, self.stats = model, tuple(roles), tuple(stats)
-        self.what_if = {label: Q.get_spec(spec) for label, spec in (what_if or {}).items()}
+        if model is not None:
+            checks.module("model", model)
+        roles = checks.names("roles", roles, ROLES)
+        stats = checks.names("stats", stats, STATS)
+        if what_if is not None and not isinstance(what_if, dict):
+            raise TypeError(f"what_if must be a dict {{label: spec}}, got {checks.shown(what_if)}")
+        checks.integer("what_if_axis", what_if_axis)
+        checks.integer("every", every, low=1)
+        checks.integer("start", start, low=0)
+        if end is not None and checks.integer("end", end) <= start:
+            raise ValueError(f"end must be greater than start={start} (or None), got {end}")
+        if ranks is not None:
+            if not isinstance(ranks, (list, tuple, set, frozenset, range)):
+                raise TypeError(
+                    f"ranks must be a list of ints (or None for every rank), got {checks.shown(ranks)}"
+                )
+            ranks = {checks.integer("ranks", rank, low=0) for rank in ranks}
+        self.model, self.roles, self.stats = model, roles, stats
+        self.what_if = {}
+        for label, spec in (what_if or {}).items():
+            try:
+                self.what_if[label] = Q.get_spec(spec)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"what_if[{label!r}]: {err}") from None
         self.what_if_axis = what_if_axis
         self.every, self.start, self.end = every, start, end
-        self.ranks = None if ranks is None else set(ranks)
-        self.histograms = histograms
+        self.ranks = ranks
+        self.histograms = checks.boolean("histograms", histograms)
         self.current_step = 0
         self.records: list[tuple] = []
         self._handles: list = []
@@ -181,12 +212,18 @@ class ProbeSet:
     # --- selection and hooks ---
 
     def _select(self, modules) -> dict[str, nn.Module]:
-        patterns = (
-            ["*"]
-            if modules in (None, "*")
-            else ([modules] if isinstance(modules, (str, type)) else list(modules))
-        )
-        chosen = {}
+        if modules is None:
+            patterns = ["*"]
+        elif isinstance(modules, (str, type)):
+            patterns = [modules]
+        elif isinstance(modules, (list, tuple, set)) and all(isinstance(p, (str, type)) for p in modules):
+            patterns = list(modules)
+        else:
+            raise TypeError(
+                "modules must be a pattern string, a module class or a list of them, "
+                f"got {checks.shown(modules)}"
+            )
+        chosen, hits = {}, {id(p): 0 for p in patterns}
         for name, module in self.model.named_modules():
             for pattern in patterns:
                 if isinstance(pattern, type):
@@ -196,13 +233,14 @@ class ProbeSet:
                 else:
                     hit = fnmatch.fnmatchcase(name, pattern)
                 if hit:
-                    chosen[name or "model"] = module
-                    break
-        if not chosen:
-            names = [name for name, _ in self.model.named_modules() if name][:8]
-            raise ValueError(
-                f"module patterns {patterns!r} match no module; names look like: {', '.join(names)}"
-            )
+                    hits[id(pattern)] += 1
+                    chosen.setdefault(name or "model", module)
+        names = [name for name, _ in self.model.named_modules() if name]
+        for pattern in patterns:
+            if hits[id(pattern)] == 0:
+                if isinstance(pattern, type):
+                    raise ValueError(f"modules class {pattern.__name__} matches no module of the model")
+                checks.patterns_match("modules", [pattern], names)
         return chosen
 
     def attach(self) -> ProbeSet:
@@ -349,8 +387,8 @@ class GradientAudit:
     """
 
     def __init__(self, model: nn.Module, *, hook_parameters: bool = True):
-        self.model = model
-        self.hook_parameters = hook_parameters
+        self.model = checks.module("model", model)
+        self.hook_parameters = checks.boolean("hook_parameters", hook_parameters)
         self.inside: dict[str, torch.Tensor] = {}
         self._handles = []
 
@@ -369,6 +407,9 @@ class GradientAudit:
 
     def observe(self, name: str, grad: torch.Tensor) -> None:
         """Add one backward's gradient for ``name`` (in float64)."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a parameter name (str), got {checks.shown(name)}")
+        _check_real_tensor("grad", grad)
         grad = grad.detach().double()
         self.inside[name] = grad.clone() if name not in self.inside else self.inside[name] + grad
 
@@ -386,9 +427,13 @@ class GradientAudit:
         ``tolerance`` is flagged — a scale the known factors cannot account for (e.g. a backward
         that multiplies by a quantization scale it should not).
         """
+        loss_scale = checks.number("loss_scale", loss_scale, low=0, open_low=True)
+        clip_coefficient = checks.number("clip_coefficient", clip_coefficient, low=0, high=1, open_low=True)
+        checks.number("tolerance", tolerance, low=0)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if world_size is None:
             world_size = torch.distributed.get_world_size() if distributed else 1
+        checks.integer("world_size", world_size, low=1)
         params = dict(self.model.named_parameters())
         rows = []
         for name, inside in self.inside.items():

@@ -36,14 +36,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qlab import scaling
+from qlab import checks, scaling
 from qlab.formats import (
     ROUNDING_MODES,
     FloatFormat,
     _cast,
+    _decode,
     _encode_float,
     _fast_path_applies,
-    decode,
     get_format,
     pack_fp4,
     round_to_integer,
@@ -54,13 +54,11 @@ GRANULARITIES = ("tensor", "axis")
 
 
 def _check_rounding(rounding):
-    if rounding not in ROUNDING_MODES:
-        raise ValueError(f"unknown rounding {rounding!r}; expected one of: {', '.join(ROUNDING_MODES)}")
+    checks.choice("rounding", rounding, ROUNDING_MODES)
 
 
 def _check_granularity(granularity):
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {granularity!r}; expected one of: {', '.join(GRANULARITIES)}")
+    checks.choice("granularity", granularity, GRANULARITIES)
 
 
 @dataclass(frozen=True)
@@ -74,8 +72,10 @@ class TensorwiseSpec:
     rounding: str = "rne"
 
     def __post_init__(self):
-        scaling._float_format(self.element)
+        scaling._float_format(self.element, "element")
         _check_granularity(self.granularity)
+        checks.boolean("pow2", self.pow2)
+        checks.number("eps", self.eps, low=0)
         _check_rounding(self.rounding)
 
 
@@ -90,11 +90,12 @@ class IntSpec:
     rounding: str = "rne"
 
     def __post_init__(self):
-        if not isinstance(self.bits, int) or not 2 <= self.bits <= 16:
-            raise ValueError(f"IntSpec bits must be an int in 2..16, got {self.bits!r}")
+        checks.integer("bits", self.bits, low=2, high=16)
+        checks.boolean("signed", self.signed)
+        checks.boolean("symmetric", self.symmetric)
         if not self.signed and self.symmetric:
             raise ValueError(
-                "an unsigned symmetric IntSpec would zero every negative value; "
+                "symmetric=True with signed=False would zero every negative value; "
                 "use signed=True, or symmetric=False for an unsigned grid with a zero point"
             )
         _check_granularity(self.granularity)
@@ -116,14 +117,10 @@ class MXSpec:
     rounding: str = "rne"
 
     def __post_init__(self):
-        if self.element not in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"):
-            raise ValueError(f"MX elements are e4m3, e5m2, e3m2, e2m3 or e2m1, got {self.element!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
-        if self.mode not in scaling.MX_SCALE_MODES:
-            raise ValueError(
-                f"unknown MX scale mode {self.mode!r}; expected one of: {', '.join(scaling.MX_SCALE_MODES)}"
-            )
+        checks.choice("element", self.element, ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
+        checks.integer("block_size", self.block_size, low=1)
+        checks.choice("mode", self.mode, scaling.MX_SCALE_MODES)
+        checks.boolean("pad", self.pad)
         _check_rounding(self.rounding)
 
 
@@ -142,6 +139,9 @@ class NVFP4Spec:
     block_size = scaling.NVFP4_BLOCK
 
     def __post_init__(self):
+        for flag in ("block_2d", "hadamard", "global_scale", "pad"):
+            checks.boolean(flag, getattr(self, flag))
+        checks.seed("hadamard_seed", self.hadamard_seed)
         _check_rounding(self.rounding)
 
 
@@ -175,6 +175,8 @@ def get_spec(spec: str | Spec) -> Spec:
         return spec
     if isinstance(spec, str) and spec in SPECS:
         return SPECS[spec]
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a spec object or a preset name from SPECS, got {checks.shown(spec)}")
     raise ValueError(
         f"unknown quantization spec {spec!r}; expected a spec object or one of: {', '.join(SPECS)}"
     )
@@ -231,23 +233,21 @@ class QTensor:
 
 
 def _check_input(x, spec, axis):
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        raise TypeError(
-            f"quantize expects a floating-point tensor, got {getattr(x, 'dtype', type(x).__name__)}"
-        )
-    if x.dtype == torch.float64 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"quantize expects float32, bfloat16 or float16, got {x.dtype}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        found = x.dtype if isinstance(x, torch.Tensor) else checks.shown(x)
+        raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {found}")
     if x.dim() == 0:
-        raise ValueError("quantize expects at least one dimension, got a 0-d tensor")
-    if not isinstance(axis, int) or not -x.dim() <= axis < x.dim():
-        raise ValueError(
-            f"axis must be an int in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {axis!r}"
-        )
+        raise ValueError("x must have at least one dimension, got a 0-d tensor")
+    checks.integer("axis", axis)
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d x, got {axis!r}")
     if isinstance(spec, NVFP4Spec) and spec.block_2d and x.dim() < 2:
-        raise ValueError("2D 16x16 NVFP4 blocks need a tensor with at least 2 dimensions")
+        raise ValueError("x must have at least 2 dimensions for 2D 16x16 NVFP4 blocks")
     element = get_format(spec.element)
+    if isinstance(spec, IntSpec) and not torch.isfinite(x).all():
+        raise ValueError(f"{element.name} has no inf or NaN encoding, but x holds inf or NaN")
     if not element.has_nan and torch.isnan(x).any() and not isinstance(spec, (MXSpec, NVFP4Spec)):
-        raise ValueError(f"{element.name} has no NaN encoding, but the input holds NaN")
+        raise ValueError(f"{element.name} has no NaN encoding, but x holds NaN")
     return axis % x.dim()
 
 
@@ -346,10 +346,10 @@ def _int(x, spec: IntSpec, generator, scale, dim=-1):
 def _mx(x, spec: MXSpec, generator, scale, dim=-1):
     fmt = get_format(spec.element)
     codes = scaling.mx_scale_codes(x.abs().amax(dim, keepdim=True), fmt, spec.mode)
-    inverse = scaling.mx_scale_values(codes, inverse=True)
+    inverse = scaling._mx_scale_values(codes, inverse=True)
     scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
-    scales = scaling.mx_scale_values(codes)
+    scales = scaling._mx_scale_values(codes)
     return {
         "values": values,
         "scales": scales.squeeze(dim),
@@ -391,13 +391,19 @@ def _check_scale(scale, spec):
         return None
     if isinstance(spec, (MXSpec, NVFP4Spec)):
         raise ValueError("a fixed scale is only supported for TensorwiseSpec and IntSpec (delayed scaling)")
-    scale = torch.as_tensor(scale, dtype=torch.float32)
+    if isinstance(scale, torch.Tensor):
+        if scale.is_complex() or scale.dtype == torch.bool:
+            raise TypeError(f"scale must be a real tensor or number, got dtype {scale.dtype}")
+        scale = scale.float()
+    else:
+        scale = torch.tensor(checks.number("scale", scale, low=0, open_low=True))
     if not (torch.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("a fixed scale must be finite and positive")
     return scale
 
 
 def _check_generator(spec, generator):
+    checks.generator("generator", generator)
     if generator is not None and spec.rounding != "stochastic":
         raise ValueError("a generator only makes sense with a spec whose rounding is 'stochastic'")
 
@@ -426,6 +432,7 @@ def quantize(
     if x.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor, got shape {tuple(x.shape)}")
     scale = _check_scale(scale, spec)
+    checks.boolean("keep_source", keep_source)
     layout = _to_layout(x, spec, axis)
     parts, _ = _RECIPES[type(spec)](layout, spec, generator, scale)
     values = parts.pop("values")
@@ -451,9 +458,10 @@ def quantize(
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The values q represents, in ``dtype`` (default: the source's dtype) and the source's shape."""
     if not isinstance(q, QTensor):
-        raise TypeError(f"dequantize expects a QTensor, got {type(q).__name__}")
+        raise TypeError(f"q must be a QTensor (from quantize), got {checks.shown(q)}")
+    checks.floating_dtype("dtype", dtype)
     spec = q.spec
-    values = decode(q.codes, spec.element)
+    values = _decode(q.codes, get_format(spec.element))
     if isinstance(spec, TensorwiseSpec):
         out = values / q.scales
     elif isinstance(spec, IntSpec):
@@ -640,7 +648,9 @@ def qdq(
     axis = _check_input(x, spec, axis)
     _check_generator(spec, generator)
     scale = _check_scale(scale, spec)
-    dtype = dtype or x.dtype
+    dtype = checks.floating_dtype("dtype", dtype) or x.dtype
+    if fast is not None:
+        checks.boolean("fast", fast)
     if x.numel() == 0:
         return x.to(dtype).clone()
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
@@ -665,6 +675,14 @@ def qdq(
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64
     (inf if exact)."""
+    for name, value in (("x", x), ("x_hat", x_hat)):
+        checks.tensor(name, value)
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real tensor, got dtype {value.dtype}")
+    if x.shape != x_hat.shape:
+        raise ValueError(
+            f"x_hat must have x's shape {tuple(x.shape)}, got {tuple(x_hat.shape)} (no broadcasting)"
+        )
     x64, error = x.double(), (x.double() - x_hat.double())
     noise = float((error * error).sum())
     signal = float((x64 * x64).sum())
@@ -679,7 +697,9 @@ def clipped_block_fraction(x: torch.Tensor, spec: str | Spec, axis: int = -1) ->
     """
     spec = get_spec(spec)
     if not isinstance(spec, (MXSpec, NVFP4Spec)):
-        raise ValueError(f"clipping is measured for MXSpec or NVFP4Spec blocks, got {type(spec).__name__}")
+        raise ValueError(
+            f"spec must be an MXSpec or NVFP4Spec (clipping is measured per block), got {type(spec).__name__}"
+        )
     axis = _check_input(x, spec, axis)
     layout = _to_layout(x, spec, axis)
     parts, _ = _RECIPES[type(spec)](layout, spec, None, None)

@@ -31,6 +31,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from qlab import checks
 from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, Spec, TensorwiseSpec, get_spec
 from qlab.scaling import AMAX_ALGORITHMS
 
@@ -51,7 +52,13 @@ _FROM_ENVIRONMENT = "from the environment"
 
 def _override_from_environment() -> str | None:
     value = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-    return None if value.lower() in ("", "none") else value
+    value = None if value.lower() in ("", "none") else value
+    if value not in BACKWARD_OVERRIDES:
+        raise ValueError(
+            f"the environment variable {ENVIRONMENT_VARIABLE}={value!r} is not a backward_override; expected "
+            f"none, high_precision or dequantized (or unset it)"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -74,10 +81,15 @@ class Recipe:
     backward_override: str | None = _FROM_ENVIRONMENT
 
     def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {checks.shown(self.name)}")
         for role in ROLES:
             value = getattr(self, role)
             if value is not None:
-                object.__setattr__(self, role, get_spec(value))
+                try:
+                    object.__setattr__(self, role, get_spec(value))
+                except (TypeError, ValueError) as err:
+                    raise type(err)(f"{role}: {err}") from None
         if self.backward_override == _FROM_ENVIRONMENT:
             object.__setattr__(self, "backward_override", _override_from_environment())
         elif isinstance(self.backward_override, str) and self.backward_override.strip().lower() == "none":
@@ -87,20 +99,11 @@ class Recipe:
                 f"unknown backward_override {self.backward_override!r}; expected None, "
                 f"'high_precision' or 'dequantized'"
             )
-        if (
-            isinstance(self.amax_history_len, bool)
-            or not isinstance(self.amax_history_len, int)
-            or self.amax_history_len < 1
-        ):
-            raise ValueError(f"amax_history_len must be a positive int, got {self.amax_history_len!r}")
-        if not isinstance(self.reduce_amax, bool):
-            raise TypeError(
-                f"reduce_amax must be a bool, got {type(self.reduce_amax).__name__} {self.reduce_amax!r}"
-            )
-        if self.amax_algorithm not in AMAX_ALGORITHMS:
-            raise ValueError(
-                f"unknown amax_algorithm {self.amax_algorithm!r}; expected 'max' or 'most_recent'"
-            )
+        checks.boolean("delayed", self.delayed)
+        checks.integer("amax_history_len", self.amax_history_len, low=1)
+        checks.boolean("reduce_amax", self.reduce_amax)
+        checks.choice("amax_algorithm", self.amax_algorithm, AMAX_ALGORITHMS)
+        checks.integer("margin", self.margin, low=0)
         if self.delayed:
             used = [getattr(self, role) for role in ROLES if getattr(self, role) is not None]
             if not all(isinstance(spec, TensorwiseSpec) and spec.granularity == "tensor" for spec in used):
@@ -113,8 +116,7 @@ class Recipe:
 
     def spec(self, role: str) -> Spec | None:
         """The spec for a role; backward operands fall back to their forward role's spec."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; expected one of: {', '.join(ROLES)}")
+        checks.choice("role", role, ROLES)
         value = getattr(self, role)
         if value is None and role.startswith(("dgrad_", "wgrad_")):
             return getattr(self, role.split("_", 1)[1])
@@ -143,7 +145,7 @@ class Recipe:
     @classmethod
     def from_dict(cls, data: dict) -> Recipe:
         if not isinstance(data, dict):
-            raise TypeError(f"Recipe.from_dict expects a dict, got {type(data).__name__}")
+            raise TypeError(f"data must be a dict of Recipe fields, got {checks.shown(data)}")
         unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(
@@ -220,10 +222,12 @@ def get_recipe(recipe: str | dict | Recipe | None = None, *, backward_override=_
         if backward_override != _FROM_ENVIRONMENT:
             fields["backward_override"] = backward_override
         return Recipe(name=recipe, **fields)
-    else:
+    elif isinstance(recipe, str):
         raise ValueError(
             f"unknown recipe {recipe!r}; expected a Recipe, a dict or one of: {', '.join(PRESETS)}"
         )
+    else:
+        raise TypeError(f"recipe must be a preset name, a dict or a Recipe, got {checks.shown(recipe)}")
     if backward_override != _FROM_ENVIRONMENT:
         result = result.replace(backward_override=backward_override)
     return result

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from qlab import paths
+from qlab import checks, paths
 
 
 def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
-        raise ValueError(f"expected a plain file stem like '02_topic_what', got {name!r}")
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a plain file stem (str) like '02_topic_what', got {checks.shown(name)}"
+        )
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise ValueError(f"name must be a plain file stem like '02_topic_what', got {name!r}")
 
 
 def save_csv(df: pd.DataFrame, name: str) -> Path:
@@ -29,7 +33,9 @@ def save_csv(df: pd.DataFrame, name: str) -> Path:
 def write_csv(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write ``df`` to ``path`` in save_csv's format, atomically (a crash leaves the old file whole)."""
     if not isinstance(df, pd.DataFrame):
-        raise TypeError(f"expected a pandas DataFrame, got {type(df).__name__}")
+        raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {checks.shown(path)}")
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
     df.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")

@@ -22,7 +22,8 @@ import math
 
 import torch
 
-from qlab.formats import FloatFormat, get_format
+from qlab import checks
+from qlab.formats import FloatFormat, _check_codes, get_format
 
 MX_SCALE_MODES = ("floor", "rceil", "ceil", "even")
 E8M0_NAN = 0xFF
@@ -32,14 +33,22 @@ NVFP4_SCALE_MAX = 448.0
 NVFP4_SCALE_MIN = 2.0**-6  # the smallest normal E4M3 value, the floor torchao's reference clamps to
 
 
-def _float_format(name) -> FloatFormat:
+def _float_format(name, argument: str = "fmt") -> FloatFormat:
     fmt = get_format(name)
     if not isinstance(fmt, FloatFormat):
         raise ValueError(
-            "expected a floating-point element format (e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16), "
-            f"got {fmt.name}"
+            f"{argument} must be a floating-point element format (e4m3, e5m2, e3m2, e2m3, e2m1, bf16, "
+            f"fp16), got {fmt.name}"
         )
     return fmt
+
+
+def _amaxes(name: str, value) -> torch.Tensor:
+    """Amaxes must come as a real tensor (a Python float has no dtype or device to keep)."""
+    checks.tensor(name, value)
+    if value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{name} must be a real tensor, got dtype {value.dtype}")
+    return value
 
 
 def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
@@ -61,7 +70,8 @@ def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
 
 def int_symmetric_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
     """amax / qmax in float32; 1 where amax is zero or not finite (so q = round(x / scale) is safe)."""
-    amax = amax.float()
+    amax = _amaxes("amax", amax).float()
+    checks.integer("qmax", qmax, low=1)
     scale = amax / qmax
     usable = torch.isfinite(amax) & (scale > 0)
     return torch.where(usable, scale, 1.0)
@@ -76,6 +86,10 @@ def int_affine_parameters(
     (1 for an empty or non-finite range); zero_point = qmin − round(lo / scale) with round-half-even,
     clamped to [qmin, qmax], as float32 holding an integer. q = clamp(round(x / scale) + zero_point).
     """
+    _amaxes("lo", lo), _amaxes("hi", hi)
+    checks.integer("qmin", qmin)
+    if checks.integer("qmax", qmax) <= qmin:
+        raise ValueError(f"qmax must be greater than qmin, got qmin={qmin}, qmax={qmax}")
     lo = torch.clamp(lo.float(), max=0.0)
     hi = torch.clamp(hi.float(), min=0.0)
     scale = (hi - lo) / (qmax - qmin)
@@ -97,7 +111,9 @@ def fp8_current_scale(
     the float32 max. ``pow2`` rounds the scale down to a power of two (mantissa bits zeroed).
     """
     fmt_max = _float_format(fmt).max
-    amax = amax.float()
+    amax = _amaxes("amax", amax).float()
+    eps = checks.number("eps", eps, low=0)
+    checks.boolean("pow2", pow2)
     floored = torch.clamp(amax, min=eps)
     scale = _divide(fmt_max, floored)
     scale = torch.where(torch.isinf(scale), torch.finfo(torch.float32).max, scale)
@@ -119,19 +135,16 @@ class DelayedScaling:
 
     def __init__(self, fmt="e4m3", history_len: int = 1024, algorithm: str = "max", margin: int = 0):
         self.fmt = _float_format(fmt)
-        if not isinstance(history_len, int) or history_len < 1:
-            raise ValueError(f"history_len must be a positive int, got {history_len!r}")
-        if algorithm not in AMAX_ALGORITHMS:
-            raise ValueError(
-                f"unknown amax algorithm {algorithm!r}; expected one of: {', '.join(AMAX_ALGORITHMS)}"
-            )
-        self.algorithm = algorithm
-        self.margin = margin
+        checks.integer("history_len", history_len, low=1)
+        self.algorithm = checks.choice("algorithm", algorithm, AMAX_ALGORITHMS)
+        self.margin = checks.integer("margin", margin, low=0)
         self.history = torch.zeros(history_len, dtype=torch.float32)
         self.scale = torch.tensor(1.0)
         self._step_amax: torch.Tensor | None = None
 
     def observe(self, amax: torch.Tensor) -> None:
+        if not isinstance(amax, torch.Tensor):
+            checks.number("amax", amax, low=0, finite=False)
         amax = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
         self._step_amax = amax if self._step_amax is None else torch.maximum(self._step_amax, amax)
 
@@ -167,10 +180,9 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
     is inf or NaN gets 0xFF (NaN). torchao 0.18 differs on inf (FLOOR/CEIL/EVEN give a finite byte,
     RCEIL 254) and its RCEIL takes a float32 log2; the tests pin our behaviour for those cases.
     """
-    fmt = _float_format(element)
-    if mode not in MX_SCALE_MODES:
-        raise ValueError(f"unknown MX scale mode {mode!r}; expected one of: {', '.join(MX_SCALE_MODES)}")
-    amax = finite_check = amax.float()
+    fmt = _float_format(element, "element")
+    checks.choice("mode", mode, MX_SCALE_MODES)
+    amax = finite_check = _amaxes("amax", amax).float()
     if mode == "rceil":
         descale = amax / fmt.max
         exponent = _unbiased_exponent(descale) + ((descale.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
@@ -195,6 +207,12 @@ def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     Built from the float32 bits (biased exponent field = b, or 254 − b for 1/X); the one value
     below float32's normal range, 2^-127, is the subnormal with bit pattern 2^22.
     """
+    _check_codes(codes, "codes", 0, 255, "E8M0 bytes")
+    return _mx_scale_values(codes, checks.boolean("inverse", inverse))
+
+
+def _mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``mx_scale_values`` without argument checks (no host sync: compiled qdq calls it)."""
     byte = codes.to(torch.int32)
     field = 254 - byte if inverse else byte
     bits = torch.where(field == 0, 1 << 22, field << 23)
@@ -207,7 +225,7 @@ def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax_tensor / (448·6) in float32; 1 when that is zero (amax < 3.8e-42) or amax is not finite."""
-    amax = amax.float()
+    amax = _amaxes("amax", amax).float()
     scale = amax / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
     return torch.where(torch.isfinite(amax) & (scale > 0), scale, 1.0)
 
@@ -217,7 +235,9 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
 
     Matches torchao's reference op for op (amax/6, then /global, clamp, cast), so its bits agree.
     """
-    block_amax = block_amax.float()
+    block_amax = _amaxes("block_amax", block_amax).float()
+    if global_scale is not None:
+        _amaxes("global_scale", global_scale)
     scale = block_amax / NVFP4_ELEMENT_MAX
     if global_scale is not None:
         scale = scale / global_scale
@@ -234,8 +254,10 @@ def hadamard_matrix(size: int = NVFP4_BLOCK, seed: int = 0) -> torch.Tensor:
     H is Sylvester's; D = diag(±1) drawn from torch.Generator(seed). Rows are orthonormal, so
     applying it to both GEMM operands along their shared axis leaves the product unchanged.
     """
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"Hadamard size must be a power of two, got {size}")
+    checks.integer("size", size, low=1)
+    checks.seed("seed", seed)
+    if size & (size - 1):
+        raise ValueError(f"size must be a power of two, got {size}")
     return _cached_hadamard(size, seed).clone()
 
 
@@ -266,12 +288,16 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
     ``chunk @ hadamard_matrix(16, seed)`` up to float32 rounding of the partial sums, in one
     elementwise pass that needs no transpose.
     """
+    checks.tensor("x", x, floating=True)
+    checks.seed("seed", seed)
+    checks.boolean("inverse", inverse)
+    checks.integer("dim", dim)
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d tensor, got {dim}")
     dim = dim % x.dim()
     if x.shape[dim] % NVFP4_BLOCK:
         raise ValueError(
-            f"the Hadamard transform needs the axis length to be a multiple of {NVFP4_BLOCK}, "
+            f"the Hadamard transform needs x's length along dim to be a multiple of {NVFP4_BLOCK}, "
             f"got {x.shape[dim]}"
         )
     lead, trail = x.shape[:dim], math.prod(x.shape[dim + 1 :])

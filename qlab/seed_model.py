@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from qlab import checks
 from qlab.probes import probe
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ class SeedQuantizerFunction(torch.autograd.Function):
 
 def seed_quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """The seed's Quantizer(N_bits, "per_tensor", signed=True, symmetric=True) applied to x."""
+    checks.tensor("x", x, floating=True)
+    checks.integer("bits", bits, low=2, high=16)
     return SeedQuantizerFunction.apply(x, 2 ** (bits - 1) - 1)
 
 
@@ -87,9 +90,9 @@ class SeedLinear(nn.Linear):
     """nn.Linear through SeedLinearFunction (mode "as_written" or "corrected")."""
 
     def __init__(self, in_features, out_features, bias=True, *, mode="as_written", name="linear", bits=8):
+        checks.choice("mode", mode, MODES)
+        checks.integer("bits", bits, low=2, high=16)
         super().__init__(in_features, out_features, bias=bias)
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected 'as_written' or 'corrected'")
         self.mode, self.name, self.bits = mode, name, bits
 
     def forward(self, x):
@@ -118,8 +121,19 @@ class SeedTransformer(nn.Module):
     """A small causal transformer whose linears are SeedLinear (vocab → width → vocab)."""
 
     def __init__(self, vocab=32, width=64, depth=2, heads=4, tokens=32, mode="as_written", seed=0):
+        for name, value in (
+            ("vocab", vocab),
+            ("width", width),
+            ("depth", depth),
+            ("heads", heads),
+            ("tokens", tokens),
+        ):
+            checks.integer(name, value, low=1)
+        if width % heads:
+            raise ValueError(f"width {width} must be divisible by heads {heads}")
+        checks.choice("mode", mode, MODES)
         super().__init__()
-        torch.manual_seed(seed)
+        torch.manual_seed(checks.seed("seed", seed))
         self.embed = nn.Embedding(vocab, width)
         self.position = nn.Parameter(torch.randn(tokens, width) * 0.02)
         self.blocks = nn.ModuleList(Block(width, heads, mode, i) for i in range(depth))
@@ -139,6 +153,10 @@ def permutation_task_batch(batch: int, tokens: int, vocab: int, generator: torch
 
     The permutation depends only on ``seed`` (and vocab). Returns (inputs, targets).
     """
+    for name, value in (("batch", batch), ("tokens", tokens), ("vocab", vocab)):
+        checks.integer(name, value, low=1)
+    checks.generator("generator", generator, optional=False)
+    checks.seed("seed", seed)
     permutation = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
     ids = torch.randint(0, vocab, (batch, tokens), generator=generator)
     previous = torch.cat([ids[:, :1], ids[:, :-1]], dim=1)
@@ -177,8 +195,18 @@ def train(
 
     from qlab.probes import GradientAudit, ProbeSet
 
-    if optimizer not in ("adam", "sgd"):
-        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adam' or 'sgd'")
+    checks.choice("optimizer", optimizer, ("adam", "sgd"))
+    for name, value in (
+        ("steps", steps),
+        ("growth_interval", growth_interval),
+        ("microbatches", microbatches),
+    ):
+        checks.integer(name, value, low=1)
+    for name, value in (("lr", lr), ("loss_scale", loss_scale), ("clip_norm", clip_norm)):
+        if value is not None:
+            checks.number(name, value, low=0, open_low=True)
+    if not isinstance(watch, str):
+        raise TypeError(f"watch must be a module name (str), got {checks.shown(watch)}")
     model = SeedTransformer(vocab=vocab, width=width, depth=depth, tokens=tokens, mode=mode, seed=seed)
     lr = lr if lr is not None else (3e-3 if optimizer == "adam" else 0.5)
     opt = (
@@ -192,6 +220,11 @@ def train(
         else None
     )
     generator = torch.Generator().manual_seed(seed + 1)
+    names = [name for name, _ in model.named_modules() if name]
+    if watch not in names:
+        raise ValueError(
+            f"watch {watch!r} is no module of the model; closest names: {checks.closest(watch, names)}"
+        )
     watched = model.get_submodule(watch)
     rows = []
     for step in range(steps):
@@ -278,6 +311,9 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, result_file: str, st
 def ddp_audit(world_size: int = 2, steps: int = 5, seed: int = 0) -> pd.DataFrame:
     """Train the corrected SeedTransformer under DDP (gloo, ``world_size`` CPU processes) and audit
     every step on every rank: the local gradient against the averaged ``param.grad``."""
+    checks.integer("world_size", world_size, low=2)
+    checks.integer("steps", steps, low=1)
+    checks.seed("seed", seed)
     import tempfile
 
     import pandas as pd

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qlab import checks
 from qlab.nn import linear_sharing_parameters, replace_linears
 
 MODES = ("shared", "row")
@@ -60,8 +61,10 @@ def resolve_k(k, features: int) -> int:
 
 def topk_mask(grad: torch.Tensor, k, mode: str = "shared") -> torch.Tensor:
     """Boolean mask of ``grad``'s shape (..., M) keeping the top-k magnitudes per ``mode`` (see module)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected 'shared' or 'row'")
+    checks.choice("mode", mode, MODES)
+    checks.tensor("grad", grad)
+    if grad.dim() == 0:
+        raise ValueError("grad must have at least one dimension (..., M), got a 0-d tensor")
     features = grad.shape[-1]
     count = resolve_k(k, features)
     rows = grad.detach().reshape(-1, features).abs()
@@ -91,19 +94,25 @@ class GradientMask:
     """
 
     def __init__(self, model: nn.Module, k, *, mode: str = "shared", modules=(nn.Linear,), keep=()):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected 'shared' or 'row'")
+        checks.module("model", model)
+        checks.choice("mode", mode, MODES)
         check_k(k)  # against the feature count at each call
         self.k, self.mode = k, mode
         patterns = [modules] if isinstance(modules, (str, type)) else list(modules)
-        self.selected = {
+        keep = checks.patterns("keep", keep)
+        candidates = {
             name: module
             for name, module in model.named_modules()
             if any(
                 isinstance(module, p) if isinstance(p, type) else fnmatch.fnmatchcase(name, p)
                 for p in patterns
             )
-            and not any(fnmatch.fnmatchcase(name, pattern) for pattern in _patterns(keep))
+        }
+        checks.patterns_match("keep", keep, list(candidates), what="selected module")
+        self.selected = {
+            name: module
+            for name, module in candidates.items()
+            if not any(fnmatch.fnmatchcase(name, pattern) for pattern in keep)
         }
         if not self.selected:
             raise ValueError(f"module patterns {patterns!r} match no module of the model")
@@ -140,10 +149,6 @@ def mask_gradients(
 ) -> GradientMask:
     """Keep only the top-k output-gradient entries of the selected modules (see GradientMask)."""
     return GradientMask(model, k, mode=mode, modules=modules, keep=keep)
-
-
-def _patterns(keep) -> list[str]:
-    return [keep] if isinstance(keep, str) else list(keep)
 
 
 # --- TopKLinear: a backward that shrinks the GEMMs ---------------------------------------------------
@@ -224,14 +229,15 @@ class TopKLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
+        checks.integer("in_features", in_features, low=1)
+        checks.integer("out_features", out_features, low=1)
+        checks.boolean("bias", bias)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(k, mode, variant)
 
     def _configure(self, k, mode, variant):
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected 'shared' or 'row'")
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; expected 'topk' or 'max_child'")
+        checks.choice("mode", mode, MODES)
+        checks.choice("variant", variant, VARIANTS)
         self.count = resolve_k(k, self.out_features)
         self.k, self.mode, self.variant = k, mode, variant
 
@@ -292,8 +298,9 @@ def backward_seconds(
     import statistics
     import time
 
-    if backward not in BACKWARDS:
-        raise ValueError(f"unknown backward {backward!r}; expected one of: {', '.join(BACKWARDS)}")
+    checks.choice("backward", backward, BACKWARDS)
+    checks.module("model", model)
+    checks.integer("repeats", repeats, low=1)
     if backward in ("gathered", "sparse_rows"):
         mode = "shared" if backward == "gathered" else "row"
         if type(model) is nn.Linear:  # a bare layer cannot be swapped inside itself

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from qlab import paths
+from qlab import checks, paths
 from qlab.notebooks import check_parameters, resolve_notebook, run_notebook
 
 METRICS_FILE = "metrics.json"
@@ -61,6 +61,8 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
 
 def point_slug(parameters: dict) -> str:
     """A readable, filesystem-safe, deterministic directory name for a point: ``a=1__b=x``."""
+    if not isinstance(parameters, dict):
+        raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
     text = "__".join(f"{name}={value}" for name, value in parameters.items())
     slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
     if len(slug) > 120:
@@ -122,8 +124,8 @@ def run_sweep(
     """
     from tqdm.auto import tqdm
 
-    if not isinstance(jobs, int) or jobs < 1:
-        raise ValueError(f"jobs must be a positive int, got {jobs!r}")
+    checks.integer("jobs", jobs, low=1)
+    checks.integer("timeout", timeout, low=1)
     path = resolve_notebook(notebook)
     grid = load_grid(grid_file)
     points = [check_parameters(path, params) for params in grid_points(grid)]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from qlab import checks
+
 DISTRIBUTIONS = ("gaussian", "laplace", "student_t3", "outlier_channels")
 
 
@@ -26,8 +28,14 @@ def activations(
     outlier_channels — N(0, 1) with ``outlier_channels`` evenly spaced last-axis channels scaled by
     ``outlier_scale`` (the per-channel outliers of LLM activations).
     """
-    if kind not in DISTRIBUTIONS:
-        raise ValueError(f"unknown distribution {kind!r}; expected one of: {', '.join(DISTRIBUTIONS)}")
+    checks.choice("kind", kind, DISTRIBUTIONS)
+    if not isinstance(shape, (tuple, list, torch.Size)) or not shape:
+        raise TypeError(f"shape must be a non-empty tuple of ints, got {checks.shown(shape)}")
+    for size in shape:
+        checks.integer("shape", size, low=0)
+    checks.generator("generator", generator, optional=False)
+    checks.integer("outlier_channels", outlier_channels, low=0)
+    checks.number("outlier_scale", outlier_scale)
     normal = torch.randn(shape, generator=generator)
     if kind == "gaussian":
         return normal

@@ -618,7 +618,7 @@ def test_fake_quant_clipped_ste_zeroes_the_gradient_where_mx_floor_saturates():
 
 
 def test_fake_quant_refuses_unknown_ste():
-    with pytest.raises(ValueError, match="unknown ste 'straight'; expected 'identity' or 'clipped'"):
+    with pytest.raises(ValueError, match="unknown ste 'straight'; expected one of: identity, clipped"):
         fake_quant(torch.randn(4, 32), MXSpec(), ste="straight")
 
 
@@ -665,6 +665,13 @@ LINEAR_NAMES = [
 LINEAR_SHAPES = [(64, 64), (64, 96), (96, 64), (64, 64), (64, 96), (96, 64), (64, 48)]
 
 
+def test_a_keep_pattern_naming_a_container_is_refused_not_ignored():
+    # patterns match whole qualified names: "layers.1" names the block, which is no Linear, so it
+    # would keep nothing; a pattern that keeps nothing is an error naming the closest Linear layers
+    with pytest.raises(ValueError, match=r"'layers.1' matches no Linear layer; closest .*layers.1.attn"):
+        quantize_model(make_model(), "fp8_tensorwise", keep_high_precision=["layers.1"])
+
+
 @pytest.mark.parametrize(
     "keep,kept",
     [
@@ -672,7 +679,6 @@ LINEAR_SHAPES = [(64, 64), (64, 96), (96, 64), (64, 64), (64, 96), (96, 64), (64
         (["lm_head"], {"lm_head"}),
         (["lm_head", "layers.1.*"], {"lm_head", "layers.1.attn", "layers.1.mlp.0", "layers.1.mlp.2"}),
         ("*.mlp.?", {"layers.0.mlp.0", "layers.0.mlp.2", "layers.1.mlp.0", "layers.1.mlp.2"}),
-        (["layers.1"], set()),  # patterns match whole qualified names: the container itself is no Linear
     ],
 )
 def test_quantize_model_swaps_linears_and_keeps_parameters(keep, kept):
@@ -758,7 +764,7 @@ def test_quantize_model_swaps_a_shared_linear_everywhere():
 
 
 def test_quantize_model_refuses_a_bare_linear():
-    with pytest.raises(ValueError, match="the model itself is a Linear"):
+    with pytest.raises(ValueError, match="model is itself a Linear"):
         quantize_model(nn.Linear(4, 4), "fp8_tensorwise")
 
 
@@ -775,7 +781,7 @@ def test_wrong_input_shape_is_refused(shape):
     layer = QuantLinear(IN_FEATURES, OUT_FEATURES, recipe="fp8_tensorwise")
     with pytest.raises(
         ValueError,
-        match=rf"expects input of shape \(\.\.\., {IN_FEATURES}\) like nn.Linear, "
+        match=rf"input x must have shape \(\.\.\., {IN_FEATURES}\) like nn.Linear's, "
         rf"got " + re.escape(str(tuple(shape))),
     ):
         layer(torch.randn(shape))
@@ -801,12 +807,12 @@ def test_dtype_mismatch_is_refused(x_dtype, layer_dtype):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.bool])
 def test_integer_input_is_refused(dtype):
     layer = QuantLinear(IN_FEATURES, OUT_FEATURES, recipe="fp8_tensorwise")
-    with pytest.raises(TypeError, match="expects a floating-point tensor"):
+    with pytest.raises(TypeError, match="input x must be a (floating-point tensor|torch.Tensor)"):
         layer(torch.zeros(TOKENS, IN_FEATURES, dtype=dtype))
 
 
 def test_non_tensor_input_is_refused():
-    with pytest.raises(TypeError, match="expects a floating-point tensor"):
+    with pytest.raises(TypeError, match="input x must be a (floating-point tensor|torch.Tensor)"):
         QuantLinear(4, 4)([[1.0] * 4])
 
 

@@ -429,10 +429,12 @@ def test_non_tensor_raises_type_error(fn):
         fn([[1.0, 2.0, 3.0]])
 
 
-@pytest.mark.parametrize("dims", [0, 3, -1, 1.0])
+@pytest.mark.parametrize(
+    "dims, error", [(0, ValueError), (3, ValueError), (-1, ValueError), (1.0, TypeError)]
+)
 @pytest.mark.parametrize("fn", [moments, exact_moments])
-def test_dims_out_of_range_raises(fn, dims):
-    with pytest.raises(ValueError):
+def test_dims_out_of_range_raises(fn, dims, error):
+    with pytest.raises(error, match="dims must be an int"):
         fn(torch.ones(2, 4), dims=dims)
 
 

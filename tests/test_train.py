@@ -398,7 +398,7 @@ def test_exponent_notation_floats():
         (dict(layers=2.5), TypeError, "layers must be int"),
         (dict(lr="fast"), TypeError, "lr must be"),
         (dict(tied_head=1), TypeError, "tied_head must be bool"),
-        (dict(keep_high_precision="head"), TypeError, "keep_high_precision"),
+        (dict(keep_high_precision=3), TypeError, "keep_high_precision"),
         (dict(resume=True), ValueError, "out_dir"),
         (dict(width=30), ValueError, "heads"),
     ],

@@ -23,8 +23,8 @@ import os
 
 import torch
 
+from qlab import checks, scaling
 from qlab import quantize as Q
-from qlab import scaling
 from qlab.formats import get_format
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -46,9 +46,12 @@ def mx_qdq(
     E8M0 bytes with the blocked axis last, shape (..., ceil(K/block))). Every scale mode; block size 32."""
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.MXSpec):
-        raise TypeError(f"mx_qdq needs an MXSpec (or an MX preset name), got {type(spec).__name__}")
+        raise TypeError(
+            f"spec must be an MXSpec (or an MX preset name) for mx_qdq, got {type(spec).__name__}"
+        )
     _check_mx_kernel_spec(spec)
     Q._check_input(x, spec, axis)
+    checks.floating_dtype("dtype", dtype)
     backend = _resolve(x, backend)
     if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
@@ -66,7 +69,7 @@ def mx_qdq(
 
 def _check_mx_kernel_spec(spec: Q.MXSpec) -> None:
     if spec.block_size != 32 or spec.rounding != "rne":
-        raise ValueError(f"the MX kernel covers block_size 32 with rne rounding; got {spec}")
+        raise ValueError(f"spec: the MX kernel covers block_size 32 with rne rounding; got {spec}")
 
 
 def _auto_backend(x: torch.Tensor) -> str:
@@ -75,8 +78,7 @@ def _auto_backend(x: torch.Tensor) -> str:
 
 def _resolve(x: torch.Tensor, backend: str) -> str:
     """The backend to run: "auto" resolved; "triton" checked for a usable device and dtype."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; expected one of: {', '.join(BACKENDS)}")
+    checks.choice("backend", backend, BACKENDS)
     if backend == "auto":
         return _auto_backend(x)
     if backend == "triton":
@@ -102,8 +104,9 @@ def fp8_qdq(
     last and of size 1, as ``qlab.quantize.quantize`` gives them)."""
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
-        raise TypeError(f"fp8_qdq needs a TensorwiseSpec with rne rounding, got {spec!r}")
+        raise TypeError(f"spec must be a TensorwiseSpec with rne rounding for fp8_qdq, got {spec!r}")
     Q._check_input(x, spec, axis)  # the reference's refusals (dtype, axis, NaN without a NaN encoding)
+    checks.floating_dtype("dtype", dtype)
     backend = _resolve(x, backend)
     if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
@@ -136,7 +139,9 @@ def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") ->
     if isinstance(spec, Q.MXSpec):
         _check_mx_kernel_spec(spec)
     elif not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
-        raise TypeError(f"kernels.quantize covers MXSpec and TensorwiseSpec with rne rounding, got {spec!r}")
+        raise TypeError(
+            f"spec: kernels.quantize covers MXSpec and TensorwiseSpec with rne rounding, got {spec!r}"
+        )
     axis = Q._check_input(x, spec, axis)
     if _resolve(x, backend) in ("cpu", "reference"):
         return Q.quantize(x, spec, axis, keep_source=False)
@@ -149,7 +154,7 @@ def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") ->
         codes, scale_codes = mx_quantize_last_axis(moved, element, spec.mode)
         return Q.QTensor(
             codes=codes,
-            scales=scaling.mx_scale_values(scale_codes),
+            scales=scaling._mx_scale_values(scale_codes),
             spec=spec,
             axis=axis,
             shape=x.shape,
@@ -237,12 +242,17 @@ def nvfp4_qdq(
     """
     spec = Q.get_spec(spec)
     if not isinstance(spec, Q.NVFP4Spec):
-        raise TypeError(f"nvfp4_qdq needs an NVFP4Spec (or an NVFP4 preset name), got {type(spec).__name__}")
+        raise TypeError(
+            f"spec must be an NVFP4Spec (or an NVFP4 preset name) for nvfp4_qdq, got {type(spec).__name__}"
+        )
     if spec.hadamard or not spec.global_scale:
         raise ValueError(
-            f"the NVFP4 kernel covers global-scaled specs without the Hadamard transform; got {spec}"
+            f"spec: the NVFP4 kernel covers global-scaled specs without the Hadamard transform; got {spec}"
         )
     Q._check_input(x, spec, axis)
+    checks.seed("seed", seed)
+    checks.integer("offset", offset, low=0)
+    checks.floating_dtype("dtype", dtype)
     backend = _resolve(x, backend)
     if backend in ("cpu", "reference"):
         q = Q.quantize(x, spec, axis, generator=generator, keep_source=False)
@@ -285,6 +295,7 @@ def qdq(
     """``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``, bit for bit, through the Triton kernel for a
     CUDA tensor (or backend="triton") when ``covers(spec)``; otherwise (and on the CPU) qlab.quantize's."""
     spec = Q.get_spec(spec)
+    checks.floating_dtype("dtype", dtype)
     tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
     if not covers(spec) or tiles_need_2d or x.numel() == 0 or _resolve(x, backend) == "cpu":
         return Q.qdq(x, spec, axis, dtype=dtype)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from qlab import checks
 from qlab.nn import check_gemm
 from qlab.recipe import PRESETS, get_recipe
 from qlab.sparse import MODES as TOPK_MODES
@@ -139,7 +140,7 @@ class TrainConfig:
                 raise ValueError(
                     f"unknown device {self.device!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
                 ) from None
-        for name in (
+        positive = (
             "steps",
             "batch_size",
             "grad_accum",
@@ -148,26 +149,25 @@ class TrainConfig:
             "context",
             "layers",
             "width",
-            "heads",
-            "eval_every",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)}")
+        )
+        for name in (*positive, "heads", "eval_every"):
+            checks.integer(name, getattr(self, name), low=1)
         for name in ("warmup_steps", "fidelity_every", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be ≥ 0, got {getattr(self, name)}")
+            checks.integer(name, getattr(self, name), low=0)
+        checks.seed("seed", self.seed)
         if self.batch_size % (self.nproc * self.grad_accum):
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by nproc × grad_accum = "
                 f"{self.nproc} × {self.grad_accum}"
             )
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.weight_decay < 0:
-            raise ValueError(
-                f"need lr > 0, 0 ≤ min_lr_ratio ≤ 1 and weight_decay ≥ 0; got lr={self.lr}, "
-                f"min_lr_ratio={self.min_lr_ratio}, weight_decay={self.weight_decay}"
-            )
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"grad_clip must be positive or None, got {self.grad_clip}")
+        checks.number("lr", self.lr, low=0, open_low=True)
+        checks.number("min_lr_ratio", self.min_lr_ratio, low=0, high=1)
+        checks.number("weight_decay", self.weight_decay, low=0)
+        checks.number("beta1", self.beta1, low=0, high=1, open_high=True)
+        checks.number("beta2", self.beta2, low=0, high=1, open_high=True)
+        if self.grad_clip is not None:
+            checks.number("grad_clip", self.grad_clip, low=0, open_low=True)
+        self._check_keep_patterns()
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
         if self.resume and not self.out_dir:
@@ -188,13 +188,34 @@ class TrainConfig:
                     f"{f.name} must be {' or '.join(t.__name__ for t in expected)}, "
                     f"got {type(value).__name__} {value!r}"
                 )
-        if not isinstance(self.topk_keep, (list, tuple)):
-            raise TypeError(f"topk_keep must be a list of patterns, got {type(self.topk_keep).__name__}")
-        if not isinstance(self.keep_high_precision, (list, tuple, dict)):
+        if not isinstance(self.topk_keep, (list, tuple, str)):
             raise TypeError(
-                f"keep_high_precision must be a list of patterns or a dict recipe -> list, "
-                f"got {type(self.keep_high_precision).__name__}"
+                f"topk_keep must be a pattern or a list of patterns, got {checks.shown(self.topk_keep)}"
             )
+        if not isinstance(self.keep_high_precision, (list, tuple, dict, str)):
+            raise TypeError(
+                f"keep_high_precision must be a pattern, a list of patterns or a dict recipe -> patterns, "
+                f"got {checks.shown(self.keep_high_precision)}"
+            )
+
+    def _check_keep_patterns(self):
+        """A bare string is one pattern (never split into characters); a dict maps recipe names (or
+        "default") to patterns. Whether each pattern names a layer is checked when the model is built."""
+        keep = self.keep_high_precision
+        if isinstance(keep, dict):
+            unknown = sorted(set(keep) - set(RECIPES) - {"default"})
+            if unknown:
+                raise ValueError(
+                    f"keep_high_precision keys {unknown} are not recipes; expected some of: "
+                    f"{', '.join(RECIPES)}, default"
+                )
+            self.keep_high_precision = {
+                recipe: checks.patterns(f"keep_high_precision[{recipe!r}]", patterns)
+                for recipe, patterns in keep.items()
+            }
+        else:
+            self.keep_high_precision = checks.patterns("keep_high_precision", keep)
+        self.topk_keep = checks.patterns("topk_keep", self.topk_keep)
 
     @property
     def micro_batch(self) -> int:
@@ -229,16 +250,32 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     """A TrainConfig from a YAML file (optional) with ``key=value`` overrides (values parsed as YAML)."""
     data = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text())
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        loaded = _safe_yaml(path.read_text(errors="replace"), f"config file {path}")
         if loaded is not None and not isinstance(loaded, dict):
             raise ValueError(f"{path}: expected a YAML mapping of config keys, got {type(loaded).__name__}")
         data.update(loaded or {})
     if isinstance(overrides, dict):
         data.update(overrides)
+    elif overrides is not None and not isinstance(overrides, (list, tuple)):
+        raise TypeError(
+            f"overrides must be a list of 'key=value' strings or a dict, got {checks.shown(overrides)}"
+        )
     else:
         for item in overrides or []:
-            key, sep, value = item.partition("=")
+            key, sep, value = str(item).partition("=")
             if not sep or not key.strip():
                 raise ValueError(f"expected key=value, got {item!r}")
-            data[key.strip()] = yaml.safe_load(value)
+            data[key.strip()] = _safe_yaml(value, f"--set {key.strip()}")
     return TrainConfig.from_dict(data)
+
+
+def _safe_yaml(text: str, where: str):
+    """YAML through the safe loader (no tags that construct objects); errors name ``where``."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        detail = " ".join(str(err).split())
+        raise ValueError(f"{where}: not valid (safe) YAML: {detail}") from None

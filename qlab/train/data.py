@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qlab import checks
+
 VAL_FRACTION = 0.1
 
 _HEADING = re.compile(r"^#.*$", re.MULTILINE)
@@ -96,6 +98,8 @@ class Vocabulary:
     vocabulary."""
 
     def __init__(self, characters):
+        if not isinstance(characters, str):
+            raise TypeError(f"characters must be a str, got {checks.shown(characters)}")
         self.characters = "".join(sorted(set(characters)))
         self._index = {c: i for i, c in enumerate(self.characters)}
 
@@ -103,9 +107,11 @@ class Vocabulary:
         return len(self.characters)
 
     def encode(self, text: str) -> torch.Tensor:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {checks.shown(text)}")
         unknown = sorted(set(text) - set(self._index))
         if unknown:
-            raise ValueError(f"characters not in the vocabulary: {unknown[:10]!r}")
+            raise ValueError(f"text holds characters not in the vocabulary: {unknown[:10]!r}")
         code_points = torch.from_numpy(
             np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
         )
@@ -153,6 +159,12 @@ def shakespeare() -> TextCorpus:
 
 def unigram_entropy(ids: torch.Tensor, vocab_size: int) -> float:
     """Entropy in nats of the character frequencies of ``ids``: the loss of the best context-free model."""
+    checks.integer("vocab_size", vocab_size, low=1)
+    checks.tensor("ids", ids, dtypes=(torch.int64, torch.int32, torch.uint8, torch.int16))
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"ids must be a non-empty tensor of ids in [0, {vocab_size}), got shape {tuple(ids.shape)}"
+        )
     counts = torch.bincount(ids, minlength=vocab_size).double()
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
@@ -168,9 +180,15 @@ class ImageSet:
     val_y: torch.Tensor
 
 
-@functools.lru_cache(maxsize=4)
 def digits(seed: int = 0, val_fraction: float = 0.2) -> ImageSet:
     """scikit-learn's bundled digits, pixels scaled by 1/16, split by a permutation seeded with ``seed``."""
+    checks.seed("seed", seed)
+    checks.number("val_fraction", val_fraction, low=0, high=1, open_low=True, open_high=True)
+    return _digits(int(seed), float(val_fraction))
+
+
+@functools.lru_cache(maxsize=4)
+def _digits(seed: int, val_fraction: float) -> ImageSet:
     datasets = _require("sklearn.datasets", "scikit-learn")
     images, labels = datasets.load_digits(return_X_y=True)
     x = torch.tensor(images, dtype=torch.float32) / 16.0
@@ -179,3 +197,6 @@ def digits(seed: int = 0, val_fraction: float = 0.2) -> ImageSet:
     n_val = int(round(val_fraction * len(y)))
     val, train = order[:n_val], order[n_val:]
     return ImageSet(x[train], y[train], x[val], y[val])
+
+
+digits.cache_clear = _digits.cache_clear  # the split is cached per (seed, val_fraction)

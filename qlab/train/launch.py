@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as err:
         print(f"qlab train: error: {err}", file=sys.stderr)
         return 2
+    except FloatingPointError as err:  # training diverged (qlab.train.loop.TrainingDiverged)
+        print(f"qlab train: {err}", file=sys.stderr)
+        return 1
     finally:
         import torch.distributed as dist
 

@@ -34,6 +34,7 @@ from torch.nn import functional as F
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.recipe import get_recipe
 from qlab.results import write_csv
+from qlab.session import progress, resolve_device
 from qlab.sparse import sparsify_model
 from qlab.train import data as D
 from qlab.train.config import BASELINES, TrainConfig
@@ -55,15 +56,6 @@ class TrainResult:
 
 
 # --- set-up ------------------------------------------------------------------------------------------
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for, but torch sees no CUDA device")
-    return device
 
 
 def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
@@ -118,12 +110,15 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
 
 
 def _expand(model: nn.Module, pattern: str) -> list[str]:
-    """'first_block' / 'last_block' name CharGPT's first / last block, 'last_layer' the MLP's output
-    layer; anything else is an fnmatch pattern."""
-    if pattern in ("first_block", "last_block") and isinstance(model, CharGPT):
+    """'first_block' / 'last_block' name CharGPT's first / last block; 'head' and 'last_layer' both
+    name the output layer (CharGPT's ``head``, the MLP's last ``layers.{i}``); anything else is an
+    fnmatch pattern."""
+    if pattern in ("first_block", "last_block"):
+        if not isinstance(model, CharGPT):
+            raise ValueError(f"{pattern!r} names a transformer block; the {type(model).__name__} has none")
         return model.block_patterns(first=int(pattern == "first_block"), last=int(pattern == "last_block"))
-    if pattern == "last_layer" and isinstance(model, MLP):
-        return [f"layers.{len(model.layers) - 1}"]
+    if pattern in ("head", "last_layer"):
+        return [f"layers.{len(model.layers) - 1}"] if isinstance(model, MLP) else ["head"]
     return [pattern]
 
 
@@ -327,6 +322,36 @@ def save_checkpoint(
     os.replace(tmp, path)
 
 
+_CHECKPOINT_KEYS = ("step", "model", "optimizer", "scaler", "metrics", "fidelity", "config")
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """A qlab checkpoint's contents, loaded with ``weights_only=True`` (tensors and plain containers
+    only: nothing in the file can run code). A file that is missing, truncated, not a torch file,
+    holds other objects, or lacks a qlab checkpoint's keys raises ValueError naming the file."""
+    import pickle
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(
+            f"checkpoint {path} holds objects other than tensors and plain containers, which qlab never "
+            f"writes; refusing to unpickle it (it could run code)"
+        ) from None
+    except Exception as err:  # truncated, not a zip, a text file: torch and pickle raise many kinds
+        detail = " ".join(str(err).split())[:200]
+        raise ValueError(
+            f"checkpoint {path} cannot be read (truncated or not a torch checkpoint): {detail}"
+        ) from None
+    missing = [key for key in _CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
+    if missing:
+        raise ValueError(f"{path} is not a qlab training checkpoint (missing {missing})")
+    return state
+
+
 RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc")
 
 
@@ -335,7 +360,7 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int =
     takes rank r's QuantLinear states (stochastic-rounding generators, delayed-scaling histories). A rank the
     checkpoint has no states for (resumed with more processes, or a checkpoint from before
     ``quant_by_rank``) takes rank 0's histories and restarts its generators."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_checkpoint(path)
     saved = {k: v for k, v in state["config"].items() if k not in RESUMABLE_CHANGES}
     current = {k: v for k, v in config.to_dict().items() if k in saved}
     if saved != current:
@@ -353,6 +378,64 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int =
             quant if rank < len(by_rank) else {**quant, "generators": {}}
         )
     return state
+
+
+# --- stopping on non-finite values ---------------------------------------------------------------------
+
+
+class TrainingDiverged(FloatingPointError):
+    """Training met a non-finite loss, gradient norm or parameter. The message names the step (1-based,
+    as in metrics.csv), the quantity and the last checkpoint, which is never overwritten by the failure."""
+
+
+def _first_nonfinite_parameter(model: nn.Module) -> str | None:
+    """The name of the first parameter holding inf or NaN (one host sync for the whole model)."""
+    named = list(model.named_parameters())
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]) if named else None
+    if finite is None or bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
+
+
+@dataclass
+class Divergence:
+    """What a step knows when it must stop: enough to say why, and to keep what was written."""
+
+    step: int
+    lr: float
+    model: nn.Module
+    inputs: list
+    out_dir: Path | None
+    metrics: list
+    fidelity: list
+    rank: int
+
+    def raise_for(self, quantity: str, value: float) -> None:
+        causes = []
+        bad_parameter = _first_nonfinite_parameter(self.model)
+        if bad_parameter is not None:
+            when = (
+                "before this step's update"
+                if quantity != "parameters"
+                else f"after the update (lr {self.lr:.3g})"
+            )
+            causes.append(f"parameter {bad_parameter} is already non-finite {when}")
+        if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in self.inputs):
+            causes.append("the step's input batch holds inf or NaN")
+        checkpoint = "no checkpoint was written"
+        if self.out_dir is not None and (self.out_dir / CHECKPOINT).exists():
+            saved = read_checkpoint(self.out_dir / CHECKPOINT)["step"]
+            checkpoint = f"the last finite checkpoint (step {saved}) is kept in {self.out_dir / CHECKPOINT}"
+        if self.out_dir is not None and self.rank == 0 and self.metrics:  # the finite steps so far
+            write_csv(pd.DataFrame(self.metrics), self.out_dir / "metrics.csv")
+            if self.fidelity:
+                write_csv(pd.DataFrame(self.fidelity), self.out_dir / "fidelity.csv")
+        shown = "non-finite" if quantity == "parameters" else f"{value}"
+        reason = f" ({'; '.join(causes)})" if causes else ""
+        raise TrainingDiverged(
+            f"training stopped at step {self.step}: {quantity} is {shown} at lr {self.lr:.3g}{reason}; "
+            f"{checkpoint}"
+        )
 
 
 # --- the loop ---------------------------------------------------------------------------------------------
@@ -422,8 +505,10 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             train_loss = torch.zeros((), device=device)
+            step_inputs = []
             for micro in range(config.grad_accum):
                 inputs, targets = (t.to(device) for t in batches.train(step, micro, rank))
+                step_inputs.append(inputs)
                 sync = micro == config.grad_accum - 1 or world_size == 1
                 with contextlib.nullcontext() if sync else model.no_sync():
                     loss = _loss(model, inputs, targets, autocast)[0] / config.grad_accum
@@ -433,28 +518,39 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             if probe_set is not None and probe_set.sampling():
                 probe_set.record_param_grads()
             grad_norm = nn.utils.clip_grad_norm_(trained.parameters(), config.grad_clip or math.inf)
+            if world_size > 1:  # before the checks, so every rank takes the same decision
+                dist.all_reduce(train_loss)
+                train_loss /= world_size
+            loss_value, norm_value = train_loss.item(), grad_norm.item()
+            stop = Divergence(step + 1, lr, trained, step_inputs, out_dir, metrics, fidelity, rank)
+            if not math.isfinite(loss_value):
+                stop.raise_for("train_loss", loss_value)
+            skipped = not math.isfinite(norm_value)  # GradScaler skips such a step and lowers its scale
+            if skipped and not config.grad_scaler:
+                stop.raise_for("grad_norm", norm_value)
             before = [w.detach().clone() for w in _linear_weights(trained)] if config.track_updates else None
             scaler.step(optimizer)
             scaler.update()
             if probe_set is not None:
                 probe_set.step()
-            if world_size > 1:
-                dist.all_reduce(train_loss)
-                train_loss /= world_size
             row = {
                 "step": step + 1,
                 "tokens": (step + 1) * config.batch_size * tokens_per_item,
-                "train_loss": train_loss.item(),
+                "train_loss": loss_value,
                 "val_loss": math.nan,
-                "grad_norm": grad_norm.item(),
+                "grad_norm": norm_value,
                 "lr": lr,
             }
+            if config.grad_scaler:  # the step GradScaler skipped (inf/NaN gradients) and its scale after it
+                row.update(scaler_skipped=skipped, loss_scale=scaler.get_scale())
             if before is not None:
                 row.update(_update_footprint(_linear_weights(trained), before))
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
                 row.update(evaluate(trained, validation, autocast, device))
                 if config.task == "shakespeare":
                     row.pop("val_accuracy")
+                if not math.isfinite(row["val_loss"]):
+                    stop.raise_for("val_loss", row["val_loss"])
             row["time_s"] = elapsed + time.perf_counter() - began
             metrics.append(row)
             progress.update(1)
@@ -463,6 +559,8 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             if out_dir is not None and (
                 last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
             ):
+                if _first_nonfinite_parameter(trained) is not None:  # never overwrite a good checkpoint
+                    stop.raise_for("parameters", math.nan)
                 quant_by_rank = _quant_states_by_rank(trained, world_size)  # a collective: all ranks
                 if rank == 0:
                     save_checkpoint(
@@ -489,10 +587,8 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
 
 
 def _progress(config: TrainConfig, rank: int, start: int):
-    from tqdm.auto import tqdm
-
     label = config.recipe + (f"/{config.backward_override}" if config.backward_override else "")
-    return tqdm(
+    return progress(
         total=config.steps,
         initial=start,
         desc=label,

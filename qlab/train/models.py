@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qlab import checks
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, width: int, heads: int):
@@ -69,6 +71,12 @@ class CharGPT(nn.Module):
         heads: int = 4,
         tied_head: bool = True,
     ):
+        for name, value in (("vocab_size", vocab_size), ("context", context), ("layers", layers)):
+            checks.integer(name, value, low=1)
+        checks.integer("width", width, low=1)
+        if width % checks.integer("heads", heads, low=1):
+            raise ValueError(f"width {width} must be divisible by heads {heads}")
+        checks.boolean("tied_head", tied_head)
         super().__init__()
         self.context = context
         self.token_embedding = nn.Embedding(vocab_size, width)
@@ -107,6 +115,12 @@ class MLP(nn.Module):
     """features (batch, inputs) → logits (batch, classes): Linear-GELU stacks, ``layers.{i}``."""
 
     def __init__(self, inputs: int = 64, hidden=(128, 128), classes: int = 10):
+        checks.integer("inputs", inputs, low=1)
+        checks.integer("classes", classes, low=1)
+        if not isinstance(hidden, (list, tuple)) or not hidden:
+            raise TypeError(f"hidden must be a non-empty list of layer widths, got {checks.shown(hidden)}")
+        for width in hidden:
+            checks.integer("hidden", width, low=1)
         super().__init__()
         widths = [inputs, *hidden, classes]
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))

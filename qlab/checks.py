@@ -1,0 +1,181 @@
+"""Argument checks shared by every public entry point, so bad input gets one kind of answer.
+
+Each check returns the value (normalised where that is unambiguous: a bare pattern string becomes a
+one-element list) or raises: TypeError for a value of the wrong type, ValueError for a value of the
+right type outside its range or closed list. Every message names the argument, says what was
+expected and shows what came, e.g. ``lr must be a finite number > 0, got inf (float)``.
+
+bool is never accepted where an int or a number is meant (``True`` is an int to Python, not to a
+researcher), and a string is never accepted where a bool is meant (YAML's "no" is not False).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def shown(value) -> str:
+    """``value`` as messages show it: its repr (shortened) and its type."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def integer(name: str, value, *, low: int | None = None, high: int | None = None) -> int:
+    """An int (not a bool) in [low, high] (either end optional)."""
+    expected = "an int" + _range_text(low, high)
+    if not _is_int(value):
+        raise TypeError(f"{name} must be {expected}, got {shown(value)}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return int(value)
+
+
+def _range_text(low, high, *, open_low=False, open_high=False) -> str:
+    if low is not None and high is not None:
+        return f" in {'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+    if low is not None:
+        return f" {'>' if open_low else '≥'} {low}"
+    if high is not None:
+        return f" {'<' if open_high else '≤'} {high}"
+    return ""
+
+
+def number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    open_high: bool = False,
+    finite: bool = True,
+) -> float:
+    """A real number (int or float, not a bool, never NaN), finite unless ``finite=False``, in the
+    interval from ``low`` to ``high`` (closed ends unless ``open_low``/``open_high``)."""
+    expected = ("a finite number" if finite else "a number") + _range_text(
+        low, high, open_low=open_low, open_high=open_high
+    )
+    if not _is_real(value):
+        raise TypeError(f"{name} must be {expected}, got {shown(value)}")
+    value = float(value)
+    below = low is not None and (value <= low if open_low else value < low)
+    above = high is not None and (value >= high if open_high else value > high)
+    if math.isnan(value) or (finite and math.isinf(value)) or below or above:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return value
+
+
+def boolean(name: str, value) -> bool:
+    """A real bool (numpy's bool too); strings such as "no" and ints such as 0 are refused."""
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_":  # numpy.bool_, without importing numpy
+        return bool(value)
+    raise TypeError(f"{name} must be a bool (True or False), got {shown(value)}")
+
+
+def choice(name: str, value, choices: Sequence):
+    """One of ``choices`` (compared with ==, after a type check against the choices' types)."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        listed = ", ".join(c if isinstance(c, str) else repr(c) for c in choices)
+        raise ValueError(f"unknown {name} {value!r}; expected one of: {listed}")
+    return value
+
+
+def generator(name: str, value, *, optional: bool = True) -> torch.Generator | None:
+    """A ``torch.Generator`` (or None when ``optional``); a seed is not a generator."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, torch.Generator):
+        hint = f"; for a seed use torch.Generator().manual_seed({value!r})" if _is_int(value) else ""
+        raise TypeError(
+            f"{name} must be a torch.Generator{' or None' if optional else ''}, got {shown(value)}{hint}"
+        )
+    return value
+
+
+def seed(name: str, value) -> int:
+    """A seed: an int in [0, 2⁶³) (what ``torch.Generator.manual_seed`` takes without wrapping)."""
+    return integer(name, value, low=0, high=2**63 - 1)
+
+
+def tensor(
+    name: str, value, *, floating: bool = False, dtypes: Iterable[torch.dtype] | None = None
+) -> torch.Tensor:
+    """A torch.Tensor; ``floating`` requires a real floating dtype, ``dtypes`` one of those dtypes."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {shown(value)}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    if dtypes is not None and value.dtype not in tuple(dtypes):
+        listed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {listed}, got {value.dtype}")
+    return value
+
+
+def floating_dtype(name: str, value, *, optional: bool = True) -> torch.dtype | None:
+    """A floating torch.dtype (or None when ``optional``)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype such as torch.float32, got {shown(value)}")
+    return value
+
+
+def module(name: str, value) -> torch.nn.Module:
+    if not isinstance(value, torch.nn.Module):
+        raise TypeError(f"{name} must be a torch.nn.Module, got {shown(value)}")
+    return value
+
+
+def patterns(name: str, value) -> list[str]:
+    """fnmatch patterns: a bare string is one pattern (never split into characters), else a list or
+    tuple of strings; None means none."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(p, str) for p in value):
+        return list(value)
+    raise TypeError(f"{name} must be a pattern string or a list of pattern strings, got {shown(value)}")
+
+
+def names(name: str, value, allowed: Sequence[str]) -> tuple[str, ...]:
+    """A subset of ``allowed``: a bare string is one name, else a list/tuple of names."""
+    chosen = patterns(name, value)
+    unknown = [n for n in chosen if n not in allowed]
+    if unknown:
+        raise ValueError(f"unknown {name} {unknown}; expected some of: {', '.join(allowed)}")
+    return tuple(chosen)
+
+
+def closest(word: str, candidates: Iterable[str], count: int = 5) -> list[str]:
+    """The candidates that look most like ``word`` (difflib), for 'did you mean' messages."""
+    candidates = list(dict.fromkeys(candidates))
+    found = difflib.get_close_matches(word, candidates, n=count, cutoff=0.4)
+    return found or candidates[:count]
+
+
+def patterns_match(name: str, chosen: Sequence[str], available: Sequence[str], what: str = "module") -> None:
+    """Every pattern must match at least one of ``available`` names: a typo in a keep list would
+    otherwise quietly quantize the layer it meant to keep."""
+    for pattern in chosen:
+        if not any(fnmatch.fnmatchcase(candidate, pattern) for candidate in available):
+            near = ", ".join(closest(pattern, available))
+            raise ValueError(f"{name} pattern {pattern!r} matches no {what}; closest {what} names: {near}")

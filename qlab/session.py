@@ -1,0 +1,154 @@
+"""What a notebook calls first: where its results go, which device it runs on, how it shows progress.
+
+    run = session.start("02_welford_vs_naive_variance", globals())   # after the parameters cell
+    device = run.device                                                # "auto" resolved: "cuda" or "cpu"
+    for point in session.progress(points, desc="κ sweep"): ...
+
+Where results go (``start`` prints it):
+
+- run by ``qlab run``/``qlab figures``/a sweep/the tests: wherever the runner said
+  (``QLAB_RESULTS_DIR``, which ``qlab.notebooks.run_notebook`` always sets for the kernel);
+- run interactively (JupyterLab) with the parameters cell's committed defaults: ``data/`` and
+  ``figures/``, the committed results, which the same parameters reproduce byte for byte;
+- run interactively with any other value (``smoke = True`` included):
+  ``runs/interactive/<notebook>/<changed parameters>/data|figures``, so an experiment never
+  overwrites the committed results.
+
+The defaults are read from the notebook's paired ``notebooks/<name>.py`` (the source of truth), not
+from the cell as edited in the browser.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qlab import checks, paths
+
+HEADLESS_ENV = "QLAB_HEADLESS"  # set by qlab.notebooks.run_notebook for the kernel: progress as text
+INTERACTIVE_DIR = "interactive"
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    """``"auto"``: CUDA when torch sees a GPU, else the CPU; otherwise the named device, checked."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise TypeError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {checks.shown(name)}")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"unknown device {name!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA device")
+    return device
+
+
+def notebook_defaults(name: str) -> dict:
+    """The parameters cell of ``notebooks/<name>.py`` as {name: default value} (literals only)."""
+    source = paths.NOTEBOOKS_DIR / f"{name}.py"
+    if not source.is_file():
+        raise ValueError(f"name must be a notebook under notebooks/ (its .py), got {name!r}")
+    cell = _parameters_cell(source.read_text())
+    defaults = {}
+    for statement in ast.parse(cell).body:
+        target = statement.target if isinstance(statement, ast.AnnAssign) else statement.targets[0]
+        defaults[target.id] = ast.literal_eval(statement.value)
+    return defaults
+
+
+def _parameters_cell(text: str) -> str:
+    """The source of the cell tagged ``parameters`` in a jupytext percent file."""
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("# %%")]
+    for begin, end in zip(starts, starts[1:] + [len(lines)]):
+        if "parameters" in lines[begin]:
+            return "\n".join(lines[begin + 1 : end])
+    raise ValueError("the notebook has no cell tagged parameters")
+
+
+def _same(value, default) -> bool:
+    """Equal as parameter values: 1e7 equals 10000000, True does not equal 1, NaN equals NaN."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return value == default or (math.isnan(value) and math.isnan(default))
+    return value == default
+
+
+@dataclass(frozen=True)
+class NotebookRun:
+    """What ``start`` decided: the notebook, its parameter values, those that differ from the
+    committed defaults, where results go, and the resolved device name."""
+
+    name: str
+    parameters: dict
+    changed: dict
+    results_dir: Path
+    device: str
+
+
+_INHERITED_RESULTS = os.environ.get(paths.RESULTS_ENV)  # what the runner set when it started the kernel
+
+
+def start(name: str, namespace: dict) -> NotebookRun:
+    """Decide (and print) where this run of notebook ``name`` writes its results; resolve its device.
+
+    ``namespace`` is the notebook's ``globals()``, holding the parameters cell's values (papermill's
+    injected ones included). Sets ``QLAB_RESULTS_DIR`` for this process, which ``save_csv``,
+    ``save_metrics`` and ``save_figure`` read; calling it again after editing a parameter re-decides.
+    """
+    if not isinstance(namespace, dict):
+        raise TypeError(f"namespace must be the notebook's globals(), got {checks.shown(namespace)}")
+    defaults = notebook_defaults(name)
+    current = {key: namespace[key] for key in defaults if key in namespace}
+    changed = {key: value for key, value in current.items() if not _same(value, defaults[key])}
+    if _INHERITED_RESULTS is not None:
+        results_dir, why = Path(_INHERITED_RESULTS), "chosen by the runner"
+    elif not changed:
+        results_dir, why = paths.ROOT, "default parameters: the committed results"
+        os.environ.pop(paths.RESULTS_ENV, None)
+    else:
+        from qlab.sweep import point_slug
+
+        results_dir = paths.RUNS_DIR / INTERACTIVE_DIR / name / point_slug(changed)
+        os.environ[paths.RESULTS_ENV] = str(results_dir)
+        why = "parameters differ from the defaults; data/ and figures/ stay untouched"
+    device = str(resolve_device(current.get("device", "auto")))
+    shown = results_dir.relative_to(paths.ROOT) if results_dir.is_relative_to(paths.ROOT) else results_dir
+    where = "data/ and figures/" if results_dir == paths.ROOT else f"{shown}/data and {shown}/figures"
+    print(f"{name}: results go to {where} ({why}); device {device}")
+    return NotebookRun(name, current, changed, results_dir, device)
+
+
+def headless() -> bool:
+    """Whether a runner without a browser (papermill through qlab) executes this process."""
+    return os.environ.get(HEADLESS_ENV) == "1"
+
+
+def progress(iterable=None, **options):
+    """A tqdm progress bar: a widget in JupyterLab, text under papermill and in a terminal
+    (``options`` go to tqdm: desc, total, leave, disable, ...)."""
+    if not headless():
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
+                import ipywidgets  # noqa: F401  (tqdm.notebook needs it)
+                from tqdm.notebook import tqdm
+
+                return tqdm(iterable, **options)
+        except ImportError:
+            pass
+    from tqdm import tqdm
+
+    options.setdefault("mininterval", 5.0 if headless() else 0.1)
+    return tqdm(iterable, **options)
