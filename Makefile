@@ -6,6 +6,7 @@
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV          ?= .venv
+SAVE_PARAMETERS ?= 0
 BIN           := $(VENV)/bin
 STAMP         := $(VENV)/.qlab-bootstrapped
 export MPLBACKEND := Agg
@@ -27,7 +28,7 @@ kernel: $(STAMP)  ## create .venv and register the `qlab` Jupyter kernel
 figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, figures/*.pdf|png
 	$(BIN)/qlab figures
 
-test: lint  ## lint, unit tests and every notebook in smoke mode
+test: lint  ## lint, unit tests, every notebook in smoke mode, JupyterLab in Chromium
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)  ## ruff check and ruff format --check (part of make test)
@@ -38,8 +39,8 @@ format: $(STAMP)  ## ruff format and the safe ruff fixes
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-lab: $(STAMP)  ## JupyterLab with the qlab kernel
-	$(BIN)/jupyter lab notebooks/
+lab: $(STAMP)  ## JupyterLab on the repository root (SAVE_PARAMETERS=1: a save may change a notebook's defaults)
+	QLAB_SAVE_PARAMETERS=$(SAVE_PARAMETERS) $(BIN)/qlab lab
 
 sync: $(STAMP)  ## jupytext-sync notebooks/*.py <-> *.ipynb and strip outputs
 	$(BIN)/qlab sync

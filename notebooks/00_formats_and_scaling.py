@@ -2,11 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python (qlab)
 #     language: python
@@ -44,15 +44,16 @@ import pandas as pd
 import seaborn as sns
 import torch
 
-from qlab import formats, synthetic
+from qlab import formats, session, synthetic
 from qlab import quantize as Q
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 
+NAME = "00_formats_and_scaling"
+device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     tokens, hidden, sr_points, sr_draws = 64, 128, 25, 200
 use_paper_style()
-NAME = "00_formats_and_scaling"
 generator = torch.Generator().manual_seed(seed)
 print(f"tokens={tokens} hidden={hidden} sr_points={sr_points} sr_draws={sr_draws}")
 
@@ -126,7 +127,7 @@ recipes = {
     "NVFP4 1×16": "nvfp4", "NVFP4 16×16": "nvfp4_2d", "NVFP4 1×16 + RHT": "nvfp4_rht",
 }
 rows = []
-for label, spec_name in recipes.items():
+for label, spec_name in session.progress(recipes.items(), total=len(recipes), desc="recipes"):
     spec = Q.get_spec(spec_name)
     for kind, x in distributions.items():
         rows.append({"recipe": label, "spec": spec_name, "element": spec.element, "scaling": type(spec).__name__,
@@ -156,7 +157,7 @@ save_figure(fig, f"{NAME}_sqnr")
 
 # %%
 rows = []
-for kind, x in distributions.items():
+for kind, x in session.progress(distributions.items(), total=len(distributions), desc="distributions"):
     for element in ("e4m3", "e2m1"):
         for mode in ("floor", "rceil", "ceil", "even"):
             spec = Q.MXSpec(element, mode=mode)

@@ -2,11 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python (qlab)
 #     language: python
@@ -40,14 +40,15 @@ import inspect
 import pandas as pd
 import torch
 
-from qlab import seed_model
+from qlab import seed_model, session
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 
+NAME = "01_gradient_norm_discrepancy"
+device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     steps, growth_interval, ddp_steps = 8, 3, 1
 use_paper_style()
-NAME = "01_gradient_norm_discrepancy"
 torch.manual_seed(seed)
 print(f"steps={steps} init_scale={init_scale:g} microbatches={microbatches} clip_norm={clip_norm}")
 
@@ -104,13 +105,15 @@ save_figure(fig, f"{NAME}_loss_scale")
 # local gradient while `param.grad` holds the average over the ranks (2 gloo processes on the CPU).
 
 # %%
-runs = {
-    "loss scale": scaled,
-    f"{microbatches} micro-batches": seed_model.train("corrected", "adam", steps, microbatches=microbatches, seed=seed),
-    f"clip to {clip_norm:g}": seed_model.train("corrected", "adam", steps, clip_norm=clip_norm, seed=seed),
-    "all three": seed_model.train("corrected", "adam", steps, loss_scale=init_scale, growth_interval=growth_interval,
-                                  microbatches=microbatches, clip_norm=clip_norm, seed=seed),
+settings = {
+    f"{microbatches} micro-batches": dict(microbatches=microbatches),
+    f"clip to {clip_norm:g}": dict(clip_norm=clip_norm),
+    "all three": dict(loss_scale=init_scale, growth_interval=growth_interval, microbatches=microbatches,
+                      clip_norm=clip_norm),
 }
+runs = {"loss scale": scaled}
+for label, options in session.progress(settings.items(), total=len(settings), desc="settings"):
+    runs[label] = seed_model.train("corrected", "adam", steps, seed=seed, **options)
 ddp = seed_model.ddp_audit(world_size=2, steps=ddp_steps, seed=seed)
 save_csv(ddp, f"{NAME}_ddp")
 rows = [{"setting": label, "median_ratio": run.ratio.median(), "median_clip_coefficient": run.clip_coefficient.median(),
@@ -180,10 +183,9 @@ save_figure(fig, f"{NAME}_as_written")
 
 # %%
 curves = []
-for optimizer in ("adam", "sgd"):
-    for mode in seed_model.MODES:
-        run = seed_model.train(mode, optimizer, steps, seed=seed)
-        curves.append(run.assign(optimizer=optimizer, mode=mode)[["optimizer", "mode", "step", "loss"]])
+for optimizer, mode in session.progress([(o, m) for o in ("adam", "sgd") for m in seed_model.MODES], desc="runs"):
+    run = seed_model.train(mode, optimizer, steps, seed=seed)
+    curves.append(run.assign(optimizer=optimizer, mode=mode)[["optimizer", "mode", "step", "loss"]])
 curves = pd.concat(curves, ignore_index=True)
 save_csv(curves, f"{NAME}_optimizers")
 curves.groupby(["optimizer", "mode"]).loss.last().unstack()

@@ -2,11 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python (qlab)
 #     language: python
@@ -48,16 +48,15 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from qlab import numerics
+from qlab import numerics, session
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 
+NAME = "02_welford_vs_naive_variance"
+device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     n, trials, kappa_points, n_max_log2 = 64, 2, 7, 8
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
 use_paper_style()
-NAME = "02_welford_vs_naive_variance"
 generator = torch.Generator().manual_seed(seed)
 ERROR_FLOOR = 1e-12  # exact results are drawn here on the log axes
 print(f"n={n} trials={trials} kappa_points={kappa_points} n_max=2**{n_max_log2} device={device}")
@@ -126,7 +125,7 @@ kappa_targets = np.logspace(0, math.log10(kappa_max), kappa_points)
 base_rows = numerics.rows_with_condition_number(kappa_targets, n, trials, dtype=torch.float64, generator=generator)
 
 records = []
-for label, in_dtype, acc_dtype in CONFIGS:
+for label, in_dtype, acc_dtype in session.progress(CONFIGS, desc="κ sweep"):
     x = base_rows.to(in_dtype)
     _, exact_var = numerics.exact_moments(x)
     kappa = numerics.condition_number(x)
@@ -213,7 +212,7 @@ lengths = [2 ** k for k in range(4, n_max_log2 + 1)]
 length_rows = numerics.rows_with_condition_number([kappa_for_length], lengths[-1], trials,
                                                   dtype=torch.float64, generator=generator)
 records = []
-for label, in_dtype, acc_dtype in LENGTH_CONFIGS:
+for label, in_dtype, acc_dtype in session.progress(LENGTH_CONFIGS, desc="length sweep"):
     for length in lengths:
         x = length_rows[:, :length].to(in_dtype)
         _, exact_var = numerics.exact_moments(x)
@@ -266,7 +265,7 @@ ln_implementations = {
     f"torch ({device})": lambda x: F.layer_norm(x, (n,), eps=eps),
 }
 records = []
-for label, fn in ln_implementations.items():
+for label, fn in session.progress(ln_implementations.items(), total=len(ln_implementations), desc="LayerNorms"):
     x = ln_x.to(device if label.startswith("torch") else "cpu").detach().requires_grad_(True)
     y = fn(x)
     (grad,) = torch.autograd.grad(y, x, upstream.to(x.device))

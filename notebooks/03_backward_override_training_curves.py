@@ -2,11 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python (qlab)
 #     language: python
@@ -64,8 +64,8 @@ gemm: str = "auto"  # FP8 GEMMs: "auto" (FP8 tensor cores on a CUDA GPU that has
 # %%
 import numpy as np
 import pandas as pd
-import torch
 
+from qlab import session
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
 from qlab.results import save_csv, save_metrics
@@ -73,13 +73,12 @@ from qlab.train import TrainConfig, train
 from qlab.train.data import shakespeare, unigram_entropy
 from qlab.train.models import parameter_count
 
+NAME = "03_backward_override_training_curves"
+device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     steps, layers, width, context, batch_size, eval_every, eval_batches, fidelity_every = 4, 1, 32, 32, 8, 2, 1, 2
     warmup_steps = 2
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
 use_paper_style()
-NAME = "03_backward_override_training_curves"
 modes = [None if mode in ("none", None) else mode for mode in overrides]
 corpus = shakespeare()
 entropy = unigram_entropy(corpus.train, len(corpus.vocabulary))
@@ -102,13 +101,13 @@ print(f"unigram entropy of the training text: {entropy:.3f} nats/char; {len(conf
 
 # %%
 curves, fidelity, finals = [], [], []
-for seed in range(seeds):
-    for recipe, mode in configurations:
-        result = train(base.replace(recipe=recipe, backward_override=mode, seed=seed))
-        label = {"recipe": recipe, "override": mode or "none", "seed": seed}
-        curves.append(result.metrics.drop(columns="time_s").assign(**label))
-        fidelity.append(result.fidelity.assign(**label))
-        finals.append({**label, "val_loss": result.metrics.val_loss.iloc[-1], "wall_s": result.seconds})
+runs = [(seed, recipe, mode) for seed in range(seeds) for recipe, mode in configurations]
+for seed, recipe, mode in session.progress(runs, desc="training runs"):
+    result = train(base.replace(recipe=recipe, backward_override=mode, seed=seed))
+    label = {"recipe": recipe, "override": mode or "none", "seed": seed}
+    curves.append(result.metrics.drop(columns="time_s").assign(**label))
+    fidelity.append(result.fidelity.assign(**label))
+    finals.append({**label, "val_loss": result.metrics.val_loss.iloc[-1], "wall_s": result.seconds})
 curves = pd.concat(curves, ignore_index=True)
 fidelity = pd.concat(fidelity, ignore_index=True)
 finals = pd.DataFrame(finals)
@@ -247,9 +246,13 @@ save_metrics(NAME, **metrics)
 # Delayed scaling takes each tensor's scale from an amax history that the backward pass also
 # feeds; with an override the backward no longer quantizes dy, so the history would silently
 # describe something else. The upstream decision (REFERENCE §3) is to fail loudly, and qlab does,
-# both for a recipe and for a training config. The cell below is tagged `raises-exception`.
+# both for a recipe and for a training config.
+#
+# **The next cell raises a ValueError on purpose: the error is the point.** It is tagged
+# `raises-exception`, so Run All and `qlab run` go on past it.
 
 # %% tags=["raises-exception"]
+# Expected: ValueError (delayed scaling refuses a backward override); the red traceback is the result.
 get_recipe("fp8_delayed", backward_override="dequantized")
 
 # %%

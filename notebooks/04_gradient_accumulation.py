@@ -2,11 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python (qlab)
 #     language: python
@@ -45,16 +45,16 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qlab import session
 from qlab.nn import QuantLinear
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 
+NAME = "04_gradient_accumulation"
+device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     tokens, in_features, out_features, max_microbatches_log2, timing_steps = 32, 64, 48, 4, 3
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
 use_paper_style()
-NAME = "04_gradient_accumulation"
 generator = torch.Generator().manual_seed(seed)
 n_max = 2 ** max_microbatches_log2
 print(f"tokens={tokens} {in_features}->{out_features} micro-batches up to {n_max} device={device}")
@@ -95,7 +95,7 @@ def accumulated(layer, fused):
 
 checkpoints = [2 ** k for k in range(max_microbatches_log2 + 1)]
 rows = []
-for method, options in METHODS.items():
+for method, options in session.progress(METHODS.items(), total=len(METHODS), desc="methods"):
     layer = make_layer(options["dtype"], options["fused"])
     for i in range(n_max):
         x = xs[i].to(device, options["dtype"])
@@ -157,7 +157,7 @@ def timed(step):
 
 
 rows = []
-for method, options in METHODS.items():
+for method, options in session.progress(METHODS.items(), total=len(METHODS), desc="timing"):
     layer = make_layer(options["dtype"], options["fused"])
     # x needs a gradient, as a layer inside a network does: each step computes dx as well
     x = xs[0].to(device, options["dtype"]).requires_grad_(True)

@@ -2,11 +2,11 @@
 # jupyter:
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python (qlab)
 #     language: python
@@ -52,18 +52,18 @@ import pandas as pd
 import torch
 from torch import nn
 
+from qlab import session
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 from qlab.sparse import BACKWARDS, backward_seconds
 from qlab.train import TrainConfig, train
 
+NAME = "05_topk_sparse_backprop"
+device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     seeds, fractions, hidden, digits_steps, text_steps, text_fractions = 1, [0.05, 0.5], 32, 8, 4, [0.25]
     timing_tokens, timing_width, timing_repeats = 32, 64, 2
-if device == "auto":
-    device = "cuda" if torch.cuda.is_available() else "cpu"
 use_paper_style()
-NAME = "05_topk_sparse_backprop"
 MEPROP = {"k": 80, "hidden": 500, "sparse_accuracy": 0.9827, "dense_accuracy": 0.9820, "backprop_speedup": 5.9}
 digits = TrainConfig(task="digits", hidden=[hidden, hidden], steps=digits_steps, batch_size=64, lr=3e-3,
                      warmup_steps=min(10, digits_steps), eval_every=digits_steps, weight_decay=0.0, device=device,
@@ -79,12 +79,11 @@ print(f"digits MLP 64 → {hidden} → {hidden} → 10, k ∈ {fractions} of eac
 
 # %%
 rows = []
-for seed in range(seeds):
-    for k in [None] + fractions:
-        result = train(digits.replace(topk=k, seed=seed))
-        last = result.metrics.iloc[-1]
-        rows.append({"k_fraction": 1.0 if k is None else k, "dense": k is None, "seed": seed,
-                     "val_accuracy": last.val_accuracy, "val_loss": last.val_loss})
+for seed, k in session.progress([(seed, k) for seed in range(seeds) for k in [None] + fractions], desc="digits runs"):
+    result = train(digits.replace(topk=k, seed=seed))
+    last = result.metrics.iloc[-1]
+    rows.append({"k_fraction": 1.0 if k is None else k, "dense": k is None, "seed": seed,
+                 "val_accuracy": last.val_accuracy, "val_loss": last.val_loss})
 accuracy = pd.DataFrame(rows)
 save_csv(accuracy, f"{NAME}_digits")
 accuracy_table = accuracy.groupby(["dense", "k_fraction"]).val_accuracy.agg(["mean", "min", "max"])
@@ -120,7 +119,7 @@ text = TrainConfig(steps=text_steps, layers=2, width=64, context=64, batch_size=
 if smoke:
     text = text.replace(layers=1, width=32, context=32, batch_size=8, eval_batches=1)
 text_rows = []
-for k in [None] + text_fractions:
+for k in session.progress([None] + text_fractions, desc="Shakespeare runs"):
     result = train(text.replace(topk=k))
     text_rows.append({"k_fraction": 1.0 if k is None else k, "dense": k is None,
                       "val_loss": result.metrics.val_loss.iloc[-1]})
@@ -146,7 +145,8 @@ timing_models = {
                                                           nn.ReLU(), nn.Linear(hidden, 10)), 64, 10, ["4"]),
 }
 timing_rows = []
-for label, (model, inputs, outputs, keep) in timing_models.items():
+for label, (model, inputs, outputs, keep) in session.progress(timing_models.items(), total=len(timing_models),
+                                                              desc="timing"):
     model = model.to(device)
     x = torch.randn(timing_tokens, inputs, device=device, requires_grad=True)
     dy = torch.randn(timing_tokens, outputs, device=device)

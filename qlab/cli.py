@@ -59,10 +59,9 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
 
-    lab = sub.add_parser(
-        "lab", help="JupyterLab on the repository root (qlab.lab); other options go to jupyter lab"
+    sub.add_parser(
+        "lab", help="JupyterLab on the repository root (qlab.lab); further options go to jupyter lab"
     )
-    lab.add_argument("jupyter_options", nargs=argparse.REMAINDER, help="passed to jupyter lab")
 
     from qlab.train import launch
 
@@ -137,7 +136,11 @@ def _cmd_train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    parser = _build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.jupyter_options = unknown
     command = {
         "list": _cmd_list,
         "run": _cmd_run,

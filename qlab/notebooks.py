@@ -137,18 +137,22 @@ def _require_kernel() -> None:
 
 
 @contextlib.contextmanager
-def _results_dir(directory: Path | None):
-    """Point QLAB_RESULTS_DIR (inherited by the kernel) at ``directory`` for the duration."""
-    previous = os.environ.get(paths.RESULTS_ENV)
-    if directory is not None:
-        os.environ[paths.RESULTS_ENV] = str(directory)
+def _kernel_environment(results_dir: Path):
+    """For the duration, the kernel papermill starts inherits QLAB_RESULTS_DIR (where results go:
+    ``qlab.session.start`` defers to it) and QLAB_HEADLESS=1 (progress bars as text)."""
+    from qlab.session import HEADLESS_ENV
+
+    changes = {paths.RESULTS_ENV: str(results_dir), HEADLESS_ENV: "1"}
+    previous = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(paths.RESULTS_ENV, None)
-        else:
-            os.environ[paths.RESULTS_ENV] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_notebook(
@@ -187,7 +191,7 @@ def run_notebook(
     output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        with _results_dir(results_dir), _honour_raises_exception():
+        with _kernel_environment(results_dir or paths.results_root()), _honour_raises_exception():
             executed = papermill.execute_notebook(
                 str(path),
                 str(output),

@@ -47,3 +47,9 @@ def figures_dir() -> Path:
     path = results_root() / "figures"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def shown(path: Path) -> str:
+    """``path`` as messages show it: relative to the repository root when inside it."""
+    path = Path(path)
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)

@@ -55,11 +55,7 @@ class SavedFigure(NamedTuple):
     png: Path
 
     def _repr_pretty_(self, printer, cycle) -> None:
-        try:
-            shown = self.pdf.relative_to(paths.ROOT)
-        except ValueError:
-            shown = self.pdf
-        printer.text(f"saved {shown.with_suffix('')}.pdf and .png")
+        printer.text(f"saved {paths.shown(self.pdf)} and .png")
 
 
 def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:

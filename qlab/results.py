@@ -24,10 +24,18 @@ def _check_name(name: str) -> None:
         raise ValueError(f"name must be a plain file stem like '02_topic_what', got {name!r}")
 
 
+class SavedPath(type(Path())):
+    """The path a result was written to. As a notebook cell's last value it shows one line,
+    "saved data/<name>.csv", instead of a PosixPath repr; otherwise it is a plain Path."""
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(f"saved {paths.shown(self)}")
+
+
 def save_csv(df: pd.DataFrame, name: str) -> Path:
     """Write ``df`` to ``data/<name>.csv`` (floats with 10 significant digits); return the path."""
     _check_name(name)
-    return write_csv(df, paths.data_dir() / f"{name}.csv")
+    return SavedPath(write_csv(df, paths.data_dir() / f"{name}.csv"))
 
 
 def write_csv(df: pd.DataFrame, path: str | os.PathLike) -> Path:
@@ -63,4 +71,4 @@ def save_metrics(name: str, **metrics) -> Path:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
-    return path
+    return SavedPath(path)

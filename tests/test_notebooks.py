@@ -149,3 +149,25 @@ def test_an_untagged_error_after_a_tagged_one_still_fails_the_run(tmp_path):
     nbformat.write(notebook, source)
     with pytest.raises(notebooks.NotebookError, match="KeyError"):
         notebooks.run_notebook(source, output=tmp_path / "out.ipynb", results_dir=tmp_path)
+
+
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_an_expected_error_says_so_above_it(ipynb):
+    """A cell tagged raises-exception opens with a comment saying the error is expected, and the
+    markdown cell before it says so too: a reader in JupyterLab sees a red traceback and must not
+    take it for a failure."""
+    cells = nbformat.read(ipynb, as_version=4).cells
+    for index, cell in enumerate(cells):
+        if "raises-exception" in cell.metadata.get("tags", []):
+            assert cell.source.startswith("# Expected:"), cell.source[:80]
+            previous = cells[index - 1]
+            assert previous.cell_type == "markdown" and "on purpose" in previous.source
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.stem)
+def test_every_notebook_starts_a_session(source):
+    """session.start decides where results go (data/ only for the committed defaults) and resolves
+    device="auto"; no notebook repeats that logic."""
+    text = source.read_text()
+    assert f'NAME = "{source.stem}"' in text and "session.start(NAME, globals())" in text
+    assert 'device == "auto"' not in text

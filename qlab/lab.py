@@ -1,0 +1,169 @@
+"""JupyterLab for qlab: ``qlab lab`` (``make lab``) serves the repository root so that the notebooks,
+their results and the executed copies in ``runs/`` are one click apart, and a save never touches
+the committed notebooks except where the user changed their code.
+
+``LabContentsManager`` is jupytext's contents manager (which keeps ``notebooks/NN_topic.py`` and its
+``.ipynb`` in sync) with three guards for the tracked notebooks:
+
+- the ``notebooks/`` listing shows each notebook once, as its ``.py``, which opens as a notebook
+  (jupytext's "Jupytext Notebook" is made the default viewer of Python files: ``install_lab_settings``);
+- a save writes the tracked ``.py``/``.ipynb`` without outputs, execution counts or the metadata a
+  kernel or the browser adds (``language_info``, cell execution times, ...), and writes the copy
+  *with* outputs to ``runs/interactive/<name>.ipynb``;
+- the ``parameters`` cell keeps its committed values: an interactive edit (``smoke = True``) runs
+  but is not saved, unless JupyterLab was started with ``QLAB_SAVE_PARAMETERS=1``
+  (``make lab SAVE_PARAMETERS=1``) to change a default on purpose.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from qlab import paths
+
+SAVE_PARAMETERS_ENV = "QLAB_SAVE_PARAMETERS"
+NOTEBOOK_NAME = re.compile(r"^\d\d_\w+$")
+# cell metadata a browser or kernel adds; jupytext's own keys (tags, lines_to_next_cell, ...) stay
+UI_CELL_METADATA = ("execution", "scrolled", "collapsed", "trusted", "jupyter", "ExecuteTime", "papermill")
+# JupyterLab settings for this environment: .py files open as notebooks; no news feed or update check
+# (qlab makes no network requests at run time)
+LAB_SETTINGS = {
+    "@jupyterlab/docmanager-extension:plugin": {"defaultViewers": {"python": "Jupytext Notebook"}},
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False},
+}
+
+
+def tracked_notebook(path: str) -> str | None:
+    """The notebook name if ``path`` (relative to the served root) is notebooks/NN_topic.py|.ipynb."""
+    relative = Path(path.strip("/"))
+    if relative.parent != Path(paths.NOTEBOOKS_DIR.relative_to(paths.ROOT)):
+        return None
+    if relative.suffix not in (".py", ".ipynb") or not NOTEBOOK_NAME.match(relative.stem):
+        return None
+    return relative.stem
+
+
+def _source(cell: dict) -> str:
+    source = cell.get("source", "")
+    return "".join(source) if isinstance(source, list) else source
+
+
+def _parameters_source(notebook_name: str) -> str | None:
+    """The committed parameters cell (from notebooks/<name>.py on disk), or None."""
+    import jupytext
+
+    source = paths.NOTEBOOKS_DIR / f"{notebook_name}.py"
+    if not source.is_file():
+        return None
+    for cell in jupytext.read(source).cells:
+        if "parameters" in cell.metadata.get("tags", []):
+            return cell.source
+    return None
+
+
+def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool = False) -> dict:
+    """A notebook's JSON as the tracked files hold it: no outputs or execution counts, the committed
+    .ipynb's notebook metadata, no UI cell metadata, and (unless ``keep_parameters``) the committed
+    parameters cell."""
+    clean = copy.deepcopy(content)
+    stored = paths.NOTEBOOKS_DIR / f"{notebook_name}.ipynb"
+    if stored.is_file():
+        clean["metadata"] = json.loads(stored.read_text())["metadata"]
+    committed = None if keep_parameters else _parameters_source(notebook_name)
+    for cell in clean.get("cells", []):
+        metadata = cell.get("metadata", {})
+        for key in UI_CELL_METADATA:
+            metadata.pop(key, None)
+        if cell.get("cell_type") == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+            if committed is not None and "parameters" in metadata.get("tags", []):
+                cell["source"] = committed
+    return clean
+
+
+def _base_manager():
+    from jupytext.async_contentsmanager import AsyncTextFileContentsManager
+
+    return AsyncTextFileContentsManager
+
+
+class LabContentsManager(_base_manager()):
+    """jupytext's contents manager with qlab's guards for the tracked notebooks (module docstring)."""
+
+    async def get(self, path, content=True, type=None, format=None, **kwargs):
+        model = await super().get(path, content=content, type=type, format=format, **kwargs)
+        if model.get("type") == "directory" and content and model.get("content"):
+            names = {entry["name"] for entry in model["content"]}
+            model["content"] = [
+                entry
+                for entry in model["content"]
+                if not (
+                    tracked_notebook(entry["path"])
+                    and entry["name"].endswith(".ipynb")
+                    and entry["name"].removesuffix(".ipynb") + ".py" in names
+                )
+            ]
+        return model
+
+    async def save(self, model, path=""):
+        name = tracked_notebook(path)
+        if name is None or model.get("type") != "notebook" or "content" not in model:
+            return await super().save(model, path)
+        executed = paths.RUNS_DIR / "interactive" / f"{name}.ipynb"
+        executed.parent.mkdir(parents=True, exist_ok=True)
+        executed.write_text(json.dumps(model["content"], indent=1, ensure_ascii=False) + "\n")
+        keep = os.environ.get(SAVE_PARAMETERS_ENV) == "1"
+        clean = clean_for_saving(model["content"], name, keep_parameters=keep)
+        self.log.info("qlab: saved %s without outputs; the executed copy is %s", path, executed)
+        return await super().save({**model, "content": clean}, path)
+
+
+def install_lab_settings(prefix: str | os.PathLike = sys.prefix) -> Path:
+    """Write ``LAB_SETTINGS`` into this environment's JupyterLab defaults
+    (``<prefix>/share/jupyter/lab/settings/overrides.json``, merged with what is there)."""
+    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    for plugin, values in LAB_SETTINGS.items():
+        current = settings.setdefault(plugin, {})
+        for key, value in values.items():
+            if isinstance(value, dict):
+                current.setdefault(key, {}).update(value)
+            else:
+                current[key] = value
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+    return path
+
+
+def lab_arguments(port: int | None = None, token: str | None = None, extra=()) -> list[str]:
+    """``jupyter lab`` arguments for qlab: the repository root, LabContentsManager, runs/ visible."""
+    arguments = [
+        f"--ServerApp.root_dir={paths.ROOT}",
+        "--ServerApp.contents_manager_class=qlab.lab.LabContentsManager",
+    ]
+    if port is not None:
+        arguments.append(f"--ServerApp.port={port}")
+    if token is not None:
+        arguments.append(f"--IdentityProvider.token={token}")
+    return arguments + list(extra)
+
+
+def main(extra=()) -> None:
+    """Start JupyterLab (``qlab lab [jupyter lab options]``) in place of this process, so its process
+    id is the server's. Matplotlib's backend is left to the kernel (``make``'s MPLBACKEND=Agg would
+    turn inline figures off)."""
+    install_lab_settings()
+    (paths.RUNS_DIR / "interactive").mkdir(parents=True, exist_ok=True)
+    os.environ.pop("MPLBACKEND", None)
+    extra = list(extra)
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
+        print("qlab lab: running as root (a container?): passing --allow-root to JupyterLab")
+        extra.append("--allow-root")
+    command = [sys.executable, "-m", "jupyterlab", *lab_arguments(extra=extra)]
+    sys.stdout.flush()
+    os.execv(sys.executable, command)

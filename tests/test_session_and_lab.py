@@ -1,0 +1,183 @@
+"""qlab.session (where an interactive run writes, device="auto", progress) and qlab.lab's save guard,
+without a browser (tests/test_jupyterlab.py drives the real thing).
+
+References: papermill's own inspection of the parameters cell (for the defaults session reads with
+ast), the committed notebook files' bytes (a guarded save must leave them unchanged), nbformat for
+the executed copy, and jupytext for the parameters cell a save writes.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import os
+import shutil
+
+import nbformat
+import pytest
+import torch
+
+from qlab import lab, notebooks, paths, session
+
+NAME = "02_welford_vs_naive_variance"
+
+
+@pytest.fixture
+def interactive(monkeypatch, tmp_path):
+    """A kernel started by JupyterLab: no results directory inherited; runs/ redirected to tmp_path."""
+    monkeypatch.setattr(session, "_INHERITED_RESULTS", None)
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path / "runs")
+    yield tmp_path
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+
+
+def test_defaults_are_what_papermill_reads_from_the_parameters_cell():
+    for notebook in notebooks.list_notebooks():
+        declared = notebooks.notebook_parameters(notebook)
+        expected = {name: ast.literal_eval(info["default"]) for name, info in declared.items()}
+        assert session.notebook_defaults(notebook.stem) == expected
+
+
+def test_default_parameters_write_the_committed_results(interactive, capsys):
+    namespace = dict(session.notebook_defaults(NAME), kappa_max=10_000_000)  # 1e7 written as an int
+    run = session.start(NAME, namespace)
+    assert run.results_dir == paths.ROOT and run.changed == {}
+    assert paths.RESULTS_ENV not in os.environ and paths.results_root() == paths.ROOT
+    assert "results go to data/ and figures/ (default parameters" in capsys.readouterr().out
+
+
+def test_other_parameters_write_under_runs_interactive_and_say_so(interactive, capsys):
+    namespace = dict(session.notebook_defaults(NAME), smoke=True, n=256)
+    run = session.start(NAME, namespace)
+    expected = interactive / "runs" / "interactive" / NAME / "smoke=True__n=256"
+    assert run.changed == {"smoke": True, "n": 256} and run.results_dir == expected
+    assert paths.results_root() == expected.resolve()
+    assert paths.data_dir() == expected.resolve() / "data"
+    assert "parameters differ from the defaults" in capsys.readouterr().out
+    # editing the cell back to the defaults and running again writes the committed results again
+    assert session.start(NAME, session.notebook_defaults(NAME)).results_dir == paths.ROOT
+    assert paths.results_root() == paths.ROOT
+
+
+def test_a_bool_is_not_the_int_one(interactive):
+    assert session.start(NAME, dict(session.notebook_defaults(NAME), smoke=0)).changed == {"smoke": 0}
+
+
+def test_a_runner_chooses_for_itself(interactive, monkeypatch, tmp_path):
+    monkeypatch.setattr(session, "_INHERITED_RESULTS", str(tmp_path / "sweep_point"))
+    run = session.start(NAME, dict(session.notebook_defaults(NAME), smoke=True))
+    assert run.results_dir == tmp_path / "sweep_point"
+
+
+def test_resolve_device():
+    assert session.resolve_device("cpu") == torch.device("cpu")
+    assert session.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no CUDA device"):
+            session.resolve_device("cuda")
+
+
+def test_progress_is_text_outside_jupyter_and_headless(monkeypatch):
+    from tqdm import tqdm
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    bar = session.progress(range(3), disable=True)
+    assert isinstance(bar, tqdm) and not isinstance(bar, notebook_tqdm)
+    monkeypatch.setenv(session.HEADLESS_ENV, "1")
+    assert session.headless() and not isinstance(session.progress(range(3), disable=True), notebook_tqdm)
+
+
+# --- qlab.lab: the save guard and the listing -------------------------------------------------------
+
+
+@pytest.fixture
+def repository(monkeypatch, tmp_path):
+    """A copy of notebook 02's pair in a throw-away root, with qlab.paths pointed at it."""
+    root = tmp_path / "repo"
+    (root / "notebooks").mkdir(parents=True)
+    for suffix in (".py", ".ipynb"):
+        shutil.copy(paths.NOTEBOOKS_DIR / f"{NAME}{suffix}", root / "notebooks")
+    monkeypatch.setattr(paths, "ROOT", root)
+    monkeypatch.setattr(paths, "NOTEBOOKS_DIR", root / "notebooks")
+    monkeypatch.setattr(paths, "RUNS_DIR", root / "runs")
+    return root
+
+
+def _as_a_browser_saves_it(root):
+    """The notebook as JupyterLab sends it after Run All with smoke = True: outputs, execution
+    counts, the kernel's language_info, cell execution metadata."""
+    notebook = nbformat.read(root / "notebooks" / f"{NAME}.ipynb", as_version=4)
+    notebook.metadata["language_info"] = {"name": "python", "version": "3.11.7"}
+    for count, cell in enumerate(notebook.cells, 1):
+        if cell.cell_type != "code":
+            continue
+        cell.execution_count = count
+        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"ran {count}\n")]
+        cell.metadata["execution"] = {"iopub.status.idle": "2026-11-23T23:00:00Z"}
+        if "parameters" in cell.metadata.get("tags", []):
+            cell.source = cell.source.replace("smoke: bool = False", "smoke: bool = True")
+    content = json.loads(nbformat.writes(notebook))  # the file's JSON splits text into lines;
+    for cell in content["cells"]:  # the browser sends whole strings
+        cell["source"] = "".join(cell["source"])
+        for output in cell.get("outputs", []):
+            output["text"] = "".join(output.get("text", ""))
+    return {"type": "notebook", "format": "json", "content": content}
+
+
+def _save(root, model, path):
+    manager = lab.LabContentsManager(root_dir=str(root))
+    return asyncio.run(manager.save(model, path))
+
+
+@pytest.mark.parametrize("opened_as", [".py", ".ipynb"])
+def test_a_save_leaves_the_tracked_files_as_committed_and_keeps_the_executed_copy(repository, opened_as):
+    before = {p.name: p.read_bytes() for p in (repository / "notebooks").iterdir()}
+    _save(repository, _as_a_browser_saves_it(repository), f"notebooks/{NAME}{opened_as}")
+    after = {p.name: p.read_bytes() for p in (repository / "notebooks").iterdir() if p.is_file()}
+    assert after == before
+    executed = nbformat.read(repository / "runs" / "interactive" / f"{NAME}.ipynb", as_version=4)
+    code = [cell for cell in executed.cells if cell.cell_type == "code"]
+    assert all(cell.outputs for cell in code) and "smoke: bool = True" in code[0].source
+
+
+def test_a_save_with_qlab_save_parameters_changes_the_default_on_purpose(repository, monkeypatch):
+    import jupytext
+
+    monkeypatch.setenv(lab.SAVE_PARAMETERS_ENV, "1")
+    _save(repository, _as_a_browser_saves_it(repository), f"notebooks/{NAME}.py")
+    saved = jupytext.read(repository / "notebooks" / f"{NAME}.py")
+    parameters = next(cell for cell in saved.cells if "parameters" in cell.metadata.get("tags", []))
+    assert "smoke: bool = True" in parameters.source
+    stored = nbformat.read(repository / "notebooks" / f"{NAME}.ipynb", as_version=4)
+    assert all(not cell.get("outputs") for cell in stored.cells)  # outputs still never stored
+
+
+def test_files_outside_notebooks_are_saved_as_they_are(repository):
+    model = _as_a_browser_saves_it(repository)
+    _save(repository, model, "scratch.ipynb")
+    saved = nbformat.read(repository / "scratch.ipynb", as_version=4)
+    assert any(cell.get("outputs") for cell in saved.cells) and "language_info" in saved.metadata
+
+
+def test_the_notebooks_listing_shows_each_pair_once(repository):
+    manager = lab.LabContentsManager(root_dir=str(repository))
+    (repository / "notebooks" / "scratch.ipynb").write_text(
+        (repository / "notebooks" / f"{NAME}.ipynb").read_text()
+    )
+    names = {entry["name"] for entry in asyncio.run(manager.get("notebooks"))["content"]}
+    assert names == {f"{NAME}.py", "scratch.ipynb"}  # an unpaired .ipynb stays visible
+
+
+def test_lab_settings_merge_into_overrides(tmp_path):
+    target = tmp_path / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    target.parent.mkdir(parents=True)
+    target.write_text(json.dumps({"@jupyterlab/apputils-extension:themes": {"theme": "JupyterLab Dark"}}))
+    lab.install_lab_settings(tmp_path)
+    settings = json.loads(target.read_text())
+    assert settings["@jupyterlab/apputils-extension:themes"] == {"theme": "JupyterLab Dark"}
+    assert (
+        settings["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]["python"] == "Jupytext Notebook"
+    )
+    assert settings["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
