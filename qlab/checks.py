@@ -15,6 +15,7 @@ import difflib
 import fnmatch
 import math
 import numbers
+import re
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -144,14 +145,36 @@ def module(name: str, value) -> torch.nn.Module:
     return value
 
 
+def matches(name: str, pattern: str) -> bool:
+    """Whether the qualified module name ``name`` matches ``pattern``.
+
+    A pattern is matched against the whole name with fnmatch: ``*`` matches any characters, dots
+    included, so ``"model.layers.*"`` selects every layer *and* every module inside them, and
+    ``"*.mlp.*"`` every module inside any ``mlp``. A pattern starting with ``re:`` is a regular
+    expression matched against the whole name instead: ``"re:model\\.layers\\.\\d+"`` selects the
+    layers themselves (direct children of ``model.layers``) and nothing inside them.
+    """
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return fnmatch.fnmatchcase(name, pattern)
+
+
 def patterns(name: str, value) -> list[str]:
-    """fnmatch patterns: a bare string is one pattern (never split into characters), else a list or
-    tuple of strings; None means none."""
+    """Module-name patterns (see ``matches``): a bare string is one pattern (never split into
+    characters), else a list or tuple of strings; None means none. ``re:`` patterns must compile."""
     if value is None:
         return []
     if isinstance(value, str):
-        return [value]
+        return patterns(name, [value])
     if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(p, str) for p in value):
+        for pattern in value:
+            if pattern.startswith("re:"):
+                try:
+                    re.compile(pattern[3:])
+                except re.error as err:
+                    raise ValueError(
+                        f"{name} pattern {pattern!r} is not a regular expression: {err}"
+                    ) from None
         return list(value)
     raise TypeError(f"{name} must be a pattern string or a list of pattern strings, got {shown(value)}")
 
@@ -176,6 +199,6 @@ def patterns_match(name: str, chosen: Sequence[str], available: Sequence[str], w
     """Every pattern must match at least one of ``available`` names: a typo in a keep list would
     otherwise quietly quantize the layer it meant to keep."""
     for pattern in chosen:
-        if not any(fnmatch.fnmatchcase(candidate, pattern) for candidate in available):
+        if not any(matches(candidate, pattern) for candidate in available):
             near = ", ".join(closest(pattern, available))
             raise ValueError(f"{name} pattern {pattern!r} matches no {what}; closest {what} names: {near}")

@@ -37,7 +37,6 @@ non-delayed row above it, so the presence of the flag alone decides None vs dumm
 
 from __future__ import annotations
 
-import fnmatch
 from contextlib import contextmanager
 
 import torch
@@ -166,11 +165,24 @@ def fake_quant(
 # --- QuantLinear ----------------------------------------------------------------------------------
 
 
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward pass: activation checkpointing recomputing it."""
+    current_task = getattr(torch._C, "_current_graph_task_id", None)
+    return current_task is not None and current_task() != -1
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, is_first_microbatch):
-        # delayed scaling: backward re-quantizes x and W with the scales this forward used
-        ctx.scales = {role: scaler.scale for role, scaler in layer.scalers.items()}
+        # delayed scaling: backward re-quantizes x and W with the scales this forward used; a
+        # recomputation (activation checkpointing) uses the original forward's and rolls no history
+        recompute = layer.recipe.delayed and layer._forward_scales is not None and _recomputing()
+        if recompute:
+            ctx.scales = layer._forward_scales
+        else:
+            ctx.scales = {role: scaler.scale for role, scaler in layer.scalers.items()}
+            if layer.training and layer.recipe.delayed:
+                layer._forward_scales = ctx.scales
         if layer._fp8_gemm("fprop", "input", "weight", x.shape[1], weight.shape[0], x.device):
             x_q = layer._quantize(x, "input", axis=-1, scales=ctx.scales)
             w_q = layer._quantize(weight, "weight", axis=-1, scales=ctx.scales)
@@ -183,7 +195,7 @@ class _LinearFunction(torch.autograd.Function):
             y = _gemm(x_q, w_q.T)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        if layer.training:  # evaluation (model.eval()) reads the scales without rolling the history
+        if layer.training and not recompute:  # model.eval() reads the scales without rolling them
             layer._step_scalers("input", x, "weight", weight)
         if layer.recipe.backward_override == "dequantized":
             ctx.save_for_backward(x_q, w_q)
@@ -239,7 +251,14 @@ class QuantLinear(nn.Linear):
     of accumulating. delay_wgrad: defer the wgrad GEMM until ``backward_dw()``. seed: the
     generator for stochastic rounding. gemm: "auto", "emulated" or "scaled_mm" (module docstring).
     See the module docstring for the None/dummy contract.
+
+    A QuantLinear made from transformers' Conv1D (``from_linear``, ``quantize_model``) keeps that
+    layer's (in, out) weight Parameter as it is (``weight_layout == "in_out"``) and multiplies by its
+    transpose; fused and delayed wgrad are for (out, in) weights only.
     """
+
+    qlab_layer = True
+    weight_layout = "out_in"
 
     def __init__(
         self,
@@ -267,10 +286,16 @@ class QuantLinear(nn.Linear):
         self.gemm = check_gemm(gemm, self.recipe)
         self.fuse_wgrad_accumulation = checks.boolean("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
         self.delay_wgrad = checks.boolean("delay_wgrad", delay_wgrad)
+        if self.weight_layout == "in_out" and (self.fuse_wgrad_accumulation or self.delay_wgrad):
+            raise ValueError(
+                "fuse_wgrad_accumulation and delay_wgrad need an (out, in) weight; this layer keeps a "
+                "transformers Conv1D's (in, out) weight"
+            )
         self.seed = checks.seed("seed", seed)
         self._generators: dict = {}
         self._deferred: list = []
         self._dummy: torch.Tensor | None = None
+        self._forward_scales: dict | None = None  # the last training forward's (delayed scaling)
         self.scalers: dict[str, DelayedScaling] = {}
         if self.recipe.delayed:
             for role in ("input", "weight", "grad_output"):
@@ -286,8 +311,10 @@ class QuantLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> QuantLinear:
         """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be an nn.Linear, got {checks.shown(linear)}")
+        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+            raise TypeError(
+                f"linear must be an nn.Linear or a transformers Conv1D, got {checks.shown(linear)}"
+            )
         layer = linear_sharing_parameters(
             cls, linear
         )  # hooks registered on the nn.Linear are not carried over
@@ -316,7 +343,7 @@ class QuantLinear(nn.Linear):
             )
         if is_first_microbatch is not None:
             checks.boolean("is_first_microbatch", is_first_microbatch)
-        weight, bias = self.weight, self.bias
+        weight, bias = oriented_weight(self), self.bias
         if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)
@@ -471,43 +498,115 @@ class QuantLinear(nn.Linear):
 
 # --- model conversion ---------------------------------------------------------------------------
 
+# the hook tables a module keeps; a converted layer shares them with the module it replaces, so hooks
+# registered on it (accelerate, PEFT, a user's probes) keep firing and their handles keep working
+_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_is_full_backward_hook",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
-def linear_sharing_parameters(cls: type, linear: nn.Linear) -> nn.Linear:
-    """A ``cls`` (nn.Linear or a subclass) holding ``linear``'s weight and bias Parameters (no copy),
-    in the same train/eval mode; subclass-specific set-up is the caller's."""
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): y = x·W + b with W stored (in, out)."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers") and _has_matrix(module)
+
+
+def _has_matrix(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
+def oriented_weight(layer: nn.Linear) -> torch.Tensor:
+    """The layer's weight as (out, in), as nn.Linear stores it; a view for a converted Conv1D."""
+    return layer.weight.t() if getattr(layer, "weight_layout", "out_in") == "in_out" else layer.weight
+
+
+def why_not_converted(module: nn.Module, parent: nn.Module | None) -> str | None:
+    """None if ``module`` is a Linear-like layer that can be converted (nn.Linear, a subclass that
+    keeps nn.Linear's forward, transformers' Conv1D); otherwise the reason it is left as it is."""
+    cls = type(module)
+    if getattr(cls, "qlab_layer", False):  # QuantLinear, TopKLinear
+        return f"already converted ({cls.__name__})"
+    if hasattr(module, "_hf_hook"):
+        return "accelerate replaced its forward (device_map/offloading hook): convert before dispatching"
+    if isinstance(parent, nn.MultiheadAttention):
+        return "nn.MultiheadAttention reads this projection's weight directly and never calls it"
+    if is_conv1d(module):
+        return None
+    if isinstance(module, nn.Linear):
+        if cls.forward is not nn.Linear.forward:
+            return f"{cls.__name__} overrides nn.Linear.forward: converting it would drop its own logic"
+        return None
+    return f"{cls.__name__} is not an nn.Linear: qlab cannot tell how it uses its weight"
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
+    """Every Linear-like module of ``model`` (nn.Linear and subclasses, transformers' Conv1D, any
+    module whose class name has "Linear" and a 2-D weight), in registration order, as (name, module,
+    None if it can be converted, else why not). A module registered under several names appears once
+    per name."""
+    checks.module("model", model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    found = []
+    for name, module in modules.items():
+        linear_like = isinstance(module, nn.Linear) or is_conv1d(module)
+        if not linear_like and not ("Linear" in type(module).__name__ and _has_matrix(module)):
+            continue
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        found.append((name, module, why_not_converted(module, parent)))
+    return found
+
+
+def linear_sharing_parameters(cls: type, linear: nn.Module) -> nn.Linear:
+    """A ``cls`` (nn.Linear or a subclass) holding ``linear``'s weight and bias Parameters (no copy:
+    the optimizer's, tied weights stay tied) and its hook tables, in the same train/eval mode.
+    ``linear`` is an nn.Linear (or subclass) or transformers' Conv1D, whose (in, out) weight the new
+    layer keeps as it is (``weight_layout = "in_out"``). The module replaced is remembered
+    (``source_module``) so that ``unquantize_model`` can put it back. Subclass set-up is the caller's."""
     layer = cls.__new__(cls)
     nn.Module.__init__(layer)
-    layer.in_features, layer.out_features = linear.in_features, linear.out_features
+    conv1d = is_conv1d(linear)
+    layer.weight_layout = "in_out" if conv1d else "out_in"
+    rows, columns = linear.weight.shape
+    layer.in_features, layer.out_features = (rows, columns) if conv1d else (columns, rows)
     layer.weight, layer.bias = linear.weight, linear.bias
+    for table in _HOOK_TABLES:
+        if hasattr(linear, table):
+            object.__setattr__(layer, table, getattr(linear, table))
+    object.__setattr__(layer, "source_module", linear)  # not a submodule: no state_dict entries
     layer.train(linear.training)
     return layer
 
 
-def replace_linears(
-    model: nn.Module,
-    make,
-    *,
-    keep=(),
-    select=lambda module: type(module) is nn.Linear,
-    keep_name: str = "keep",
-) -> list:
-    """Swap (in place) every module for which ``select`` holds by ``make(module, index)``, except names
-    matching the fnmatch patterns in ``keep`` (a bare string is one pattern; ``keep_name`` names the
-    argument in errors). Every pattern must match a selected module, else ValueError naming the
-    closest names. A module registered under several names gets one shared replacement; all
-    replacements are built before any swap, so a refusal leaves the model as it was.
-    Returns (name, module, replaced) for every selected module, kept ones included."""
+def replace_linears(model: nn.Module, make, *, keep=(), candidates=None, keep_name: str = "keep") -> list:
+    """Swap (in place) every candidate module by ``make(module, index)``, except names matching the
+    patterns in ``keep`` (``qlab.checks.matches``; a bare string is one pattern; ``keep_name`` names
+    the argument in errors). Candidates default to the convertible layers of ``linear_layers``.
+    Every pattern must match a candidate, else ValueError naming the closest names. A module
+    registered under several names gets one shared replacement; all replacements are built before
+    any swap, so a refusal leaves the model as it was.
+    Returns (name, module, replaced) for every candidate, kept ones included."""
     checks.module("model", model)
     keep = checks.patterns(keep_name, keep)
-    candidates = [
-        (name, module) for name, module in model.named_modules(remove_duplicate=False) if select(module)
-    ]
+    if candidates is None:
+        candidates = [(name, module) for name, module, why in linear_layers(model) if why is None]
     if keep and not candidates:
         raise ValueError(f"{keep_name} patterns {keep} name layers to keep, but the model has no such layer")
     checks.patterns_match(keep_name, keep, [name for name, _ in candidates], what="Linear layer")
     chosen, replacements = [], {}
     for name, module in candidates:
-        replaced = not any(fnmatch.fnmatchcase(name, pattern) for pattern in keep)
+        replaced = not any(checks.matches(name, pattern) for pattern in keep)
         if replaced and id(module) not in replacements:
             replacements[id(module)] = make(module, len(replacements))
         chosen.append((name, module, replaced))
@@ -517,47 +616,84 @@ def replace_linears(
     return chosen
 
 
-def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), **options) -> list[dict]:
-    """Replace every nn.Linear in ``model`` (in place) by a QuantLinear sharing its Parameters.
+def conversion_report(model_layers, chosen, action: str, **columns) -> list[dict]:
+    """One dict per Linear-like module: name, class, action (``action`` if it was converted, "kept"
+    if a keep pattern matched it, "skipped" if it cannot be converted), reason, in/out features."""
+    replaced = {name: done for name, _, done in chosen}
+    rows = []
+    for name, module, why in model_layers:
+        if why is not None:
+            done, reason = "skipped", why
+        elif replaced.get(name):
+            done, reason = action, ""
+        else:
+            done, reason = "kept", "matches a keep pattern"
+        weight = module.weight
+        in_features, out_features = (
+            (weight.shape if is_conv1d(module) else weight.shape[::-1]) if weight.dim() == 2 else (None, None)
+        )
+        rows.append(
+            {
+                "name": name,
+                "class": type(module).__name__,
+                "action": done,
+                "reason": reason,
+                "in_features": in_features,
+                "out_features": out_features,
+                **columns,
+            }
+        )
+    return rows
 
-    keep_high_precision: fnmatch patterns of qualified module names left as nn.Linear (e.g.
-    ["lm_head", "layers.11.*"]; a bare string is one pattern; each must match a Linear, else
-    ValueError naming the closest names). options go to QuantLinear (fuse_wgrad_accumulation, ...).
-    Returns a report: one dict per nn.Linear with name, action ("quantized" or "kept"), shape.
+
+def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), **options) -> list[dict]:
+    """Replace (in place) every Linear-like layer of ``model`` — nn.Linear, its subclasses that keep
+    nn.Linear's forward, transformers' Conv1D — by a QuantLinear sharing its Parameters and hooks.
+
+    keep_high_precision: module-name patterns left in high precision (``qlab.checks.matches``: fnmatch,
+    or ``re:`` for a regular expression; e.g. ["lm_head", "model.layers.11.*"]; a bare string is one
+    pattern; each must match a convertible layer, else ValueError naming the closest names). options
+    go to QuantLinear (fuse_wgrad_accumulation, ...).
+    Returns a report, one dict per Linear-like module: name, class, action ("quantized", "kept" or
+    "skipped"), reason (why a layer was kept or skipped), in/out features, recipe.
     """
     recipe = get_recipe(recipe)
     base_seed = checks.seed("seed", options.pop("seed", 0))  # layer i gets seed base + i: no shared SR noise
+    layers = linear_layers(model)
     chosen = replace_linears(
         model,
         lambda linear, i: QuantLinear.from_linear(linear, recipe, seed=base_seed + i, **options),
         keep=keep_high_precision,
         keep_name="keep_high_precision",
+        candidates=[(name, module) for name, module, why in layers if why is None],
     )
-    return [
-        {
-            "name": name,
-            "action": "quantized" if replaced else "kept",
-            "recipe": recipe.name,
-            "in_features": module.in_features,
-            "out_features": module.out_features,
-        }
-        for name, module, replaced in chosen
-    ]
+    return conversion_report(layers, chosen, "quantized", recipe=recipe.name)
 
 
 def unquantize_model(model: nn.Module) -> list[str]:
-    """The inverse of quantize_model: every QuantLinear back to an nn.Linear with the same Parameters."""
+    """The inverse of quantize_model: every QuantLinear back to the module it replaced (or an
+    nn.Linear), with the same Parameters and hooks; returns the names restored."""
     return plain_linears(model, QuantLinear)
 
 
 def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
     """Replace (in place) every module that is an instance of ``kind`` but not exactly nn.Linear (a
-    QuantLinear, a TopKLinear, ...) by an nn.Linear sharing its Parameters; return the names replaced."""
-    chosen = replace_linears(
-        model,
-        lambda module, i: linear_sharing_parameters(nn.Linear, module),
-        select=lambda m: isinstance(m, kind) and isinstance(m, nn.Linear) and type(m) is not nn.Linear,
-    )
+    QuantLinear, a TopKLinear, ...) by the module it replaced (``source_module``, when it still holds
+    the same Parameters) or else an nn.Linear sharing its Parameters; return the names replaced."""
+
+    def restore(module, index):
+        source = getattr(module, "source_module", None)
+        if source is not None and source.weight is module.weight and source.bias is module.bias:
+            return source
+        return linear_sharing_parameters(nn.Linear, module)
+
+    checks.module("model", model)
+    candidates = [
+        (name, m)
+        for name, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, kind) and isinstance(m, nn.Linear) and type(m) is not nn.Linear
+    ]
+    chosen = replace_linears(model, restore, candidates=candidates)
     return [name for name, _, _ in chosen]
 
 

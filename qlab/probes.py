@@ -20,8 +20,8 @@ for sampled steps: between samples and after detaching the model carries no hook
 
 from __future__ import annotations
 
-import fnmatch
 import math
+import warnings
 
 import pandas as pd
 import torch
@@ -29,6 +29,12 @@ from torch import nn
 
 from qlab import checks
 from qlab import quantize as Q
+
+# A module called with keyword tensors only gets its grad_input from a tap (``_keyword_input_tap``);
+# torch warns that its full backward hook then sees no input gradients, which is expected here.
+warnings.filterwarnings(
+    "ignore", message="Full backward hook is firing when gradients are computed with respect"
+)
 
 STATS = ("min", "max", "mean", "std", "l1", "l2", "amax", "dynamic_range", "zero_fraction")
 WHAT_IF_STATS = ("underflow_fraction", "saturation_fraction", "qdq_mse", "sqnr_db")
@@ -135,6 +141,10 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
     }
 
 
+def _first_tensor(values):
+    return next((v for v in values if isinstance(v, torch.Tensor)), None)
+
+
 def _rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
@@ -231,7 +241,7 @@ class ProbeSet:
                 elif pattern == "*":
                     hit = any(True for _ in module.parameters(recurse=False)) or module is self.model
                 else:
-                    hit = fnmatch.fnmatchcase(name, pattern)
+                    hit = checks.matches(name, pattern)
                 if hit:
                     hits[id(pattern)] += 1
                     chosen.setdefault(name or "model", module)
@@ -265,9 +275,13 @@ class ProbeSet:
     def _install_hooks(self) -> None:
         for name, module in self.selected.items():
             if {"input", "output"} & set(self.roles):
-                self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+                hook = self._forward_hook(name)
+                self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
             if {"grad_input", "grad_output"} & set(self.roles):
                 self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
+            if "grad_input" in self.roles:  # full backward hooks see positional inputs only
+                tap = self._keyword_input_tap(name)
+                self._handles.append(module.register_forward_pre_hook(tap, with_kwargs=True))
             if "grad_flow" in self.roles:
                 for param_name, param in module.named_parameters(recurse=False):
                     if param.requires_grad:
@@ -289,13 +303,33 @@ class ProbeSet:
         return self in _ACTIVE
 
     def _forward_hook(self, name):
-        def hook(module, inputs, output):
-            if "input" in self.roles:
-                self._record_first(name, "input", inputs)
+        def hook(module, inputs, kwargs, output):
+            if "input" in self.roles:  # the first tensor argument, positional or (Llama's) keyword
+                first = _first_tensor(inputs)
+                self._record_first(
+                    name, "input", first if first is not None else _first_tensor(kwargs.values())
+                )
             if "output" in self.roles:
                 self._record_first(name, "output", output)
 
         return hook
+
+    def _keyword_input_tap(self, name):
+        """For a call with keyword tensors only (``self_attn(hidden_states=h)``): pass the module a
+        view of its first floating keyword tensor whose gradient hook records ``grad_input`` — the
+        gradient that flows into this module alone, as a full backward hook gives it."""
+
+        def pre_hook(module, inputs, kwargs):
+            if _first_tensor(inputs) is not None or not self.sampling():
+                return None
+            for key, value in kwargs.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
+                    tapped = value.view_as(value)
+                    tapped.register_hook(lambda grad: self._record(name, "grad_input", grad))
+                    return inputs, {**kwargs, key: tapped}
+            return None
+
+        return pre_hook
 
     def _backward_hook(self, name):
         def hook(module, grad_input, grad_output):

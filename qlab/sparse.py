@@ -26,14 +26,12 @@ largest L1 norm is propagated; the other two are zeroed.
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from qlab import checks
-from qlab.nn import linear_sharing_parameters, replace_linears
+from qlab.nn import is_conv1d, linear_sharing_parameters, oriented_weight, replace_linears
 
 MODES = ("shared", "row")
 VARIANTS = ("topk", "max_child")
@@ -104,15 +102,14 @@ class GradientMask:
             name: module
             for name, module in model.named_modules()
             if any(
-                isinstance(module, p) if isinstance(p, type) else fnmatch.fnmatchcase(name, p)
-                for p in patterns
+                isinstance(module, p) if isinstance(p, type) else checks.matches(name, p) for p in patterns
             )
         }
         checks.patterns_match("keep", keep, list(candidates), what="selected module")
         self.selected = {
             name: module
             for name, module in candidates.items()
-            if not any(fnmatch.fnmatchcase(name, pattern) for pattern in keep)
+            if not any(checks.matches(name, pattern) for pattern in keep)
         }
         if not self.selected:
             raise ValueError(f"module patterns {patterns!r} match no module of the model")
@@ -215,7 +212,11 @@ class _TopKLinearFunction(torch.autograd.Function):
 
 class TopKLinear(nn.Linear):
     """Drop-in nn.Linear (inputs (..., in_features)) whose backward keeps only the top-k output
-    gradient features, computed with gathered (mode "shared") or sparse (mode "row") GEMMs."""
+    gradient features, computed with gathered (mode "shared") or sparse (mode "row") GEMMs.
+    Made from transformers' Conv1D it keeps that layer's (in, out) weight (see QuantLinear)."""
+
+    qlab_layer = True
+    weight_layout = "out_in"
 
     def __init__(
         self,
@@ -245,7 +246,11 @@ class TopKLinear(nn.Linear):
     def from_linear(
         cls, linear: nn.Linear, k=1.0, *, mode: str = "shared", variant: str = "topk"
     ) -> TopKLinear:
-        """A TopKLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
+        """A TopKLinear sharing ``linear``'s weight and bias Parameters and hooks (no copy)."""
+        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+            raise TypeError(
+                f"linear must be an nn.Linear or a transformers Conv1D, got {checks.shown(linear)}"
+            )
         layer = linear_sharing_parameters(cls, linear)
         layer._configure(k, mode, variant)
         return layer
@@ -262,10 +267,11 @@ class TopKLinear(nn.Linear):
             raise ValueError(
                 f"TopKLinear expects input of shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
+        weight = oriented_weight(self)
         if self.count == self.out_features and self.variant == "topk":
-            return F.linear(x, self.weight, self.bias)  # k = all: exactly the dense layer
+            return F.linear(x, weight, self.bias)  # k = all: exactly the dense layer
         y = _TopKLinearFunction.apply(
-            x.reshape(-1, self.in_features), self.weight, self.bias, self.count, self.mode, self.variant
+            x.reshape(-1, self.in_features), weight, self.bias, self.count, self.mode, self.variant
         )
         return y.reshape(*x.shape[:-1], self.out_features)
 

@@ -689,7 +689,9 @@ def test_quantize_model_swaps_linears_and_keeps_parameters(keep, kept):
     assert report == [
         {
             "name": name,
+            "class": "Linear",
             "action": "kept" if name in kept else "quantized",
+            "reason": "matches a keep pattern" if name in kept else "",
             "recipe": "fp8_tensorwise",
             "in_features": k,
             "out_features": m,
