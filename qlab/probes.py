@@ -29,6 +29,7 @@ from torch import nn
 
 from qlab import checks
 from qlab import quantize as Q
+from qlab.formats import get_format
 
 # A module called with keyword tensors only gets its grad_input from a tap (``_keyword_input_tap``);
 # torch warns that its full backward hook then sees no input gradients, which is expected here.
@@ -36,8 +37,17 @@ warnings.filterwarnings(
     "ignore", message="Full backward hook is firing when gradients are computed with respect"
 )
 
-STATS = ("min", "max", "mean", "std", "l1", "l2", "amax", "dynamic_range", "zero_fraction")
-WHAT_IF_STATS = ("underflow_fraction", "saturation_fraction", "qdq_mse", "sqnr_db")
+STATS = ("min", "max", "mean", "std", "l1", "l2", "amax", "dynamic_range", "zero_fraction", "outlier_ratio")
+WHAT_IF_STATS = ("underflow_fraction", "saturation_fraction", "bulk_rel_error", "qdq_mse", "sqnr_db")
+BLOCK_STATS = (
+    "scale_log2_min",
+    "scale_log2_max",
+    "scale_log2_mean",
+    "scale_log2_std",
+    "clipped_block_fraction",
+    "flushed_block_fraction",
+    "underflow_block_fraction",
+)
 ROLES = ("input", "output", "grad_input", "grad_output", "grad_flow", "param_grad", "probe")
 _ACTIVE: list[ProbeSet] = []
 
@@ -46,8 +56,11 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     """Statistics of a floating-point tensor; sums in float64 (std two-pass), min/max/amax exact.
 
     std is the population standard deviation; dynamic_range is log2(amax) − log2(smallest non-zero
-    |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros. All
-    reductions are stacked and moved to the host in one transfer.
+    |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros;
+    outlier_ratio is the largest channel amax over the (lower) median channel amax, channels being
+    the last axis (an LLM activation's features: ≫ 1 where a few channels carry massive values; inf
+    when the median channel is all zeros). All reductions are stacked and moved to the host in one
+    transfer.
     """
     stats = checks.names("stats", stats, STATS)
     _check_real_tensor("tensor", tensor)
@@ -57,6 +70,7 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     magnitude = x.abs()
     wide = x.double()
     smallest = torch.where(magnitude > 0, magnitude, torch.inf).min()
+    channels = magnitude.reshape(-1, tensor.shape[-1]).amax(0) if tensor.dim() else magnitude
     mean = wide.mean()
     variance = (wide - mean).square().mean()  # two-pass: E[x²] − E[x]² would cancel (see notebook 02)
     reduced = torch.stack(
@@ -70,9 +84,11 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
             magnitude.max().double(),
             smallest.double(),
             (x == 0).sum().double(),
+            channels.max().double(),
+            channels.median().double(),
         ]
     ).tolist()
-    low, high, mean, variance, squares, l1, amax, smallest, zeros = reduced
+    low, high, mean, variance, squares, l1, amax, smallest, zeros, top_channel, median_channel = reduced
     values = {
         "min": low,
         "max": high,
@@ -85,8 +101,15 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
         if math.isfinite(smallest) and amax > 0
         else math.nan,
         "zero_fraction": zeros / x.numel(),
+        "outlier_ratio": _ratio(top_channel, median_channel),
     }
     return {name: values[name] for name in stats}
+
+
+def _ratio(top: float, median: float) -> float:
+    if median > 0:
+        return top / median
+    return math.inf if top > 0 else math.nan
 
 
 def _check_real_tensor(name: str, tensor) -> None:
@@ -118,8 +141,10 @@ def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict
 def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float]:
     """What quantizing ``tensor`` by ``spec`` along ``axis`` would do to it.
 
-    underflow_fraction: non-zero elements that become zero; saturation_fraction: elements outside
-    the representable range (clipped); qdq_mse and sqnr_db of the quantize→dequantize round trip.
+    underflow_fraction: non-zero elements that become zero (flushed); saturation_fraction: elements
+    outside the representable range (clipped); bulk_rel_error: the (lower) median over non-zero
+    elements of |x̂ − x| / |x|, which a few huge values cannot hide the way they dominate SQNR's
+    signal energy; qdq_mse and sqnr_db of the quantize→dequantize round trip.
     Tensors that cannot be blocked along ``axis`` (e.g. a length not divisible with pad=False) raise.
     """
     _check_real_tensor("tensor", tensor)
@@ -133,12 +158,77 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
         x_hat, inside = Q.qdq_with_mask(x, spec, axis)
     nonzero = x != 0
     count = max(x.numel(), 1)
+    relative = ((x_hat.double() - x.double()).abs() / x.double().abs())[nonzero & torch.isfinite(x)]
     return {
         "underflow_fraction": ((x_hat == 0) & nonzero).sum().item() / count,
         "saturation_fraction": (~inside).sum().item() / count,
+        "bulk_rel_error": relative.median().item() if relative.numel() else math.nan,
         "qdq_mse": ((x_hat.double() - x.double()) ** 2).mean().item(),
         "sqnr_db": Q.sqnr_db(x, x_hat),
     }
+
+
+def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> dict[str, float]:
+    """What an MX or NVFP4 ``spec`` does to ``tensor``'s blocks along ``axis`` (TransformerEngine's
+    debug tools give no per-block view; this is it):
+
+    scale_log2_min/max/mean/std: log2 of the blocks' scales (MX: the E8M0 power of two; NVFP4: the
+      global scale × the E4M3 block scale), over non-zero blocks with a finite scale;
+    scale_code/<c>: how many blocks (NVFP4 16×16: tiles) got scale code c — the E8M0 byte or the
+      E4M3 code — for the codes that occur;
+    clipped_block_fraction: non-zero blocks with an element beyond the element format's range;
+    flushed_block_fraction: non-zero blocks with at least one non-zero element quantized to zero;
+    underflow_block_fraction: non-zero blocks quantized to zero altogether;
+    worst_<i>/rel_error, worst_<i>/row, worst_<i>/block: the ``worst`` blocks by relative L2 error
+      ‖x̂_b − x_b‖/‖x_b‖, located by row (the other axes in row-major order, ``axis`` moved last)
+      and block index along ``axis``.
+
+    Stochastic-rounding specs draw from torch's global generator here; Hadamard specs are measured
+    in the rotated domain, where their blocks live.
+    """
+    _check_real_tensor("tensor", tensor)
+    spec = Q.get_spec(spec)
+    if not isinstance(spec, (Q.MXSpec, Q.NVFP4Spec)):
+        raise ValueError(f"spec must be an MXSpec or NVFP4Spec (block statistics), got {type(spec).__name__}")
+    checks.integer("worst", worst, low=0)
+    x = tensor.detach()
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.float()
+    axis = Q._check_input(x, spec, axis)
+    layout = Q._to_layout(x, spec, axis)  # (..., n_blocks, block)
+    parts, out = Q._RECIPES[type(spec)](layout, spec, None, None)
+    if isinstance(spec, Q.MXSpec):
+        scales, codes = parts["scales"], parts["scale_codes"]
+    else:
+        scales = Q._nvfp4_element_scales(spec, parts["scales"], parts["global_scale"])
+        codes = Q._encode_float(parts["scales"], get_format("e4m3"))
+    blocks_x, blocks_error = layout.double(), (out.double() - layout.double())
+    nonzero_elements = blocks_x != 0
+    nonzero = nonzero_elements.any(-1) & torch.isfinite(scales)
+    flushed = ((out == 0) & nonzero_elements).any(-1) & nonzero
+    underflow = (out == 0).all(-1) & nonzero
+    clipped = ~Q._inside_range(layout, spec, parts).all(-1) & nonzero
+    log2_scales = torch.log2(scales.double()[nonzero])
+    count = max(int(nonzero.sum()), 1)
+    values = {
+        "scale_log2_min": log2_scales.min().item() if log2_scales.numel() else math.nan,
+        "scale_log2_max": log2_scales.max().item() if log2_scales.numel() else math.nan,
+        "scale_log2_mean": log2_scales.mean().item() if log2_scales.numel() else math.nan,
+        "scale_log2_std": log2_scales.std(correction=0).item() if log2_scales.numel() else math.nan,
+        "clipped_block_fraction": int(clipped.sum()) / count,
+        "flushed_block_fraction": int(flushed.sum()) / count,
+        "underflow_block_fraction": int(underflow.sum()) / count,
+    }
+    found, counts = torch.unique(codes.flatten(), return_counts=True)
+    values.update({f"scale_code/{int(c)}": float(n) for c, n in zip(found.tolist(), counts.tolist())})
+    relative = torch.linalg.vector_norm(blocks_error, dim=-1) / torch.linalg.vector_norm(blocks_x, dim=-1)
+    relative = torch.where(nonzero, relative, -math.inf).flatten()
+    blocks_per_row = layout.shape[-2]
+    for i, index in enumerate(relative.topk(min(worst, int(nonzero.sum()))).indices.tolist(), 1):
+        values[f"worst_{i}/rel_error"] = relative[index].item()
+        values[f"worst_{i}/row"] = float(index // blocks_per_row)
+        values[f"worst_{i}/block"] = float(index % blocks_per_row)
+    return values
 
 
 def _first_tensor(values):
@@ -163,12 +253,14 @@ def probe(tensor: torch.Tensor, name: str) -> None:
 class ProbeSet:
     """Hooks on selected modules and their parameters that record statistics per sampled step.
 
-    modules: fnmatch patterns of qualified module names and/or module classes ("*" or None: every
-    module with parameters or the model itself); roles: which of ROLES to record; stats: which of
-    STATS; what_if: {label: spec} adds WHAT_IF_STATS per spec (stat names "<label>/<stat>");
-    sampling: steps start ≤ s < end with (s − start) % every == 0; ranks: record only on these
-    torch.distributed ranks (records carry the rank either way); histograms: add log2_histogram
-    counts per tensor.
+    modules: module-name patterns (``qlab.checks.matches``: fnmatch, or ``re:``) and/or module
+    classes ("*" or None: every module with parameters or the model itself); roles: which of ROLES to
+    record; stats: which of STATS; what_if: {label: spec} adds WHAT_IF_STATS per spec (stat names
+    "<label>/<stat>"), or {label: (spec, patterns)} for the modules matching ``patterns`` only (so one
+    set can ask MXFP8 of some layers and NVFP4 of others); block_stats: add ``block_stats`` rows
+    ("<label>/block/<stat>") for MX and NVFP4 what-ifs; sampling: steps start ≤ s < end with
+    (s − start) % every == 0; ranks: record only on these torch.distributed ranks (records carry the
+    rank either way); histograms: add log2_histogram counts per tensor.
     """
 
     def __init__(
@@ -185,6 +277,7 @@ class ProbeSet:
         end: int | None = None,
         ranks=None,
         histograms: bool = False,
+        block_stats: bool = False,
     ):
         if model is not None:
             checks.module("model", model)
@@ -204,12 +297,17 @@ class ProbeSet:
                 )
             ranks = {checks.integer("ranks", rank, low=0) for rank in ranks}
         self.model, self.roles, self.stats = model, roles, stats
-        self.what_if = {}
-        for label, spec in (what_if or {}).items():
+        self.what_if = {}  # label -> (spec, module patterns or None for every module)
+        for label, value in (what_if or {}).items():
+            spec, patterns = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
             try:
-                self.what_if[label] = Q.get_spec(spec)
+                self.what_if[label] = (
+                    Q.get_spec(spec),
+                    None if patterns is None else checks.patterns(label, patterns),
+                )
             except (TypeError, ValueError) as err:
                 raise type(err)(f"what_if[{label!r}]: {err}") from None
+        self.block_stats = checks.boolean("block_stats", block_stats)
         self.what_if_axis = what_if_axis
         self.every, self.start, self.end = every, start, end
         self.ranks = ranks
@@ -371,9 +469,14 @@ class ProbeSet:
         rank = _rank()
         for stat, value in tensor_stats(tensor, self.stats).items():
             self.records.append((self.current_step, rank, name, role, stat, value))
-        for label, spec in self.what_if.items():
+        for label, (spec, patterns) in self.what_if.items():
+            if patterns is not None and not any(checks.matches(name, p) for p in patterns):
+                continue
             for stat, value in what_if_stats(tensor, spec, self.what_if_axis).items():
                 self.records.append((self.current_step, rank, name, role, f"{label}/{stat}", value))
+            if self.block_stats and isinstance(spec, (Q.MXSpec, Q.NVFP4Spec)):
+                for stat, value in block_stats(tensor, spec, self.what_if_axis).items():
+                    self.records.append((self.current_step, rank, name, role, f"{label}/block/{stat}", value))
         if self.histograms:
             for stat, value in log2_histogram(tensor).items():
                 self.records.append((self.current_step, rank, name, role, stat, value))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from qlab import quantize as Q
-from qlab.probes import STATS, GradientAudit, ProbeSet, probe, tensor_stats, what_if_stats
+from qlab.probes import STATS, GradientAudit, ProbeSet, block_stats, probe, tensor_stats, what_if_stats
 
 
 def small_model(seed=0):
@@ -224,3 +224,82 @@ def test_seed_model_training_ratio_is_the_loss_scale():
     # the probe inside backward sees ×scale; param.grad is unscaled: the ratio is the scale to
     # float32 rounding
     assert ((run.ratio / run.loss_scale - 1).abs() < 1e-5).all() and (run.audit_unexplained < 1e-6).all()
+
+
+# --- statistics that SQNR hides (hand-computed tensors) ------------------------------------------------
+
+
+def test_outlier_ratio_is_the_top_channel_over_the_median_channel():
+    # channels are the last axis: amaxes 1, 2, 3, 100 -> lower median 2 -> ratio 50
+    x = torch.tensor([[1.0, -2.0, 3.0, 100.0], [0.5, 1.0, -2.5, 7.0]])
+    assert tensor_stats(x, stats="outlier_ratio") == {"outlier_ratio": 50.0}
+    assert tensor_stats(torch.tensor([[0.0, 0.0, 5.0]]), stats="outlier_ratio") == {"outlier_ratio": math.inf}
+    assert math.isnan(tensor_stats(torch.zeros(2, 3), stats="outlier_ratio")["outlier_ratio"])
+
+
+def test_bulk_error_is_the_median_relative_error_that_outliers_cannot_hide():
+    # amax 448 makes the FP8 scale 1; 1.0625 lies halfway between 1 and 1.125 and rounds to even, 1.0
+    x = torch.tensor([1.0625, 1.0625, 1.0625, 448.0])
+    stats = what_if_stats(x, "fp8_e4m3")
+    assert stats["bulk_rel_error"] == pytest.approx(0.0625 / 1.0625, rel=1e-12)
+    assert stats["sqnr_db"] > 70  # the 448 dominates the signal energy: SQNR reads "fine"
+    assert stats["underflow_fraction"] == 0 and stats["saturation_fraction"] == 0
+
+
+def test_flush_to_zero_is_counted_beside_sqnr():
+    # one huge value sets the per-tensor scale; 1e-3 · (448 / 1e4) is below E4M3's smallest subnormal
+    # (2^-9), so the three small elements flush to zero while SQNR stays high
+    x = torch.tensor([1e-3, -1e-3, 1e-3, 1e4])
+    stats = what_if_stats(x, "fp8_e4m3")
+    assert stats["underflow_fraction"] == 0.75 and stats["bulk_rel_error"] == 1.0
+    assert stats["sqnr_db"] > 100
+
+
+def test_block_statistics_of_hand_made_mx_blocks():
+    # MXFP8 FLOOR (OCP): scale exponent floor(log2 amax) − 8, byte + 127
+    blocks = torch.zeros(4, 32)
+    blocks[0, 0], blocks[0, 1:] = 1.0, 0.5  # amax 1 -> byte 119, nothing lost
+    #                                          block 1: all zero -> byte 0, left out of fractions
+    blocks[2, 0], blocks[2, 1] = 1.9, 1e-10  # amax 1.9 -> byte 119: 1.9·2^8 = 486.4 > 448 clips;
+    #                                          1e-10·2^8 is below 2^-9: flushed
+    blocks[3, :] = 2.0**-140  # amax 2^-140 -> byte 0 (exponent clamped at -127): 2^-13 < 2^-9, all flushed
+    stats = block_stats(blocks.flatten(), "mxfp8")
+    assert stats["scale_code/119"] == 2 and stats["scale_code/0"] == 2
+    assert stats["clipped_block_fraction"] == pytest.approx(1 / 3)
+    assert stats["flushed_block_fraction"] == pytest.approx(2 / 3)
+    assert stats["underflow_block_fraction"] == pytest.approx(1 / 3)
+    assert (stats["scale_log2_min"], stats["scale_log2_max"]) == (-127.0, -8.0)
+    assert stats["worst_1/rel_error"] == 1.0 and stats["worst_1/block"] == 3.0  # the underflowed block
+    expected = (1.9 - 448 / 256) / math.sqrt(1.9**2 + 1e-20)  # the clipped block, 1e-10 lost too
+    assert stats["worst_2/rel_error"] == pytest.approx(expected, rel=1e-6) and stats["worst_2/block"] == 2.0
+
+
+def test_block_statistics_locate_blocks_along_any_axis_and_for_nvfp4():
+    # along axis 0 the layout is (column, block of 16 rows): x[32:48, 1] is row 1, block 2
+    x = torch.ones(64, 3)
+    x[32:48, 1] = 1e-9
+    stats = block_stats(x, "nvfp4", axis=0)
+    # global g = amax / (448·6) = 1/2688; a block of ones gets E4M3(1 / 6 / g) = 448 (code 0x7E = 126);
+    # the tiny block's 1e-9 / 6 / g is clamped to 2^-6 (code 8), and 1e-9 / (2^-6 · g) rounds to 0
+    assert stats["scale_code/126"] == 11 and stats["scale_code/8"] == 1
+    assert stats["underflow_block_fraction"] == pytest.approx(1 / 12)
+    assert (stats["worst_1/rel_error"], stats["worst_1/row"], stats["worst_1/block"]) == (1.0, 1.0, 2.0)
+    g = torch.tensor(1.0) / 2688  # the global scale is float32 (REFERENCE §2): its rounding is exact here
+    assert stats["scale_log2_min"] == math.log2(float(g * 2.0**-6))
+    assert stats["scale_log2_max"] == math.log2(float(g * 448))
+
+
+def test_what_if_specs_per_module_and_block_rows_in_one_probe_set():
+    model = small_model()
+    what_if = {"mx": ("mxfp8", "0"), "nv": ("nvfp4", ["2"]), "all": "fp8_e4m3"}
+    probes = ProbeSet(model, modules=["0", "2"], roles=("output",), stats=("amax",), what_if=what_if,
+                      block_stats=True)  # fmt: skip
+    with probes:
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    frame = probes.to_frame()
+    labels = {
+        module: {s.split("/")[0] for s in group.stat if "/" in s} for module, group in frame.groupby("module")
+    }
+    assert labels == {"0": {"mx", "all"}, "2": {"nv", "all"}}
+    assert {"mx/block/clipped_block_fraction", "mx/bulk_rel_error"} <= set(frame.stat)
+    assert not any(s.startswith("all/block/") for s in frame.stat)  # per-tensor FP8 has no blocks
