@@ -6,6 +6,7 @@
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--smoke]
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
+    qlab advise [--model M] [--recipe R] [--budget F] [--by layers|flops]   keep-in-high-precision advice
     qlab train [--config F.yaml] [--set key=value ...] [--nproc N]   train a model (qlab.train)
 
 Parameter values are parsed as YAML scalars/lists (``-p n 1024 -p dtypes '[float32, bfloat16]'``).
@@ -58,6 +59,12 @@ def _build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
+
+    from qlab import advisor
+
+    advisor.add_arguments(
+        sub.add_parser("advise", help="which layers to keep in high precision (qlab.advisor)")
+    )
 
     sub.add_parser(
         "lab", help="JupyterLab on the repository root (qlab.lab); further options go to jupyter lab"
@@ -122,6 +129,12 @@ def _cmd_sync(args) -> int:
     return 0
 
 
+def _cmd_advise(args) -> int:
+    from qlab import advisor
+
+    return advisor.main(args)
+
+
 def _cmd_lab(args) -> int:
     from qlab import lab
 
@@ -148,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "sweep": _cmd_sweep,
         "sync": _cmd_sync,
         "lab": _cmd_lab,
+        "advise": _cmd_advise,
         "train": _cmd_train,
     }[args.command]
     try:

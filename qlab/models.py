@@ -129,7 +129,7 @@ def _shakespeare_tokens(tokenizer, split: str) -> torch.Tensor:
     names = data.validation_plays(list(plays))
     chosen = names if split == "val" else [name for name in plays if name not in names]
     text = "\n".join(plays[name] for name in chosen)
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
 

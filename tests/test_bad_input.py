@@ -20,6 +20,7 @@ from torch import nn
 
 import qlab
 from qlab import (
+    advisor,
     formats,
     kernels,
     numerics,
@@ -32,6 +33,7 @@ from qlab import (
     sparse,
     synthetic,
 )
+from qlab import models as qlab_models
 from qlab import nn as qnn
 from qlab import quantize as Q
 from qlab import recipe as R
@@ -827,6 +829,30 @@ CASES = [
         lambda: fp8_gemm.fp8_matmul(Q.quantize(x32(), "mxfp8"), Q.quantize(x32(), "mxfp8")),
         TypeError,
         "operand A",
+    ),
+    # --- qlab.advisor ---------------------------------------------------------------------------------
+    ("advise batches empty", lambda: advisor.advise(tiny(), [], "mxfp8"), TypeError, "batches"),
+    (
+        "advise loss_fn str",
+        lambda: advisor.layer_sensitivity(tiny(), [x32(2, 8)], "mxfp8", loss_fn="mse"),
+        TypeError,
+        "loss_fn",
+    ),
+    (
+        "advise budget 1.5",
+        lambda: advisor.advise(tiny(), [x32(2, 8)], "mxfp8", budget=1.5),
+        ValueError,
+        "budget",
+    ),
+    ("advise by params", lambda: advisor.advise(tiny(), [x32(2, 8)], "mxfp8", by="params"), ValueError, "by"),
+    ("advise recipe", lambda: advisor.advise(tiny(), [x32(2, 8)], "fp4"), ValueError, "recipe"),
+    ("advise model str", lambda: advisor.layer_sensitivity("m", [x32(2, 8)], "mxfp8"), TypeError, "model"),
+    ("models.load unknown", lambda: qlab_models.load("gpt5"), ValueError, "name"),
+    (
+        "shakespeare_batches tokens 1",
+        lambda: qlab_models.shakespeare_batches(None, tokens=1),
+        ValueError,
+        "tokens",
     ),
     # --- qlab.results, qlab.plotting --------------------------------------------------------------
     ("save_csv not a frame", lambda: results.save_csv("df", "x"), TypeError, "df"),

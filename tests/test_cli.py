@@ -154,3 +154,16 @@ def test_list_and_resolve(capsys):
     assert (
         notebooks.resolve_notebook(paths.NOTEBOOKS_DIR / "02_welford_vs_naive_variance.py").suffix == ".ipynb"
     )
+
+
+def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
+    out = tmp_path / "advice.csv"
+    argv = ["advise", "--model", "minilm-l6", "--recipe", "nvfp4", "--batches", "1", "--batch-size", "1"]
+    assert cli.main(argv + ["--tokens", "16", "--top", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "keep_high_precision = [" in printed and "the most sensitive layers" in printed
+    import pandas as pd
+
+    table = pd.read_csv(out)
+    assert len(table) == 37 and sorted(table["rank"]) == list(range(1, 38))  # MiniLM: 6 × 6 + pooler
+    assert table.sort_values("rank").delta.is_monotonic_decreasing

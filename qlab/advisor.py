@@ -1,0 +1,224 @@
+"""Measured advice: which layers to keep in high precision, for your model, batches and recipe.
+
+    table = advisor.layer_sensitivity(model, batches, "nvfp4")        # one row per Linear-like layer
+    advice = advisor.advise(model, batches, "nvfp4", budget=0.15)     # keep ≤ 15 % of the layers
+    quantize_model(model, "nvfp4", keep_high_precision=advice.keep)   # patterns quantize_model takes
+
+Sensitivity is measured, not guessed: each convertible layer alone is quantized by the recipe
+(forward only, the model in eval mode, on the caller's batches) and the mean loss compared with the
+unquantized model's on the same batches. ``advise`` then keeps the most sensitive layers while their
+share of the budget — a fraction of the layers, or of the GEMM FLOPs (in × out per token) — lasts.
+The model is left exactly as it came (every swapped layer is put back, Parameters untouched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+from torch import nn
+
+from qlab import checks
+from qlab.nn import QuantLinear, is_conv1d, linear_layers
+from qlab.recipe import get_recipe
+
+BUDGET_UNITS = ("layers", "flops")
+
+
+def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a Hugging Face causal LM on token ids (batch, tokens)."""
+    return model(input_ids=batch, labels=batch).loss
+
+
+@contextmanager
+def quantized(model: nn.Module, names: Sequence[str], recipe):
+    """For the duration, the named layers of ``model`` are QuantLinears of ``recipe`` (sharing their
+    Parameters); afterwards the original modules are back in place."""
+    recipe = get_recipe(recipe)
+    originals = {}
+    try:
+        for name in names:
+            module = model.get_submodule(name)
+            originals[name] = module
+            _replace(model, name, QuantLinear.from_linear(module, recipe))
+        yield model
+    finally:
+        for name, module in originals.items():
+            _replace(model, name, module)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+@torch.no_grad()
+def _mean_loss(model, batches, loss_fn) -> float:
+    return sum(float(loss_fn(model, batch)) for batch in batches) / len(batches)
+
+
+def layer_sensitivity(
+    model: nn.Module,
+    batches: Sequence,
+    recipe,
+    *,
+    loss_fn: Callable = causal_lm_loss,
+    layers: Sequence[str] | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """One row per convertible Linear-like layer (or per name in ``layers``): the mean loss over
+    ``batches`` with that layer alone quantized by ``recipe``, and ``delta``, its increase over the
+    unquantized model (nats for a cross-entropy). Columns: layer, in_features, out_features, flops
+    (in × out: multiply-adds per token), loss, delta, rank (1 = most sensitive). The model runs in
+    eval mode and is returned as it came."""
+    checks.module("model", model)
+    if not isinstance(batches, (list, tuple)) or not batches:
+        raise TypeError(f"batches must be a non-empty list of batches, got {checks.shown(batches)}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {checks.shown(loss_fn)}")
+    recipe = get_recipe(recipe)
+    convertible = {name: module for name, module, why in linear_layers(model) if why is None}
+    if layers is None:
+        names = list(convertible)
+    else:
+        names = checks.patterns("layers", layers)
+        unknown = [name for name in names if name not in convertible]
+        if unknown:
+            near = ", ".join(checks.closest(unknown[0], convertible))
+            raise ValueError(f"layers {unknown} are no convertible layer of the model; closest: {near}")
+    was_training = model.training
+    model.eval()
+    try:
+        baseline = _mean_loss(model, batches, loss_fn)
+        rows = []
+        if progress:
+            from qlab.session import progress as bar
+
+            names_iter = bar(names, desc=f"sensitivity ({recipe.name})")
+        else:
+            names_iter = names
+        for name in names_iter:
+            with quantized(model, [name], recipe):
+                loss = _mean_loss(model, batches, loss_fn)
+            rows_, columns = convertible[name].weight.shape  # Conv1D stores (in, out), nn.Linear (out, in)
+            in_features, out_features = (rows_, columns) if is_conv1d(convertible[name]) else (columns, rows_)
+            shape = {
+                "in_features": in_features,
+                "out_features": out_features,
+                "flops": in_features * out_features,
+            }
+            rows.append({"layer": name, **shape, "loss": loss, "delta": loss - baseline})
+    finally:
+        model.train(was_training)
+    table = pd.DataFrame(rows)
+    table["rank"] = table.delta.rank(ascending=False, method="first").astype(int)
+    return table.assign(recipe=recipe.name, baseline_loss=baseline)
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What to keep in high precision: ``keep`` (patterns quantize_model's keep_high_precision
+    takes: exact layer names), the sensitivity ``table`` with a ``keep`` column, and the budget."""
+
+    keep: list[str]
+    table: pd.DataFrame
+    budget: float
+    by: str
+
+
+def choose(table: pd.DataFrame, budget: float, by: str = "layers") -> Advice:
+    """Keep the most sensitive layers (largest ``delta`` first) while the kept share of the layers
+    (``by="layers"``) or of the FLOPs (``by="flops"``) stays within ``budget``; a layer whose
+    quantization does not raise the loss is never kept."""
+    checks.number("budget", budget, low=0, high=1)
+    checks.choice("by", by, BUDGET_UNITS)
+    ordered = table.sort_values("delta", ascending=False, kind="stable")
+    cost = (
+        ordered.flops / ordered.flops.sum() if by == "flops" else pd.Series(1 / len(ordered), ordered.index)
+    )
+    spent, keep = 0.0, []
+    for index, row in ordered.iterrows():
+        if row.delta <= 0 or spent + cost[index] > budget + 1e-12:
+            continue
+        spent += cost[index]
+        keep.append(row.layer)
+    marked = table.assign(keep=table.layer.isin(keep))
+    return Advice(keep=[name for name in table.layer if name in keep], table=marked, budget=budget, by=by)
+
+
+def advise(
+    model: nn.Module,
+    batches: Sequence,
+    recipe,
+    *,
+    budget: float = 0.15,
+    by: str = "layers",
+    loss_fn: Callable = causal_lm_loss,
+    progress: bool = False,
+) -> Advice:
+    """``layer_sensitivity`` then ``choose``: the layers to keep in high precision within ``budget``
+    (a fraction of the layers or of the FLOPs, ``by``) for ``recipe`` on ``batches``."""
+    checks.number("budget", budget, low=0, high=1)
+    checks.choice("by", by, BUDGET_UNITS)
+    table = layer_sensitivity(model, batches, recipe, loss_fn=loss_fn, progress=progress)
+    return choose(table, budget, by)
+
+
+def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
+    """A loss for encoders: the relative L2 error of ``model``'s last hidden states against those
+    ``reference`` gives on the same batch (0 for the unquantized model), computed once up front."""
+    with torch.no_grad():
+        expected = {id(batch): reference(input_ids=batch).last_hidden_state for batch in batches}
+
+    def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        target = expected[id(batch)]
+        return torch.linalg.vector_norm(
+            model(input_ids=batch).last_hidden_state - target
+        ) / torch.linalg.vector_norm(target)
+
+    return loss
+
+
+def main(args) -> int:
+    """``qlab advise``: measured keep-in-high-precision advice for a packaged model (qlab.models)."""
+    from qlab import models
+
+    model, tokenizer = models.load(args.model)
+    batches = models.shakespeare_batches(tokenizer, batch_size=args.batch_size, tokens=args.tokens,
+                                         count=args.batches, seed=args.seed)  # fmt: skip
+    loss_fn = causal_lm_loss if hasattr(model, "lm_head") else hidden_state_error(model, batches)
+    advice = advise(
+        model, batches, args.recipe, budget=args.budget, by=args.by, loss_fn=loss_fn, progress=True
+    )
+    table = advice.table.sort_values("rank")
+    baseline = table.baseline_loss.iloc[0]
+    print(f"{args.model}, {args.recipe}: baseline loss {baseline:.4f}; the most sensitive layers:")
+    print(table.head(args.top)[["rank", "layer", "delta", "flops", "keep"]].to_string(index=False))
+    print(f"keep_high_precision = {advice.keep!r}")
+    print(f"# {len(advice.keep)} layers, within {args.budget:g} of the {args.by}")
+    if args.out:
+        from qlab.results import write_csv
+
+        print(f"table written to {write_csv(table, args.out)}")
+    return 0
+
+
+def add_arguments(parser) -> None:
+    from qlab.models import PACKAGED
+    from qlab.recipe import PRESETS
+
+    parser.add_argument("--model", choices=sorted(PACKAGED), default="smollm2-135m")
+    parser.add_argument("--recipe", choices=[p for p in PRESETS if p != "bf16"], default="nvfp4")
+    parser.add_argument(
+        "--budget", type=float, default=0.15, help="fraction of the layers (or FLOPs) to keep"
+    )
+    parser.add_argument("--by", choices=BUDGET_UNITS, default="layers")
+    parser.add_argument("--batches", type=int, default=2, help="held-out Shakespeare batches")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top", type=int, default=15, help="rows of the table to print")
+    parser.add_argument("--out", help="write the whole table to this CSV file")
