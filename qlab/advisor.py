@@ -60,6 +60,69 @@ def _mean_loss(model, batches, loss_fn) -> float:
     return sum(float(loss_fn(model, batch)) for batch in batches) / len(batches)
 
 
+def _check_measurement(model, batches, loss_fn) -> None:
+    checks.module("model", model)
+    if not isinstance(batches, (list, tuple)) or not batches:
+        raise TypeError(f"batches must be a non-empty list of batches, got {checks.shown(batches)}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {checks.shown(loss_fn)}")
+
+
+def _shape(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features): Conv1D stores its weight (in, out), nn.Linear (out, in)."""
+    rows, columns = module.weight.shape
+    return (rows, columns) if is_conv1d(module) else (columns, rows)
+
+
+def group_sensitivity(
+    model: nn.Module,
+    batches: Sequence,
+    recipe,
+    groups: dict,
+    *,
+    loss_fn: Callable = causal_lm_loss,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """One row per group {label: [layer names]}: the mean loss over ``batches`` with that group's
+    layers (and no others) quantized by ``recipe``, and ``delta``, its increase over the unquantized
+    model (nats for a cross-entropy). Columns: group, layers (count), flops (Σ in × out: multiply-adds
+    per token), loss, delta, rank (1 = most sensitive), recipe, baseline_loss. The model runs in eval
+    mode and comes back as it was."""
+    _check_measurement(model, batches, loss_fn)
+    if not isinstance(groups, dict) or not groups:
+        raise TypeError(f"groups must be a non-empty dict label -> layer names, got {checks.shown(groups)}")
+    recipe = get_recipe(recipe)
+    convertible = {name: module for name, module, why in linear_layers(model) if why is None}
+    for label, names in groups.items():
+        unknown = [name for name in checks.patterns(f"groups[{label!r}]", names) if name not in convertible]
+        if unknown:
+            near = ", ".join(checks.closest(unknown[0], convertible))
+            raise ValueError(f"layers {unknown} are no convertible layer of the model; closest: {near}")
+    was_training = model.training
+    model.eval()
+    try:
+        baseline = _mean_loss(model, batches, loss_fn)
+        labels = groups
+        if progress:
+            from qlab.session import progress as bar
+
+            labels = bar(list(groups), desc=f"sensitivity ({recipe.name})")
+        rows = []
+        for label in labels:
+            names = checks.patterns("groups", groups[label])
+            with quantized(model, names, recipe):
+                loss = _mean_loss(model, batches, loss_fn)
+            flops = sum(i * o for i, o in (_shape(convertible[name]) for name in names))
+            rows.append(
+                {"group": label, "layers": len(names), "flops": flops, "loss": loss, "delta": loss - baseline}
+            )
+    finally:
+        model.train(was_training)
+    table = pd.DataFrame(rows)
+    table["rank"] = table.delta.rank(ascending=False, method="first").astype(int)
+    return table.assign(recipe=recipe.name, baseline_loss=baseline)
+
+
 def layer_sensitivity(
     model: nn.Module,
     batches: Sequence,
@@ -69,53 +132,19 @@ def layer_sensitivity(
     layers: Sequence[str] | None = None,
     progress: bool = False,
 ) -> pd.DataFrame:
-    """One row per convertible Linear-like layer (or per name in ``layers``): the mean loss over
-    ``batches`` with that layer alone quantized by ``recipe``, and ``delta``, its increase over the
-    unquantized model (nats for a cross-entropy). Columns: layer, in_features, out_features, flops
-    (in × out: multiply-adds per token), loss, delta, rank (1 = most sensitive). The model runs in
-    eval mode and is returned as it came."""
-    checks.module("model", model)
-    if not isinstance(batches, (list, tuple)) or not batches:
-        raise TypeError(f"batches must be a non-empty list of batches, got {checks.shown(batches)}")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {checks.shown(loss_fn)}")
-    recipe = get_recipe(recipe)
+    """``group_sensitivity`` with one layer per group: every convertible Linear-like layer (or each
+    name in ``layers``) quantized alone. Columns: layer, in_features, out_features, flops, loss,
+    delta, rank, recipe, baseline_loss."""
+    _check_measurement(model, batches, loss_fn)
     convertible = {name: module for name, module, why in linear_layers(model) if why is None}
-    if layers is None:
-        names = list(convertible)
-    else:
-        names = checks.patterns("layers", layers)
-        unknown = [name for name in names if name not in convertible]
-        if unknown:
-            near = ", ".join(checks.closest(unknown[0], convertible))
-            raise ValueError(f"layers {unknown} are no convertible layer of the model; closest: {near}")
-    was_training = model.training
-    model.eval()
-    try:
-        baseline = _mean_loss(model, batches, loss_fn)
-        rows = []
-        if progress:
-            from qlab.session import progress as bar
-
-            names_iter = bar(names, desc=f"sensitivity ({recipe.name})")
-        else:
-            names_iter = names
-        for name in names_iter:
-            with quantized(model, [name], recipe):
-                loss = _mean_loss(model, batches, loss_fn)
-            rows_, columns = convertible[name].weight.shape  # Conv1D stores (in, out), nn.Linear (out, in)
-            in_features, out_features = (rows_, columns) if is_conv1d(convertible[name]) else (columns, rows_)
-            shape = {
-                "in_features": in_features,
-                "out_features": out_features,
-                "flops": in_features * out_features,
-            }
-            rows.append({"layer": name, **shape, "loss": loss, "delta": loss - baseline})
-    finally:
-        model.train(was_training)
-    table = pd.DataFrame(rows)
-    table["rank"] = table.delta.rank(ascending=False, method="first").astype(int)
-    return table.assign(recipe=recipe.name, baseline_loss=baseline)
+    names = list(convertible) if layers is None else checks.patterns("layers", layers)
+    table = group_sensitivity(model, batches, recipe, {name: [name] for name in names}, loss_fn=loss_fn,
+                              progress=progress)  # fmt: skip
+    shapes = pd.DataFrame(
+        [_shape(convertible[name]) for name in table.group], columns=["in_features", "out_features"]
+    )
+    table = table.rename(columns={"group": "layer"}).drop(columns="layers")
+    return pd.concat([table.iloc[:, :1], shapes, table.iloc[:, 1:]], axis=1)
 
 
 @dataclass(frozen=True)

@@ -603,3 +603,46 @@ class GradientAudit:
                 }
             )
         return pd.DataFrame(rows)
+
+
+# --- weight-gradient agreement ---------------------------------------------------------------------------
+
+
+def weight_gradients(model: nn.Module, batches, loss_fn, names=None) -> dict[str, torch.Tensor]:
+    """The gradient of the mean loss over ``batches`` for each Linear-like layer's weight (float64,
+    as stored: (out, in), or (in, out) for transformers' Conv1D), keyed by layer name. ``names``
+    restricts it to those layers. The model's ``.grad`` are left as they were."""
+    from qlab.nn import linear_layers
+
+    checks.module("model", model)
+    if not isinstance(batches, (list, tuple)) or not batches:
+        raise TypeError(f"batches must be a non-empty list of batches, got {checks.shown(batches)}")
+    layers = {name: module for name, module, _ in linear_layers(model)}
+    chosen = list(layers) if names is None else checks.patterns("names", names)
+    saved = {id(p): p.grad for p in model.parameters()}
+    try:
+        for p in model.parameters():
+            p.grad = None
+        for batch in batches:
+            (loss_fn(model, batch) / len(batches)).backward()
+        return {name: layers[name].weight.grad.detach().double().clone() for name in chosen}
+    finally:
+        for p in model.parameters():
+            p.grad = saved[id(p)]
+
+
+def gradient_agreement(gradients: dict, reference: dict) -> pd.DataFrame:
+    """Per layer, ``cosine`` similarity and ``relative_error`` ‖g − g_ref‖ / ‖g_ref‖ (float64) of
+    ``gradients`` against ``reference`` (the same keys)."""
+    if set(gradients) != set(reference):
+        differing = sorted(set(gradients) ^ set(reference))
+        raise ValueError(f"gradients and reference must name the same layers; only one names {differing}")
+    rows = []
+    for name, g_ref in reference.items():
+        g = gradients[name].double().flatten()
+        g_ref = g_ref.double().flatten()
+        norm = torch.linalg.vector_norm(g_ref)
+        cosine = float(torch.nn.functional.cosine_similarity(g, g_ref, dim=0))
+        error = float(torch.linalg.vector_norm(g - g_ref) / norm) if norm > 0 else math.nan
+        rows.append({"layer": name, "cosine": cosine, "relative_error": error})
+    return pd.DataFrame(rows)

@@ -100,3 +100,18 @@ def test_layers_can_be_named_and_unknown_names_are_refused(tower_and_batches):
     assert table.layer.tolist() == ["layers.0", FRAGILE]
     with pytest.raises(ValueError, match="closest: layers.2"):
         advisor.layer_sensitivity(model, batches, "mxfp8", loss_fn=loss_fn, layers=["layers.22"])
+
+
+def test_a_group_of_every_layer_is_the_fully_quantized_model(tower_and_batches):
+    model, batches, loss_fn = tower_and_batches
+    names = [f"layers.{i}" for i in range(4)]
+    table = advisor.group_sensitivity(
+        model, batches, "nvfp4", {"all": names, "first": names[:1]}, loss_fn=loss_fn
+    )
+    everything = Tower().eval()
+    quantize_model(everything, "nvfp4")
+    with torch.no_grad():
+        expected = sum(float(loss_fn(everything, b)) for b in batches) / len(batches)
+    row = table.set_index("group").loc["all"]
+    assert row.loss == pytest.approx(expected, rel=1e-12) and row.layers == 4
+    assert row.flops == 32 * 64 + 64 * 64 * 2 + 64 * 8

@@ -110,3 +110,40 @@ def test_unknown_names_are_refused():
         models.load("gpt5")
     with pytest.raises(ValueError, match="unknown dtype"):
         models.load("minilm-l6", dtype="fp8")
+
+
+def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(smollm2, tmp_path, monkeypatch):
+    """The cache (runs/model_cache) must give the model the GGUF file gives: same weights, tokens
+    and logits. Measured by loading both ways in this process (~20 s)."""
+    cached = models.cache_dir("smollm2-135m")
+    assert (cached / "model.safetensors").is_file()  # the module fixture's load wrote or used it
+    monkeypatch.setattr(models, "cache_dir", lambda name: tmp_path / name)  # no cache: from the GGUF file
+    models._load_float32.cache_clear()
+    try:
+        from_gguf, tokenizer = models.load("smollm2-135m")
+    finally:
+        models._load_float32.cache_clear()
+    from_cache = smollm2[0]
+    assert from_gguf.state_dict().keys() == from_cache.state_dict().keys()
+    assert all(
+        torch.equal(a, b) for a, b in zip(from_gguf.state_dict().values(), from_cache.state_dict().values())
+    )
+    batch = models.shakespeare_batches(tokenizer, batch_size=1, tokens=32, count=1)[0]
+    assert torch.equal(batch, models.shakespeare_batches(smollm2[1], batch_size=1, tokens=32, count=1)[0])
+    with torch.no_grad():
+        assert torch.equal(from_gguf(input_ids=batch).logits, from_cache(input_ids=batch).logits)
+
+
+def test_fine_tune_is_deterministic_and_learns_a_repeated_batch(minilm):
+    import transformers
+
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, vocab_size=64, **heads
+    )
+    batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        runs.append(models.fine_tune(transformers.LlamaForCausalLM(config), [batch], steps=6, lr=1e-2))
+    assert runs[0] == runs[1] and runs[0][-1] < runs[0][0] - 0.5

@@ -303,3 +303,23 @@ def test_what_if_specs_per_module_and_block_rows_in_one_probe_set():
     assert labels == {"0": {"mx", "all"}, "2": {"nv", "all"}}
     assert {"mx/block/clipped_block_fraction", "mx/bulk_rel_error"} <= set(frame.stat)
     assert not any(s.startswith("all/block/") for s in frame.stat)  # per-tensor FP8 has no blocks
+
+
+def test_weight_gradients_match_the_closed_form_and_leave_grad_alone():
+    # loss = mean over batches of mean((x Wᵀ − y)²): dL/dW = Σ_b 2/(n·m) (x Wᵀ − y)ᵀ x / |batches|
+    from qlab.probes import gradient_agreement, weight_gradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2, bias=False))
+    weight = model[0].weight.detach().double()
+    batches = [(torch.randn(5, 3), torch.randn(5, 2)) for _ in range(2)]
+    model[0].weight.grad = torch.full_like(model[0].weight, 7.0)
+    grads = weight_gradients(model, batches, lambda m, b: (m(b[0]) - b[1]).square().mean())
+    expected = sum(2 / 10 * (x.double() @ weight.T - y.double()).T @ x.double() for x, y in batches) / 2
+    # the model computes in float32, the closed form in float64: float32 rounding, rtol 1e-5 / atol 1e-7
+    assert torch.allclose(grads["0"], expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 7.0))
+    table = gradient_agreement({"0": torch.tensor([1.0, 0.0])}, {"0": torch.tensor([1.0, 1.0])})
+    assert table.cosine.item() == pytest.approx(2**-0.5) and table.relative_error.item() == pytest.approx(
+        2**-0.5
+    )
