@@ -40,10 +40,10 @@ def quantized(model: nn.Module, names: Sequence[str], recipe):
     recipe = get_recipe(recipe)
     originals = {}
     try:
-        for name in names:
+        for index, name in enumerate(names):  # each layer its own stochastic-rounding seed, as quantize_model
             module = model.get_submodule(name)
             originals[name] = module
-            _replace(model, name, QuantLinear.from_linear(module, recipe))
+            _replace(model, name, QuantLinear.from_linear(module, recipe, seed=index))
         yield model
     finally:
         for name, module in originals.items():
