@@ -365,3 +365,18 @@ def test_fsdp2_on_two_gloo_processes_matches_one_process(tmp_path):
     for key, value in reference.state_dict().items():
         # gloo's reduce-scatter sums the two ranks' gradients in another order than autograd: rtol 1e-5
         assert torch.allclose(sharded[key], value, rtol=1e-5, atol=1e-7), key
+
+
+def test_sparsify_model_converts_conv1d_layers_too():
+    from qlab.sparse import TopKLinear, sparsify_model
+
+    model = build("gpt2")
+    reference = loss_of(model, batch())
+    replaced = sparsify_model(model, 1.0)  # k = every feature: the dense layer
+    assert len(replaced) == 9 and sum(isinstance(m, TopKLinear) for m in model.modules()) == 9
+    assert torch.allclose(loss_of(model, batch()), reference, rtol=1e-5, atol=0)
+    model = build("gpt2").train()
+    sparsify_model(model, 0.25)
+    loss_of(model, batch()).backward()
+    c_attn = model.transformer.h[0].attn.c_attn.weight.grad  # Conv1D layout (in, out): columns are outputs
+    assert (c_attn.abs().sum(0) > 0).sum() == round(0.25 * c_attn.shape[1])  # only k output features move
