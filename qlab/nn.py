@@ -568,12 +568,25 @@ def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
     return found
 
 
+_MODULE_INTERNALS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", *_HOOK_TABLES)
+
+
+def _share_internals(layer: nn.Module, source: nn.Module) -> None:
+    """Give ``layer`` ``source``'s buffers (same tensors, same persistence) and its hook tables."""
+    for name, buffer in source._buffers.items():
+        layer.register_buffer(name, buffer, persistent=name not in source._non_persistent_buffers_set)
+    for table in _HOOK_TABLES:
+        if hasattr(source, table):
+            object.__setattr__(layer, table, getattr(source, table))
+
+
 def linear_sharing_parameters(cls: type, linear: nn.Module) -> nn.Linear:
     """A ``cls`` (nn.Linear or a subclass) holding ``linear``'s weight and bias Parameters (no copy:
-    the optimizer's, tied weights stay tied) and its hook tables, in the same train/eval mode.
-    ``linear`` is an nn.Linear (or subclass) or transformers' Conv1D, whose (in, out) weight the new
-    layer keeps as it is (``weight_layout = "in_out"``). The module replaced is remembered
-    (``source_module``) so that ``unquantize_model`` can put it back. Subclass set-up is the caller's."""
+    the optimizer's, tied weights stay tied), its buffers and its hook tables, in the same train/eval
+    mode. ``linear`` is an nn.Linear (or subclass) or transformers' Conv1D, whose (in, out) weight the
+    new layer keeps as it is (``weight_layout = "in_out"``). The replaced module's class and plain
+    attributes are remembered — not the module, whose Parameters FSDP would otherwise keep alive —
+    so ``unquantize_model`` can rebuild it. Subclass set-up is the caller's."""
     layer = cls.__new__(cls)
     nn.Module.__init__(layer)
     conv1d = is_conv1d(linear)
@@ -581,12 +594,27 @@ def linear_sharing_parameters(cls: type, linear: nn.Module) -> nn.Linear:
     rows, columns = linear.weight.shape
     layer.in_features, layer.out_features = (rows, columns) if conv1d else (columns, rows)
     layer.weight, layer.bias = linear.weight, linear.bias
-    for table in _HOOK_TABLES:
-        if hasattr(linear, table):
-            object.__setattr__(layer, table, getattr(linear, table))
-    object.__setattr__(layer, "source_module", linear)  # not a submodule: no state_dict entries
+    _share_internals(layer, linear)
+    attributes = {k: v for k, v in vars(linear).items() if k not in _MODULE_INTERNALS}
+    object.__setattr__(layer, "source_class", type(linear))  # not submodules: no state_dict entries
+    object.__setattr__(layer, "source_attributes", attributes)
     layer.train(linear.training)
     return layer
+
+
+def rebuild_source(layer: nn.Module) -> nn.Module:
+    """The module a converted layer replaced, rebuilt around the layer's current Parameters, buffers
+    and hook tables (an nn.Linear for a layer that replaced nothing)."""
+    source_class = getattr(layer, "source_class", None)
+    if source_class is None:
+        return linear_sharing_parameters(nn.Linear, layer)
+    module = source_class.__new__(source_class)
+    nn.Module.__init__(module)
+    module.__dict__.update(layer.source_attributes)
+    module.weight, module.bias = layer.weight, layer.bias
+    _share_internals(module, layer)
+    module.train(layer.training)
+    return module
 
 
 def replace_linears(model: nn.Module, make, *, keep=(), candidates=None, keep_name: str = "keep") -> list:
@@ -671,21 +699,15 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
 
 
 def unquantize_model(model: nn.Module) -> list[str]:
-    """The inverse of quantize_model: every QuantLinear back to the module it replaced (or an
-    nn.Linear), with the same Parameters and hooks; returns the names restored."""
+    """The inverse of quantize_model: every QuantLinear back to the class it replaced (or an
+    nn.Linear), rebuilt around the same Parameters, buffers and hooks; returns the names restored."""
     return plain_linears(model, QuantLinear)
 
 
 def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
     """Replace (in place) every module that is an instance of ``kind`` but not exactly nn.Linear (a
-    QuantLinear, a TopKLinear, ...) by the module it replaced (``source_module``, when it still holds
-    the same Parameters) or else an nn.Linear sharing its Parameters; return the names replaced."""
-
-    def restore(module, index):
-        source = getattr(module, "source_module", None)
-        if source is not None and source.weight is module.weight and source.bias is module.bias:
-            return source
-        return linear_sharing_parameters(nn.Linear, module)
+    QuantLinear, a TopKLinear, ...) by the module it replaced, rebuilt around the same Parameters
+    (``rebuild_source``; an nn.Linear if it replaced nothing); return the names replaced."""
 
     checks.module("model", model)
     candidates = [
@@ -693,7 +715,7 @@ def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
         for name, m in model.named_modules(remove_duplicate=False)
         if isinstance(m, kind) and isinstance(m, nn.Linear) and type(m) is not nn.Linear
     ]
-    chosen = replace_linears(model, restore, candidates=candidates)
+    chosen = replace_linears(model, lambda module, index: rebuild_source(module), candidates=candidates)
     return [name for name, _, _ in chosen]
 
 

@@ -380,3 +380,33 @@ def test_sparsify_model_converts_conv1d_layers_too():
     loss_of(model, batch()).backward()
     c_attn = model.transformer.h[0].attn.c_attn.weight.grad  # Conv1D layout (in, out): columns are outputs
     assert (c_attn.abs().sum(0) > 0).sum() == round(0.25 * c_attn.shape[1])  # only k output features move
+
+
+def test_a_converted_layer_does_not_keep_the_replaced_module_alive():
+    """FSDP swaps a layer's Parameters for shards; a reference to the replaced module would keep the
+    unsharded originals alive. The replacement keeps its class and plain attributes only."""
+    import gc
+    import weakref
+
+    model = build("gpt2")
+    original = weakref.ref(model.transformer.h[0].attn.c_attn)
+    quantize_model(model, "mxfp8")
+    gc.collect()
+    assert original() is None
+    unquantize_model(model)
+    restored = model.transformer.h[0].attn.c_attn
+    assert type(restored) is Conv1D and (restored.nf, restored.nx) == (96, 32)
+
+
+def test_buffers_survive_conversion():
+    class WithBuffer(nn.Linear):
+        pass
+
+    layer = WithBuffer(4, 4)
+    layer.register_buffer("calibration", torch.arange(4.0))
+    model = nn.Sequential(layer)
+    keys = set(model.state_dict())
+    quantize_model(model, "mxfp8")
+    assert set(model.state_dict()) == keys and torch.equal(model[0].calibration, torch.arange(4.0))
+    unquantize_model(model)
+    assert type(model[0]) is WithBuffer and torch.equal(model[0].calibration, torch.arange(4.0))
