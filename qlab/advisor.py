@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from qlab import checks
-from qlab.nn import QuantLinear, is_conv1d, linear_layers
+from qlab.nn import QuantLinear, is_conv1d, linear_layers, set_submodule
 from qlab.recipe import get_recipe
 
 BUDGET_UNITS = ("layers", "flops")
@@ -43,16 +43,11 @@ def quantized(model: nn.Module, names: Sequence[str], recipe):
         for index, name in enumerate(names):  # each layer its own stochastic-rounding seed, as quantize_model
             module = model.get_submodule(name)
             originals[name] = module
-            _replace(model, name, QuantLinear.from_linear(module, recipe, seed=index))
+            set_submodule(model, name, QuantLinear.from_linear(module, recipe, seed=index))
         yield model
     finally:
         for name, module in originals.items():
-            _replace(model, name, module)
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
+            set_submodule(model, name, module)
 
 
 @torch.no_grad()
@@ -62,8 +57,7 @@ def _mean_loss(model, batches, loss_fn) -> float:
 
 def _check_measurement(model, batches, loss_fn) -> None:
     checks.module("model", model)
-    if not isinstance(batches, (list, tuple)) or not batches:
-        raise TypeError(f"batches must be a non-empty list of batches, got {checks.shown(batches)}")
+    checks.batches("batches", batches)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {checks.shown(loss_fn)}")
 
@@ -233,21 +227,3 @@ def main(args) -> int:
 
         print(f"table written to {write_csv(table, args.out)}")
     return 0
-
-
-def add_arguments(parser) -> None:
-    from qlab.models import PACKAGED
-    from qlab.recipe import PRESETS
-
-    parser.add_argument("--model", choices=sorted(PACKAGED), default="smollm2-135m")
-    parser.add_argument("--recipe", choices=[p for p in PRESETS if p != "bf16"], default="nvfp4")
-    parser.add_argument(
-        "--budget", type=float, default=0.15, help="fraction of the layers (or FLOPs) to keep"
-    )
-    parser.add_argument("--by", choices=BUDGET_UNITS, default="layers")
-    parser.add_argument("--batches", type=int, default=2, help="held-out Shakespeare batches")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--top", type=int, default=15, help="rows of the table to print")
-    parser.add_argument("--out", help="write the whole table to this CSV file")

@@ -17,8 +17,10 @@ import math
 import numbers
 import re
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a check needs it: the CLI imports this module, not torch
+    import torch
 
 
 def shown(value) -> str:
@@ -101,6 +103,8 @@ def choice(name: str, value, choices: Sequence):
 
 def generator(name: str, value, *, optional: bool = True) -> torch.Generator | None:
     """A ``torch.Generator`` (or None when ``optional``); a seed is not a generator."""
+    import torch
+
     if value is None and optional:
         return None
     if not isinstance(value, torch.Generator):
@@ -117,11 +121,21 @@ def seed(name: str, value) -> int:
 
 
 def tensor(
-    name: str, value, *, floating: bool = False, dtypes: Iterable[torch.dtype] | None = None
+    name: str,
+    value,
+    *,
+    floating: bool = False,
+    real: bool = False,
+    dtypes: Iterable[torch.dtype] | None = None,
 ) -> torch.Tensor:
-    """A torch.Tensor; ``floating`` requires a real floating dtype, ``dtypes`` one of those dtypes."""
+    """A torch.Tensor; ``floating`` requires a real floating dtype, ``real`` any dtype but bool and
+    complex, ``dtypes`` one of those dtypes."""
+    import torch
+
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {shown(value)}")
+    if real and (value.dtype == torch.bool or value.is_complex()):
+        raise TypeError(f"{name} must hold real numbers (a floating or integer dtype), got {value.dtype}")
     if floating and not value.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
     if dtypes is not None and value.dtype not in tuple(dtypes):
@@ -132,6 +146,8 @@ def tensor(
 
 def floating_dtype(name: str, value, *, optional: bool = True) -> torch.dtype | None:
     """A floating torch.dtype (or None when ``optional``)."""
+    import torch
+
     if value is None and optional:
         return None
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
@@ -140,6 +156,8 @@ def floating_dtype(name: str, value, *, optional: bool = True) -> torch.dtype | 
 
 
 def module(name: str, value) -> torch.nn.Module:
+    import torch
+
     if not isinstance(value, torch.nn.Module):
         raise TypeError(f"{name} must be a torch.nn.Module, got {shown(value)}")
     return value
@@ -177,6 +195,13 @@ def patterns(name: str, value) -> list[str]:
                     ) from None
         return list(value)
     raise TypeError(f"{name} must be a pattern string or a list of pattern strings, got {shown(value)}")
+
+
+def batches(name: str, value) -> list:
+    """A non-empty list or tuple of batches (whatever a loss_fn takes)."""
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError(f"{name} must be a non-empty list of batches, got {shown(value)}")
+    return list(value)
 
 
 def names(name: str, value, allowed: Sequence[str]) -> tuple[str, ...]:

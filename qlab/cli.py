@@ -60,11 +60,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
 
-    from qlab import advisor
-
-    advisor.add_arguments(
-        sub.add_parser("advise", help="which layers to keep in high precision (qlab.advisor)")
+    # plain arguments: building the parser imports no torch (qlab.models / get_recipe check the names)
+    advise = sub.add_parser("advise", help="which layers to keep in high precision (qlab.advisor)")
+    advise.add_argument("--model", default="smollm2-135m", help="smollm2-135m or minilm-l6 (qlab.models)")
+    advise.add_argument("--recipe", default="nvfp4", help="a qlab.recipe preset")
+    advise.add_argument(
+        "--budget", type=float, default=0.15, help="fraction of the layers (or FLOPs) to keep"
     )
+    advise.add_argument("--by", choices=("layers", "flops"), default="layers")
+    advise.add_argument("--batches", type=int, default=2, help="held-out Shakespeare batches")
+    advise.add_argument("--batch-size", type=int, default=2)
+    advise.add_argument("--tokens", type=int, default=64)
+    advise.add_argument("--seed", type=int, default=0)
+    advise.add_argument("--top", type=int, default=15, help="rows of the table to print")
+    advise.add_argument("--out", help="write the whole table to this CSV file")
 
     sub.add_parser(
         "lab", help="JupyterLab on the repository root (qlab.lab); further options go to jupyter lab"

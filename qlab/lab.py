@@ -53,19 +53,6 @@ def _source(cell: dict) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
-def _parameters_source(notebook_name: str) -> str | None:
-    """The committed parameters cell (from notebooks/<name>.py on disk), or None."""
-    import jupytext
-
-    source = paths.NOTEBOOKS_DIR / f"{notebook_name}.py"
-    if not source.is_file():
-        return None
-    for cell in jupytext.read(source).cells:
-        if "parameters" in cell.metadata.get("tags", []):
-            return cell.source
-    return None
-
-
 def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool = False) -> dict:
     """A notebook's JSON as the tracked files hold it: no outputs or execution counts, the committed
     .ipynb's notebook metadata, no UI cell metadata, and (unless ``keep_parameters``) the committed
@@ -74,7 +61,9 @@ def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool
     stored = paths.NOTEBOOKS_DIR / f"{notebook_name}.ipynb"
     if stored.is_file():
         clean["metadata"] = json.loads(stored.read_text())["metadata"]
-    committed = None if keep_parameters else _parameters_source(notebook_name)
+    from qlab.session import parameters_source
+
+    committed = None if keep_parameters else parameters_source(notebook_name)
     for cell in clean.get("cells", []):
         metadata = cell.get("metadata", {})
         for key in UI_CELL_METADATA:

@@ -22,14 +22,12 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from qlab import checks
+from qlab import checks, paths
 
 
 @dataclass(frozen=True)
@@ -78,26 +76,8 @@ def model_path(name: str) -> Path:
     return (Path(next(iter(spec.submodule_search_locations))) / packaged.relative_path).resolve()
 
 
-@contextmanager
-def _offline():
-    """transformers and huggingface_hub never go online for the duration."""
-    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    previous = {key: os.environ.get(key) for key in names}
-    os.environ.update({key: "1" for key in names})
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 def cache_dir(name: str) -> Path:
     """Where a GGUF model's float32 conversion is kept (``runs/model_cache/<name>``, not committed)."""
-    from qlab import paths
-
     return paths.RUNS_DIR / "model_cache" / name
 
 
@@ -126,7 +106,7 @@ def _load_float32(name: str):
     packaged, path = PACKAGED[name], model_path(name)
     model_class = getattr(transformers, packaged.architecture)
     cached = cache_dir(name)
-    with _offline():
+    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"):  # transformers never goes online
         if packaged.gguf_file is not None and (cached / "model.safetensors").is_file():
             tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
             model = model_class.from_pretrained(cached, dtype=torch.float32, local_files_only=True)
@@ -198,8 +178,7 @@ def fine_tune(
     checks.integer("steps", steps, low=1)
     checks.number("lr", lr, low=0, open_low=True)
     checks.choice("autocast", autocast, (None, "bf16"))
-    if not isinstance(batches, (list, tuple)) or not batches:
-        raise TypeError(f"batches must be a non-empty list of token batches, got {checks.shown(batches)}")
+    checks.batches("batches", batches)
     loss_fn = loss_fn or (lambda m, b: m(input_ids=b, labels=b).loss)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()

@@ -96,6 +96,15 @@ def _distributed() -> bool:
     )
 
 
+def check_linear_arguments(in_features, out_features, bias, dtype=None) -> None:
+    """What nn.Linear's constructor takes, checked before torch sees it (a float in_features would
+    fail inside torch.empty)."""
+    checks.integer("in_features", in_features, low=1)
+    checks.integer("out_features", out_features, low=1)
+    checks.boolean("bias", bias)
+    checks.floating_dtype("dtype", dtype)
+
+
 def check_gemm(gemm: str, recipe: Recipe) -> str:
     """``gemm`` if QuantLinear can run ``recipe`` with it; ValueError otherwise ("scaled_mm" needs a
     GEMM whose two operands are E4M3/E5M2 TensorwiseSpec)."""
@@ -274,10 +283,7 @@ class QuantLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
-        checks.integer("in_features", in_features, low=1)
-        checks.integer("out_features", out_features, low=1)
-        checks.boolean("bias", bias)
-        checks.floating_dtype("dtype", dtype)
+        check_linear_arguments(in_features, out_features, bias, dtype)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm)
 
@@ -640,7 +646,7 @@ def replace_linears(model: nn.Module, make, *, keep=(), candidates=None, keep_na
         chosen.append((name, module, replaced))
     for name, module, replaced in chosen:
         if replaced:
-            _set_submodule(model, name, replacements[id(module)])
+            set_submodule(model, name, replacements[id(module)])
     return chosen
 
 
@@ -719,7 +725,8 @@ def plain_linears(model: nn.Module, kind: type = nn.Linear) -> list[str]:
     return [name for name, _, _ in chosen]
 
 
-def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` at the qualified ``name`` of ``model`` (its parent's attribute)."""
     if not name:
         raise ValueError(
             "model is itself a Linear; wrap it in a container (nn.Sequential(model)) to convert it"

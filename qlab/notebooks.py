@@ -136,25 +136,6 @@ def _require_kernel() -> None:
         ) from None
 
 
-@contextlib.contextmanager
-def _kernel_environment(results_dir: Path):
-    """For the duration, the kernel papermill starts inherits QLAB_RESULTS_DIR (where results go:
-    ``qlab.session.start`` defers to it) and QLAB_HEADLESS=1 (progress bars as text)."""
-    from qlab.session import HEADLESS_ENV
-
-    changes = {paths.RESULTS_ENV: str(results_dir), HEADLESS_ENV: "1"}
-    previous = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def run_notebook(
     notebook: str | os.PathLike,
     parameters: dict | None = None,
@@ -174,6 +155,8 @@ def run_notebook(
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
+    from qlab.session import HEADLESS_ENV
+
     path = resolve_notebook(notebook)
     if parameters is not None and not isinstance(parameters, dict):
         raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
@@ -191,7 +174,9 @@ def run_notebook(
     output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        with _kernel_environment(results_dir or paths.results_root()), _honour_raises_exception():
+        # the kernel inherits where results go (qlab.session.start defers to it) and text progress bars
+        kernel = {paths.RESULTS_ENV: str(results_dir or paths.results_root()), HEADLESS_ENV: "1"}
+        with paths.environment(**kernel), _honour_raises_exception():
             executed = papermill.execute_notebook(
                 str(path),
                 str(output),

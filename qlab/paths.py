@@ -8,6 +8,7 @@ set it so they never overwrite the committed results.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -53,3 +54,19 @@ def shown(path: Path) -> str:
     """``path`` as messages show it: relative to the repository root when inside it."""
     path = Path(path)
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """Set environment variables for the duration (inherited by any process started meanwhile, such
+    as papermill's kernel), then restore each to its previous value or absence."""
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -63,14 +63,18 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     transfer.
     """
     stats = checks.names("stats", stats, STATS)
-    _check_real_tensor("tensor", tensor)
+    checks.tensor("tensor", tensor, real=True)
     x = tensor.detach().flatten()
     if x.numel() == 0:
         return {name: math.nan for name in stats}
     magnitude = x.abs()
     wide = x.double()
     smallest = torch.where(magnitude > 0, magnitude, torch.inf).min()
-    channels = magnitude.reshape(-1, tensor.shape[-1]).amax(0) if tensor.dim() else magnitude
+    if "outlier_ratio" in stats:  # one more pass over the tensor: only when asked
+        channels = magnitude.reshape(-1, tensor.shape[-1]).amax(0) if tensor.dim() else magnitude
+        top_and_median = [channels.max().double(), channels.median().double()]
+    else:
+        top_and_median = [smallest.double(), smallest.double()]  # placeholders, never reported
     mean = wide.mean()
     variance = (wide - mean).square().mean()  # two-pass: E[x²] − E[x]² would cancel (see notebook 02)
     reduced = torch.stack(
@@ -84,8 +88,7 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
             magnitude.max().double(),
             smallest.double(),
             (x == 0).sum().double(),
-            channels.max().double(),
-            channels.median().double(),
+            *top_and_median,
         ]
     ).tolist()
     low, high, mean, variance, squares, l1, amax, smallest, zeros, top_channel, median_channel = reduced
@@ -112,17 +115,10 @@ def _ratio(top: float, median: float) -> float:
     return math.inf if top > 0 else math.nan
 
 
-def _check_real_tensor(name: str, tensor) -> None:
-    """Statistics are of real numbers: bool and complex tensors are refused."""
-    checks.tensor(name, tensor)
-    if tensor.dtype == torch.bool or tensor.is_complex():
-        raise TypeError(f"{name} must hold real numbers (a floating or integer dtype), got {tensor.dtype}")
-
-
 def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict[str, float]:
     """Counts of |x| per binade: key "hist/2^k" counts low ≤ k = floor(log2|x|) < high; values below
     2^low (and zeros) go to "hist/below", at or above 2^high to "hist/above". Exponents from frexp."""
-    _check_real_tensor("tensor", tensor)
+    checks.tensor("tensor", tensor, real=True)
     checks.integer("low", low)
     if checks.integer("high", high) <= low:
         raise ValueError(f"high must be greater than low, got low={low}, high={high}")
@@ -147,7 +143,7 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
     signal energy; qdq_mse and sqnr_db of the quantize→dequantize round trip.
     Tensors that cannot be blocked along ``axis`` (e.g. a length not divisible with pad=False) raise.
     """
-    _check_real_tensor("tensor", tensor)
+    checks.tensor("tensor", tensor, real=True)
     x = tensor.detach()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
@@ -186,7 +182,7 @@ def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> d
     Stochastic-rounding specs draw from torch's global generator here; Hadamard specs are measured
     in the rotated domain, where their blocks live.
     """
-    _check_real_tensor("tensor", tensor)
+    checks.tensor("tensor", tensor, real=True)
     spec = Q.get_spec(spec)
     if not isinstance(spec, (Q.MXSpec, Q.NVFP4Spec)):
         raise ValueError(f"spec must be an MXSpec or NVFP4Spec (block statistics), got {type(spec).__name__}")
@@ -546,7 +542,7 @@ class GradientAudit:
         """Add one backward's gradient for ``name`` (in float64)."""
         if not isinstance(name, str):
             raise TypeError(f"name must be a parameter name (str), got {checks.shown(name)}")
-        _check_real_tensor("grad", grad)
+        checks.tensor("grad", grad, real=True)
         grad = grad.detach().double()
         self.inside[name] = grad.clone() if name not in self.inside else self.inside[name] + grad
 
@@ -615,8 +611,7 @@ def weight_gradients(model: nn.Module, batches, loss_fn, names=None) -> dict[str
     from qlab.nn import linear_layers
 
     checks.module("model", model)
-    if not isinstance(batches, (list, tuple)) or not batches:
-        raise TypeError(f"batches must be a non-empty list of batches, got {checks.shown(batches)}")
+    checks.batches("batches", batches)
     layers = {name: module for name, module, _ in linear_layers(model)}
     chosen = list(layers) if names is None else checks.patterns("names", names)
     saved = {id(p): p.grad for p in model.parameters()}

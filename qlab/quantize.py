@@ -675,10 +675,8 @@ def qdq(
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64
     (inf if exact)."""
-    for name, value in (("x", x), ("x_hat", x_hat)):
-        checks.tensor(name, value)
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real tensor, got dtype {value.dtype}")
+    checks.tensor("x", x, real=True)
+    checks.tensor("x_hat", x_hat, real=True)
     if x.shape != x_hat.shape:
         raise ValueError(
             f"x_hat must have x's shape {tuple(x.shape)}, got {tuple(x_hat.shape)} (no broadcasting)"

@@ -45,10 +45,7 @@ def _float_format(name, argument: str = "fmt") -> FloatFormat:
 
 def _amaxes(name: str, value) -> torch.Tensor:
     """Amaxes must come as a real tensor (a Python float has no dtype or device to keep)."""
-    checks.tensor(name, value)
-    if value.is_complex() or value.dtype == torch.bool:
-        raise TypeError(f"{name} must be a real tensor, got dtype {value.dtype}")
-    return value
+    return checks.tensor(name, value, real=True)
 
 
 def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:

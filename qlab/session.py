@@ -51,27 +51,29 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     return device
 
 
-def notebook_defaults(name: str) -> dict:
-    """The parameters cell of ``notebooks/<name>.py`` as {name: default value} (literals only)."""
+def parameters_source(name: str) -> str | None:
+    """The source of the cell tagged ``parameters`` in ``notebooks/<name>.py`` (the committed
+    defaults), as jupytext reads it; None if there is no such file or cell."""
+    import jupytext
+
     source = paths.NOTEBOOKS_DIR / f"{name}.py"
     if not source.is_file():
-        raise ValueError(f"name must be a notebook under notebooks/ (its .py), got {name!r}")
-    cell = _parameters_cell(source.read_text())
+        return None
+    return next(
+        (c.source for c in jupytext.read(source).cells if "parameters" in c.metadata.get("tags", [])), None
+    )
+
+
+def notebook_defaults(name: str) -> dict:
+    """The parameters cell of ``notebooks/<name>.py`` as {name: default value} (literals only)."""
+    cell = parameters_source(name)
+    if cell is None:
+        raise ValueError(f"name must be a notebook under notebooks/ with a parameters cell, got {name!r}")
     defaults = {}
     for statement in ast.parse(cell).body:
         target = statement.target if isinstance(statement, ast.AnnAssign) else statement.targets[0]
         defaults[target.id] = ast.literal_eval(statement.value)
     return defaults
-
-
-def _parameters_cell(text: str) -> str:
-    """The source of the cell tagged ``parameters`` in a jupytext percent file."""
-    lines = text.splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith("# %%")]
-    for begin, end in zip(starts, starts[1:] + [len(lines)]):
-        if "parameters" in lines[begin]:
-            return "\n".join(lines[begin + 1 : end])
-    raise ValueError("the notebook has no cell tagged parameters")
 
 
 def _same(value, default) -> bool:

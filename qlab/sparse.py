@@ -31,7 +31,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from qlab import checks
-from qlab.nn import is_conv1d, linear_sharing_parameters, oriented_weight, replace_linears
+from qlab.nn import (
+    check_linear_arguments,
+    is_conv1d,
+    linear_sharing_parameters,
+    oriented_weight,
+    replace_linears,
+)
 
 MODES = ("shared", "row")
 VARIANTS = ("topk", "max_child")
@@ -230,9 +236,7 @@ class TopKLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
-        checks.integer("in_features", in_features, low=1)
-        checks.integer("out_features", out_features, low=1)
-        checks.boolean("bias", bias)
+        check_linear_arguments(in_features, out_features, bias, dtype)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._configure(k, mode, variant)
 
