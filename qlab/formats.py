@@ -33,6 +33,8 @@ for intN/uintN); ``decode`` turns codes back into float32. ``pack_fp4``/``unpack
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -69,8 +71,9 @@ class FloatFormat:
 
     @property
     def emax(self) -> int:
-        """Exponent of the largest normal binade (what MX scaling subtracts): e4m3 8, e2m1 2."""
-        return int(torch.frexp(torch.tensor(self.max, dtype=torch.float64)).exponent) - 1
+        """Exponent of the largest normal binade (what MX scaling subtracts): e4m3 8, e2m1 2.
+        Read with math.frexp, so compiled code sees a constant (no tensor, no host sync)."""
+        return math.frexp(self.max)[1] - 1
 
     def values(self) -> torch.Tensor:
         """Every non-negative finite value, ascending, as float64."""
@@ -334,6 +337,44 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     mask = (1 << NOISE_BITS) - 1
     draws = torch.cat([bits & mask, (bits >> NOISE_BITS) & mask])[:count]
     return (draws.float() * 2.0**-NOISE_BITS).reshape(shape)
+
+
+# --- noise from a registered source, the same bits eager and under torch.compile -------------------
+
+_NOISE_SOURCES: dict[int, weakref.WeakMethod] = {}
+
+
+def register_noise_source(generator_for: Callable[[torch.device], torch.Generator]) -> int:
+    """A key under which ``drawn_noise`` finds the generator ``generator_for(device)`` returns.
+    ``generator_for`` is a bound method (e.g. a layer's per-device generators), held weakly: the
+    entry goes when its object is garbage-collected."""
+    key = max(_NOISE_SOURCES, default=-1) + 1
+    _NOISE_SOURCES[key] = weakref.WeakMethod(generator_for)
+    weakref.finalize(generator_for.__self__, _NOISE_SOURCES.pop, key, None)
+    return key
+
+
+@torch.library.custom_op("qlab::stochastic_noise", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _noise_op(after: torch.Tensor, counts: list[int], source: int) -> list[torch.Tensor]:
+    generator = _NOISE_SOURCES[source]()(after.device)
+    return [stochastic_noise((count,), generator, after.device) for count in counts]
+
+
+@_noise_op.register_fake
+def _(after, counts, source):
+    return [after.new_empty(count, dtype=torch.float32) for count in counts]
+
+
+def drawn_noise(source: int, shapes: list, after: torch.Tensor) -> list[torch.Tensor]:
+    """``stochastic_noise`` for each shape, in order, from the generator registered under ``source``,
+    on ``after``'s device and after ``after`` is computed.
+
+    Eager code draws exactly these numbers from the generator; compiled code calls the same op,
+    which PyTorch neither deduplicates nor reorders against its input (it is tagged
+    nondeterministic_seeded), so a compiled model consumes the same stream and gives the same bits.
+    """
+    flat = _noise_op(after, [math.prod(shape) for shape in shapes], source)
+    return [noise.reshape(tuple(shape)) for noise, shape in zip(flat, shapes)]
 
 
 def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.Tensor:

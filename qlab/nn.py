@@ -44,17 +44,20 @@ from torch import nn
 
 from qlab import checks, kernels
 from qlab import quantize as Q
+from qlab.formats import drawn_noise, register_noise_source
 from qlab.kernels import fp8_gemm
-from qlab.recipe import Recipe, get_recipe
-from qlab.scaling import DelayedScaling
+from qlab.recipe import ROLES, Recipe, get_recipe
+from qlab.scaling import DelayedScaling, hadamard_matrix
 
 STES = ("identity", "clipped")
 GEMMS = ("auto", "emulated", "scaled_mm")
-_GEMM_ROLES = (
-    ("fprop", "input", "weight"),
-    ("dgrad", "dgrad_grad_output", "dgrad_weight"),
-    ("wgrad", "wgrad_grad_output", "wgrad_input"),
-)
+# Each GEMM's two operands as (role, axis). An operand is quantized along its GEMM's reduction axis
+# (qlab.recipe's table) and the GEMM contracts it over that axis: axis -1 is dim 1 of the 2-D operand.
+GEMM_OPERANDS = {
+    "fprop": (("input", -1), ("weight", -1)),  # y  = x·Wᵀ   (N, K)·(M, K)ᵀ, reduced over K
+    "dgrad": (("dgrad_grad_output", -1), ("dgrad_weight", 0)),  # dx = dy·W   (N, M)·(M, K), over M
+    "wgrad": (("wgrad_grad_output", 0), ("wgrad_input", 0)),  # dW = dyᵀ·x  (N, M)ᵀ·(N, K), over N
+}
 _SCALER_OF_ROLE = {
     "input": "input",
     "wgrad_input": "input",
@@ -83,9 +86,51 @@ def _compute_dtype(*tensors) -> torch.dtype:
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a·b in the compute dtype at "highest" float32 precision. Compiled code cannot switch the
+    precision: it runs at the process's setting, PyTorch's default "highest" (``compile_model`` checks)."""
     dtype = _compute_dtype(a, b)
+    if torch.compiler.is_compiling():
+        return a.to(dtype) @ b.to(dtype)
     with highest_matmul_precision():
         return a.to(dtype) @ b.to(dtype)
+
+
+def _matmul(gemm: str, a, b) -> torch.Tensor:
+    """The GEMM named ``gemm`` of its operands as ``QuantLinear.gemm_operands`` returns them: two
+    tensors, each contracted over the axis GEMM_OPERANDS gives it, or two QTensors (tensor cores)."""
+    if isinstance(a, Q.QTensor):
+        return fp8_gemm.fp8_matmul(a, b)
+    (_, axis_a), (_, axis_b) = GEMM_OPERANDS[gemm]
+    return _gemm(a if axis_a == -1 else a.T, b.T if axis_b == -1 else b)
+
+
+def _wgrad_into(out: torch.Tensor, dy, x, accumulate: bool) -> torch.Tensor:
+    """out = dyᵀ·x or out += dyᵀ·x (the emulated GEMM writes into ``out``, no temporary)."""
+    if isinstance(dy, Q.QTensor):
+        product = fp8_gemm.fp8_matmul(dy, x)
+        return out.add_(product) if accumulate else out.copy_(product)
+    dtype = out.dtype
+    with highest_matmul_precision():
+        if accumulate:
+            return out.addmm_(dy.T.to(dtype), x.to(dtype))
+        return torch.mm(dy.T.to(dtype), x.to(dtype), out=out)
+
+
+@torch.library.custom_op("qlab::bias_grad", mutates_args=())
+def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Σ over tokens of dy (N, M) in the compute dtype, as ``dtype``: ATen's summation order, kept
+    opaque to torch.compile (whose own reduction order would change the last bits)."""
+    return dy.to(_compute_dtype(dy)).sum(0).to(dtype)
+
+
+@_bias_grad.register_fake
+def _(dy, dtype):
+    return dy.new_empty(dy.shape[1], dtype=dtype)
+
+
+def _as_tensor(operand, like: torch.Tensor) -> torch.Tensor:
+    """A GEMM operand as a tensor in the compute dtype (a QTensor dequantized)."""
+    return Q.dequantize(operand, _compute_dtype(like)) if isinstance(operand, Q.QTensor) else operand
 
 
 def _distributed() -> bool:
@@ -112,30 +157,13 @@ def check_gemm(gemm: str, recipe: Recipe) -> str:
         raise ValueError(f"unknown gemm {gemm!r}; expected one of: {', '.join(GEMMS)}")
     if gemm == "scaled_mm" and not any(
         fp8_gemm.is_fp8_spec(recipe.spec(a)) and fp8_gemm.is_fp8_spec(recipe.spec(b))
-        for _, a, b in _GEMM_ROLES
+        for (a, _), (b, _) in GEMM_OPERANDS.values()
     ):
         raise ValueError(
             f"gemm='scaled_mm' needs a GEMM with two E4M3/E5M2 TensorwiseSpec operands; recipe "
             f"{recipe.name!r} has none (use gemm='auto' or 'emulated')"
         )
     return gemm
-
-
-def _wgrad_gemm(dy, x, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-    """dyᵀ·x: a new tensor, or written into ``out`` (= or +=; the emulated GEMM without a temporary).
-    dy and x are tensors, or on the FP8 path QTensors quantized along axis 0."""
-    if isinstance(dy, Q.QTensor):
-        product = fp8_gemm.fp8_matmul(dy, x)
-        if out is None:
-            return product
-        return out.add_(product) if accumulate else out.copy_(product)
-    if out is None:
-        return _gemm(dy.T, x)
-    dtype = out.dtype
-    with highest_matmul_precision():
-        if accumulate:
-            return out.addmm_(dy.T.to(dtype), x.to(dtype))
-        return torch.mm(dy.T.to(dtype), x.to(dtype), out=out)
 
 
 # --- fake quantization with a straight-through estimator -------------------------------------------
@@ -174,82 +202,59 @@ def fake_quant(
 # --- QuantLinear ----------------------------------------------------------------------------------
 
 
-def _recomputing() -> bool:
-    """Whether a forward runs inside a backward pass: activation checkpointing recomputing it."""
-    current_task = getattr(torch._C, "_current_graph_task_id", None)
-    return current_task is not None and current_task() != -1
-
-
 class _LinearFunction(torch.autograd.Function):
+    """y = x·Wᵀ + b, each GEMM's operands prepared by ``layer.gemm_operands`` (the layer's public
+    interface: forward_scales, gemm_operands, record_amaxes, deliver_wgrad)."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, layer, is_first_microbatch):
-        # delayed scaling: backward re-quantizes x and W with the scales this forward used; a
-        # recomputation (activation checkpointing) uses the original forward's and rolls no history
-        recompute = layer.recipe.delayed and layer._forward_scales is not None and _recomputing()
-        if recompute:
-            ctx.scales = layer._forward_scales
-        else:
-            ctx.scales = {role: scaler.scale for role, scaler in layer.scalers.items()}
-            if layer.training and layer.recipe.delayed:
-                layer._forward_scales = ctx.scales
-        if layer._fp8_gemm("fprop", "input", "weight", x.shape[1], weight.shape[0], x.device):
-            x_q = layer._quantize(x, "input", axis=-1, scales=ctx.scales)
-            w_q = layer._quantize(weight, "weight", axis=-1, scales=ctx.scales)
-            y = fp8_gemm.fp8_matmul(x_q, w_q)
-            if layer.recipe.backward_override == "dequantized":
-                x_q, w_q = Q.dequantize(x_q, _compute_dtype(x)), Q.dequantize(w_q, _compute_dtype(weight))
-        else:
-            x_q = layer._qdq(x, "input", axis=-1, scales=ctx.scales)
-            w_q = layer._qdq(weight, "weight", axis=-1, scales=ctx.scales)
-            y = _gemm(x_q, w_q.T)
+        scales, rolls = layer.forward_scales()
+        x_op, w_op = layer.gemm_operands("fprop", x, weight, scales)
+        y = _matmul("fprop", x_op, w_op)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        if layer.training and not recompute:  # model.eval() reads the scales without rolling them
-            layer._step_scalers("input", x, "weight", weight)
-        if layer.recipe.backward_override == "dequantized":
-            ctx.save_for_backward(x_q, w_q)
+        if rolls:
+            layer.record_amaxes({"input": x, "weight": weight})
+        if layer.recipe.backward_override == "dequantized":  # the forward's operands, dequantized
+            ctx.save_for_backward(_as_tensor(x_op, x), _as_tensor(w_op, weight))
         else:  # None re-quantizes from high precision along the backward GEMMs' axes
             ctx.save_for_backward(x, weight)
-        ctx.layer, ctx.is_first_microbatch, ctx.training = layer, is_first_microbatch, layer.training
+        ctx.layer, ctx.scales, ctx.is_first_microbatch = layer, scales, is_first_microbatch
+        ctx.training = layer.training
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         x_saved, w_saved = ctx.saved_tensors
-        layer = ctx.layer
+        layer, scales = ctx.layer, ctx.scales
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         quantized = layer.recipe.backward_override is None
         dx = dw = db = None
-        tokens, out_features, in_features = dy.shape[0], dy.shape[1], w_saved.shape[1]
         if need_x:
-            if quantized and layer._fp8_gemm(
-                "dgrad", "dgrad_grad_output", "dgrad_weight", out_features, in_features, dy.device
-            ):
-                dx = fp8_gemm.fp8_matmul(
-                    layer._quantize(dy, "dgrad_grad_output", axis=-1),
-                    layer._quantize(w_saved, "dgrad_weight", axis=0, scales=ctx.scales),
-                )
-            else:
-                dy_d = layer._qdq(dy, "dgrad_grad_output", axis=-1) if quantized else dy
-                w_d = layer._qdq(w_saved, "dgrad_weight", axis=0, scales=ctx.scales) if quantized else w_saved
-                dx = _gemm(dy_d, w_d)
+            dx = _matmul("dgrad", *layer.gemm_operands("dgrad", dy, w_saved, scales, quantized=quantized))
             dx = dx.to(ctx.dtypes[0])
-        if need_w:
-            if quantized and layer._fp8_gemm(
-                "wgrad", "wgrad_grad_output", "wgrad_input", tokens, in_features, dy.device
-            ):
-                dy_w = layer._quantize(dy, "wgrad_grad_output", axis=0)
-                x_w = layer._quantize(x_saved, "wgrad_input", axis=0, scales=ctx.scales)
-            else:
-                dy_w = layer._qdq(dy, "wgrad_grad_output", axis=0) if quantized else dy
-                x_w = layer._qdq(x_saved, "wgrad_input", axis=0, scales=ctx.scales) if quantized else x_saved
-            dw = layer._deliver_wgrad(dy_w, x_w, ctx.is_first_microbatch)
+        if need_w:  # drawn after dgrad's noise, as eager code draws it
+            dy_op, x_op = layer.gemm_operands("wgrad", dy, x_saved, scales, quantized=quantized, after=dx)
+            dw = layer.deliver_wgrad(dy_op, x_op, ctx.is_first_microbatch)
         if need_b:
-            db = dy.to(_compute_dtype(dy)).sum(0).to(ctx.dtypes[2])
+            db = _bias_grad(dy, ctx.dtypes[2])
         if quantized:  # all-reduced only after a training-mode forward, as the forward's are
-            layer._step_scalers("grad_output", dy, reduce=ctx.training)
+            layer.record_amaxes({"grad_output": dy}, reduce=ctx.training)
         return dx, dw, db, None, None
+
+
+def _recomputing() -> bool:
+    """Whether a forward runs inside a backward pass: activation checkpointing recomputing it."""
+    current_task = getattr(torch._C, "_current_graph_task_id", None)
+    return current_task is not None and current_task() != -1
+
+
+_EAGER_REASON = (
+    "QuantLinear with delayed scaling, fuse_wgrad_accumulation or delay_wgrad runs eagerly: its "
+    "backward updates amax histories, main_grad or deferred GEMMs, side effects torch.compile cannot trace"
+)
+_eager_linear = torch.compiler.disable(_LinearFunction.apply, reason=_EAGER_REASON)
 
 
 class QuantLinear(nn.Linear):
@@ -259,7 +264,7 @@ class QuantLinear(nn.Linear):
     missing) instead of returning it; ``forward(x, is_first_microbatch=True)`` overwrites instead
     of accumulating. delay_wgrad: defer the wgrad GEMM until ``backward_dw()``. seed: the
     generator for stochastic rounding. gemm: "auto", "emulated" or "scaled_mm" (module docstring).
-    See the module docstring for the None/dummy contract.
+    See the module docstring for the None/dummy contract and for torch.compile.
 
     A QuantLinear made from transformers' Conv1D (``from_linear``, ``quantize_model``) keeps that
     layer's (in, out) weight Parameter as it is (``weight_layout == "in_out"``) and multiplies by its
@@ -299,10 +304,15 @@ class QuantLinear(nn.Linear):
             )
         self.seed = checks.seed("seed", seed)
         self._generators: dict = {}
+        self._noise_source = register_noise_source(self._generator)
         self._deferred: list = []
         self._dummy: torch.Tensor | None = None
         self._forward_scales: dict | None = None  # the last training forward's (delayed scaling)
         self.scalers: dict[str, DelayedScaling] = {}
+        for role in ROLES:  # Hadamard matrices built now, not while torch.compile traces
+            spec = self.recipe.spec(role)
+            if isinstance(spec, Q.NVFP4Spec) and spec.hadamard:
+                hadamard_matrix(16, spec.hadamard_seed)
         if self.recipe.delayed:
             for role in ("input", "weight", "grad_output"):
                 spec = self.recipe.spec(role)
@@ -314,16 +324,18 @@ class QuantLinear(nn.Linear):
                         self.recipe.margin,
                     )
 
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._noise_source = register_noise_source(self._generator)  # a copy draws from its own generators
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> QuantLinear:
-        """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy)."""
+        """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy), buffers and hooks."""
         if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
             raise TypeError(
                 f"linear must be an nn.Linear or a transformers Conv1D, got {checks.shown(linear)}"
             )
-        layer = linear_sharing_parameters(
-            cls, linear
-        )  # hooks registered on the nn.Linear are not carried over
+        layer = linear_sharing_parameters(cls, linear)
         layer._configure(
             recipe,
             options.pop("fuse_wgrad_accumulation", False),
@@ -340,6 +352,12 @@ class QuantLinear(nn.Linear):
             f"{super().extra_repr()}, recipe={self.recipe.name}, "
             f"backward_override={self.recipe.backward_override}, gemm={self.gemm}"
         )
+
+    @property
+    def compiles(self) -> bool:
+        """Whether torch.compile traces this layer whole (False: it runs as an eager island, see
+        the module docstring): current scaling without fused or delayed wgrad."""
+        return not (self.recipe.delayed or self.fuse_wgrad_accumulation or self.delay_wgrad)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         checks.tensor("input x", x, floating=True)
@@ -359,10 +377,9 @@ class QuantLinear(nn.Linear):
                 f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
                 f"cast one of them (QuantLinear does not mix dtypes silently)"
             )
+        linear = _LinearFunction.apply if self.compiles else _eager_linear
         with torch.autocast(x.device.type, enabled=False):
-            y = _LinearFunction.apply(
-                x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch
-            )
+            y = linear(x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def quant_state(self) -> dict:
@@ -394,35 +411,121 @@ class QuantLinear(nn.Linear):
             self.scalers[role].history = saved["history"].clone()
             self.scalers[role].scale = saved["scale"].clone()
 
-    # --- helpers used by the autograd function ---
+    # --- what _LinearFunction calls ---
+
+    def forward_scales(self) -> tuple[dict | None, bool]:
+        """(delayed scaling's scales for this forward — None for current scaling —, whether this forward
+        records amaxes). A recomputation inside backward (activation checkpointing) reuses the original
+        forward's scales and records nothing; ``model.eval()`` reads the scales without rolling them."""
+        if not self.recipe.delayed:
+            return None, self.training
+        if self._forward_scales is not None and _recomputing():
+            return self._forward_scales, False
+        scales = {role: scaler.scale for role, scaler in self.scalers.items()}
+        if self.training:
+            self._forward_scales = scales
+        return scales, self.training
+
+    def gemm_operands(
+        self,
+        gemm: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scales: dict | None = None,
+        *,
+        quantized: bool = True,
+        after: torch.Tensor | None = None,
+    ):
+        """The two operands of ``gemm`` ("fprop", "dgrad" or "wgrad"; GEMM_OPERANDS gives their roles
+        and axes) as that GEMM takes them: QTensors where it runs on FP8 tensor cores, else
+        quantize→dequantized tensors in the compute dtype; ``a`` and ``b`` as they are when not
+        ``quantized`` (a backward override). ``scales``: delayed scaling's forward scales. Stochastic
+        rounding draws both operands' noise from the layer's generator in one call, after ``after``
+        (default ``a``) is computed, so compiled code draws in eager order."""
+        if not quantized:
+            return a, b
+        operands = [(a, *GEMM_OPERANDS[gemm][0]), (b, *GEMM_OPERANDS[gemm][1])]
+        tensor_cores = self._runs_on_tensor_cores(gemm, a, b)
+        noises = self._draw_noise(operands, tensor_cores, a if after is None else after)
+        return tuple(
+            self._operand(tensor, role, axis, scales, noise, tensor_cores)
+            for (tensor, role, axis), noise in zip(operands, noises)
+        )
+
+    def record_amaxes(self, tensors: dict[str, torch.Tensor], *, reduce: bool = True) -> None:
+        """Delayed scaling: record each role's amax and roll its history (once per forward/backward).
+        With reduce_amax under torch.distributed each amax is one blocking all-reduce (TE fuses a step's
+        amaxes into one); ``reduce=False`` skips it (a backward after an eval-mode forward)."""
+        for role, tensor in tensors.items():
+            if role in self.scalers:
+                amax = tensor.detach().abs().amax().float()
+                if reduce and self.recipe.reduce_amax and _distributed():  # every rank the same scales
+                    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
+                self.scalers[role].observe(amax.cpu())
+                self.scalers[role].step()
+
+    def deliver_wgrad(self, dy, x, is_first_microbatch):
+        """The wgrad GEMM dyᵀ·x delivered by the table in the module docstring; returns what backward
+        gives autograd for the weight (the wgrad, None or a zero dummy)."""
+        flagged = hasattr(self.weight, "grad_added_to_main_grad")
+        if self.delay_wgrad:
+            self._deferred.append((dy, x, bool(is_first_microbatch)))
+            return self._dummy_wgrad() if self.fuse_wgrad_accumulation and flagged else None
+        if self.fuse_wgrad_accumulation:
+            self._write_main_grad(dy, x, overwrite=bool(is_first_microbatch))
+            return self._dummy_wgrad() if flagged else None
+        return _matmul("wgrad", dy, x).to(self.weight.dtype)
+
+    def backward_dw(self) -> None:
+        """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivered per the table."""
+        deferred, self._deferred = self._deferred, []
+        for dy, x, overwrite in deferred:
+            if self.fuse_wgrad_accumulation:
+                self._write_main_grad(dy, x, overwrite)
+                continue
+            wgrad = _matmul("wgrad", dy, x).to(self.weight.dtype)
+            if self.weight.grad is None:
+                self.weight.grad = wgrad
+            else:
+                self.weight.grad.add_(wgrad)
+
+    # --- helpers ---
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
-    def _qdq(self, t: torch.Tensor, role: str, axis: int, scales: dict | None = None) -> torch.Tensor:
-        """qdq by the role's spec; delayed scaling takes the scale from ``scales`` or the live scaler."""
+    def _draw_noise(self, operands, blocked: bool, after: torch.Tensor) -> list:
+        """Per operand, the stochastic-rounding noise it consumes (None without stochastic rounding or
+        for a spec that draws float64 noise from the generator itself, an eager-only case)."""
+        wanted = []
+        for tensor, role, axis in operands:
+            spec = self.recipe.spec(role)
+            draws = spec is not None and spec.rounding == "stochastic" and Q.draws_float32_noise(spec)
+            wanted.append(Q.noise_shape(tensor, spec, axis, blocked=blocked) if draws else None)
+        shapes = [shape for shape in wanted if shape is not None]
+        if not shapes:
+            return [None] * len(operands)
+        drawn = iter(drawn_noise(self._noise_source, shapes, after))
+        return [None if shape is None else next(drawn) for shape in wanted]
+
+    def _operand(self, t, role: str, axis: int, scales, noise, tensor_cores: bool):
+        """One GEMM operand: ``t`` quantized by the role's spec along ``axis`` (see gemm_operands)."""
         spec = self.recipe.spec(role)
         if spec is None:
             return t
-        generator = self._generator(t.device) if spec.rounding == "stochastic" else None
-        compute = _compute_dtype(
-            t
-        )  # dequantized values stay in the GEMM's dtype, not rounded back to 16 bits
         scale = self._delayed_scale(role, scales)
-        if scale is None and kernels.covers(spec):  # the Triton kernels on CUDA, the same bits
+        generator = self._generator(t.device) if spec.rounding == "stochastic" and noise is None else None
+        eager = not torch.compiler.is_compiling()  # compiled code fuses qlab.quantize's ops itself
+        if tensor_cores:
+            if scale is None and spec.rounding == "rne" and eager:
+                return kernels.quantize(t, spec, axis)  # the Triton kernel on CUDA
+            return Q.quantize(t, spec, axis, scale=scale, generator=generator, noise=noise, keep_source=False)
+        compute = _compute_dtype(t)  # dequantized values stay in the GEMM's dtype, not rounded to 16 bits
+        if scale is None and eager and kernels.covers(spec):  # the Triton kernels on CUDA, the same bits
             return kernels.qdq(t, spec, axis, dtype=compute)
-        return Q.qdq(t, spec, axis, generator=generator, scale=scale, dtype=compute)
-
-    def _quantize(self, t: torch.Tensor, role: str, axis: int, scales: dict | None = None) -> Q.QTensor:
-        """The role's QTensor for the FP8 GEMM (the Triton kernel for current scaling on CUDA)."""
-        spec = self.recipe.spec(role)
-        scale = self._delayed_scale(role, scales)
-        if scale is None and spec.rounding == "rne":
-            return kernels.quantize(t, spec, axis)
-        generator = self._generator(t.device) if spec.rounding == "stochastic" else None
-        return Q.quantize(t, spec, axis, scale=scale, generator=generator, keep_source=False)
+        return Q.qdq(t, spec, axis, generator=generator, noise=noise, scale=scale, dtype=compute)
 
     def _delayed_scale(self, role: str, scales: dict | None) -> torch.Tensor | None:
         """Delayed scaling: the role's scale from ``scales`` (the forward's) or the live scaler; else None."""
@@ -431,12 +534,14 @@ class QuantLinear(nn.Linear):
         scaler = _SCALER_OF_ROLE[role]
         return scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
 
-    def _fp8_gemm(self, gemm: str, role_a: str, role_b: str, k: int, n: int, device: torch.device) -> bool:
-        """Whether this GEMM runs through torch._scaled_mm (see ``gemm`` in the module docstring)."""
-        if self.gemm == "emulated" or (self.gemm == "auto" and device.type != "cuda"):
+    def _runs_on_tensor_cores(self, gemm: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Whether ``gemm`` runs through torch._scaled_mm (see ``gemm`` in the module docstring)."""
+        if self.gemm == "emulated" or (self.gemm == "auto" and a.device.type != "cuda"):
             return False
+        (role_a, axis_a), (role_b, axis_b) = GEMM_OPERANDS[gemm]
         spec_a, spec_b = self.recipe.spec(role_a), self.recipe.spec(role_b)
-        reason = fp8_gemm.unsupported_reason(spec_a, spec_b, k, n, device)
+        k, n = a.shape[axis_a], b.shape[0 if axis_b == -1 else 1]  # reduction length, output width
+        reason = fp8_gemm.unsupported_reason(spec_a, spec_b, k, n, a.device)
         if (
             reason is not None
             and self.gemm == "scaled_mm"
@@ -445,18 +550,6 @@ class QuantLinear(nn.Linear):
         ):
             raise ValueError(f"gemm='scaled_mm' cannot run this layer's {gemm} GEMM: {reason}")
         return reason is None
-
-    def _step_scalers(self, *roles_and_tensors, reduce: bool = True) -> None:
-        """Delayed scaling: record this use's amax and roll the history (once per forward/backward).
-        With reduce_amax under torch.distributed each amax is one blocking all-reduce (TE fuses a step's
-        amaxes into one); ``reduce=False`` skips it (a backward after an eval-mode forward)."""
-        for role, tensor in zip(roles_and_tensors[::2], roles_and_tensors[1::2]):
-            if role in self.scalers:
-                amax = tensor.detach().abs().amax().float()
-                if reduce and self.recipe.reduce_amax and _distributed():  # every rank the same scales
-                    torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
-                self.scalers[role].observe(amax.cpu())
-                self.scalers[role].step()
 
     def _dummy_wgrad(self) -> torch.Tensor:
         dummy = self._dummy
@@ -468,38 +561,15 @@ class QuantLinear(nn.Linear):
             self._dummy = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
         return self._dummy.zero_()  # autograd may have stolen it as .grad; it is meaningless there
 
-    def _write_main_grad(self, dy: torch.Tensor, x: torch.Tensor, overwrite: bool) -> None:
+    def _write_main_grad(self, dy, x, overwrite: bool) -> None:
         """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x (emulated: one GEMM into main_grad,
         no temporary)."""
         weight = self.weight
         if getattr(weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        _wgrad_gemm(dy, x, out=weight.main_grad, accumulate=not overwrite)
+        _wgrad_into(weight.main_grad, dy, x, accumulate=not overwrite)
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
-
-    def _deliver_wgrad(self, dy: torch.Tensor, x: torch.Tensor, is_first_microbatch):
-        flagged = hasattr(self.weight, "grad_added_to_main_grad")
-        if self.delay_wgrad:
-            self._deferred.append((dy, x, bool(is_first_microbatch)))
-            return self._dummy_wgrad() if self.fuse_wgrad_accumulation and flagged else None
-        if self.fuse_wgrad_accumulation:
-            self._write_main_grad(dy, x, overwrite=bool(is_first_microbatch))
-            return self._dummy_wgrad() if flagged else None
-        return _wgrad_gemm(dy, x).to(self.weight.dtype)
-
-    def backward_dw(self) -> None:
-        """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivered per the table."""
-        deferred, self._deferred = self._deferred, []
-        for dy, x, overwrite in deferred:
-            if self.fuse_wgrad_accumulation:
-                self._write_main_grad(dy, x, overwrite)
-                continue
-            wgrad = _wgrad_gemm(dy, x).to(self.weight.dtype)
-            if self.weight.grad is None:
-                self.weight.grad = wgrad
-            else:
-                self.weight.grad.add_(wgrad)
 
 
 # --- model conversion ---------------------------------------------------------------------------

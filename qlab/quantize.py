@@ -244,6 +244,8 @@ def _check_input(x, spec, axis):
     if isinstance(spec, NVFP4Spec) and spec.block_2d and x.dim() < 2:
         raise ValueError("x must have at least 2 dimensions for 2D 16x16 NVFP4 blocks")
     element = get_format(spec.element)
+    if torch.compiler.is_compiling():  # the value checks below read data on the host: eager only
+        return axis % x.dim()
     if isinstance(spec, IntSpec) and not torch.isfinite(x).all():
         raise ValueError(f"{element.name} has no inf or NaN encoding, but x holds inf or NaN")
     if not element.has_nan and torch.isnan(x).any() and not isinstance(spec, (MXSpec, NVFP4Spec)):
@@ -397,7 +399,7 @@ def _check_scale(scale, spec):
         scale = scale.float()
     else:
         scale = torch.tensor(checks.number("scale", scale, low=0, open_low=True))
-    if not (torch.isfinite(scale).all() and (scale > 0).all()):
+    if not torch.compiler.is_compiling() and not (torch.isfinite(scale).all() and (scale > 0).all()):
         raise ValueError("a fixed scale must be finite and positive")
     return scale
 
@@ -406,6 +408,24 @@ def _check_generator(spec, generator):
     checks.generator("generator", generator)
     if generator is not None and spec.rounding != "stochastic":
         raise ValueError("a generator only makes sense with a spec whose rounding is 'stochastic'")
+
+
+def _randomness(x, spec, axis, generator, noise, *, blocked: bool):
+    """What the recipes draw from: ``generator``, or pre-drawn ``noise`` of ``noise_shape``."""
+    _check_generator(spec, generator)
+    if noise is None:
+        return generator
+    checks.tensor("noise", noise, dtypes=(torch.float32,))
+    if generator is not None:
+        raise ValueError("pass a generator or pre-drawn noise, not both")
+    if spec.rounding != "stochastic" or not draws_float32_noise(spec):
+        raise ValueError(
+            f"pre-drawn noise needs stochastic rounding with float32 noise (stochastic_noise), got {spec!r}"
+        )
+    expected = noise_shape(x, spec, axis, blocked=blocked)
+    if tuple(noise.shape) != tuple(expected):
+        raise ValueError(f"noise must have shape {tuple(expected)} (noise_shape), got {tuple(noise.shape)}")
+    return noise
 
 
 # --- public API ------------------------------------------------------------------------------------
@@ -419,16 +439,18 @@ def quantize(
     generator: torch.Generator | None = None,
     scale: torch.Tensor | float | None = None,
     keep_source: bool = True,
+    noise: torch.Tensor | None = None,
 ) -> QTensor:
     """Quantize x (float32/bf16/fp16) by ``spec`` with scales shared along ``axis``.
 
     ``scale`` fixes the scale: for TensorwiseSpec the multiplier (delayed scaling passes
     ``DelayedScaling.scale``), for symmetric IntSpec the step;
-    ``generator`` drives stochastic rounding; ``keep_source`` keeps a reference to x for ``along``.
+    ``generator`` drives stochastic rounding, or ``noise`` gives its draws up front
+    (``noise_shape(x, spec, axis, blocked=True)``); ``keep_source`` keeps a reference to x for ``along``.
     """
     spec = get_spec(spec)
     axis = _check_input(x, spec, axis)
-    _check_generator(spec, generator)
+    generator = _randomness(x, spec, axis, generator, noise, blocked=True)
     if x.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor, got shape {tuple(x.shape)}")
     scale = _check_scale(scale, spec)
@@ -525,12 +547,16 @@ def _qdq_any_layout(x: torch.Tensor, spec: Spec, axis: int, generator, scale, dt
     )
 
 
-def _noise_shape(x: torch.Tensor, spec: Spec, axis: int) -> torch.Size:
+def noise_shape(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, blocked: bool = False) -> torch.Size:
+    """The shape of the uniform draws (``qlab.formats.stochastic_noise``) that stochastic rounding of
+    ``x`` by ``spec`` along ``axis`` consumes: one per element of qdq's layout (``blocked=False``) or
+    of quantize's blocked layout (``blocked=True``; the two differ for a non-last axis)."""
+    spec = get_spec(spec)
+    axis = axis % x.dim()
     meta = torch.empty(x.shape, device="meta")
-    layout = (
-        _inplace_layout(meta, spec, axis) if _inplace_applies(x, spec, axis) else _to_layout(meta, spec, axis)
-    )
-    return layout.shape
+    if not blocked and _inplace_applies(x, spec, axis):
+        return _inplace_layout(meta, spec, axis).shape
+    return _to_layout(meta, spec, axis).shape
 
 
 def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor:
@@ -613,16 +639,16 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
     return _compiled[key]
 
 
+def draws_float32_noise(spec: Spec) -> bool:
+    """Whether stochastic rounding by ``spec`` consumes ``stochastic_noise`` draws (which can be drawn
+    up front), rather than float64 ``torch.rand`` (the reference cast, asymmetric integers)."""
+    fast_stochastic = _fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
+    return fast_stochastic and not (isinstance(spec, IntSpec) and not spec.symmetric)
+
+
 def _compilable(spec: Spec) -> bool:
     """RNE always; stochastic rounding when its float32 noise can be drawn up front (eagerly)."""
-    if spec.rounding == "rne":
-        return True
-    fast_stochastic = _fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
-    return (
-        spec.rounding == "stochastic"
-        and fast_stochastic
-        and not (isinstance(spec, IntSpec) and not spec.symmetric)
-    )
+    return spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec))
 
 
 def qdq(
@@ -634,6 +660,7 @@ def qdq(
     scale: torch.Tensor | float | None = None,
     dtype: torch.dtype | None = None,
     fast: bool | None = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """dequantize(quantize(x, spec, axis), dtype) without materializing codes: same bits and shape.
 
@@ -641,32 +668,36 @@ def qdq(
     dtype cannot hold exactly). ``fast``: None picks the compiled path for large inputs, True
     forces it, False forces eager. Stochastic rounding draws its noise eagerly from ``generator``
     in both paths, so the compiled path consumes the same random numbers and gives the same bits;
-    on a non-last axis qdq maps the draws to elements in a different order than quantize does
-    (both are valid draws, but not the same ones).
+    ``noise`` instead gives those draws up front (shape ``noise_shape(x, spec, axis)``; what a
+    compiled model passes, see ``qlab.formats.drawn_noise``). On a non-last axis qdq maps the draws
+    to elements in a different order than quantize does (both are valid draws, but not the same ones).
+    Inside ``torch.compile`` qdq traces into the caller's graph (no nested compile, no host reads).
     """
     spec = get_spec(spec)
     axis = _check_input(x, spec, axis)
-    _check_generator(spec, generator)
+    randomness = _randomness(x, spec, axis, generator, noise, blocked=False)
     scale = _check_scale(scale, spec)
     dtype = checks.floating_dtype("dtype", dtype) or x.dtype
     if fast is not None:
         checks.boolean("fast", fast)
     if x.numel() == 0:
         return x.to(dtype).clone()
+    if torch.compiler.is_compiling():
+        return _qdq_any_layout(x, spec, axis, randomness, scale, dtype)
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
     if use_fast and _compilable(spec):
         compiled = _fast_qdq(spec, axis, dtype)
         if compiled is not None:
-            noise = None
-            if spec.rounding == "stochastic":
-                noise = stochastic_noise(_noise_shape(x, spec, axis), generator, x.device)
+            noise = randomness if isinstance(randomness, torch.Tensor) else None
+            if spec.rounding == "stochastic" and noise is None:
+                noise = stochastic_noise(noise_shape(x, spec, axis), generator, x.device)
             try:
                 return compiled(x, scale, noise)
             except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
                 _compile_failed.add((spec, axis, dtype))
                 if noise is not None:  # the draws are spent: use them, so the stream stays the same
-                    generator = noise
-    return _qdq_any_layout(x, spec, axis, generator, scale, dtype)
+                    randomness = noise
+    return _qdq_any_layout(x, spec, axis, randomness, scale, dtype)
 
 
 # --- measurements ---------------------------------------------------------------------------------
