@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_numerics import median_seconds  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from qlab.nn import QuantLinear, highest_matmul_precision  # noqa: E402
 from qlab.recipe import BACKWARD_OVERRIDES, PRESETS, get_recipe  # noqa: E402

@@ -10,24 +10,17 @@ can size a sweep. Timings are medians of --repeats runs after one warm-up.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
-import statistics
-import time
+import sys
 
 import torch
 import torch.nn.functional as F
 
-from qlab import numerics
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import median_seconds  # noqa: E402
 
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from qlab import numerics  # noqa: E402
 
 
 def layer_norm_fwd_bwd(impl, x, weight, bias, dy):

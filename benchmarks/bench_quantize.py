@@ -24,7 +24,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_numerics import median_seconds  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from qlab import quantize as Q  # noqa: E402
 

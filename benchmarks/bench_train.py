@@ -1,63 +1,133 @@
-"""Training steps per second of the default CharGPT for fp32 and every recipe, in one run.
+"""Training-step time of every recipe relative to FP32, eager and compiled, in one run.
 
-    python benchmarks/bench_train.py [--steps 20] [--batch-size 16] [--device auto]
+    python benchmarks/bench_train.py [--modes eager,compiled] [--steps 10] [--repeats 3] [--threads auto]
+                                     [--recipes fp8_tensorwise,...] [--llama] [--device auto]
 
-Each configuration trains the default model (5 blocks, width 128, context 128, about 1.0M
-parameters, head kept in high precision) for --steps optimizer steps after 3 warm-up steps (which
-also compile qdq's fast path where a tensor is large enough); no evaluation inside the timed
-steps. Prints a markdown table: steps/s, tokens/s and the quantization overhead (time per step
-over fp32's). Quantization is emulated (quantize → dequantize → FP32 GEMM), so the overhead is
-the emulation's cost, not a low-precision speed-up.
+CharGPT rows: the default model (5 blocks, width 128, context 128, about 1.0M parameters, head kept
+in high precision), batch --batch-size × 128 tokens, through ``qlab.train.train``. Each repeat runs
+FP32 and then every recipe for --steps timed optimizer steps after 3 warm-up steps (which compile);
+the ratio is taken against the FP32 run of the same repeat and mode, and the table gives the median
+ratio over repeats with its range. "compiled" is ``TrainConfig(compile=True)`` (compiled against
+compiled FP32), "eager" the default (against eager FP32). Quantization is emulated (quantize →
+dequantize → FP32 GEMM), so a ratio is the emulation's cost, not a low-precision speed-up.
+
+--llama adds a quantized Hugging Face Llama (2 layers, hidden 256, intermediate 1024, 512 tokens a
+step) under bf16 autocast with mxfp8, forward+backward+AdamW, against the same model unquantized,
+both compiled. Compilation time is reported apart (first step).
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import os
+import sys
+import time
 import warnings
 
 import torch
 
-from qlab.train import TrainConfig, train
-from qlab.train.config import RECIPES
-from qlab.train.loop import resolve_device
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import add_thread_argument, machine, median_and_range, set_threads  # noqa: E402
+
+from qlab.train import TrainConfig, train  # noqa: E402
+from qlab.train.config import RECIPES  # noqa: E402
+from qlab.train.loop import resolve_device  # noqa: E402
+
+WARMUP = 3
+CURRENT_SCALING = ("fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4")
 
 
-def seconds_per_step(config: TrainConfig, steps: int, warmup: int = 3) -> float:
-    """Seconds per step after ``warmup`` steps, from the run's own cumulative step times (the last
-    step, which also evaluates, is left out)."""
-    times = train(config.replace(steps=warmup + steps + 1, eval_every=10**6)).metrics.time_s
-    return (times.iloc[-2] - times.iloc[warmup - 1]) / steps
+def seconds_per_step(config: TrainConfig, steps: int) -> tuple[float, float]:
+    """(seconds per step after the warm-up, seconds of the first step), from the run's own cumulative
+    step times (the last step, which also evaluates, is left out)."""
+    times = train(config.replace(steps=WARMUP + steps + 1, eval_every=10**6)).metrics.time_s
+    return (times.iloc[-2] - times.iloc[WARMUP - 1]) / steps, times.iloc[0]
+
+
+def llama_step_seconds(recipe: str | None, steps: int, device: torch.device) -> tuple[float, float]:
+    """(seconds per compiled AdamW step of a tiny Llama under bf16 autocast, first-step seconds)."""
+    import transformers
+
+    from qlab.nn import quantize_model
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=512,
+        max_position_embeddings=256,
+    )
+    model = transformers.LlamaForCausalLM(config).to(device).train()
+    if recipe is not None:
+        quantize_model(model, recipe, keep_high_precision=["lm_head"])
+    compiled = torch.compile(model, dynamic=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
+    times = []
+    for _ in range(WARMUP + steps):
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sum(times[WARMUP:]) / steps, times[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "fp32"))
+    parser.add_argument("--llama", action="store_true")
     parser.add_argument("--device", default="auto")
+    add_thread_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    threads = set_threads(args.threads)
     device = resolve_device(args.device)
+    recipes = args.recipes.split(",")
     base = TrainConfig(
         batch_size=args.batch_size, eval_batches=1, warmup_steps=0, progress=False, device=str(device)
     )
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (platform.processor() or platform.machine())
-    )
     print(
-        f"machine: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}; default CharGPT, "
-        f"batch {args.batch_size} × {base.context} tokens, {args.steps} timed steps\n"
+        f"machine: {machine(device)} ({threads} threads chosen); default CharGPT, batch {args.batch_size} × "
+        f"{base.context} tokens, {args.steps} timed steps, {args.repeats} repeats\n"
     )
-    print("| recipe | steps/s | tokens/s | overhead vs fp32 |")
-    print("|---|---:|---:|---:|")
-    fp32 = None
-    for recipe in RECIPES:
-        seconds = seconds_per_step(base.replace(recipe=recipe), args.steps)
-        fp32 = fp32 or seconds
-        tokens = args.batch_size * base.context / seconds
-        print(f"| {recipe} | {1 / seconds:.2f} | {tokens:,.0f} | {seconds / fp32:.2f} |", flush=True)
+    for mode in args.modes.split(","):
+        compiled = mode == "compiled"
+        ratios = {recipe: [] for recipe in recipes}
+        fp32_seconds, first_steps = [], {}
+        for _ in range(args.repeats):
+            fp32, first_steps["fp32"] = seconds_per_step(base.replace(compile=compiled), args.steps)
+            fp32_seconds.append(fp32)
+            for recipe in recipes:
+                seconds, first = seconds_per_step(base.replace(recipe=recipe, compile=compiled), args.steps)
+                ratios[recipe].append(seconds / fp32)
+                first_steps.setdefault(recipe, first)  # the first repeat's: compilation, not its cache
+        fp32_ms = median_and_range([1e3 * s for s in fp32_seconds])
+        print(f"{mode}: FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
+        print(f"| recipe | {mode} step / FP32 {mode} | first step (s) |")
+        print("|---|---:|---:|")
+        for recipe in recipes:
+            first = first_steps[recipe]
+            print(f"| {recipe} | {median_and_range(ratios[recipe])} | {first:.1f} |", flush=True)
+        print()
+    if args.llama:
+        plain, plain_first = llama_step_seconds(None, args.steps, device)
+        quantized, first = llama_step_seconds("mxfp8", args.steps, device)
+        print("| Llama (2 × 256, 512 tokens), bf16 autocast, compiled | step (ms) | ratio | first step (s) |")
+        print("|---|---:|---:|---:|")
+        print(f"| unquantized | {plain * 1e3:.0f} | 1.00 | {plain_first:.1f} |")
+        print(f"| mxfp8 | {quantized * 1e3:.0f} | {quantized / plain:.2f} | {first:.1f} |")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ def gen():
     return torch.Generator().manual_seed(0)
 
 
+SR_MX = Q.MXSpec("e2m1", rounding="stochastic")
+
+
 def tiny():
     """A model whose Linear layers are named encoder and head."""
     return nn.Sequential(OrderedDict(encoder=nn.Linear(8, 8), act=nn.ReLU(), head=nn.Linear(8, 4)))
@@ -359,6 +362,17 @@ CASES = [
     ("qdq dtype int32", lambda: Q.qdq(x32(), "mxfp8", dtype=torch.int32), TypeError, "dtype"),
     ("qdq dtype string", lambda: Q.qdq(x32(), "mxfp8", dtype="float32"), TypeError, "dtype"),
     ("qdq fast str", lambda: Q.qdq(x32(), "mxfp8", fast="yes"), TypeError, "fast"),
+    ("qdq noise not a tensor", lambda: Q.qdq(x32(), SR_MX, noise=0.5), TypeError, "noise"),
+    ("qdq noise float64", lambda: Q.qdq(x32(), SR_MX, noise=torch.zeros(1, 32).double()), TypeError, "noise"),
+    ("qdq noise shape", lambda: Q.qdq(x32(), SR_MX, noise=torch.zeros(32)), ValueError, "noise"),
+    ("qdq noise for RNE", lambda: Q.qdq(x32(), "mxfp8", noise=torch.zeros(1, 1, 32)), ValueError, "noise"),
+    (
+        "qdq noise and generator",
+        lambda: Q.qdq(x32(), SR_MX, noise=torch.zeros(4, 1, 32), generator=torch.Generator()),
+        ValueError,
+        "noise",
+    ),
+    ("quantize noise shape", lambda: Q.quantize(x32(), SR_MX, noise=torch.zeros(3)), ValueError, "noise"),
     ("qdq MX pad=False", lambda: Q.quantize(torch.ones(2, 40), Q.MXSpec(pad=False)), ValueError, "pad=True"),
     ("qdq NVFP4 pad=False", lambda: Q.qdq(torch.ones(2, 24), Q.NVFP4Spec(pad=False)), ValueError, "pad=True"),
     (
@@ -895,6 +909,7 @@ CASES = [
     # --- qlab.train: config -----------------------------------------------------------------------
     ("config task", lambda: C.TrainConfig(task="mnist"), ValueError, "task"),
     ("config recipe", lambda: C.TrainConfig(recipe="fp4"), ValueError, "recipe"),
+    ("config compile str", lambda: C.TrainConfig(compile="yes"), TypeError, "compile"),
     ("config lr inf", lambda: C.TrainConfig(task="digits", lr=INF), ValueError, "lr"),
     ("config lr NaN", lambda: C.TrainConfig(task="digits", lr=NAN), ValueError, "lr"),
     ("config lr 0", lambda: C.TrainConfig(task="digits", lr=0), ValueError, "lr"),

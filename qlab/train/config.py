@@ -40,6 +40,7 @@ class TrainConfig:
     gemm: str = (
         "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
     )
+    compile: bool = False  # torch.compile the model for the training steps (benchmarks/bench_train.py)
     keep_high_precision: list[str] | dict[str, list[str]] = field(
         default_factory=lambda: ["head", "last_layer"]
     )

@@ -484,6 +484,7 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
+    step_model = _compiled(model) if config.compile else model  # evaluation and fidelity stay eager
     probe_set = probes(trained) if probes is not None else None
     if probe_set is not None:
         probe_set.current_step = start
@@ -511,7 +512,7 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
                 step_inputs.append(inputs)
                 sync = micro == config.grad_accum - 1 or world_size == 1
                 with contextlib.nullcontext() if sync else model.no_sync():
-                    loss = _loss(model, inputs, targets, autocast)[0] / config.grad_accum
+                    loss = _loss(step_model, inputs, targets, autocast)[0] / config.grad_accum
                     scaler.scale(loss).backward()
                 train_loss += loss.detach()
             scaler.unscale_(optimizer)
@@ -584,6 +585,19 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
             probe_set.detach()
     seconds = time.perf_counter() - began
     return TrainResult(pd.DataFrame(metrics), pd.DataFrame(fidelity), trained, seconds, probe_set)
+
+
+def _compiled(model: nn.Module) -> nn.Module:
+    """``torch.compile(model)`` for the training steps: QuantLinear gives the same bits as eagerly
+    (tests/test_compile.py). Its float32 GEMMs need "highest" matmul precision, PyTorch's default, which
+    compiled code cannot switch on by itself."""
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        raise ValueError(
+            f"compile=True needs torch.set_float32_matmul_precision('highest') (PyTorch's default) for "
+            f"QuantLinear's float32 GEMMs; this process set {precision!r}"
+        )
+    return torch.compile(model, dynamic=False)
 
 
 def _progress(config: TrainConfig, rank: int, start: int):

@@ -1,0 +1,255 @@
+"""torch.compile of quantized layers and models: no graph breaks, and the same bits as eager.
+
+QuantLinear is pinned bit for bit against its own eager run (outputs, dx, dW, db over two steps, so the
+stochastic-rounding stream advances; NVFP4 covers the Hadamard transform). Whole models are compared
+within a tolerance: inductor fuses LayerNorm, softmax and the loss with its own reduction order.
+Graph-break counts come from torch._dynamo's counters; aot_eager traces forward and backward as
+inductor does without compiling C++, so most checks here cost seconds.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch import nn
+
+from qlab import formats
+from qlab import quantize as Q
+from qlab.nn import QuantLinear, quantize_model
+from qlab.recipe import get_recipe
+from qlab.train import TrainConfig, train
+from qlab.train.models import CharGPT
+
+CURRENT_SCALING = ["fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4"]
+OVERRIDES = [None, "high_precision", "dequantized"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(monkeypatch):
+    monkeypatch.delenv("QLAB_BACKWARD_OVERRIDE", raising=False)
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    with dynamo.config.patch(recompile_limit=64):  # every test compiles fresh layers
+        yield
+    dynamo.reset()
+
+
+def graph_breaks() -> int:
+    return sum(dynamo.utils.counters["graph_break"].values())
+
+
+def layer_step(layer, x, call):
+    """Forward, backward of a fixed non-uniform loss; (y, dx, dW, db)."""
+    x = x.clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    y = call(layer, x)
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
+
+
+def eager_and_compiled(recipe, backend, steps=2, tokens=48):
+    """The same QuantLinear run eagerly and compiled (fullgraph) for ``steps`` steps."""
+    torch.manual_seed(0)
+    eager = QuantLinear(64, 96, recipe=recipe, seed=3)
+    compiled = copy.deepcopy(eager)  # its own generators, in the same state
+    call = torch.compile(lambda layer, x: layer(x), backend=backend, fullgraph=True)
+    results = []
+    for step in range(steps):
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(step))
+        results.append((layer_step(eager, x, lambda layer, x: layer(x)), layer_step(compiled, x, call)))
+    return results
+
+
+@pytest.mark.parametrize("override", OVERRIDES)
+@pytest.mark.parametrize("preset", CURRENT_SCALING)
+def test_quantlinear_forward_and_backward_trace_without_graph_breaks(preset, override):
+    recipe = get_recipe(preset, backward_override=override)
+    for eager, compiled in eager_and_compiled(recipe, "aot_eager"):
+        for a, b in zip(eager, compiled):
+            assert torch.equal(a, b)
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize(
+    "preset, override",
+    [(preset, None) for preset in CURRENT_SCALING] + [("nvfp4", "dequantized"), ("mxfp4", "high_precision")],
+)
+def test_inductor_compiled_quantlinear_gives_the_eager_bits(preset, override):
+    """Inductor's fused kernels, the stochastic-rounding stream (nvfp4, mxfp4: noise drawn through the
+    qlab::stochastic_noise op from the layer's generator) and the Hadamard transform (nvfp4): same bits."""
+    recipe = get_recipe(preset, backward_override=override)
+    for eager, compiled in eager_and_compiled(recipe, "inductor"):
+        for name, a, b in zip(("y", "dx", "dW", "db"), eager, compiled):
+            assert torch.equal(a, b), name
+    assert graph_breaks() == 0
+
+
+def test_stochastic_rounding_stream_continues_across_compiled_and_eager_calls():
+    """A layer that alternates compiled and eager calls draws one stream: the same as all-eager."""
+    recipe = get_recipe("nvfp4")
+    torch.manual_seed(0)
+    reference = QuantLinear(32, 32, recipe=recipe, seed=5)
+    mixed = copy.deepcopy(reference)
+    compiled = torch.compile(lambda layer, x: layer(x), backend="inductor", fullgraph=True)
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+        call = compiled if step % 2 else (lambda layer, x: layer(x))
+        for a, b in zip(layer_step(reference, x, lambda layer, x: layer(x)), layer_step(mixed, x, call)):
+            assert torch.equal(a, b)
+
+
+def test_noise_source_draws_what_the_generator_would():
+    layer = QuantLinear(8, 8, recipe="nvfp4", seed=9)
+    shapes = [(4, 3), (5,)]
+    drawn = formats.drawn_noise(layer._noise_source, shapes, torch.zeros(1))
+    generator = torch.Generator().manual_seed(9)
+    for noise, shape in zip(drawn, shapes):
+        assert torch.equal(noise, formats.stochastic_noise(shape, generator))
+
+
+def test_a_copied_layer_draws_from_its_own_generators():
+    layer = QuantLinear(32, 32, recipe="nvfp4", seed=1)
+    x = torch.randn(16, 32)
+    layer(x).sum().backward()  # creates the CPU generator
+    state = layer._generator(torch.device("cpu")).get_state()
+    twin = copy.deepcopy(layer)
+    twin(x).sum().backward()
+    assert torch.equal(layer._generator(torch.device("cpu")).get_state(), state)
+    assert not torch.equal(twin._generator(torch.device("cpu")).get_state(), state)
+
+
+@pytest.mark.parametrize("spec, axis", [("mxfp4", 0), (Q.NVFP4Spec(rounding="stochastic"), -1)])
+def test_qdq_with_predrawn_noise_equals_qdq_with_the_generator(spec, axis):
+    spec = Q.get_spec(spec)
+    if spec.rounding != "stochastic":
+        spec = Q.MXSpec("e2m1", rounding="stochastic")
+    x = torch.randn(64, 48)
+    from_generator = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(4), fast=False)
+    noise = formats.stochastic_noise(Q.noise_shape(x, spec, axis), torch.Generator().manual_seed(4))
+    assert torch.equal(Q.qdq(x, spec, axis, noise=noise, fast=False), from_generator)
+    blocked = formats.stochastic_noise(
+        Q.noise_shape(x, spec, axis, blocked=True), torch.Generator().manual_seed(4)
+    )
+    q = Q.quantize(x, spec, axis, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(Q.quantize(x, spec, axis, noise=blocked).codes, q.codes)
+
+
+def test_delayed_scaling_runs_as_an_eager_island_with_the_eager_bits():
+    torch.manual_seed(0)
+    eager = QuantLinear(32, 32, recipe="fp8_delayed")
+    compiled_layer = copy.deepcopy(eager)
+    compiled = torch.compile(lambda layer, x: layer(x), backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+        for a, b in zip(
+            layer_step(eager, x, lambda layer, x: layer(x)), layer_step(compiled_layer, x, compiled)
+        ):
+            assert torch.equal(a, b)
+    for role, scaler in eager.scalers.items():
+        assert torch.equal(scaler.history, compiled_layer.scalers[role].history)
+    assert not compiled_layer.compiles and graph_breaks() > 0
+
+
+def test_fullgraph_names_why_delayed_scaling_cannot_be_traced():
+    layer = QuantLinear(32, 32, recipe="fp8_delayed")
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="delayed scaling"):
+        compiled(torch.randn(4, 32))
+
+
+def chargpt():
+    torch.manual_seed(0)
+    return CharGPT(32, context=16, layers=2, width=32, heads=4)
+
+
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=32,
+        max_position_embeddings=16,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+IDS = torch.randint(0, 32, (2, 16), generator=torch.Generator().manual_seed(1))
+MODELS = {
+    "chargpt": (chargpt, lambda model: nn.functional.cross_entropy(model(IDS).flatten(0, 1), IDS.flatten())),
+    "llama": (tiny_llama, lambda model: model(input_ids=IDS, labels=IDS).loss),
+}
+
+
+@pytest.mark.parametrize(
+    "name, recipe, autocast",
+    [("chargpt", "nvfp4", False), ("llama", "mxfp8", True)],
+)
+def test_quantized_models_compile_whole(name, recipe, autocast):
+    """fullgraph=True on a quantized CharGPT and a Hugging Face Llama: no graph break, and the loss and
+    every gradient as eager within 1e-5 relative to their norm (bf16 autocast: 1e-2), the difference
+    being the order of the fused reductions outside QuantLinear (LayerNorm/RMSNorm, softmax, loss)."""
+    build, loss_of = MODELS[name]
+    model = build().train()
+    quantize_model(model, recipe)
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    grads = []
+    for candidate, run in ((model, model), (twin, compiled)):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = loss_of(run)
+        loss.backward()
+        grads.append([loss.detach().float()] + [p.grad for p in candidate.parameters()])
+    tolerance = 1e-2 if autocast else 1e-5
+    for a, b in zip(*grads):
+        assert (a - b).norm() <= tolerance * a.norm() + 1e-12
+    assert graph_breaks() == 0
+
+
+def test_training_compiled_tracks_eager_training(monkeypatch):
+    """TrainConfig(compile=True) trains through torch.compile (here its aot_eager backend: inductor's
+    bits are pinned layer by layer above) and follows the eager run."""
+    from qlab.train import loop
+
+    compile_calls, compile = [], torch.compile
+
+    def aot_eager(model, **options):
+        compile_calls.append(options)
+        return compile(model, backend="aot_eager", **options)
+
+    monkeypatch.setattr(loop.torch, "compile", aot_eager)
+    config = TrainConfig(
+        recipe="mxfp4",
+        context=16,
+        layers=1,
+        width=32,
+        batch_size=4,
+        steps=3,
+        eval_every=3,
+        eval_batches=1,
+        warmup_steps=0,
+        progress=False,
+    )
+    eager = train(config).metrics
+    compiled = train(config.replace(compile=True)).metrics
+    assert (eager.train_loss - compiled.train_loss).abs().max() < 1e-4
+    assert abs(eager.val_loss.iloc[-1] - compiled.val_loss.iloc[-1]) < 1e-4
+    assert compile_calls == [{"dynamic": False}]
+
+
+def test_compiled_training_refuses_a_lowered_matmul_precision():
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with pytest.raises(ValueError, match="highest"):
+            train(
+                TrainConfig(
+                    context=16, layers=1, width=32, batch_size=2, steps=1, compile=True, progress=False
+                )
+            )
+    finally:
+        torch.set_float32_matmul_precision(previous)
