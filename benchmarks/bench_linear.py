@@ -1,17 +1,18 @@
 """QuantLinear forward+backward against nn.Linear, every recipe preset and backward override, one run.
 
-    python benchmarks/bench_linear.py [--tokens 4096] [--features 1024] [--repeats 3]
+    python benchmarks/bench_linear.py [--tokens 4096] [--features 1024] [--repeats 3] [--threads auto]
+                                      [--device cpu|cuda] [--dtype float32|bfloat16]
 
-x (tokens × features, float32, requires grad) through a features → features layer with bias;
+x (tokens × features, --dtype, requires grad) through a features → features layer with bias;
 forward, then backward of a fixed dy. Medians of --repeats after a warm-up (which also compiles
-qdq's fast path for every operand shape). Prints a markdown table with ratios to nn.Linear.
+qdq's fast path for every operand shape). Prints a markdown table with ratios to nn.Linear of the
+same dtype (on CUDA: QuantLinear's operands through qlab's Triton kernels, FP8 recipes on tensor cores).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import warnings
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import median_seconds  # noqa: E402
+from timing import add_thread_argument, machine, median_seconds, set_threads  # noqa: E402
 
 from qlab.nn import QuantLinear, highest_matmul_precision  # noqa: E402
 from qlab.recipe import BACKWARD_OVERRIDES, PRESETS, get_recipe  # noqa: E402
@@ -39,20 +40,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--features", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    add_thread_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
+    set_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    sync = device.type == "cuda"
     torch.manual_seed(0)
-    x = torch.randn(args.tokens, args.features, requires_grad=True)
-    dy = torch.randn(args.tokens, args.features)
-    linear = nn.Linear(args.features, args.features)
+    x = torch.randn(args.tokens, args.features, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(args.tokens, args.features, device=device, dtype=dtype)
+    linear = nn.Linear(args.features, args.features, device=device, dtype=dtype)
     with highest_matmul_precision():
-        baseline = median_seconds(forward_backward(linear, x, dy), args.repeats)
+        baseline = median_seconds(forward_backward(linear, x, dy), args.repeats, synchronize=sync)
 
     print(
-        f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}; {args.tokens}×{args.features} → {args.features} float32, "
-        "forward+backward; "
-        f"nn.Linear {baseline * 1e3:.0f} ms\n"
+        f"machine: {machine(device)}; {args.tokens}×{args.features} → {args.features} {args.dtype}, "
+        f"forward+backward; nn.Linear {baseline * 1e3:.2f} ms\n"
     )
     print("| recipe | backward_override | QuantLinear (ms) | ratio to nn.Linear |")
     print("|---|---|---:|---:|")
@@ -61,8 +66,8 @@ def main() -> None:
             if preset == "fp8_delayed" and override is not None:
                 continue  # refused by design
             layer = QuantLinear.from_linear(linear, get_recipe(preset, backward_override=override))
-            seconds = median_seconds(forward_backward(layer, x, dy), args.repeats)
-            print(f"| {preset} | {override} | {seconds * 1e3:.0f} | {seconds / baseline:.2f} |", flush=True)
+            seconds = median_seconds(forward_backward(layer, x, dy), args.repeats, synchronize=sync)
+            print(f"| {preset} | {override} | {seconds * 1e3:.2f} | {seconds / baseline:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

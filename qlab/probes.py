@@ -64,35 +64,64 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     """
     stats = checks.names("stats", stats, STATS)
     checks.tensor("tensor", tensor, real=True)
+    return _stats_from_vector(_stats_vector(tensor, "outlier_ratio" in stats).tolist(), tensor.numel(), stats)
+
+
+def _stats_vector(tensor: torch.Tensor, outliers: bool) -> torch.Tensor:
+    """The float64 reductions ``tensor_stats`` reads, as one vector on the tensor's device (no host
+    transfer): min, max, mean, variance, Σx², Σ|x|, amax, smallest non-zero |x|, zeros, and the top and
+    median channel amax (placeholders unless ``outliers``)."""
     x = tensor.detach().flatten()
     if x.numel() == 0:
-        return {name: math.nan for name in stats}
+        return torch.full((11,), math.nan, dtype=torch.float64, device=x.device)
     magnitude = x.abs()
     wide = x.double()
-    smallest = torch.where(magnitude > 0, magnitude, torch.inf).min()
-    if "outlier_ratio" in stats:  # one more pass over the tensor: only when asked
+    smallest = torch.where(magnitude > 0, magnitude, torch.inf).min().double()
+    if outliers:  # one more pass over the tensor: only when asked
         channels = magnitude.reshape(-1, tensor.shape[-1]).amax(0) if tensor.dim() else magnitude
         top_and_median = [channels.max().double(), channels.median().double()]
     else:
-        top_and_median = [smallest.double(), smallest.double()]  # placeholders, never reported
+        top_and_median = [smallest, smallest]
     mean = wide.mean()
-    variance = (wide - mean).square().mean()  # two-pass: E[x²] − E[x]² would cancel (see notebook 02)
-    reduced = torch.stack(
+    centered = wide - mean  # two-pass: E[x²] − E[x]² would cancel (see notebook 02)
+    return torch.stack(
         [
             x.min().double(),
             x.max().double(),
             mean,
-            variance,
-            wide.square().sum(),
+            (centered * centered).mean(),
+            (wide * wide).sum(),
             magnitude.sum(dtype=torch.float64),
             magnitude.max().double(),
-            smallest.double(),
+            smallest,
             (x == 0).sum().double(),
             *top_and_median,
         ]
-    ).tolist()
-    low, high, mean, variance, squares, l1, amax, smallest, zeros, top_channel, median_channel = reduced
-    values = {
+    )
+
+
+_FUSED_MIN_NUMEL = 4096  # below this a compiled call costs more than the eager reductions
+_fused_stats_vector = torch.compile(_stats_vector, dynamic=True)
+_fused_failed: set = set()
+
+
+def _stats_vector_fast(tensor: torch.Tensor, outliers: bool) -> torch.Tensor:
+    """``_stats_vector`` through one compiled, fused kernel for large enough tensors (the same values up
+    to float64 summation order; eager if compilation is off with QLAB_COMPILE=0 or fails)."""
+    key = (tensor.dtype, tensor.device.type)
+    if tensor.numel() >= _FUSED_MIN_NUMEL and key not in _fused_failed and Q.compile_enabled():
+        try:  # always 2-D (rows, channels): one compiled kernel serves every rank of tensor
+            return _fused_stats_vector(tensor.detach().reshape(-1, tensor.shape[-1]), outliers)
+        except Exception:  # no compiler, an unsupported dtype, ...: the eager reductions
+            _fused_failed.add(key)
+    return _stats_vector(tensor, outliers)
+
+
+def _stats_from_vector(values: list[float], numel: int, stats) -> dict[str, float]:
+    if numel == 0:
+        return {name: math.nan for name in stats}
+    low, high, mean, variance, squares, l1, amax, smallest, zeros, top_channel, median_channel = values
+    named = {
         "min": low,
         "max": high,
         "mean": mean,
@@ -103,10 +132,10 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
         "dynamic_range": math.log2(amax) - math.log2(smallest)
         if math.isfinite(smallest) and amax > 0
         else math.nan,
-        "zero_fraction": zeros / x.numel(),
+        "zero_fraction": zeros / numel,
         "outlier_ratio": _ratio(top_channel, median_channel),
     }
-    return {name: values[name] for name in stats}
+    return {name: named[name] for name in stats}
 
 
 def _ratio(top: float, median: float) -> float:
@@ -309,7 +338,8 @@ class ProbeSet:
         self.ranks = ranks
         self.histograms = checks.boolean("histograms", histograms)
         self.current_step = 0
-        self.records: list[tuple] = []
+        self._records: list[tuple] = []
+        self._pending: list[tuple] = []  # statistics still on the device: moved when records are read
         self._handles: list = []
         self.selected = self._select(modules) if model is not None else {}
 
@@ -462,20 +492,34 @@ class ProbeSet:
     def _record(self, name: str, role: str, tensor: torch.Tensor) -> None:
         if not self.sampling() or not tensor.is_floating_point():
             return
-        rank = _rank()
-        for stat, value in tensor_stats(tensor, self.stats).items():
-            self.records.append((self.current_step, rank, name, role, stat, value))
+        where = (self.current_step, _rank(), name, role)
+        if self.stats:  # one fused reduction, left on the device until the records are read
+            vector = _stats_vector_fast(tensor, "outlier_ratio" in self.stats)
+            self._pending.append((where, tensor.numel(), vector))
         for label, (spec, patterns) in self.what_if.items():
             if patterns is not None and not any(checks.matches(name, p) for p in patterns):
                 continue
-            for stat, value in what_if_stats(tensor, spec, self.what_if_axis).items():
-                self.records.append((self.current_step, rank, name, role, f"{label}/{stat}", value))
+            values = {f"{label}/{k}": v for k, v in what_if_stats(tensor, spec, self.what_if_axis).items()}
             if self.block_stats and isinstance(spec, (Q.MXSpec, Q.NVFP4Spec)):
-                for stat, value in block_stats(tensor, spec, self.what_if_axis).items():
-                    self.records.append((self.current_step, rank, name, role, f"{label}/block/{stat}", value))
+                blocks = block_stats(tensor, spec, self.what_if_axis)
+                values.update({f"{label}/block/{k}": v for k, v in blocks.items()})
+            self._pending.append((where, None, values))
         if self.histograms:
-            for stat, value in log2_histogram(tensor).items():
-                self.records.append((self.current_step, rank, name, role, stat, value))
+            self._pending.append((where, None, log2_histogram(tensor)))
+
+    @property
+    def records(self) -> list[tuple]:
+        """(step, rank, module, role, stat, value) per recorded statistic, in recording order. Reading
+        them moves the statistics still on a device to the host: one transfer per device."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            vectors = [entry[2] for entry in pending if entry[1] is not None]
+            host = iter(_to_host(vectors))
+            for where, numel, values in pending:
+                if numel is not None:
+                    values = _stats_from_vector(next(host), numel, self.stats)
+                self._records.extend((*where, stat, value) for stat, value in values.items())
+        return self._records
 
     def record_param_grads(self, role: str = "param_grad") -> None:
         """Record ``param.grad`` of every selected module's parameters (after accumulation/unscaling)."""
@@ -498,6 +542,18 @@ class ProbeSet:
         from qlab.results import save_csv
 
         return save_csv(self.to_frame(), name)
+
+
+def _to_host(vectors: list[torch.Tensor]) -> list[list[float]]:
+    """The vectors' values as Python floats, in order, with one stacked transfer per device."""
+    by_device: dict[torch.device, list[int]] = {}
+    for index, vector in enumerate(vectors):
+        by_device.setdefault(vector.device, []).append(index)
+    values: list = [None] * len(vectors)
+    for indices in by_device.values():
+        for index, row in zip(indices, torch.stack([vectors[i] for i in indices]).tolist()):
+            values[index] = row
+    return values
 
 
 # --- the gradient audit -------------------------------------------------------------------------------

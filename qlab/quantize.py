@@ -611,7 +611,8 @@ _compiled: dict = {}
 _compile_failed: set = set()
 
 
-def _compile_enabled() -> bool:
+def compile_enabled() -> bool:
+    """Whether qlab may use torch.compile for its fast paths (QLAB_COMPILE=0 turns them off)."""
     return os.environ.get("QLAB_COMPILE", "1") != "0"
 
 
@@ -622,7 +623,7 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
     reads x in place instead of copying it first.
     """
     key = (spec, axis, dtype)
-    if key in _compile_failed or not _compile_enabled():
+    if key in _compile_failed or not compile_enabled():
         return None
     if key not in _compiled:
         if isinstance(spec, NVFP4Spec) and spec.hadamard:

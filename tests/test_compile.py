@@ -22,6 +22,7 @@ from qlab.train import TrainConfig, train
 from qlab.train.models import CharGPT
 
 CURRENT_SCALING = ["fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4"]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 OVERRIDES = [None, "high_precision", "dequantized"]
 
 
@@ -44,19 +45,19 @@ def layer_step(layer, x, call):
     x = x.clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
     y = call(layer, x)
-    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    (y * torch.linspace(-1, 1, y.numel(), device=y.device).reshape(y.shape)).sum().backward()
     return y.detach(), x.grad, layer.weight.grad, layer.bias.grad
 
 
-def eager_and_compiled(recipe, backend, steps=2, tokens=48):
+def eager_and_compiled(recipe, backend, steps=2, tokens=48, device="cpu"):
     """The same QuantLinear run eagerly and compiled (fullgraph) for ``steps`` steps."""
     torch.manual_seed(0)
-    eager = QuantLinear(64, 96, recipe=recipe, seed=3)
+    eager = QuantLinear(64, 96, recipe=recipe, seed=3, device=device)
     compiled = copy.deepcopy(eager)  # its own generators, in the same state
     call = torch.compile(lambda layer, x: layer(x), backend=backend, fullgraph=True)
     results = []
     for step in range(steps):
-        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(step)).to(device)
         results.append((layer_step(eager, x, lambda layer, x: layer(x)), layer_step(compiled, x, call)))
     return results
 
@@ -75,11 +76,13 @@ def test_quantlinear_forward_and_backward_trace_without_graph_breaks(preset, ove
     "preset, override",
     [(preset, None) for preset in CURRENT_SCALING] + [("nvfp4", "dequantized"), ("mxfp4", "high_precision")],
 )
-def test_inductor_compiled_quantlinear_gives_the_eager_bits(preset, override):
+@pytest.mark.parametrize("device", DEVICES)
+def test_inductor_compiled_quantlinear_gives_the_eager_bits(preset, override, device):
     """Inductor's fused kernels, the stochastic-rounding stream (nvfp4, mxfp4: noise drawn through the
-    qlab::stochastic_noise op from the layer's generator) and the Hadamard transform (nvfp4): same bits."""
+    qlab::stochastic_noise op from the layer's generator) and the Hadamard transform (nvfp4): same bits.
+    On CUDA eager runs qlab's Triton kernels (and FP8 tensor cores), compiled code inductor's own."""
     recipe = get_recipe(preset, backward_override=override)
-    for eager, compiled in eager_and_compiled(recipe, "inductor"):
+    for eager, compiled in eager_and_compiled(recipe, "inductor", device=device):
         for name, a, b in zip(("y", "dx", "dW", "db"), eager, compiled):
             assert torch.equal(a, b), name
     assert graph_breaks() == 0
