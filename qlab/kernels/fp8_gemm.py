@@ -46,8 +46,8 @@ def unsupported_reason(
         return None  # PyTorch's CPU _scaled_mm takes every combination
     if device.type != "cuda":
         return f"torch._scaled_mm runs on CUDA or the CPU, not {device.type}"
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        capability = torch.cuda.get_device_capability(device)
+    capability = _capability(device)
+    if capability < (8, 9):
         return f"FP8 tensor cores need compute capability 8.9 or newer, this GPU has {capability}"
     if k % 16 or n % 16:
         return f"the reduction length K={k} and output width N={n} must be multiples of 16"
@@ -56,13 +56,20 @@ def unsupported_reason(
     if "axis" in (spec_a.granularity, spec_b.granularity):
         if spec_b.element != "e4m3":
             return "row-wise scaled GEMMs need operand B in E4M3"
-        cublas_rowwise = torch.cuda.get_device_capability(device) == (9, 0) and _cuda_version() >= (12, 9)
+        cublas_rowwise = capability == (9, 0) and _cuda_version() >= (12, 9)
         if out_dtype == torch.float32 and not cublas_rowwise:
             return (
                 "row-wise scaled GEMMs with a float32 result need cuBLAS's row-wise path (compute capability "
                 "9.0, CUDA ≥ 12.9); CUTLASS's gives only bf16/fp16"
             )
     return None
+
+
+@torch.compiler.assume_constant_result
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability; a constant to torch.compile (CUDA's lazy initialisation, which
+    querying it may run, cannot be traced)."""
+    return torch.cuda.get_device_capability(device)
 
 
 def _cuda_version() -> tuple[int, ...]:

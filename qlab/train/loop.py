@@ -597,7 +597,8 @@ def _compiled(model: nn.Module) -> nn.Module:
             f"compile=True needs torch.set_float32_matmul_precision('highest') (PyTorch's default) for "
             f"QuantLinear's float32 GEMMs; this process set {precision!r}"
         )
-    return torch.compile(model, dynamic=False)
+    torch._dynamo.reset()  # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile
+    return torch.compile(model, dynamic=False)  # limit and quietly run the rest eagerly
 
 
 def _progress(config: TrainConfig, rank: int, start: int):
