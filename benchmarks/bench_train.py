@@ -106,13 +106,17 @@ def main() -> None:
         compiled = mode == "compiled"
         ratios = {recipe: [] for recipe in recipes}
         fp32_seconds, first_steps = [], {}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):  # each measurement printed as taken: a cut-off run keeps them
             fp32, first_steps["fp32"] = seconds_per_step(base.replace(compile=compiled), args.steps)
             fp32_seconds.append(fp32)
+            print(f"# {mode} repeat {repeat}: fp32 {fp32 * 1e3:.1f} ms", flush=True)
             for recipe in recipes:
                 seconds, first = seconds_per_step(base.replace(recipe=recipe, compile=compiled), args.steps)
                 ratios[recipe].append(seconds / fp32)
                 first_steps.setdefault(recipe, first)  # the first repeat's: compilation, not its cache
+                ratio = seconds / fp32
+                print(f"# {mode} repeat {repeat}: {recipe} {seconds * 1e3:.1f} ms, {ratio:.2f}", flush=True)
+        print()
         fp32_ms = median_and_range([1e3 * s for s in fp32_seconds])
         print(f"{mode}: FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
         print(f"| recipe | {mode} step / FP32 {mode} | first step (s) |")

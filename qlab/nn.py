@@ -540,14 +540,11 @@ class QuantLinear(nn.Linear):
             return False
         (role_a, axis_a), (role_b, axis_b) = GEMM_OPERANDS[gemm]
         spec_a, spec_b = self.recipe.spec(role_a), self.recipe.spec(role_b)
+        if not (fp8_gemm.is_fp8_spec(spec_a) and fp8_gemm.is_fp8_spec(spec_b)):
+            return False
         k, n = a.shape[axis_a], b.shape[0 if axis_b == -1 else 1]  # reduction length, output width
         reason = fp8_gemm.unsupported_reason(spec_a, spec_b, k, n, a.device)
-        if (
-            reason is not None
-            and self.gemm == "scaled_mm"
-            and fp8_gemm.is_fp8_spec(spec_a)
-            and fp8_gemm.is_fp8_spec(spec_b)
-        ):
+        if reason is not None and self.gemm == "scaled_mm":
             raise ValueError(f"gemm='scaled_mm' cannot run this layer's {gemm} GEMM: {reason}")
         return reason is None
 
