@@ -370,19 +370,25 @@ def _nvfp4(x, spec: NVFP4Spec, generator, scale, dim=-1):
     else:
         block_scales = scaling.nvfp4_block_scales(magnitude.amax(dim, keepdim=True), global_scale)
         scales = block_scales.squeeze(dim)
-    if global_scale is None:
-        inverse = 1.0 / block_scales
-    else:  # torchao's order; for amax < 2688·2^-128 the reciprocal of the (subnormal) global scale overflows
-        reciprocal = 1.0 / global_scale
-        inverse = torch.where(
-            torch.isinf(reciprocal), 1.0 / (global_scale * block_scales), reciprocal / block_scales
-        )
-    scaled = torch.clamp(x * inverse, -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX)
+    scaled = torch.clamp(
+        _nvfp4_scaled(x, global_scale, block_scales), -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX
+    )
     scaled = torch.where(torch.isnan(scaled), 0.0, scaled)  # only in NaN/inf blocks, whose scale is NaN
     values = _cast(scaled, fmt, spec.rounding, True, generator)
     full = block_scales if global_scale is None else global_scale * block_scales
     parts = {"values": values, "scales": scales, "global_scale": global_scale}
     return parts, values * full
+
+
+def _nvfp4_scaled(x, global_scale, block_scales):
+    """x / (global · block) in float32, as torchao orders it: x · (fl(1/global) / block). For a tiny
+    tensor that inverse overflows (1/global alone beyond float32 below amax ≈ 7.9·10⁻³⁶, or divided by a
+    small block scale below amax ≈ 5·10⁻³⁴), which coded every non-zero element ±6; there x is divided
+    by the global and then the block scale instead (each quotient finite: |x| / global ≤ 2688)."""
+    if global_scale is None:
+        return x * (1.0 / block_scales)
+    inverse = (1.0 / global_scale) / block_scales
+    return torch.where(torch.isinf(inverse), (x / global_scale) / block_scales, x * inverse)
 
 
 _RECIPES = {TensorwiseSpec: _tensorwise, IntSpec: _int, MXSpec: _mx, NVFP4Spec: _nvfp4}
@@ -573,8 +579,9 @@ def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor
         return (rounded >= fmt.min) & (rounded <= fmt.max)
     if isinstance(spec, MXSpec):
         return layout.abs() / parts["scales"][..., None] <= fmt.max
-    full = _nvfp4_element_scales(spec, parts["scales"], parts["global_scale"])
-    return layout.abs() / full[..., None] <= scaling.NVFP4_ELEMENT_MAX
+    block_scales = parts["scales"].repeat_interleave(16, dim=-2) if spec.block_2d else parts["scales"]
+    scaled = _nvfp4_scaled(layout.abs(), parts["global_scale"], block_scales[..., None])
+    return scaled <= scaling.NVFP4_ELEMENT_MAX
 
 
 def qdq_with_mask(
