@@ -18,6 +18,13 @@ float32 accumulation order on the CPU (the GPU's FP8 accumulator keeps fewer bit
 tests/test_fp8_gemm.py; with stochastic rounding along axis 0 they draw the same noise but may give
 it to different elements (see ``qlab.quantize.qdq``).
 
+torch.compile: with current scaling (and without fused or delayed wgrad) a QuantLinear traces whole,
+forward and backward, and compiled code gives the eager bits on the CPU (tests/test_compile.py).
+Stochastic-rounding noise comes from the layer's generator through the ``qlab::stochastic_noise`` op
+(``qlab.formats.drawn_noise``), so the stream is the same compiled or not; the bias gradient goes
+through ``qlab::bias_grad`` (ATen's summation order). Delayed scaling, fused and delayed wgrad change
+state from inside backward: such a layer runs as an eager island (``QuantLinear.compiles``).
+
 Weight-gradient delivery (REFERENCE §4), for QuantLinear with any recipe (bf16 = plain precision):
 
 | fuse_wgrad_accumulation | delay_wgrad | grad_added_to_main_grad¹ | wgrad goes to | returned | .grad after |
@@ -87,7 +94,8 @@ def _compute_dtype(*tensors) -> torch.dtype:
 
 def _gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a·b in the compute dtype at "highest" float32 precision. Compiled code cannot switch the
-    precision: it runs at the process's setting, PyTorch's default "highest" (``compile_model`` checks)."""
+    precision: it runs at the process's setting, PyTorch's default "highest" (TrainConfig(compile=True)
+    checks)."""
     dtype = _compute_dtype(a, b)
     if torch.compiler.is_compiling():
         return a.to(dtype) @ b.to(dtype)
