@@ -32,6 +32,7 @@ for intN/uintN); ``decode`` turns codes back into float32. ``pack_fp4``/``unpack
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Callable
@@ -342,13 +343,14 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
 # --- noise from a registered source, the same bits eager and under torch.compile -------------------
 
 _NOISE_SOURCES: dict[int, weakref.WeakMethod] = {}
+_NOISE_KEYS = itertools.count()
 
 
 def register_noise_source(generator_for: Callable[[torch.device], torch.Generator]) -> int:
     """A key under which ``drawn_noise`` finds the generator ``generator_for(device)`` returns.
     ``generator_for`` is a bound method (e.g. a layer's per-device generators), held weakly: the
     entry goes when its object is garbage-collected."""
-    key = max(_NOISE_SOURCES, default=-1) + 1
+    key = next(_NOISE_KEYS)
     _NOISE_SOURCES[key] = weakref.WeakMethod(generator_for)
     weakref.finalize(generator_for.__self__, _NOISE_SOURCES.pop, key, None)
     return key
