@@ -17,6 +17,7 @@ where autograd records nothing (``SeedQuantizerFunction.backward_calls`` counts 
 from __future__ import annotations
 
 import contextlib
+import gc
 from typing import TYPE_CHECKING
 
 import torch
@@ -304,6 +305,11 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, result_file: str, st
         import pandas as pd
 
         pd.DataFrame(rows).to_csv(f"{result_file}.{rank}", index=False)
+        # every all-reduce finished and DDP's reducer freed while the group lives: freed after
+        # destroy_process_group, gloo's teardown can deadlock on the GIL (seen once under load)
+        dist.barrier()
+        del model, opt
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -152,6 +152,8 @@ def test_stats_names_are_the_documented_ones():
 
 
 def _ddp_audit_worker(rank, world_size, init_file, result_file):
+    import gc
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -169,6 +171,11 @@ def _ddp_audit_worker(rank, world_size, init_file, result_file):
         report = audit.report(loss_scale=scaler.get_scale(), tolerance=1e-5)
         if rank == 0:
             report.to_csv(result_file, index=False)
+        # every all-reduce finished and DDP's reducer freed while the group lives: freed after
+        # destroy_process_group, gloo's teardown can deadlock on the GIL (seen once under load)
+        dist.barrier()
+        del model, optimizer
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

@@ -11,6 +11,7 @@ transformers' own save_pretrained/from_pretrained; a one-process run for the two
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import tempfile
@@ -342,6 +343,9 @@ def _fsdp_worker(rank: int, world_size: int, init_file: str, out_file: str, step
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     if rank == 0:
         torch.save(state, out_file)
+    dist.barrier()  # free the sharded model while the group lives (gloo's teardown and the GIL)
+    del model, optimizer, state
+    gc.collect()
     dist.destroy_process_group()
 
 
