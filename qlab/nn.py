@@ -262,7 +262,16 @@ _EAGER_REASON = (
     "QuantLinear with delayed scaling, fuse_wgrad_accumulation or delay_wgrad runs eagerly: its "
     "backward updates amax histories, main_grad or deferred GEMMs, side effects torch.compile cannot trace"
 )
-_eager_linear = torch.compiler.disable(_LinearFunction.apply, reason=_EAGER_REASON)
+_eager_linear = None  # _LinearFunction.apply hidden from torch.compile; made by the first layer needing it
+
+
+def _eager_island():
+    """``_LinearFunction.apply`` behind torch.compiler.disable, made once, eagerly (at a layer's
+    construction: a traced forward only reads it; making it imports Dynamo, so not at import)."""
+    global _eager_linear
+    if _eager_linear is None:
+        _eager_linear = torch.compiler.disable(_LinearFunction.apply, reason=_EAGER_REASON)
+    return _eager_linear
 
 
 class QuantLinear(nn.Linear):
@@ -321,6 +330,8 @@ class QuantLinear(nn.Linear):
             spec = self.recipe.spec(role)
             if isinstance(spec, Q.NVFP4Spec) and spec.hadamard:
                 hadamard_matrix(16, spec.hadamard_seed)
+        if not self.compiles:
+            _eager_island()
         if self.recipe.delayed:
             for role in ("input", "weight", "grad_output"):
                 spec = self.recipe.spec(role)
@@ -385,7 +396,7 @@ class QuantLinear(nn.Linear):
                 f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
                 f"cast one of them (QuantLinear does not mix dtypes silently)"
             )
-        linear = _LinearFunction.apply if self.compiles else _eager_linear
+        linear = _LinearFunction.apply if self.compiles else _eager_island()
         with torch.autocast(x.device.type, enabled=False):
             y = linear(x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch)
         return y.reshape(*x.shape[:-1], self.out_features)

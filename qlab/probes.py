@@ -20,6 +20,7 @@ for sampled steps: between samples and after detaching the model carries no hook
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -101,8 +102,13 @@ def _stats_vector(tensor: torch.Tensor, outliers: bool) -> torch.Tensor:
 
 
 _FUSED_MIN_NUMEL = 4096  # below this a compiled call costs more than the eager reductions
-_fused_stats_vector = torch.compile(_stats_vector, dynamic=True)
 _fused_failed: set = set()
+
+
+@functools.cache
+def _fused_stats_vector():
+    """``_stats_vector`` compiled, made on first use (torch.compile imports Dynamo: not at import)."""
+    return torch.compile(_stats_vector, dynamic=True)
 
 
 def _stats_vector_fast(tensor: torch.Tensor, outliers: bool) -> torch.Tensor:
@@ -111,7 +117,7 @@ def _stats_vector_fast(tensor: torch.Tensor, outliers: bool) -> torch.Tensor:
     key = (tensor.dtype, tensor.device.type)
     if tensor.numel() >= _FUSED_MIN_NUMEL and key not in _fused_failed and Q.compile_enabled():
         try:  # always 2-D (rows, channels): one compiled kernel serves every rank of tensor
-            return _fused_stats_vector(tensor.detach().reshape(-1, tensor.shape[-1]), outliers)
+            return _fused_stats_vector()(tensor.detach().reshape(-1, tensor.shape[-1]), outliers)
         except Exception:  # no compiler, an unsupported dtype, ...: the eager reductions
             _fused_failed.add(key)
     return _stats_vector(tensor, outliers)

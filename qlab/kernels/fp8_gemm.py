@@ -65,11 +65,14 @@ def unsupported_reason(
     return None
 
 
-@torch.compiler.assume_constant_result
 def _capability(device: torch.device) -> tuple[int, int]:
     """The GPU's compute capability; a constant to torch.compile (CUDA's lazy initialisation, which
     querying it may run, cannot be traced)."""
     return torch.cuda.get_device_capability(device)
+
+
+if torch.cuda.is_available():  # marking it imports Dynamo: only where a GPU can ask
+    _capability = torch.compiler.assume_constant_result(_capability)
 
 
 def _cuda_version() -> tuple[int, ...]:
