@@ -277,16 +277,19 @@ def _fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str, saturate: bo
     return fmt.emax + 1 + 23 - fmt.mantissa_bits <= 127
 
 
-_TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+TORCH_FLOAT8 = {  # torch's float8 dtype for each format that has one (the one map; kernels use it)
+    "e4m3": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+}
 
 
 def _cast_rne_float32(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """RNE cast of a float32 tensor by the add-and-subtract trick (no checks; see the module doc)."""
     if isinstance(fmt, IntFormat):
         return torch.round(x.clamp(fmt.min, fmt.max))  # |x| < 2^23 after the clamp: round is exact RNE
-    if fmt.name in _TORCH_FLOAT8 and saturate and not torch.compiler.is_compiling():
+    if fmt.name in TORCH_FLOAT8 and saturate and not torch.compiler.is_compiling():
         # eager: torch's own float8 cast is one fused pass (same bits; compiled code keeps the trick)
-        return x.clamp(-fmt.max, fmt.max).to(_TORCH_FLOAT8[fmt.name]).float()
+        return x.clamp(-fmt.max, fmt.max).to(TORCH_FLOAT8[fmt.name]).float()
     overflows = not saturate and (fmt.has_inf or fmt.has_nan)
     limit = 2.0 ** (fmt.emax + 1) if overflows else fmt.max
     magnitude = x.abs().clamp(max=limit)  # keeps NaN; round(min(a, max)) == min(round(a), max)
@@ -314,7 +317,7 @@ def cast(
     Integer formats round to the integer grid and clamp to [min, max].
     """
     fmt = _check_cast_arguments(x, fmt, rounding, generator, saturate)
-    return _cast(x, fmt, rounding, saturate, generator)
+    return cast_unchecked(x, fmt, rounding, saturate, generator)
 
 
 NOISE_BITS = 15
@@ -400,7 +403,7 @@ def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.T
     return torch.copysign((steps * quantum).clamp(max=fmt.max), x)
 
 
-def _cast(x, fmt, rounding="rne", saturate=True, generator=None):
+def cast_unchecked(x, fmt, rounding="rne", saturate=True, generator=None):
     """``cast`` without argument checks (callers have checked; NaN never reaches a no-NaN format)."""
     if _fast_path_applies(x, fmt, rounding, saturate):
         if rounding == "stochastic":
@@ -454,7 +457,9 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     if not fmt.has_nan and torch.isnan(values).any():
         raise ValueError(f"{fmt.name} has no NaN encoding, but values hold NaN")
     # checked in the values' own dtype, so a float64 value off the grid is refused, not rounded
-    if not torch.equal(torch.nan_to_num(_cast(values, fmt, saturate=False)), torch.nan_to_num(values)):
+    if not torch.equal(
+        torch.nan_to_num(cast_unchecked(values, fmt, saturate=False)), torch.nan_to_num(values)
+    ):
         low = fmt.min if isinstance(fmt, IntFormat) else -fmt.max
         raise ValueError(
             f"values are not all representable in {fmt.name} (range [{low}, {fmt.max}]); cast them first"
@@ -463,10 +468,10 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
         return values.to(fmt.code_dtype)
     if fmt.name in ("bf16", "fp16"):
         return values.to(torch.bfloat16 if fmt.name == "bf16" else torch.float16).view(torch.int16)
-    return _encode_float(values.float(), fmt)
+    return encode_float(values.float(), fmt)
 
 
-def _encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     """uint8 codes of float32 values representable in fmt (no checks)."""
     bits = x.view(torch.int32)
     sign = (bits >> 31) & 1
@@ -488,10 +493,10 @@ def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """float32 values of integer ``codes`` of ``fmt`` (the inverse of ``encode``)."""
     fmt = get_format(fmt)
     _check_codes(codes, "codes", *_code_range(fmt), fmt.name)
-    return _decode(codes, fmt)
+    return decode_unchecked(codes, fmt)
 
 
-def _decode(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
+def decode_unchecked(codes: torch.Tensor, fmt: Format) -> torch.Tensor:
     """``decode`` without argument checks (codes known to be in range: no host sync)."""
     if isinstance(fmt, IntFormat):
         return codes.float()

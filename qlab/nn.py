@@ -328,7 +328,7 @@ class QuantLinear(nn.Linear):
         self.scalers: dict[str, DelayedScaling] = {}
         for role in ROLES:  # Hadamard matrices built now, not while torch.compile traces
             spec = self.recipe.spec(role)
-            if isinstance(spec, Q.NVFP4Spec) and spec.hadamard:
+            if spec is not None and spec.hadamard:
                 hadamard_matrix(16, spec.hadamard_seed)
         if not self.compiles:
             _eager_island()

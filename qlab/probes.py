@@ -30,7 +30,6 @@ from torch import nn
 
 from qlab import checks
 from qlab import quantize as Q
-from qlab.formats import get_format
 
 # A module called with keyword tensors only gets its grad_input from a tap (``_keyword_input_tap``);
 # torch warns that its full backward hook then sees no input gradients, which is expected here.
@@ -183,7 +182,7 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
     spec = Q.get_spec(spec)
-    if isinstance(spec, Q.NVFP4Spec) and spec.hadamard:
+    if spec.hadamard:
         x_hat, inside = Q.qdq(x, spec, axis), torch.ones_like(x, dtype=torch.bool)
     else:
         x_hat, inside = Q.qdq_with_mask(x, spec, axis)
@@ -200,13 +199,14 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
 
 
 def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> dict[str, float]:
-    """What an MX or NVFP4 ``spec`` does to ``tensor``'s blocks along ``axis`` (TransformerEngine's
-    debug tools give no per-block view; this is it):
+    """What a block ``spec`` (MX, NVFP4, FP8 blockwise) does to ``tensor``'s blocks along ``axis``
+    (TransformerEngine's debug tools give no per-block view; this is it):
 
-    scale_log2_min/max/mean/std: log2 of the blocks' scales (MX: the E8M0 power of two; NVFP4: the
-      global scale × the E4M3 block scale), over non-zero blocks with a finite scale;
-    scale_code/<c>: how many blocks (NVFP4 16×16: tiles) got scale code c — the E8M0 byte or the
-      E4M3 code — for the codes that occur;
+    scale_log2_min/max/mean/std: log2 of what dequantize multiplies each block by (MX: the E8M0
+      power of two; NVFP4: the global × the E4M3 block scale; blockwise FP8: 1/scale), over
+      non-zero blocks with a finite scale;
+    scale_code/<c>: how many blocks (2-D specs: tiles) got scale code c — the E8M0 byte or the
+      E4M3 code — for the codes that occur (MX and NVFP4 only);
     clipped_block_fraction: non-zero blocks with an element beyond the element format's range;
     flushed_block_fraction: non-zero blocks with at least one non-zero element quantized to zero;
     underflow_block_fraction: non-zero blocks quantized to zero altogether;
@@ -219,27 +219,26 @@ def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> d
     """
     checks.tensor("tensor", tensor, real=True)
     spec = Q.get_spec(spec)
-    if not isinstance(spec, (Q.MXSpec, Q.NVFP4Spec)):
-        raise ValueError(f"spec must be an MXSpec or NVFP4Spec (block statistics), got {type(spec).__name__}")
+    if not isinstance(spec, (Q.MXSpec, Q.NVFP4Spec, Q.BlockwiseSpec)):
+        raise ValueError(
+            f"spec must be a block spec (MXSpec, NVFP4Spec, BlockwiseSpec), got {type(spec).__name__}"
+        )
     checks.integer("worst", worst, low=0)
     x = tensor.detach()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
-    axis = Q._check_input(x, spec, axis)
-    layout = Q._to_layout(x, spec, axis)  # (..., n_blocks, block)
-    parts, out = Q._RECIPES[type(spec)](layout, spec, None, None)
-    if isinstance(spec, Q.MXSpec):
-        scales, codes = parts["scales"], parts["scale_codes"]
-    else:
-        scales = Q._nvfp4_element_scales(spec, parts["scales"], parts["global_scale"])
-        codes = Q._encode_float(parts["scales"], get_format("e4m3"))
+    axis = Q.check_input(x, spec, axis)
+    layout = Q.to_layout(x, spec, axis)  # (..., n_blocks, block)
+    parts, out = spec.quantize_layout(layout)
+    scales = spec.block_multipliers(parts)
+    codes = parts.get("scale_codes")  # BlockwiseSpec's float32 scales have no codes to count
     blocks_x, blocks_error = layout.double(), (out.double() - layout.double())
     nonzero_elements = blocks_x != 0
     nonzero = nonzero_elements.any(-1) & torch.isfinite(scales)
     flushed = ((out == 0) & nonzero_elements).any(-1) & nonzero
     underflow = (out == 0).all(-1) & nonzero
-    clipped = ~Q._inside_range(layout, spec, parts).all(-1) & nonzero
-    log2_scales = torch.log2(scales.double()[nonzero])
+    clipped = ~spec.inside_range(layout, parts).all(-1) & nonzero
+    log2_scales = torch.log2(scales.double()[nonzero & (scales > 0)])  # NVIDIA NVFP4 block scales may be 0
     count = max(int(nonzero.sum()), 1)
     values = {
         "scale_log2_min": log2_scales.min().item() if log2_scales.numel() else math.nan,
@@ -250,8 +249,9 @@ def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> d
         "flushed_block_fraction": int(flushed.sum()) / count,
         "underflow_block_fraction": int(underflow.sum()) / count,
     }
-    found, counts = torch.unique(codes.flatten(), return_counts=True)
-    values.update({f"scale_code/{int(c)}": float(n) for c, n in zip(found.tolist(), counts.tolist())})
+    if codes is not None:
+        found, counts = torch.unique(codes.flatten(), return_counts=True)
+        values.update({f"scale_code/{int(c)}": float(n) for c, n in zip(found.tolist(), counts.tolist())})
     relative = torch.linalg.vector_norm(blocks_error, dim=-1) / torch.linalg.vector_norm(blocks_x, dim=-1)
     relative = torch.where(nonzero, relative, -math.inf).flatten()
     blocks_per_row = layout.shape[-2]

@@ -12,14 +12,20 @@ whole number of blocks; ``QTensor.codes`` keep that blocked layout. A QTensor re
 and (by reference) its high-precision source, so ``q.along(other_axis)`` re-quantizes from high
 precision; it never transposes blocked codes.
 
-Specs (frozen dataclasses, hashable, usable as papermill strings through ``SPECS``):
+Specs (frozen dataclasses, hashable, usable as papermill strings through ``SPECS``); each is one
+class implementing the ``QuantSpec`` protocol, so adding a recipe touches one place here:
 
 | spec | elements | scales |
 |---|---|---|
 | TensorwiseSpec | e4m3/e5m2 (any float format) | FP8 current, per tensor or per slice; or given (delayed) |
+| BlockwiseSpec | e4m3/e5m2 | FP8 current per 1×128 tile or 128×128 block (DeepSeek-V3, TE) |
 | IntSpec | intN/uintN | symmetric amax/qmax, or asymmetric with a zero point |
-| MXSpec | e4m3, e5m2, e3m2, e2m3, e2m1 | one E8M0 per 32 elements, mode floor/rceil/ceil/even |
+| MXSpec | e4m3, e5m2, e3m2, e2m3, e2m1 | one E8M0 per 32 (or 32×32 tile), mode floor/rceil/ceil/even |
 | NVFP4Spec | e2m1 | one E4M3 per 16 (1×16) or per 16×16 tile, FP32 global; optional RHT |
+
+``convention`` (TensorwiseSpec, NVFP4Spec): "nvidia" (the default) reproduces TransformerEngine's
+reference and kernels bit for bit; "torchao" reproduces torchao's reference where the two differ
+(REFERENCE §2: NVFP4's block-scale floor and operation order, FP8's dequantize by division).
 
 Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elements and RNE
 rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
@@ -40,10 +46,10 @@ from qlab import checks, scaling
 from qlab.formats import (
     ROUNDING_MODES,
     FloatFormat,
-    _cast,
-    _decode,
-    _encode_float,
     _fast_path_applies,
+    cast_unchecked,
+    decode_unchecked,
+    encode_float,
     get_format,
     pack_fp4,
     round_to_integer,
@@ -51,6 +57,7 @@ from qlab.formats import (
 )
 
 GRANULARITIES = ("tensor", "axis")
+CONVENTIONS = ("nvidia", "torchao")
 
 
 def _check_rounding(rounding):
@@ -61,15 +68,110 @@ def _check_granularity(granularity):
     checks.choice("granularity", granularity, GRANULARITIES)
 
 
+class QuantSpec:
+    """What every spec is: quantize, dequantize, qdq and the kernels know a spec only through this.
+
+    Layout attributes (class-level defaults, overridden by a spec's fields or properties):
+      block_size: elements along the axis that share a scale (None: per tensor or per slice);
+      tile_rows: rows of a 2-D tile (1: 1-D blocks; 16 for NVFP4 16×16, 32 for MXFP8 32×32,
+        128 for FP8 128×128 weight blocks); tiles need x to have at least 2 dimensions;
+      hadamard: the layout is rotated by the seeded 16-point Hadamard transform before blocking;
+      accepts_fixed_scale: a given scale (delayed scaling) may replace the computed one;
+      float32_noise: stochastic rounding draws ``stochastic_noise`` (False: float64 torch.rand).
+    Methods, each on quantize's layout tensor (``to_layout``) with scales shared along ``dim``:
+      ``quantize_layout`` → (parts, dequantized), parts holding "values" (on the element grid),
+      "scales" and any of "scale_codes", "zero_point", "global_scale" (QTensor's fields);
+      ``dequantize_values`` (element values, QTensor) → dequantized values in the layout;
+      ``inside_range`` → True where an element was not clipped;
+      ``check_values`` refuses data the element format cannot hold (eager only);
+      ``block_multipliers`` (block specs) → what dequantize multiplies each block by, (..., rows, n_blocks).
+    A new spec is one frozen dataclass subclassing QuantSpec plus its presets in SPECS.
+    """
+
+    block_size: int | None = None
+    tile_rows: int = 1
+    hadamard: bool = False
+    hadamard_seed: int = 0
+    pad: bool = True
+    granularity: str = "block"
+    accepts_fixed_scale: bool = False
+    float32_noise: bool = True
+    rounding: str = "rne"
+    element: str
+
+    @property
+    def moves_axis(self) -> bool:
+        """Whether the layout moves ``axis`` last (per-tensor scales need no transpose copy)."""
+        return self.block_size is not None or self.granularity == "axis"
+
+    def check_values(self, x: torch.Tensor) -> None:
+        element = get_format(self.element)
+        if not element.has_nan and torch.isnan(x).any():
+            raise ValueError(f"{element.name} has no NaN encoding, but x holds NaN")
+
+    def quantize_layout(self, x, generator=None, scale=None, dim: int = -1) -> tuple[dict, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize_values(self, values: torch.Tensor, q: QTensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def inside_range(self, layout: torch.Tensor, parts: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _block_amax(magnitude: torch.Tensor, spec: QuantSpec, dim: int) -> torch.Tensor:
+    """The amax of each element's block, kept as a size-1 ``dim``; for 2-D tiles (blocked layout
+    (..., rows, n_blocks, block) only) the tile's amax repeated on each of its rows."""
+    if spec.tile_rows == 1:
+        return magnitude.amax(dim, keepdim=True)
+    *lead, rows, blocks, block = magnitude.shape
+    tiles = magnitude.reshape(*lead, rows // spec.tile_rows, spec.tile_rows, blocks, block)
+    tile_amax = tiles.amax(dim=(-3, -1), keepdim=True)
+    return tile_amax.expand(*lead, rows // spec.tile_rows, spec.tile_rows, blocks, 1).reshape(
+        *lead, rows, blocks, 1
+    )
+
+
+def _stored_scales(per_block: torch.Tensor, spec: QuantSpec, dim: int) -> torch.Tensor:
+    """Scales as QTensor stores them: one per block (..., n_blocks), one per tile (..., rows/t, n_blocks)."""
+    scales = per_block.squeeze(dim)
+    return scales[..., :: spec.tile_rows, :] if spec.tile_rows > 1 else scales
+
+
+def block_scales(stored: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Stored scales expanded to one per block row (..., rows, n_blocks) (2-D tiles repeated)."""
+    return stored.repeat_interleave(spec.tile_rows, dim=-2) if spec.tile_rows > 1 else stored
+
+
+def _dequantize_multiply(values: torch.Tensor, scale: torch.Tensor, convention: str) -> torch.Tensor:
+    """values / scale (torchao) or values · fl(1/scale) (NVIDIA: cuBLAS and TE multiply by scale_inv)."""
+    if convention == "torchao":
+        return values / scale
+    return values * scaling.reciprocal(scale)
+
+
+def amax(x: torch.Tensor, spec: QuantSpec, dim: int) -> torch.Tensor:
+    """The amax a per-tensor or per-slice spec scales by: over all of x, or along ``dim`` (kept)."""
+    if spec.granularity == "tensor":
+        return x.abs().amax()
+    return x.abs().amax(dim, keepdim=True)
+
+
 @dataclass(frozen=True)
-class TensorwiseSpec:
-    """FP8-style scaling: stored = cast(x · scale), scale = fmt_max / amax (TE current scaling)."""
+class TensorwiseSpec(QuantSpec):
+    """FP8 current scaling: stored = cast(x · scale), scale = fmt_max / amax (TE), per tensor or per
+    slice. ``convention``: "nvidia" dequantizes as cuBLAS and TE do, values · fl(1/scale);
+    "torchao" divides, values / scale (the two differ by at most one ulp)."""
 
     element: str = "e4m3"
     granularity: str = "tensor"
     pow2: bool = False
     eps: float = 0.0
     rounding: str = "rne"
+    convention: str = "nvidia"
+
+    block_size = None
+    accepts_fixed_scale = True
 
     def __post_init__(self):
         scaling._float_format(self.element, "element")
@@ -77,10 +179,69 @@ class TensorwiseSpec:
         checks.boolean("pow2", self.pow2)
         checks.number("eps", self.eps, low=0)
         _check_rounding(self.rounding)
+        checks.choice("convention", self.convention, CONVENTIONS)
+
+    def quantize_layout(self, x, generator=None, scale=None, dim=-1):
+        if scale is None:
+            scale = scaling.fp8_current_scale(amax(x, self, dim), self.element, eps=self.eps, pow2=self.pow2)
+        values = cast_unchecked(x * scale, get_format(self.element), self.rounding, True, generator)
+        return {"values": values, "scales": scale}, _dequantize_multiply(values, scale, self.convention)
+
+    def dequantize_values(self, values, q):
+        return _dequantize_multiply(values, q.scales, self.convention)
+
+    def inside_range(self, layout, parts):
+        return (layout * parts["scales"]).abs() <= get_format(self.element).max
 
 
 @dataclass(frozen=True)
-class IntSpec:
+class BlockwiseSpec(QuantSpec):
+    """FP8 blockwise scaling (DeepSeek-V3; TE's Float8BlockScaling): one float32 scale per 1×128
+    tile along the axis (activations, gradients) or per 128×128 block (``block_2d``, weights).
+    scale = fmt_max / max(amax, eps) as in FP8 current scaling (``pow2``: rounded down to a power of
+    two, TE's default), stored = cast(x · scale), dequantized = values · fl(1/scale)."""
+
+    element: str = "e4m3"
+    block_size: int = 128
+    block_2d: bool = False
+    pow2: bool = True
+    eps: float = 0.0
+    pad: bool = True
+    rounding: str = "rne"
+
+    def __post_init__(self):
+        scaling._float_format(self.element, "element")
+        checks.integer("block_size", self.block_size, low=1)
+        for flag in ("block_2d", "pow2", "pad"):
+            checks.boolean(flag, getattr(self, flag))
+        checks.number("eps", self.eps, low=0)
+        _check_rounding(self.rounding)
+
+    @property
+    def tile_rows(self) -> int:
+        return self.block_size if self.block_2d else 1
+
+    def quantize_layout(self, x, generator=None, scale=None, dim=-1):
+        per_block = scaling.fp8_current_scale(
+            _block_amax(x.abs(), self, dim), self.element, eps=self.eps, pow2=self.pow2
+        )
+        values = cast_unchecked(x * per_block, get_format(self.element), self.rounding, True, generator)
+        parts = {"values": values, "scales": _stored_scales(per_block, self, dim)}
+        return parts, values * scaling.reciprocal(per_block)
+
+    def block_multipliers(self, parts):
+        return scaling.reciprocal(block_scales(parts["scales"], self))
+
+    def dequantize_values(self, values, q):
+        return values * self.block_multipliers({"scales": q.scales})[..., None]
+
+    def inside_range(self, layout, parts):
+        scales = block_scales(parts["scales"], self)[..., None]
+        return (layout * scales).abs() <= get_format(self.element).max
+
+
+@dataclass(frozen=True)
+class IntSpec(QuantSpec):
     """Integer affine quantization (the seed's Quantizer, with clamping and safe zero ranges)."""
 
     bits: int = 8
@@ -88,6 +249,8 @@ class IntSpec:
     symmetric: bool = True
     granularity: str = "tensor"
     rounding: str = "rne"
+
+    block_size = None
 
     def __post_init__(self):
         checks.integer("bits", self.bits, low=2, high=16)
@@ -105,28 +268,117 @@ class IntSpec:
     def element(self) -> str:
         return f"{'int' if self.signed else 'uint'}{self.bits}"
 
+    @property
+    def accepts_fixed_scale(self) -> bool:
+        return self.symmetric
+
+    @property
+    def float32_noise(self) -> bool:
+        return self.symmetric  # the asymmetric grid rounds with round_to_integer's float64 draws
+
+    def check_values(self, x):
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{self.element} has no inf or NaN encoding, but x holds inf or NaN")
+
+    def quantize_layout(self, x, generator=None, scale=None, dim=-1):
+        fmt = get_format(self.element)
+        if self.symmetric:
+            scale = scaling.int_symmetric_scale(amax(x, self, dim), fmt.max) if scale is None else scale
+            values = (
+                cast_unchecked(x / scale, fmt, self.rounding, True, generator) + 0.0
+            )  # integers have no -0
+            return {"values": values, "scales": scale}, values * scale
+        if self.granularity == "tensor":
+            lo, hi = x.amin(), x.amax()
+        else:
+            lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+        scale, zero_point = scaling.int_affine_parameters(lo, hi, fmt.min, fmt.max)
+        rounded = round_to_integer(x / scale, self.rounding, generator) + zero_point
+        values = cast_unchecked(rounded, fmt) + 0.0  # clamp; -0 → +0
+        parts = {"values": values, "scales": scale, "zero_point": zero_point}
+        return parts, (values - zero_point) * scale
+
+    def dequantize_values(self, values, q):
+        return values * q.scales if self.symmetric else (values - q.zero_point) * q.scales
+
+    def inside_range(self, layout, parts):
+        # torch's FakeQuantize compares the rounded value: qmin ≤ round(x/s) + zero_point ≤ qmax
+        fmt = get_format(self.element)
+        rounded = torch.round(layout / parts["scales"]) + parts.get("zero_point", 0.0)
+        return (rounded >= fmt.min) & (rounded <= fmt.max)
+
 
 @dataclass(frozen=True)
-class MXSpec:
-    """OCP Microscaling: blocks of ``block_size`` along the axis share one E8M0 scale."""
+class MXSpec(QuantSpec):
+    """OCP Microscaling: blocks of ``block_size`` along the axis share one E8M0 scale.
+
+    ``block_2d``: one scale per block_size × block_size tile (TE's 2-D MXFP8 weights, so forward and
+    backward see the same quantized weight). ``hadamard``: the seeded 16-point random Hadamard
+    transform along the axis first (the MXFP4 training recipe's wgrad operands).
+    """
 
     element: str = "e4m3"
     block_size: int = 32
     mode: str = "floor"
     pad: bool = True
     rounding: str = "rne"
+    block_2d: bool = False
+    hadamard: bool = False
+    hadamard_seed: int = 0
 
     def __post_init__(self):
         checks.choice("element", self.element, ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
         checks.integer("block_size", self.block_size, low=1)
         checks.choice("mode", self.mode, scaling.MX_SCALE_MODES)
-        checks.boolean("pad", self.pad)
+        for flag in ("pad", "block_2d", "hadamard"):
+            checks.boolean(flag, getattr(self, flag))
+        checks.seed("hadamard_seed", self.hadamard_seed)
         _check_rounding(self.rounding)
+        if self.hadamard and self.block_size % scaling.HADAMARD_SIZE:
+            raise ValueError(
+                f"hadamard=True rotates chunks of {scaling.HADAMARD_SIZE}, so block_size must be a "
+                f"multiple of {scaling.HADAMARD_SIZE}, got {self.block_size}"
+            )
+
+    @property
+    def tile_rows(self) -> int:
+        return self.block_size if self.block_2d else 1
+
+    def check_values(self, x):
+        pass  # a NaN or inf makes its block's scale NaN (OCP), not an error
+
+    def quantize_layout(self, x, generator=None, scale=None, dim=-1):
+        fmt = get_format(self.element)
+        codes = scaling.mx_scale_codes(_block_amax(x.abs(), self, dim), fmt, self.mode)
+        inverse = scaling._mx_scale_values(codes, inverse=True)
+        scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
+        values = cast_unchecked(scaled, fmt, self.rounding, True, generator)
+        per_block = scaling._mx_scale_values(codes)
+        parts = {
+            "values": values,
+            "scales": _stored_scales(per_block, self, dim),
+            "scale_codes": _stored_scales(codes, self, dim),
+        }
+        return parts, values * per_block
+
+    def block_multipliers(self, parts):
+        return block_scales(parts["scales"], self)
+
+    def dequantize_values(self, values, q):
+        return values * block_scales(q.scales, self)[..., None]
+
+    def inside_range(self, layout, parts):
+        return layout.abs() / block_scales(parts["scales"], self)[..., None] <= get_format(self.element).max
 
 
 @dataclass(frozen=True)
-class NVFP4Spec:
-    """NVFP4: E2M1 elements, E4M3 scales per 16 (or per 16×16 tile), one FP32 global scale."""
+class NVFP4Spec(QuantSpec):
+    """NVFP4: E2M1 elements, E4M3 scales per 16 (or per 16×16 tile), one FP32 global scale.
+
+    ``convention`` (REFERENCE §2): "nvidia" evaluates NVIDIA's formula in TransformerEngine's
+    float32 order, with no lower clamp on the block scale (E4M3 subnormal and zero scales are
+    used); "torchao" follows torchao's reference (block scale clamped to [2^-6, 448], divisions).
+    """
 
     block_2d: bool = False
     hadamard: bool = False
@@ -134,6 +386,7 @@ class NVFP4Spec:
     global_scale: bool = True
     pad: bool = True
     rounding: str = "rne"
+    convention: str = "nvidia"
 
     element = "e2m1"
     block_size = scaling.NVFP4_BLOCK
@@ -143,21 +396,97 @@ class NVFP4Spec:
             checks.boolean(flag, getattr(self, flag))
         checks.seed("hadamard_seed", self.hadamard_seed)
         _check_rounding(self.rounding)
+        checks.choice("convention", self.convention, CONVENTIONS)
+
+    @property
+    def tile_rows(self) -> int:
+        return scaling.NVFP4_BLOCK if self.block_2d else 1
+
+    def check_values(self, x):
+        pass  # a NaN or inf makes its block's scale NaN, not an error
+
+    def quantize_layout(self, x, generator=None, scale=None, dim=-1):
+        magnitude = x.abs()
+        block_amax = _block_amax(magnitude, self, dim)
+        tensor_amax = magnitude.amax() if self.global_scale else None
+        if self.convention == "nvidia":
+            encode = None if tensor_amax is None else scaling.nvfp4_encode_scale(tensor_amax)
+            global_scale = None if encode is None else scaling.reciprocal(encode)  # S_dec
+            per_block = scaling.nvfp4_block_scales_nvidia(block_amax, encode)
+            scaled = x * scaling.nvfp4_element_inverse(per_block, global_scale)
+        else:
+            global_scale = None if tensor_amax is None else scaling.nvfp4_global_scale(tensor_amax)
+            per_block = scaling.nvfp4_block_scales(block_amax, global_scale)
+            scaled = _nvfp4_scaled_torchao(x, global_scale, per_block)
+        limit = scaling.NVFP4_ELEMENT_MAX
+        scaled = torch.where(torch.isnan(scaled), 0.0, scaled.clamp(-limit, limit))  # NaN only in NaN blocks
+        values = cast_unchecked(scaled, get_format("e2m1"), self.rounding, True, generator)
+        stored = _stored_scales(per_block, self, dim)
+        parts = {
+            "values": values,
+            "scales": stored,
+            "scale_codes": encode_float(stored, get_format("e4m3")),
+            "global_scale": global_scale,
+            "global_amax": tensor_amax if self.convention == "nvidia" else None,
+        }
+        return parts, values * self._multipliers(per_block, global_scale, parts["global_amax"])
+
+    def _multipliers(self, per_block, global_scale, global_amax):
+        if global_scale is None:
+            return per_block
+        if self.convention == "nvidia":
+            return scaling.nvfp4_dequantize_multiplier(per_block, global_amax)
+        return global_scale * per_block
+
+    def block_multipliers(self, parts):
+        """What dequantize multiplies each block's element values by (…, rows, n_blocks): NVIDIA's
+        fl(fl(s_block · amax) · fl(1/2688)), or torchao's global · s_block."""
+        per_block = block_scales(parts["scales"], self)
+        return self._multipliers(per_block, parts["global_scale"], parts.get("global_amax"))
+
+    def dequantize_values(self, values, q):
+        parts = {"scales": q.scales, "global_scale": q.global_scale, "global_amax": q.global_amax}
+        return values * self.block_multipliers(parts)[..., None]
+
+    def inside_range(self, layout, parts):
+        per_block = block_scales(parts["scales"], self)[..., None]
+        if self.convention == "nvidia":
+            scaled = layout.abs() * scaling.nvfp4_element_inverse(per_block, parts["global_scale"])
+        else:
+            scaled = _nvfp4_scaled_torchao(layout.abs(), parts["global_scale"], per_block)
+        return scaled <= scaling.NVFP4_ELEMENT_MAX
 
 
-Spec = TensorwiseSpec | IntSpec | MXSpec | NVFP4Spec
+def _nvfp4_scaled_torchao(x, global_scale, block_scales):
+    """x / (global · block) in float32, as torchao orders it: x · (fl(1/global) / block). For a tiny
+    tensor that inverse overflows (1/global alone beyond float32 below amax ≈ 7.9·10⁻³⁶, or divided by a
+    small block scale below amax ≈ 5·10⁻³⁴), which coded every non-zero element ±6; there x is divided
+    by the global and then the block scale instead (each quotient finite: |x| / global ≤ 2688)."""
+    if global_scale is None:
+        return x * (1.0 / block_scales)
+    inverse = (1.0 / global_scale) / block_scales
+    return torch.where(torch.isinf(inverse), (x / global_scale) / block_scales, x * inverse)
+
+
+Spec = QuantSpec
+SPEC_CLASSES: dict[str, type] = {
+    cls.__name__: cls for cls in (TensorwiseSpec, BlockwiseSpec, IntSpec, MXSpec, NVFP4Spec)
+}
 
 SPECS: dict[str, Spec] = {
     "fp8_e4m3": TensorwiseSpec("e4m3"),
     "fp8_e5m2": TensorwiseSpec("e5m2"),
     "fp8_e4m3_pow2": TensorwiseSpec("e4m3", pow2=True),
     "fp8_e4m3_rowwise": TensorwiseSpec("e4m3", granularity="axis"),
+    "fp8_blockwise": BlockwiseSpec("e4m3"),
+    "fp8_blockwise_2d": BlockwiseSpec("e4m3", block_2d=True),
     "int8": IntSpec(8),
     "int8_rowwise": IntSpec(8, granularity="axis"),
     "int4_rowwise": IntSpec(4, granularity="axis"),
     "uint8_asymmetric": IntSpec(8, signed=False, symmetric=False),
     "mxfp8": MXSpec("e4m3"),
     "mxfp8_rceil": MXSpec("e4m3", mode="rceil"),
+    "mxfp8_2d": MXSpec("e4m3", mode="rceil", block_2d=True),
     "mxfp8_e5m2": MXSpec("e5m2"),
     "mxfp6_e3m2": MXSpec("e3m2"),
     "mxfp6_e2m3": MXSpec("e2m3"),
@@ -166,17 +495,21 @@ SPECS: dict[str, Spec] = {
     "nvfp4": NVFP4Spec(),
     "nvfp4_2d": NVFP4Spec(block_2d=True),
     "nvfp4_rht": NVFP4Spec(hadamard=True),
+    "nvfp4_torchao": NVFP4Spec(convention="torchao"),
 }
 
 
 def get_spec(spec: str | Spec) -> Spec:
-    """A spec object, or one of the named presets in ``SPECS``."""
-    if isinstance(spec, (TensorwiseSpec, IntSpec, MXSpec, NVFP4Spec)):
+    """A spec object, or one of the named presets in ``SPECS``; anything else is refused."""
+    if isinstance(spec, QuantSpec) and type(spec) in SPEC_CLASSES.values():
         return spec
     if isinstance(spec, str) and spec in SPECS:
         return SPECS[spec]
     if not isinstance(spec, str):
-        raise TypeError(f"spec must be a spec object or a preset name from SPECS, got {checks.shown(spec)}")
+        raise TypeError(
+            f"spec must be a spec object ({', '.join(SPEC_CLASSES)}) or a preset name from SPECS, "
+            f"got {checks.shown(spec)}"
+        )
     raise ValueError(
         f"unknown quantization spec {spec!r}; expected a spec object or one of: {', '.join(SPECS)}"
     )
@@ -187,11 +520,14 @@ class QTensor:
     """A quantized tensor in the blocked layout (``axis`` moved last, padded to whole blocks).
 
     codes: integer codes of the elements (uint8 for float elements, int for integer elements).
-    scales: float32 scales. TensorwiseSpec: TE's multiplier, stored = cast(x · scale), dequantize
-      divides by it. IntSpec: the step, q = round(x / scale), dequantize multiplies. MXSpec and
-      NVFP4Spec: the block value X that dequantize multiplies by.
+    scales: float32 scales. TensorwiseSpec and BlockwiseSpec: TE's multiplier, stored = cast(x · scale),
+      dequantize multiplies by fl(1/scale) (torchao convention: divides). IntSpec: the step,
+      q = round(x / scale), dequantize multiplies. MXSpec: the block value X that dequantize
+      multiplies by; NVFP4Spec: the E4M3 block scale. 2-D specs keep one per tile (..., rows/t, n_blocks).
     scale_codes: E8M0 bytes (MX) or E4M3 codes (NVFP4).
-    zero_point (asymmetric IntSpec) and global_scale (NVFP4) where they apply.
+    zero_point (asymmetric IntSpec) and global_scale (NVFP4: S_dec = fl(1/S_enc) in NVIDIA's
+    convention, amax/2688 in torchao's) where they apply; global_amax: the tensor amax NVIDIA's
+    NVFP4 dequantizes with (TE keeps it beside the data too).
     """
 
     codes: torch.Tensor
@@ -203,6 +539,7 @@ class QTensor:
     scale_codes: torch.Tensor | None = None
     zero_point: torch.Tensor | None = None
     global_scale: torch.Tensor | None = None
+    global_amax: torch.Tensor | None = None
     source: torch.Tensor | None = field(default=None, repr=False)
     fixed_scale: torch.Tensor | None = field(default=None, repr=False)
 
@@ -232,7 +569,10 @@ class QTensor:
 # --- layout ---------------------------------------------------------------------------------------
 
 
-def _check_input(x, spec, axis):
+def check_input(x, spec: Spec, axis: int) -> int:
+    """Refuse what ``spec`` cannot quantize along ``axis`` (dtype, dimensions, values its element
+    format cannot hold: eagerly only, since reading values syncs with the device); the axis made
+    non-negative."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         found = x.dtype if isinstance(x, torch.Tensor) else checks.shown(x)
         raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {found}")
@@ -241,15 +581,13 @@ def _check_input(x, spec, axis):
     checks.integer("axis", axis)
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis must be in [{-x.dim()}, {x.dim() - 1}] for a {x.dim()}-d x, got {axis!r}")
-    if isinstance(spec, NVFP4Spec) and spec.block_2d and x.dim() < 2:
-        raise ValueError("x must have at least 2 dimensions for 2D 16x16 NVFP4 blocks")
-    element = get_format(spec.element)
-    if torch.compiler.is_compiling():  # the value checks below read data on the host: eager only
-        return axis % x.dim()
-    if isinstance(spec, IntSpec) and not torch.isfinite(x).all():
-        raise ValueError(f"{element.name} has no inf or NaN encoding, but x holds inf or NaN")
-    if not element.has_nan and torch.isnan(x).any() and not isinstance(spec, (MXSpec, NVFP4Spec)):
-        raise ValueError(f"{element.name} has no NaN encoding, but x holds NaN")
+    if spec.tile_rows > 1 and x.dim() < 2:
+        raise ValueError(
+            f"x must have at least 2 dimensions for {spec.tile_rows}x{spec.block_size} 2-D blocks, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if not torch.compiler.is_compiling():
+        spec.check_values(x)
     return axis % x.dim()
 
 
@@ -267,138 +605,48 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int, pad: bool) -> torch.Tensor
     return torch.nn.functional.pad(x, widths)
 
 
-def _moves_axis(spec) -> bool:
-    """Per-tensor scales do not care about the axis, so their layout is x itself (no transpose copy)."""
-    return isinstance(spec, (MXSpec, NVFP4Spec)) or spec.granularity == "axis"
-
-
-def _to_layout(x: torch.Tensor, spec, axis: int) -> torch.Tensor:
-    """float32, axis last; for block specs padded and shaped (..., n_blocks, block)."""
-    if not _moves_axis(spec):
+def to_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
+    """x as float32 in quantize's layout: ``axis`` last; for block specs zero-padded to whole blocks
+    (and whole tiles), Hadamard-rotated if the spec says so, and shaped (..., n_blocks, block)."""
+    if not spec.moves_axis:
         return x.float()
     moved = x.float().movedim(axis, -1)
-    if isinstance(spec, (MXSpec, NVFP4Spec)):
-        moved = _pad_to(moved, -1, spec.block_size, spec.pad)
-        if isinstance(spec, NVFP4Spec) and spec.block_2d:
-            moved = _pad_to(moved, -2, scaling.NVFP4_BLOCK, spec.pad)
-        if isinstance(spec, NVFP4Spec) and spec.hadamard:
-            moved = scaling.hadamard_transform(moved, spec.hadamard_seed)
-        return moved.reshape(*moved.shape[:-1], -1, spec.block_size)
-    return moved.contiguous()
+    if spec.block_size is None:
+        return moved.contiguous()
+    moved = _pad_to(moved, -1, spec.block_size, spec.pad)
+    if spec.tile_rows > 1:
+        moved = _pad_to(moved, -2, spec.tile_rows, spec.pad)
+    if spec.hadamard:
+        moved = scaling.hadamard_transform(moved, spec.hadamard_seed)
+    return moved.reshape(*moved.shape[:-1], -1, spec.block_size)
 
 
-def _from_layout(
-    values: torch.Tensor, spec, axis: int, shape: torch.Size, dtype: torch.dtype
+def from_layout(
+    values: torch.Tensor, spec: Spec, axis: int, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
-    if not _moves_axis(spec):
+    """The inverse of ``to_layout``: x's shape and ``dtype`` (padding dropped, rotation undone)."""
+    if not spec.moves_axis:
         return values.to(dtype)
     moved_shape = list(shape)
     moved_shape.append(moved_shape.pop(axis))
-    if isinstance(spec, (MXSpec, NVFP4Spec)):
+    if spec.block_size is not None:
         values = values.flatten(-2)
-        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+        if spec.hadamard:
             values = scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True)
         values = values[..., : moved_shape[-1]]
-        if isinstance(spec, NVFP4Spec) and spec.block_2d:
+        if spec.tile_rows > 1:
             values = values[..., : moved_shape[-2], :]
     return values.reshape(moved_shape).movedim(-1, axis).to(dtype)
-
-
-# --- the recipes, each on the layout tensor -----------------------------------------------------------
-
-# Each recipe takes the layout tensor and ``dim``, the axis its scales are shared along: −1 in the
-# blocked layout (…, n_blocks, block) that quantize() stores, −2 in qdq's in-place layout
-# (outer, n_blocks, block, inner) that avoids transposing x (see _inplace_layout).
-
-
-def _amax(x: torch.Tensor, spec, dim: int) -> torch.Tensor:
-    if spec.granularity == "tensor":
-        return x.abs().amax()
-    return x.abs().amax(dim, keepdim=True)
-
-
-def _tensorwise(x, spec: TensorwiseSpec, generator, scale, dim=-1):
-    if scale is None:
-        scale = scaling.fp8_current_scale(_amax(x, spec, dim), spec.element, eps=spec.eps, pow2=spec.pow2)
-    values = _cast(x * scale, get_format(spec.element), spec.rounding, True, generator)
-    return {"values": values, "scales": scale}, values / scale
-
-
-def _int(x, spec: IntSpec, generator, scale, dim=-1):
-    fmt = get_format(spec.element)
-    if spec.symmetric:
-        scale = scaling.int_symmetric_scale(_amax(x, spec, dim), fmt.max) if scale is None else scale
-        values = (
-            _cast(x / scale, fmt, spec.rounding, True, generator) + 0.0
-        )  # -0 → +0: integer codes have no -0
-        return {"values": values, "scales": scale}, values * scale
-    if scale is not None:
-        raise ValueError("a fixed scale is only supported for symmetric IntSpec")
-    if spec.granularity == "tensor":
-        lo, hi = x.amin(), x.amax()
-    else:
-        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    scale, zero_point = scaling.int_affine_parameters(lo, hi, fmt.min, fmt.max)
-    values = (
-        _cast(round_to_integer(x / scale, spec.rounding, generator) + zero_point, fmt) + 0.0
-    )  # clamp; -0 → +0
-    return {"values": values, "scales": scale, "zero_point": zero_point}, (values - zero_point) * scale
-
-
-def _mx(x, spec: MXSpec, generator, scale, dim=-1):
-    fmt = get_format(spec.element)
-    codes = scaling.mx_scale_codes(x.abs().amax(dim, keepdim=True), fmt, spec.mode)
-    inverse = scaling._mx_scale_values(codes, inverse=True)
-    scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
-    values = _cast(scaled, fmt, spec.rounding, True, generator)
-    scales = scaling._mx_scale_values(codes)
-    return {
-        "values": values,
-        "scales": scales.squeeze(dim),
-        "scale_codes": codes.squeeze(dim),
-    }, values * scales
-
-
-def _nvfp4(x, spec: NVFP4Spec, generator, scale, dim=-1):
-    fmt = get_format("e2m1")
-    magnitude = x.abs()
-    global_scale = scaling.nvfp4_global_scale(magnitude.amax()) if spec.global_scale else None
-    if spec.block_2d:  # (..., R, C/16, 16) → tiles (..., R/16, 16, C/16, 16); always the blocked layout
-        tiles = magnitude.reshape(*x.shape[:-3], x.shape[-3] // 16, 16, x.shape[-2], 16)
-        scales = scaling.nvfp4_block_scales(tiles.amax(dim=(-3, -1)), global_scale)
-        block_scales = scales.repeat_interleave(16, dim=-2)[..., None]
-    else:
-        block_scales = scaling.nvfp4_block_scales(magnitude.amax(dim, keepdim=True), global_scale)
-        scales = block_scales.squeeze(dim)
-    scaled = torch.clamp(
-        _nvfp4_scaled(x, global_scale, block_scales), -scaling.NVFP4_ELEMENT_MAX, scaling.NVFP4_ELEMENT_MAX
-    )
-    scaled = torch.where(torch.isnan(scaled), 0.0, scaled)  # only in NaN/inf blocks, whose scale is NaN
-    values = _cast(scaled, fmt, spec.rounding, True, generator)
-    full = block_scales if global_scale is None else global_scale * block_scales
-    parts = {"values": values, "scales": scales, "global_scale": global_scale}
-    return parts, values * full
-
-
-def _nvfp4_scaled(x, global_scale, block_scales):
-    """x / (global · block) in float32, as torchao orders it: x · (fl(1/global) / block). For a tiny
-    tensor that inverse overflows (1/global alone beyond float32 below amax ≈ 7.9·10⁻³⁶, or divided by a
-    small block scale below amax ≈ 5·10⁻³⁴), which coded every non-zero element ±6; there x is divided
-    by the global and then the block scale instead (each quotient finite: |x| / global ≤ 2688)."""
-    if global_scale is None:
-        return x * (1.0 / block_scales)
-    inverse = (1.0 / global_scale) / block_scales
-    return torch.where(torch.isinf(inverse), (x / global_scale) / block_scales, x * inverse)
-
-
-_RECIPES = {TensorwiseSpec: _tensorwise, IntSpec: _int, MXSpec: _mx, NVFP4Spec: _nvfp4}
 
 
 def _check_scale(scale, spec):
     if scale is None:
         return None
-    if isinstance(spec, (MXSpec, NVFP4Spec)):
-        raise ValueError("a fixed scale is only supported for TensorwiseSpec and IntSpec (delayed scaling)")
+    if not spec.accepts_fixed_scale:
+        raise ValueError(
+            f"a fixed scale (delayed scaling) is only supported for TensorwiseSpec and symmetric IntSpec, "
+            f"got {spec!r}"
+        )
     if isinstance(scale, torch.Tensor):
         if scale.is_complex() or scale.dtype == torch.bool:
             raise TypeError(f"scale must be a real tensor or number, got dtype {scale.dtype}")
@@ -455,28 +703,22 @@ def quantize(
     (``noise_shape(x, spec, axis, blocked=True)``); ``keep_source`` keeps a reference to x for ``along``.
     """
     spec = get_spec(spec)
-    axis = _check_input(x, spec, axis)
+    axis = check_input(x, spec, axis)
     generator = _randomness(x, spec, axis, generator, noise, blocked=True)
     if x.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor, got shape {tuple(x.shape)}")
     scale = _check_scale(scale, spec)
     checks.boolean("keep_source", keep_source)
-    layout = _to_layout(x, spec, axis)
-    parts, _ = _RECIPES[type(spec)](layout, spec, generator, scale)
+    parts, _ = spec.quantize_layout(to_layout(x, spec, axis), generator, scale)
     values = parts.pop("values")
     fmt = get_format(spec.element)
-    codes = _encode_float(values, fmt) if isinstance(fmt, FloatFormat) else values.to(fmt.code_dtype)
-    scale_codes = parts.pop("scale_codes", None)
-    if isinstance(spec, NVFP4Spec):
-        scale_codes = _encode_float(parts["scales"], get_format("e4m3"))
+    codes = encode_float(values, fmt) if isinstance(fmt, FloatFormat) else values.to(fmt.code_dtype)
     return QTensor(
         codes=codes,
-        scales=parts.pop("scales"),
         spec=spec,
         axis=axis,
         shape=x.shape,
         dtype=x.dtype,
-        scale_codes=scale_codes,
         source=x if keep_source else None,
         fixed_scale=scale,
         **parts,
@@ -488,36 +730,19 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     if not isinstance(q, QTensor):
         raise TypeError(f"q must be a QTensor (from quantize), got {checks.shown(q)}")
     checks.floating_dtype("dtype", dtype)
-    spec = q.spec
-    values = _decode(q.codes, get_format(spec.element))
-    if isinstance(spec, TensorwiseSpec):
-        out = values / q.scales
-    elif isinstance(spec, IntSpec):
-        out = values * q.scales if spec.symmetric else (values - q.zero_point) * q.scales
-    elif isinstance(spec, MXSpec):
-        out = values * q.scales[..., None]
-    else:
-        out = values * _nvfp4_element_scales(spec, q.scales, q.global_scale)[..., None]
-    return _from_layout(out, spec, q.axis, q.shape, dtype or q.dtype)
-
-
-def _nvfp4_element_scales(
-    spec: NVFP4Spec, scales: torch.Tensor, global_scale: torch.Tensor | None
-) -> torch.Tensor:
-    """The per-block multiplier global·block (…, n_blocks) from stored NVFP4 scales (16×16 tiles expanded)."""
-    block_scales = scales.repeat_interleave(16, dim=-2) if spec.block_2d else scales
-    return block_scales if global_scale is None else global_scale * block_scales
+    out = q.spec.dequantize_values(decode_unchecked(q.codes, get_format(q.spec.element)), q)
+    return from_layout(out, q.spec, q.axis, q.shape, dtype or q.dtype)
 
 
 def _qdq_layout(layout: torch.Tensor, spec: Spec, generator=None, scale=None, dim: int = -1) -> torch.Tensor:
-    return _RECIPES[type(spec)](layout, spec, generator, scale, dim)[1]
+    return spec.quantize_layout(layout, generator, scale, dim)[1]
 
 
 def _inplace_applies(x: torch.Tensor, spec: Spec, axis: int) -> bool:
     """qdq can block ``axis`` where it lies (no transpose) for 1-D blocks and per-slice scales."""
-    if axis == x.dim() - 1 or not _moves_axis(spec):
+    if axis == x.dim() - 1 or not spec.moves_axis:
         return False
-    return not (isinstance(spec, NVFP4Spec) and spec.block_2d)
+    return spec.tile_rows == 1
 
 
 def _inplace_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
@@ -525,9 +750,9 @@ def _inplace_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
     outer = math.prod(x.shape[:axis])
     inner = math.prod(x.shape[axis + 1 :])
     view = x.float().reshape(outer, x.shape[axis], inner)
-    if isinstance(spec, (MXSpec, NVFP4Spec)):
+    if spec.block_size is not None:
         view = _pad_to(view, 1, spec.block_size, spec.pad)
-        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+        if spec.hadamard:
             view = scaling.hadamard_transform(view, spec.hadamard_seed, dim=1)
         return view.reshape(outer, -1, spec.block_size, inner)
     return view.reshape(outer, 1, x.shape[axis], inner)
@@ -538,7 +763,7 @@ def _from_inplace_layout(
 ) -> torch.Tensor:
     outer, inner = values.shape[0], values.shape[-1]
     values = values.reshape(outer, -1, inner)
-    if isinstance(spec, NVFP4Spec) and spec.hadamard:
+    if spec.hadamard:
         values = scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True, dim=1)
     return values[:, : shape[axis], :].reshape(shape).to(dtype)
 
@@ -548,8 +773,8 @@ def _qdq_any_layout(x: torch.Tensor, spec: Spec, axis: int, generator, scale, dt
     if _inplace_applies(x, spec, axis):
         out = _qdq_layout(_inplace_layout(x, spec, axis), spec, generator, scale, dim=-2)
         return _from_inplace_layout(out, spec, axis, x.shape, dtype)
-    return _from_layout(
-        _qdq_layout(_to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, dtype
+    return from_layout(
+        _qdq_layout(to_layout(x, spec, axis), spec, generator, scale), spec, axis, x.shape, dtype
     )
 
 
@@ -562,26 +787,7 @@ def noise_shape(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, blocked: b
     meta = torch.empty(x.shape, device="meta")
     if not blocked and _inplace_applies(x, spec, axis):
         return _inplace_layout(meta, spec, axis).shape
-    return _to_layout(meta, spec, axis).shape
-
-
-def _inside_range(layout: torch.Tensor, spec: Spec, parts: dict) -> torch.Tensor:
-    """True where an element was not clipped: its scaled value lies within the element format's range.
-
-    Float elements compare the scaled value before rounding (|x·s| ≤ max); integer elements follow
-    torch's FakeQuantize and compare the rounded value (qmin ≤ round(x/s) + zero_point ≤ qmax).
-    """
-    fmt = get_format(spec.element)
-    if isinstance(spec, TensorwiseSpec):
-        return (layout * parts["scales"]).abs() <= fmt.max
-    if isinstance(spec, IntSpec):
-        rounded = torch.round(layout / parts["scales"]) + parts.get("zero_point", 0.0)
-        return (rounded >= fmt.min) & (rounded <= fmt.max)
-    if isinstance(spec, MXSpec):
-        return layout.abs() / parts["scales"][..., None] <= fmt.max
-    block_scales = parts["scales"].repeat_interleave(16, dim=-2) if spec.block_2d else parts["scales"]
-    scaled = _nvfp4_scaled(layout.abs(), parts["global_scale"], block_scales[..., None])
-    return scaled <= scaling.NVFP4_ELEMENT_MAX
+    return to_layout(meta, spec, axis).shape
 
 
 def qdq_with_mask(
@@ -598,18 +804,18 @@ def qdq_with_mask(
     not defined for Hadamard-rotated specs, whose clipping happens in the rotated domain.
     """
     spec = get_spec(spec)
-    if isinstance(spec, NVFP4Spec) and spec.hadamard:
+    if spec.hadamard:
         raise ValueError(
             "a clipping mask is not defined for hadamard=True specs (clipping happens after rotation)"
         )
-    axis = _check_input(x, spec, axis)
+    axis = check_input(x, spec, axis)
     _check_generator(spec, generator)
-    layout = _to_layout(x, spec, axis)
-    parts, out = _RECIPES[type(spec)](layout, spec, generator, _check_scale(scale, spec))
-    inside = _inside_range(layout, spec, parts)
+    layout = to_layout(x, spec, axis)
+    parts, out = spec.quantize_layout(layout, generator, _check_scale(scale, spec))
+    inside = spec.inside_range(layout, parts)
     return (
-        _from_layout(out, spec, axis, x.shape, x.dtype),
-        _from_layout(inside.to(torch.uint8), spec, axis, x.shape, torch.uint8).bool(),
+        from_layout(out, spec, axis, x.shape, x.dtype),
+        from_layout(inside.to(torch.uint8), spec, axis, x.shape, torch.uint8).bool(),
     )
 
 
@@ -633,7 +839,7 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
     if key in _compile_failed or not compile_enabled():
         return None
     if key not in _compiled:
-        if isinstance(spec, NVFP4Spec) and spec.hadamard:
+        if spec.hadamard:
             scaling._cached_hadamard(
                 scaling.NVFP4_BLOCK, spec.hadamard_seed
             )  # fill the cache outside tracing
@@ -651,7 +857,7 @@ def draws_float32_noise(spec: Spec) -> bool:
     """Whether stochastic rounding by ``spec`` consumes ``stochastic_noise`` draws (which can be drawn
     up front), rather than float64 ``torch.rand`` (the reference cast, asymmetric integers)."""
     fast_stochastic = _fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
-    return fast_stochastic and not (isinstance(spec, IntSpec) and not spec.symmetric)
+    return fast_stochastic and spec.float32_noise
 
 
 def _compilable(spec: Spec) -> bool:
@@ -682,7 +888,7 @@ def qdq(
     Inside ``torch.compile`` qdq traces into the caller's graph (no nested compile, no host reads).
     """
     spec = get_spec(spec)
-    axis = _check_input(x, spec, axis)
+    axis = check_input(x, spec, axis)
     randomness = _randomness(x, spec, axis, generator, noise, blocked=False)
     scale = _check_scale(scale, spec)
     dtype = checks.floating_dtype("dtype", dtype) or x.dtype
@@ -733,13 +939,14 @@ def clipped_block_fraction(x: torch.Tensor, spec: str | Spec, axis: int = -1) ->
     Blocks with NaN/inf are left out.
     """
     spec = get_spec(spec)
-    if not isinstance(spec, (MXSpec, NVFP4Spec)):
+    if spec.block_size is None:
         raise ValueError(
-            f"spec must be an MXSpec or NVFP4Spec (clipping is measured per block), got {type(spec).__name__}"
+            f"spec must be a block spec (MXSpec, NVFP4Spec, BlockwiseSpec; clipping is measured per block), "
+            f"got {type(spec).__name__}"
         )
-    axis = _check_input(x, spec, axis)
-    layout = _to_layout(x, spec, axis)
-    parts, _ = _RECIPES[type(spec)](layout, spec, None, None)
-    clipped = ~_inside_range(layout, spec, parts).all(-1)
+    axis = check_input(x, spec, axis)
+    layout = to_layout(x, spec, axis)
+    parts, _ = spec.quantize_layout(layout)
+    clipped = ~spec.inside_range(layout, parts).all(-1)
     finite = torch.isfinite(layout.abs().amax(-1))
     return float((clipped & finite).sum() / finite.sum().clamp(min=1))

@@ -32,7 +32,16 @@ import os
 from dataclasses import dataclass
 
 from qlab import checks
-from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, Spec, TensorwiseSpec, get_spec
+from qlab.quantize import (
+    SPEC_CLASSES,
+    BlockwiseSpec,
+    IntSpec,
+    MXSpec,
+    NVFP4Spec,
+    Spec,
+    TensorwiseSpec,
+    get_spec,
+)
 from qlab.scaling import AMAX_ALGORITHMS
 
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
@@ -46,7 +55,6 @@ ROLES = (
     "wgrad_input",
     "wgrad_grad_output",
 )
-_SPEC_CLASSES = {cls.__name__: cls for cls in (TensorwiseSpec, IntSpec, MXSpec, NVFP4Spec)}
 _FROM_ENVIRONMENT = "from the environment"
 
 
@@ -166,15 +174,15 @@ def _spec_from_dict(value):
         return value
     fields = dict(value)
     kind = fields.pop("kind", None)
-    if kind not in _SPEC_CLASSES:
-        raise ValueError(f"unknown spec kind {kind!r}; expected one of: {', '.join(_SPEC_CLASSES)}")
-    known = {f.name for f in dataclasses.fields(_SPEC_CLASSES[kind])}
+    if kind not in SPEC_CLASSES:
+        raise ValueError(f"unknown spec kind {kind!r}; expected one of: {', '.join(SPEC_CLASSES)}")
+    known = {f.name for f in dataclasses.fields(SPEC_CLASSES[kind])}
     if set(fields) - known:
         raise ValueError(
             f"unknown {kind} fields {sorted(set(fields) - known)}; "
             f"expected some of: {', '.join(sorted(known))}"
         )
-    return _SPEC_CLASSES[kind](**fields)
+    return SPEC_CLASSES[kind](**fields)
 
 
 def _presets() -> dict[str, dict]:
@@ -185,6 +193,16 @@ def _presets() -> dict[str, dict]:
         "fp8_tensorwise": dict(input=e4m3, weight=e4m3, grad_output=e5m2),
         "fp8_delayed": dict(input=e4m3, weight=e4m3, grad_output=e5m2, delayed=True),
         "mxfp8": dict(input=mx8, weight=mx8, grad_output=mx8),
+        # TE's MXFP8 with enable_2d_quantization: one E8M0 scale per 32×32 weight tile, so the forward and
+        # the backward (dgrad) GEMMs see the same quantized weight
+        "mxfp8_2d": dict(input=mx8, weight=MXSpec("e4m3", mode="rceil", block_2d=True), grad_output=mx8),
+        # DeepSeek-V3 / TE Float8BlockScaling: E4M3 everywhere, 1×128 tiles for activations and gradients,
+        # 128×128 blocks for weights, power-of-two scales
+        "fp8_blockwise": dict(
+            input=BlockwiseSpec("e4m3"),
+            weight=BlockwiseSpec("e4m3", block_2d=True),
+            grad_output=BlockwiseSpec("e4m3"),
+        ),
         "mxfp4": dict(
             input=MXSpec("e2m1"), weight=MXSpec("e2m1"), grad_output=MXSpec("e2m1", rounding="stochastic")
         ),
@@ -194,6 +212,14 @@ def _presets() -> dict[str, dict]:
             grad_output=NVFP4Spec(rounding="stochastic"),
             wgrad_input=NVFP4Spec(hadamard=True),
             wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
+        ),
+        # "Training LLMs with MXFP4" (Tseng et al. 2025): the forward stays in high precision; the backward
+        # GEMMs run in MXFP4 with stochastic rounding, and the wgrad operands are Hadamard-rotated first
+        "mxfp4_training": dict(
+            dgrad_grad_output=MXSpec("e2m1", rounding="stochastic"),
+            dgrad_weight=MXSpec("e2m1", rounding="stochastic"),
+            wgrad_grad_output=MXSpec("e2m1", rounding="stochastic", hadamard=True),
+            wgrad_input=MXSpec("e2m1", rounding="stochastic", hadamard=True),
         ),
         "int8_per_token": dict(input=IntSpec(8, granularity="axis"), weight=IntSpec(8, granularity="axis")),
     }
@@ -206,10 +232,13 @@ def get_recipe(recipe: str | dict | Recipe | None = None, *, backward_override=_
     """A Recipe from a preset name, a dict (``Recipe.to_dict``'s shape) or a Recipe.
 
     Presets: bf16 (no quantization), fp8_tensorwise (E4M3 forward, E5M2 gradients, current scaling),
-    fp8_delayed (the same with delayed scaling), mxfp8 (E4M3, RCEIL, blocks of 32), mxfp4 (E2M1,
-    FLOOR, stochastic rounding on gradients), nvfp4 (16×16 weight tiles, RHT on the wgrad operands,
-    stochastic rounding on gradients), int8_per_token (the seed's symmetric per-token INT8 activations
-    and per-output-channel INT8 weights). ``backward_override`` given here wins over the recipe's.
+    fp8_delayed (the same with delayed scaling), mxfp8 (E4M3, RCEIL, blocks of 32), mxfp8_2d (the same
+    with 32×32 weight tiles), fp8_blockwise (E4M3, 1×128 tiles, 128×128 weight blocks, power-of-two
+    scales), mxfp4 (E2M1, FLOOR, stochastic rounding on gradients), mxfp4_training (forward in high
+    precision, backward GEMMs in MXFP4 with stochastic rounding and RHT on the wgrad operands), nvfp4
+    (16×16 weight tiles, RHT on the wgrad operands, stochastic rounding on gradients), int8_per_token
+    (the seed's symmetric per-token INT8 activations and per-output-channel INT8 weights).
+    ``backward_override`` given here wins over the recipe's.
     """
     if recipe is None:
         recipe = "bf16"

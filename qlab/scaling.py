@@ -9,8 +9,10 @@ Each function maps amaxes (float32) to scales and guarantees what it returns for
 | FP8 current (TE) | fmt_max / max(amax, eps) (stored = x·scale) | 1 | 1 |
 | FP8 delayed (TE) | (fmt_max / amax_history) / 2^margin | previous scale | previous scale |
 | MX (OCP v1.0) | E8M0 byte b, X = 2^(b − 127) | byte 0 (2^-127) | byte 0xFF (NaN) |
-| NVFP4 global | amax_tensor / (448·6) | 1 | 1 |
-| NVFP4 block | E4M3(clamp(amax_block / 6 / global, 2^-6, 448)) | 2^-6 | NaN (E4M3 code 0x7F) |
+| NVFP4 encode (NVIDIA) | min(fl(2688 / amax_tensor), FLT_MAX) | 1 | 1 |
+| NVFP4 block (NVIDIA) | E4M3(min(amax_block · fl(enc · fl(1/6)), 448)), no floor | 0 | NaN (code 0x7F) |
+| NVFP4 global (torchao) | amax_tensor / (448·6) | 1 | 1 |
+| NVFP4 block (torchao) | E4M3(clamp(amax_block / 6 / global, 2^-6, 448)) | 2^-6 | NaN (E4M3 code 0x7F) |
 
 Exponents are read from float32 bits, never from float log2 (which is wrong for values just above or
 below a power of two at large magnitudes).
@@ -31,6 +33,8 @@ NVFP4_BLOCK = 16
 NVFP4_ELEMENT_MAX = 6.0
 NVFP4_SCALE_MAX = 448.0
 NVFP4_SCALE_MIN = 2.0**-6  # the smallest normal E4M3 value, the floor torchao's reference clamps to
+HADAMARD_SIZE = 16
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _float_format(name, argument: str = "fmt") -> FloatFormat:
@@ -55,6 +59,11 @@ def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
     for about a quarter of inputs (448 / amax among them); a tensor numerator divides exactly.
     """
     return torch.full_like(denominator, numerator) / denominator
+
+
+def reciprocal(x: torch.Tensor) -> torch.Tensor:
+    """fl(1/x) in float32, correctly rounded (what cuBLAS and TransformerEngine multiply by as scale_inv)."""
+    return _divide(1.0, x.float())
 
 
 def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
@@ -240,6 +249,60 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
         scale = scale / global_scale
     scale = torch.clamp(scale, NVFP4_SCALE_MIN, NVFP4_SCALE_MAX).to(torch.float8_e4m3fn).float()
     return torch.where(torch.isfinite(block_amax), scale, torch.nan)
+
+
+# NVIDIA's convention (TransformerEngine's reference_nvfp4.py and its kernel), in their float32 order.
+# The constants fl(1/6) and fl(1/2688) are float32 values; every product below is one float32 rounding.
+
+_RCP_6 = float(torch.tensor(1.0 / 6.0, dtype=torch.float32))
+_RCP_2688 = float(torch.tensor(1.0 / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX), dtype=torch.float32))
+
+
+def nvfp4_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The global encode scale S_enc = min(fl(2688 / amax), FLT_MAX) in float32; 1 when amax is 0 or
+    not finite (TE's kernel; its Python reference gives FLT_MAX at amax 0, which codes the same zeros)."""
+    amax = _amaxes("amax", amax).float()
+    encode = torch.clamp(_divide(NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX, amax), max=FLOAT32_MAX)
+    return torch.where(torch.isfinite(amax) & (amax > 0), encode, 1.0)
+
+
+def nvfp4_block_scales_nvidia(block_amax: torch.Tensor, encode: torch.Tensor | None) -> torch.Tensor:
+    """float32 E4M3 block scales E4M3_rne(min(amax_b · fl(S_enc · fl(1/6)), 448)), no lower clamp: E4M3
+    subnormal and zero scales are kept (a zero block gets 0); NaN for a non-finite block amax.
+    ``encode`` None (no global scale) means S_enc = 1."""
+    block_amax = _amaxes("block_amax", block_amax).float()
+    if encode is None:
+        multiplier = torch.tensor(_RCP_6, device=block_amax.device)
+    else:
+        multiplier = _amaxes("encode", encode).float() * _RCP_6
+    scale = torch.clamp(block_amax * multiplier, max=NVFP4_SCALE_MAX).to(torch.float8_e4m3fn).float()
+    return torch.where(torch.isfinite(block_amax), scale, torch.nan)
+
+
+def nvfp4_element_inverse(block_scales: torch.Tensor, decode: torch.Tensor | None) -> torch.Tensor:
+    """What elements are multiplied by before the E2M1 cast: min(fl(1 / fl(s_block · S_dec)), FLT_MAX)
+    with S_dec = fl(1/S_enc) (``decode`` None: 1). A zero block scale gives FLT_MAX (0 · FLT_MAX = 0)."""
+    denominator = block_scales if decode is None else block_scales * decode
+    return torch.clamp(reciprocal(denominator), max=FLOAT32_MAX)
+
+
+def nvfp4_dequantize_multiplier(block_scales: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
+    """What a dequantized element is its E2M1 value times: fl(fl(s_block · amax) · fl(1/2688)), as TE's
+    dequantize kernel computes it from the tensor amax; s_block alone without a global scale (``amax``
+    None).
+
+    Two cases deliberately differ from that kernel, which would be inconsistent with its own encode:
+    below amax = 2688/FLT_MAX ≈ 7.9·10⁻³⁶ the encode scale was clamped to FLT_MAX, so the decode uses
+    s_block · fl(1/FLT_MAX) (the kernel's amax/2688 would shrink every value by up to 2^128·amax/2688);
+    a non-finite amax (a NaN or inf somewhere) encoded with S_enc = 1, so it decodes with s_block, and
+    only the blocks holding the NaN or inf become NaN."""
+    if amax is None:
+        return block_scales
+    encode = nvfp4_encode_scale(amax)
+    with_amax = (block_scales * amax) * _RCP_2688
+    consistent = block_scales * reciprocal(encode)
+    usual = torch.isfinite(amax) & (encode < FLOAT32_MAX)
+    return torch.where(usual, with_amax, consistent)
 
 
 # --- random Hadamard transform -----------------------------------------------------------------------

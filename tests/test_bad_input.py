@@ -51,6 +51,12 @@ INF, NAN = math.inf, math.nan
 QLAB_DIR = Path(qlab.__file__).resolve().parent
 
 
+class _UnregisteredSpec(Q.QuantSpec):
+    """A QuantSpec subclass that is not in qlab.quantize.SPEC_CLASSES: refused, never guessed at."""
+
+    element = "e4m3"
+
+
 def x32(*shape):
     return torch.randn(*(shape or (4, 32)), generator=torch.Generator().manual_seed(0))
 
@@ -302,6 +308,34 @@ CASES = [
     ("NVFP4Spec rounding", lambda: Q.NVFP4Spec(rounding="up"), ValueError, "rounding"),
     ("get_spec unknown", lambda: Q.get_spec("mxfp9"), ValueError, "mxfp9"),
     ("get_spec int", lambda: Q.get_spec(42), TypeError, "spec"),
+    ("get_spec unregistered subclass", lambda: Q.get_spec(_UnregisteredSpec()), TypeError, "BlockwiseSpec"),
+    ("quantize unregistered subclass", lambda: Q.quantize(x32(), _UnregisteredSpec()), TypeError, "spec"),
+    ("NVFP4Spec convention", lambda: Q.NVFP4Spec(convention="te"), ValueError, "convention"),
+    ("TensorwiseSpec convention", lambda: Q.TensorwiseSpec(convention=None), ValueError, "convention"),
+    ("BlockwiseSpec block_size 0", lambda: Q.BlockwiseSpec(block_size=0), ValueError, "block_size"),
+    ("BlockwiseSpec element int8", lambda: Q.BlockwiseSpec("int8"), ValueError, "element"),
+    ("BlockwiseSpec pow2 str", lambda: Q.BlockwiseSpec(pow2="yes"), TypeError, "pow2"),
+    ("BlockwiseSpec eps < 0", lambda: Q.BlockwiseSpec(eps=-1.0), ValueError, "eps"),
+    (
+        "BlockwiseSpec fixed scale",
+        lambda: Q.qdq(x32(), "fp8_blockwise", scale=2.0),
+        ValueError,
+        "fixed scale",
+    ),
+    (
+        "BlockwiseSpec 2-D on 1-D x",
+        lambda: Q.qdq(torch.ones(128), "fp8_blockwise_2d"),
+        ValueError,
+        "2 dimensions",
+    ),
+    ("MXSpec block_2d str", lambda: Q.MXSpec(block_2d="yes"), TypeError, "block_2d"),
+    (
+        "MXSpec hadamard block 24",
+        lambda: Q.MXSpec(block_size=24, hadamard=True),
+        ValueError,
+        "multiple of 16",
+    ),
+    ("MXSpec 2-D on 1-D x", lambda: Q.qdq(torch.ones(64), "mxfp8_2d"), ValueError, "2 dimensions"),
     # --- qlab.quantize: quantize, qdq, dequantize, measurements -----------------------------------
     ("quantize a list", lambda: Q.quantize([1.0], "mxfp8"), TypeError, "x must be"),
     (

@@ -21,7 +21,16 @@ from qlab.recipe import get_recipe
 from qlab.train import TrainConfig, train
 from qlab.train.models import CharGPT
 
-CURRENT_SCALING = ["fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4"]
+CURRENT_SCALING = [
+    "fp8_tensorwise",
+    "int8_per_token",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+    "fp8_blockwise",
+    "mxfp8_2d",
+    "mxfp4_training",
+]
 # CPU only: on CUDA eager QuantLinear takes operands from qlab's Triton kernels (axis-0 blocks come back as
 # transposed views) and cuBLAS may pick another float32 GEMM algorithm for them than for inductor's
 # contiguous operands, so the last bits of y, dx, dW are not pinned there (README, "Compiling").

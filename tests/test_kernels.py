@@ -91,7 +91,7 @@ def test_dispatch_backends_agree_and_bad_input_is_refused():
         mx_qdq(x, "mxfp8", backend="gpu")
     with pytest.raises(TypeError, match="MXSpec"):
         mx_qdq(x, "fp8_e4m3", backend="reference")
-    with pytest.raises(ValueError, match="block_size 32"):
+    with pytest.raises(ValueError, match="1-D blocks of 32"):
         mx_qdq(x, Q.MXSpec("e4m3", block_size=16), backend="triton")
     with pytest.raises(ValueError, match="rne rounding"):
         mx_qdq(x, Q.MXSpec("e4m3", rounding="stochastic"), backend="triton")
@@ -151,14 +151,15 @@ def _fp8_inputs() -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("convention", ["nvidia", "torchao"])
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("granularity", ["tensor", "axis"])
 @pytest.mark.parametrize("element", ELEMENTS)
-def test_fp8_current_scaling_kernel_matches_the_reference(element, granularity, pow2):
+def test_fp8_current_scaling_kernel_matches_the_reference(element, granularity, pow2, convention):
     x = _fp8_inputs()
     if granularity == "tensor" or element not in ("e4m3", "e5m2"):
         x = x[2:]  # without the NaN: a real per-tensor scale (NaN case below); FP6/FP4 have no NaN
-    spec = Q.TensorwiseSpec(element, granularity=granularity, pow2=pow2)
+    spec = Q.TensorwiseSpec(element, granularity=granularity, pow2=pow2, convention=convention)
     values, scales = fp8_qdq(x.to(DEVICE), spec, backend="triton")
     ref_values, ref_scales = fp8_qdq(x, spec, backend="reference")
     assert torch.equal(scales.cpu(), ref_scales)
@@ -173,6 +174,24 @@ def test_fp8_per_channel_along_other_axes(axis):
     ref_values, ref_scales = fp8_qdq(x, spec, axis, backend="reference")
     assert scales.shape == ref_scales.shape and torch.equal(scales.cpu(), ref_scales)
     assert torch.equal(_bits(values.cpu()), _bits(ref_values))
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("axis", [-1, 0])
+def test_fp8_blockwise_1x128_kernel_matches_the_reference(axis, pow2):
+    # FP8 blockwise is per-tile current scaling: the row kernel runs each 1×128 tile of the padded layout
+    x = _fp8_inputs()[:, :, :300]  # 300 = 2 tiles + a padded partial one; NaN, inf, zero and tiny rows
+    spec = Q.BlockwiseSpec("e4m3", pow2=pow2)
+    values, scales = fp8_qdq(x.to(DEVICE), spec, axis, backend="triton")
+    ref_values, ref_scales = fp8_qdq(x, spec, axis, backend="reference")
+    assert scales.shape == ref_scales.shape and torch.equal(_bits(scales.cpu()), _bits(ref_scales))
+    assert torch.equal(_bits(values.cpu()), _bits(ref_values))
+    assert torch.equal(
+        _bits(kernels.qdq(x.to(DEVICE), spec, axis, backend="triton").cpu()), _bits(ref_values)
+    )
+    _assert_same_qtensor(
+        kernels.quantize(x.to(DEVICE), spec, axis, backend="triton"), Q.quantize(x, spec, axis)
+    )
 
 
 def test_fp8_per_tensor_nan_gives_scale_one_and_keeps_nan():
@@ -291,11 +310,14 @@ def _nvfp4_inputs(special: bool) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("convention", ["nvidia", "torchao"])
+@pytest.mark.parametrize("special", [False, True, "tiny"])
 @pytest.mark.parametrize("block_2d", [False, True])
-def test_nvfp4_kernel_matches_the_reference_bit_for_bit(block_2d, special):
-    x = _nvfp4_inputs(special)
-    spec = Q.NVFP4Spec(block_2d=block_2d)
+def test_nvfp4_kernel_matches_the_reference_bit_for_bit(block_2d, special, convention):
+    # logspace(-3, 3) across the columns: blocks far below the tensor amax, where NVIDIA's block scales are
+    # E4M3 subnormals or 0 and torchao's are floored at 2^-6; "tiny": amax ~1e-37, S_enc clamped to FLT_MAX
+    x = _nvfp4_inputs(special is True) * (1e-40 if special == "tiny" else 1.0)
+    spec = Q.NVFP4Spec(block_2d=block_2d, convention=convention)
     values, scales, global_scale = nvfp4_qdq(x.to(DEVICE), spec, backend="triton")
     ref_values, ref_scales, ref_global = nvfp4_qdq(x, spec, backend="reference")
     assert torch.equal(_bits(global_scale.cpu()), _bits(ref_global))
@@ -313,9 +335,12 @@ def test_nvfp4_stochastic_rounding_is_reproducible_and_unbiased():
     shifted, _, _ = nvfp4_qdq(x.to(DEVICE), spec, seed=11, offset=1 << 20, backend="triton")
     assert torch.equal(first, again) and not torch.equal(first, shifted)
     # each value is the RNE grid's neighbour below or above x (scales from the RNE reference)
-    nearest, scales, global_scale = nvfp4_qdq(block, Q.NVFP4Spec(), backend="reference")
+    q = Q.quantize(block, Q.NVFP4Spec())
+    multiplier = spec.block_multipliers(
+        {"scales": q.scales, "global_scale": q.global_scale, "global_amax": q.global_amax}
+    )  # what each E2M1 value is multiplied by: NVIDIA's fl(fl(s_block · amax) · fl(1/2688))
     first = first.cpu()
-    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]) * scales[0, 0] * global_scale
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]) * multiplier[0, 0]
     below = grid[(grid[None, :] <= block[0, :, None]).sum(-1) - 1]
     above = grid[torch.clamp((grid[None, :] < block[0, :, None]).sum(-1), max=7)]
     assert ((first == below) | (first == above)).all()
@@ -354,11 +379,11 @@ def test_fp8_kernel_codes_for_every_element_and_nan(element):
 
 def test_quantize_dispatch_refuses_what_it_does_not_cover():
     x = torch.randn(4, 32)
-    with pytest.raises(TypeError, match="MXSpec and TensorwiseSpec"):
+    with pytest.raises(TypeError, match="TensorwiseSpec or a 1-D BlockwiseSpec"):
         kernels.quantize(x, "nvfp4")
-    with pytest.raises(TypeError, match="MXSpec and TensorwiseSpec"):
+    with pytest.raises(TypeError, match="TensorwiseSpec or a 1-D BlockwiseSpec"):
         kernels.quantize(x, Q.TensorwiseSpec("e4m3", rounding="stochastic"))
-    with pytest.raises(ValueError, match="block_size 32"):
+    with pytest.raises(ValueError, match="1-D blocks of 32"):
         kernels.quantize(x, Q.MXSpec("e4m3", block_size=16))
     _assert_same_qtensor(kernels.quantize(x, "mxfp8", backend="cpu"), Q.quantize(x, "mxfp8"))
 

@@ -79,7 +79,7 @@ def test_nvfp4_clipping_when_the_block_scale_rounds_down():
 
 
 def test_clipping_is_only_for_block_formats():
-    with pytest.raises(ValueError, match="MXSpec or NVFP4Spec"):
+    with pytest.raises(ValueError, match="block spec .MXSpec, NVFP4Spec, BlockwiseSpec"):
         Q.clipped_block_fraction(torch.ones(4, 32), "fp8_e4m3")
 
 

@@ -24,7 +24,7 @@ from torch.func import functional_call
 
 from qlab import quantize as Q
 from qlab.nn import QuantLinear, fake_quant, quantize_model, unquantize_model
-from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec, qdq
+from qlab.quantize import BlockwiseSpec, IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec, qdq
 from qlab.recipe import get_recipe
 
 TOKENS, IN_FEATURES, OUT_FEATURES = 32, 64, 48  # N, K, M; M = 48 pads MX blocks of 32 along dgrad's axis
@@ -88,8 +88,40 @@ OPERANDS = {
         wgrad_grad_output=None,
         wgrad_input=INT8_AXIS,
     ),
+    "fp8_blockwise": dict(
+        input=BlockwiseSpec("e4m3"),
+        weight=BlockwiseSpec("e4m3", block_2d=True),
+        dgrad_grad_output=BlockwiseSpec("e4m3"),
+        dgrad_weight=BlockwiseSpec("e4m3", block_2d=True),
+        wgrad_grad_output=BlockwiseSpec("e4m3"),
+        wgrad_input=BlockwiseSpec("e4m3"),
+    ),
+    "mxfp8_2d": dict(
+        input=MX8,
+        weight=MXSpec("e4m3", mode="rceil", block_2d=True),
+        dgrad_grad_output=MX8,
+        dgrad_weight=MXSpec("e4m3", mode="rceil", block_2d=True),
+        wgrad_grad_output=MX8,
+        wgrad_input=MX8,
+    ),
+    "mxfp4_training": dict(
+        input=None,
+        weight=None,
+        dgrad_grad_output=MXSpec("e2m1", rounding="stochastic"),
+        dgrad_weight=MXSpec("e2m1", rounding="stochastic"),
+        wgrad_grad_output=MXSpec("e2m1", rounding="stochastic", hadamard=True),
+        wgrad_input=MXSpec("e2m1", rounding="stochastic", hadamard=True),
+    ),
 }
-QUANTIZED = ["fp8_tensorwise", "mxfp8", "nvfp4", "int8_per_token"]
+QUANTIZED = [
+    "fp8_tensorwise",
+    "mxfp8",
+    "nvfp4",
+    "int8_per_token",
+    "fp8_blockwise",
+    "mxfp8_2d",
+    "mxfp4_training",
+]
 OVERRIDES = [None, "high_precision", "dequantized"]
 
 
@@ -153,10 +185,12 @@ def reference_gradients(name, override, x, weight, dy, need_x=True, need_w=True,
     else:
         if need_x:
             dx = operand(dy, specs["dgrad_grad_output"], -1, generator) @ operand(
-                weight, specs["dgrad_weight"], 0
+                weight, specs["dgrad_weight"], 0, generator
             )
         if need_w:
-            dw = operand(dy, specs["wgrad_grad_output"], 0, generator).T @ operand(x, specs["wgrad_input"], 0)
+            dw = operand(dy, specs["wgrad_grad_output"], 0, generator).T @ operand(
+                x, specs["wgrad_input"], 0, generator
+            )
     return (dx if need_x else None), (dw if need_w else None)
 
 
@@ -254,8 +288,8 @@ def test_dequantized_override_is_autograd_through_the_straight_through_estimator
     layer(x_layer).backward(dy)
 
     x_ref, w_ref, b_ref = (t.clone().requires_grad_() for t in (x, weight, bias))
-    x_ste = x_ref + (qdq(x_ref.detach(), specs["input"], -1) - x_ref).detach()
-    w_ste = w_ref + (qdq(w_ref.detach(), specs["weight"], -1) - w_ref).detach()
+    x_ste = x_ref + (operand(x_ref.detach(), specs["input"], -1) - x_ref).detach()
+    w_ste = w_ref + (operand(w_ref.detach(), specs["weight"], -1) - w_ref).detach()
     F.linear(x_ste, w_ste, b_ref).backward(dy)
 
     assert_same_bits(x_layer.grad, x_ref.grad)
@@ -284,12 +318,15 @@ def test_default_backward_quantizes_each_operand_along_its_gemms_axis(name):
     y = layer(x_layer)
     y.backward(dy)
 
-    generator = torch.Generator().manual_seed(7)  # nvfp4's stochastic rounding: dgrad's dy, then wgrad's dy
+    # stochastic rounding draws in GEMM order: dgrad's dy, dgrad's W, wgrad's dy, wgrad's x (where SR)
+    generator = torch.Generator().manual_seed(7)
     dy_dgrad = operand(dy, specs["dgrad_grad_output"], -1, generator)
+    w_dgrad = operand(weight, specs["dgrad_weight"], 0, generator)
     dy_wgrad = operand(dy, specs["wgrad_grad_output"], 0, generator)
+    x_wgrad = operand(x, specs["wgrad_input"], 0, generator)
     assert_same_bits(y, (operand(x, specs["input"], -1) @ operand(weight, specs["weight"], -1).T) + bias)
-    assert_same_bits(x_layer.grad, dy_dgrad @ operand(weight, specs["dgrad_weight"], 0))
-    assert_same_bits(layer.weight.grad, dy_wgrad.T @ operand(x, specs["wgrad_input"], 0))
+    assert_same_bits(x_layer.grad, dy_dgrad @ w_dgrad)
+    assert_same_bits(layer.weight.grad, dy_wgrad.T @ x_wgrad)
     assert_same_bits(layer.bias.grad, dy.sum(0))
 
 
@@ -349,10 +386,10 @@ def test_3d_input_equals_the_flattened_2d_result(name, override):
 
 
 def fp8(t, element, scale):
-    """TE's FP8 qdq with a given scale, by torch's own casts: cast(sat(t·scale)) / scale."""
+    """TE's FP8 qdq with a given scale, by torch's own casts: cast(sat(t·scale)) · fl(1/scale)."""
     dtype, limit = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}[element]
     scale = torch.as_tensor(scale, dtype=torch.float32)
-    return (t * scale).clamp(-limit, limit).to(dtype).float() / scale
+    return (t * scale).clamp(-limit, limit).to(dtype).float() * (1.0 / scale.double()).float()
 
 
 def float32_quotient(numerator, amax):

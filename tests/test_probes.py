@@ -285,7 +285,7 @@ def test_block_statistics_locate_blocks_along_any_axis_and_for_nvfp4():
     # along axis 0 the layout is (column, block of 16 rows): x[32:48, 1] is row 1, block 2
     x = torch.ones(64, 3)
     x[32:48, 1] = 1e-9
-    stats = block_stats(x, "nvfp4", axis=0)
+    stats = block_stats(x, "nvfp4_torchao", axis=0)
     # global g = amax / (448·6) = 1/2688; a block of ones gets E4M3(1 / 6 / g) = 448 (code 0x7E = 126);
     # the tiny block's 1e-9 / 6 / g is clamped to 2^-6 (code 8), and 1e-9 / (2^-6 · g) rounds to 0
     assert stats["scale_code/126"] == 11 and stats["scale_code/8"] == 1
@@ -294,6 +294,15 @@ def test_block_statistics_locate_blocks_along_any_axis_and_for_nvfp4():
     g = torch.tensor(1.0) / 2688  # the global scale is float32 (REFERENCE §2): its rounding is exact here
     assert stats["scale_log2_min"] == math.log2(float(g * 2.0**-6))
     assert stats["scale_log2_max"] == math.log2(float(g * 448))
+    # NVIDIA's convention has no floor: the tiny block's E4M3(1e-9 · 2688 · fl(1/6)) is 0 (code 0); it
+    # underflows as before, and a zero scale is left out of the log2 statistics
+    stats = block_stats(x, "nvfp4", axis=0)
+    assert stats["scale_code/126"] == 11 and stats["scale_code/0"] == 1
+    assert stats["underflow_block_fraction"] == pytest.approx(1 / 12)
+    multiplier = torch.tensor(448.0) * (
+        torch.tensor(1.0) / torch.tensor(2688.0)
+    )  # fl(448 · fl(1/2688)), TE's decode
+    assert stats["scale_log2_min"] == stats["scale_log2_max"] == math.log2(float(multiplier))
 
 
 def test_what_if_specs_per_module_and_block_rows_in_one_probe_set():

@@ -25,7 +25,17 @@ from hypothesis import strategies as st
 
 from qlab import formats, scaling
 from qlab import quantize as Q
-from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, QTensor, TensorwiseSpec, dequantize, qdq, quantize
+from qlab.quantize import (
+    IntSpec,
+    MXSpec,
+    NVFP4Spec,
+    QTensor,
+    TensorwiseSpec,
+    dequantize,
+    qdq,
+    quantize,
+    sqnr_db,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -344,22 +354,29 @@ def test_nvfp4_equals_torchao(dtype, global_scale):
         x = mixed_magnitudes(shape, 16, -spread, spread, seed, dtype)
         per_tensor = nv.per_tensor_amax_to_scale(x.abs().amax()) if global_scale else None
         ref_scales, ref_packed = nv.nvfp4_quantize(x, 16, per_tensor)
-        q = quantize(x, NVFP4Spec(global_scale=global_scale))
+        q = quantize(x, NVFP4Spec(global_scale=global_scale, convention="torchao"))
         where = f"{shape} spread {spread}"
         assert torch.equal(q.scale_codes.reshape(-1), ref_scales.view(torch.uint8).reshape(-1)), where
         assert torch.equal(q.codes.reshape(-1), kernels.unpack_uint4(ref_packed).reshape(-1)), where
         reference = nv.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor)
         assert_same_bits(dequantize(q, torch.float32), reference.dequantize(torch.float32))
         assert_same_bits(dequantize(q), reference.dequantize(dtype))
-        assert_same_bits(qdq(x, NVFP4Spec(global_scale=global_scale)), reference.dequantize(dtype))
+        assert_same_bits(
+            qdq(x, NVFP4Spec(global_scale=global_scale, convention="torchao")), reference.dequantize(dtype)
+        )
 
 
 def test_nvfp4_all_zero_tensor_gives_zeros_not_nan():
-    # documented: global scale 1 for amax 0, block scale clamped up to 2^-6 (torchao would divide by 0)
-    q = quantize(torch.zeros(2, 32), NVFP4Spec())
+    # torchao convention: global scale 1 for amax 0, block scale clamped up to 2^-6 (torchao divides by 0)
+    q = quantize(torch.zeros(2, 32), NVFP4Spec(convention="torchao"))
     assert q.global_scale.item() == 1.0
     e4m3_2_to_minus_6 = torch.tensor(2.0**-6).to(torch.float8_e4m3fn).view(torch.uint8).item()
     assert q.scale_codes.eq(e4m3_2_to_minus_6).all() and q.codes.eq(0).all()
+    assert_same_bits(dequantize(q), torch.zeros(2, 32))
+    # NVIDIA convention (TE's kernel): encode scale 1 for amax 0, block scale 0 (no floor), elements
+    # 0 · min(1/0, FLT_MAX) = 0
+    q = quantize(torch.zeros(2, 32), NVFP4Spec())
+    assert q.global_scale.item() == 1.0 and q.scale_codes.eq(0).all() and q.codes.eq(0).all()
     assert_same_bits(dequantize(q), torch.zeros(2, 32))
 
 
@@ -386,14 +403,14 @@ def test_nvfp4_nan_block_dequantizes_to_nan_and_other_blocks_stay_finite():
         1e-36,  # 1/global_scale overflows float32 here (torchao 0.18 then clamps every element to ±6)
     ],
 )
-def test_nvfp4_tiny_tensor_keeps_its_relative_values(amax):
+def test_nvfp4_torchao_tiny_tensor_keeps_its_relative_values(amax):
     ratios = [1.0, 0.5, 0.1, -0.3]
     x = torch.zeros(1, 16)
     x[0, :4] = torch.tensor(ratios) * amax
     # by the NVFP4 definition: global g = amax/2688, block scale amax/6/g = 448 (an e4m3 value), elements
     # RNE_e2m1(x / (448 g)) = RNE_e2m1(6 · ratio) = 6, 3, 0.5 (0.6), -2 (-1.8); dequantized = element · amax/6
     expected = torch.tensor([6.0, 3.0, 0.5, -2.0], dtype=torch.float64) / 6
-    out = qdq(x, NVFP4Spec())[0, :4].double() / amax
+    out = qdq(x, NVFP4Spec(convention="torchao"))[0, :4].double() / amax
     # rtol 1e-4: at amax 1e-36 the global scale is a float32 subnormal with ~6 significant digits
     assert torch.allclose(out, expected, rtol=1e-4, atol=0)
 
@@ -413,29 +430,160 @@ def _rne_e2m1(value: Fraction) -> Fraction:
     return nearest if value >= 0 else -nearest
 
 
-def test_nvfp4_codes_follow_the_exact_scaled_values_at_every_magnitude():
+@pytest.mark.parametrize("convention", ["nvidia", "torchao"])
+def test_nvfp4_codes_follow_the_exact_scaled_values_at_every_magnitude(convention):
     """Regression (issue 17): below amax ≈ 5·10⁻³⁴ the float32 inverse scale overflowed and every
     non-zero element was coded ±6. Over amax 1e-45 … 1e38, two blocks (the second 10⁴× smaller, so its
     block scale sits at the 2⁻⁶ floor for small tensors): every code must be the E2M1 rounding of
-    x / (global · block) in exact rational arithmetic, given the stored float32 scales — except within
-    2⁻¹⁸ of a rounding tie, where the float32 evaluation order may legitimately round the other way."""
+    x / (global · block) in exact rational arithmetic, given the stored float32 scales (the global scale
+    is S_dec = fl(1/S_enc) in NVIDIA's convention) — except within 2⁻¹⁸ of a rounding tie, where the
+    float32 evaluation order may legitimately round the other way."""
     pattern = torch.tensor([1.0, 0.5, 0.1, -0.3, 0.77, -0.05, 0.26, 0.0] * 2)
     ties = [Fraction(v) for v in (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5)]
     checked = 0
     for amax in np.logspace(-45, 38, 300):
         x = torch.cat([pattern * float(amax), pattern * float(amax) * 1e-4])[None]
-        q = quantize(x, NVFP4Spec())
-        if q.global_scale is None or not torch.isfinite(q.scales).all():
+        q = quantize(x, NVFP4Spec(convention=convention))
+        if q.global_scale is None or not torch.isfinite(q.scales).all() or not (q.scales > 0).all():
             continue
         codes = formats.decode(q.codes.flatten(), "e2m1").tolist()
         global_scale = Fraction(q.global_scale.item())
         for value, code, block in zip(x.flatten().tolist(), codes, q.scales.flatten().repeat_interleave(16)):
+            if convention == "nvidia" and global_scale * Fraction(block.item()) < Fraction(2) ** -126:
+                # below amax ≈ 7.9·10⁻³⁶ TE's S_enc is clamped to FLT_MAX and fl(s_block · S_dec) is a float32
+                # subnormal (or 0), so its element inverse min(1/…, FLT_MAX) is not the exact one: NVIDIA's
+                # kernel flushes such blocks. The float32-order reference test below pins those bits.
+                continue
             exact = Fraction(value) / (global_scale * Fraction(block.item()))
             if any(abs(abs(exact) - tie) <= tie * Fraction(1, 2**18) for tie in ties):
                 continue
             assert Fraction(code) == _rne_e2m1(exact), (amax, value, code, float(exact))
             checked += 1
     assert checked > 8000
+
+
+# --- NVFP4 in NVIDIA's convention: TransformerEngine's reference_nvfp4.py order, written out in numpy float32
+
+
+def e4m3_rne(values: np.ndarray) -> np.ndarray:
+    """float32 → nearest E4M3 value (ties to even), saturating at 448: torch's native float8 cast."""
+    clamped = np.minimum(values, np.float32(448.0))
+    return torch.from_numpy(clamped).to(torch.float8_e4m3fn).float().numpy()
+
+
+def nvidia_nvfp4_reference(x: np.ndarray, tile_rows: int = 1):
+    """(E2M1 values, E4M3 block scales per row and block, dequantized) for float32 rows blocked by 16,
+    every operation one float32 rounding in TE's order (REFERENCE §2):
+    S_enc = min(2688 / amax, FLT_MAX) (1 for amax 0), S_dec = 1 / S_enc,
+    s_b = E4M3(min(amax_b · (S_enc · fl(1/6)), 448)), element = RNE_E2M1(clamp(x · min(1/(s_b · S_dec),
+    FLT_MAX), ±6)), dequantized = element · ((s_b · amax) · fl(1/2688))."""
+    f = np.float32
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore", under="ignore"):
+        amax = f(np.abs(x).max())
+        encode = f(1.0) if amax == 0 else min(f(2688.0) / amax, f(np.finfo(np.float32).max))
+        decode = f(1.0) / encode
+        multiplier = encode * (f(1.0) / f(6.0))
+        rows, columns = x.shape
+        blocks = np.abs(x).reshape(rows // tile_rows, tile_rows, columns // 16, 16).max(axis=(1, 3))
+        block_amax = np.repeat(blocks, tile_rows, axis=0)  # (rows, columns / 16)
+        scales = e4m3_rne((block_amax * multiplier).astype(np.float32))
+        inverse = np.minimum(f(1.0) / (scales * decode), np.finfo(np.float32).max).astype(np.float32)
+        scaled = np.clip(x.reshape(rows, -1, 16) * inverse[..., None], -6, 6).astype(np.float32)
+        elements = np.vectorize(lambda v: float(_rne_e2m1(Fraction(float(v)))))(scaled).astype(np.float32)
+        elements = np.copysign(
+            elements, scaled
+        )  # a negative value that rounds to zero is −0 (code 8), as TE's kernel
+        dequantize = (scales * amax) * (f(1.0) / f(2688.0))
+        return elements, scales, (elements * dequantize[..., None]).reshape(rows, columns)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x16", "16x16"])
+def test_nvfp4_nvidia_convention_equals_the_te_float32_order(dtype, block_2d):
+    # block magnitudes over 10^±8 around the tensor's: many blocks below amax/28672 get E4M3 subnormal block
+    # scales, which torchao's 2^-6 floor would change; amaxes from 1e-3 to 1e30 move the global scale
+    for seed, spread, magnitude in [(0, 2, 1.0), (1, 8, 1.0), (2, 8, 1e-3), (3, 4, 1e30), (4, 12, 1e-20)]:
+        x = (mixed_magnitudes((32, 64), 16, -spread, spread, seed, torch.float64) * magnitude).to(dtype)
+        elements, scales, expected = nvidia_nvfp4_reference(x.float().numpy(), 16 if block_2d else 1)
+        q = quantize(x, NVFP4Spec(block_2d=block_2d))
+        where = f"seed {seed}"
+        assert torch.equal(formats.decode(q.codes, "e2m1"), torch.from_numpy(elements)), where
+        stored = scales[::16] if block_2d else scales
+        assert_same_bits(q.scales, torch.from_numpy(stored))
+        assert_same_bits(dequantize(q, torch.float32), torch.from_numpy(expected))
+        assert_same_bits(
+            qdq(x, NVFP4Spec(block_2d=block_2d), dtype=torch.float32), torch.from_numpy(expected)
+        )
+        if spread >= 8 and not block_2d:
+            assert (q.scales < 2.0**-6).any() and (q.scales > 0).any(), "no subnormal block scale exercised"
+
+
+def test_nvfp4_nvidia_convention_at_tiny_amax_matches_the_te_order():
+    # below amax ≈ 7.9·10⁻³⁶ S_enc is clamped to FLT_MAX; NVIDIA's order is reproduced there too (codes;
+    # the decode deliberately uses S_dec, not TE kernel's amax/2688 — see nvfp4_dequantize_multiplier)
+    for amax in (7.0e-36, 1e-38, 1e-41, 1.4e-45):
+        x = torch.tensor([[1.0, 0.5, 0.1, -0.3] * 4 + [0.01, -0.004, 0.002, 0.0] * 4]) * amax
+        elements, scales, _ = nvidia_nvfp4_reference(x.numpy())
+        q = quantize(x, NVFP4Spec())
+        assert torch.equal(formats.decode(q.codes, "e2m1"), torch.from_numpy(elements)), amax
+        assert_same_bits(q.scales, torch.from_numpy(scales))
+
+
+def _product_hitting(target: float, multiplier: float) -> float:
+    """A float32 b with fl(b · multiplier) == target exactly: the float32 neighbours of target/multiplier
+    are tried in turn (setup only; the test's expectations do not depend on which b is found)."""
+    low = high = np.float32(target / multiplier)
+    for _ in range(64):
+        for b in (low, high):
+            if np.float32(b * np.float32(multiplier)) == np.float32(target):
+                return float(b)
+        low, high = np.nextafter(low, np.float32(0)), np.nextafter(high, np.float32(np.inf))
+    raise AssertionError(f"no float32 b gives b · {multiplier} == {target}")
+
+
+def test_nvfp4_nvidia_ties_round_to_even_on_block_scales_and_elements():
+    # a tensor amax of 2688 makes S_enc = S_dec = 1 exactly, so the block scale is E4M3(amax_b · fl(1/6))
+    rcp6 = float(np.float32(1.0) / np.float32(6.0))
+    # block scale ties, hand-derived: 1.0625 lies midway between E4M3's 1 (mantissa 000) and 1.125 (001): 1;
+    # 1.1875 midway between 1.125 (001) and 1.25 (010): 1.25; 0.0068359375 = 3.5·2^-9 midway between the
+    # subnormals 3·2^-9 (011) and 4·2^-9 (100): 4·2^-9
+    ties = {1.0625: 1.0, 1.1875: 1.25, 3.5 * 2.0**-9: 4 * 2.0**-9}
+    rows = [[2688.0] + [0.0] * 15]
+    for target in ties:
+        rows.append([_product_hitting(target, rcp6)] + [0.0] * 15)
+    # element ties: a block scale of exactly 4 (amax_b = 24 → fl(24 · fl(1/6)) rounds to 4 in E4M3) makes the
+    # inverse 1/4 exact, so x = 4·t lands exactly on t: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4
+    element_ties = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    rows.append([24.0] + [4 * t for t in element_ties] + [-4 * t for t in element_ties] + [0.0])
+    rows.append([0.0] * 16)  # a zero block: scale 0, codes 0, dequantized 0
+    x = torch.tensor(rows, dtype=torch.float32)
+    q = quantize(x, NVFP4Spec())
+    assert q.global_scale.item() == 1.0
+    for row, expected in enumerate(ties.values(), 1):
+        assert q.scales[row, 0].item() == expected, (row, q.scales[row, 0].item(), expected)
+    assert q.scales[4, 0].item() == 4.0
+    elements = formats.decode(q.codes[4, 0], "e2m1").tolist()
+    rounded = [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+    assert elements == [6.0] + rounded + [-v for v in rounded] + [0.0]
+    assert q.scales[5, 0].item() == 0.0 and q.codes[5].eq(0).all()
+    assert torch.isfinite(dequantize(q)).all() and dequantize(q)[5].eq(0).all()
+    # torchao's order, (amax_b / 6) / global, reaches other block scales on two of the three ties
+    torchao = quantize(x, NVFP4Spec(convention="torchao"))
+    assert not torch.equal(torchao.scales[1:4, 0], q.scales[1:4, 0])
+
+
+def test_nvfp4_nvidia_keeps_small_blocks_that_torchao_floors():
+    # rows from 1 down to 1e-6 of the tensor amax: from about amax/28672 down the torchao convention's 2^-6
+    # block-scale floor leaves its elements only the bottom of the E2M1 grid, while NVIDIA's E4M3 subnormal
+    # block scales keep ~20 dB until E4M3's subnormals run out too (near 1e-5·amax: both lose everything)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(0, -6, 64)[:, None]
+    nvidia, torchao = qdq(x, NVFP4Spec()), qdq(x, NVFP4Spec(convention="torchao"))
+    assert sqnr_db(x[:40], nvidia[:40]) == pytest.approx(
+        sqnr_db(x[:40], torchao[:40]), abs=0.01
+    )  # no floor hit
+    for row in (52, 55):  # SQNR measured: NVIDIA 18.2 and 19.5 dB, torchao 12.4 and 6.2 dB
+        assert sqnr_db(x[row], nvidia[row]) > 17 and sqnr_db(x[row], torchao[row]) < 13, row
 
 
 def test_nvfp4_2d_blocks_share_one_scale_per_16x16_tile():
@@ -447,7 +595,7 @@ def test_nvfp4_2d_blocks_share_one_scale_per_16x16_tile():
         torch.randn(48, 64, generator=g, dtype=torch.float64)
         * tile_mag.repeat_interleave(16, 0).repeat_interleave(16, 1)
     ).float()[:40]
-    q = quantize(x, NVFP4Spec(block_2d=True))
+    q = quantize(x, NVFP4Spec(block_2d=True, convention="torchao"))
 
     padded = F.pad(x, (0, 0, 0, 8))  # zero rows do not change a tile's amax
     tile_amax = padded.reshape(3, 16, 4, 16).abs().amax(dim=(1, 3))
@@ -468,7 +616,7 @@ def test_nvfp4_2d_blocks_share_one_scale_per_16x16_tile():
 
 def test_nvfp4_2d_on_a_3d_tensor_tiles_the_last_two_axes():
     x = mixed_magnitudes((2, 32, 32), 16, -2, 2, seed=4)
-    q = quantize(x, NVFP4Spec(block_2d=True))
+    q = quantize(x, NVFP4Spec(block_2d=True, convention="torchao"))
     # one global scale for the whole tensor, one e4m3 scale per 16x16 tile of each 32x32 matrix
     tile_amax = x.reshape(2, 2, 16, 2, 16).abs().amax(dim=(2, 4))
     scale = torch.clamp(tile_amax / 6.0 / (x.abs().amax() / 2688.0), 2.0**-6, 448.0).to(torch.float8_e4m3fn)
@@ -535,7 +683,7 @@ def test_hadamard_transform_preserves_dot_products_along_the_axis():
 def test_nvfp4_with_hadamard_quantizes_the_rotated_tensor_and_rotates_back():
     nv, kernels = torchao_nvfp4()
     x = mixed_magnitudes((16, 64), 16, -1, 1, seed=9)
-    spec = NVFP4Spec(hadamard=True, hadamard_seed=4)
+    spec = NVFP4Spec(hadamard=True, hadamard_seed=4, convention="torchao")
     q = quantize(x, spec)
     rotated = scaling.hadamard_transform(x, seed=4)  # checked against float64 above
     ref_scales, ref_packed = nv.nvfp4_quantize(rotated, 16, nv.per_tensor_amax_to_scale(rotated.abs().amax()))
@@ -549,7 +697,9 @@ def test_nvfp4_with_hadamard_quantizes_the_rotated_tensor_and_rotates_back():
     bound = torch.sqrt((16 * (block_amax * (1 + 2**-4) / 6) ** 2).sum(-1)) * (1 + 1e-5)
     err = (out.double() - x.double()).reshape(16, 4, 16).pow(2).sum((-2, -1)).sqrt()
     assert (err <= bound).all()
-    assert not torch.equal(out, qdq(x, NVFP4Spec()))  # the rotation really changed the quantization
+    assert not torch.equal(
+        out, qdq(x, NVFP4Spec(convention="torchao"))
+    )  # the rotation really changed the quantization
 
 
 # =================================================================================================
@@ -557,10 +707,14 @@ def test_nvfp4_with_hadamard_quantizes_the_rotated_tensor_and_rotates_back():
 # =================================================================================================
 
 
-def tensorwise_formula(x, element, scale):
+def tensorwise_formula(x, element, scale, convention="nvidia"):
+    """TE's current scaling: stored = sat_fp8(x · scale); dequantized = stored · fl(1/scale) (TE, cuBLAS)
+    or stored / scale (torchao)."""
     fp8_max = torch.finfo(FP8_DTYPES[element]).max
     stored = (x.float() * scale).clamp(-fp8_max, fp8_max).to(FP8_DTYPES[element]).float()
-    return (stored / scale).to(x.dtype)
+    if convention == "torchao":
+        return (stored / scale).to(x.dtype)
+    return (stored * divide_f32(1.0, scale)).to(x.dtype)
 
 
 @pytest.mark.parametrize("element", ["e4m3", "e5m2"])
@@ -582,7 +736,13 @@ def test_tensorwise_equals_the_te_formula_and_torchao(element, dtype):
     training = pytest.importorskip("torchao.float8.float8_training_tensor")
     assert_same_bits(q.scales, utils.amax_to_scale(amax, FP8_DTYPES[element]))
     t = scaling_utils.hp_tensor_to_float8_dynamic(x, FP8_DTYPES[element], training.LinearMMConfig())
-    assert_same_bits(dequantize(q), t.to_original_precision())
+    torchao_q = quantize(x, TensorwiseSpec(element, convention="torchao"))
+    assert torch.equal(torchao_q.codes, q.codes)  # the conventions differ in dequantize only
+    assert_same_bits(dequantize(torchao_q), t.to_original_precision())
+    assert_same_bits(dequantize(torchao_q), tensorwise_formula(x, element, scale, "torchao"))
+    # the two dequantized values are at most one ulp (of the result's dtype) apart
+    ulp = torch.finfo(dtype).eps * dequantize(q).float().abs()
+    assert ((dequantize(q).float() - dequantize(torchao_q).float()).abs() <= ulp).all()
 
 
 def test_tensorwise_pow2_scale_is_the_power_of_two_at_or_below_the_plain_scale():

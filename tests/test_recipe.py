@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import yaml
 
-from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec
+from qlab.quantize import BlockwiseSpec, IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec
 from qlab.recipe import PRESETS, ROLES, Recipe, get_recipe
 
 ENV = "QLAB_BACKWARD_OVERRIDE"
@@ -46,6 +46,25 @@ DOCUMENTED_PRESETS = {
         grad_output=NVFP4Spec(rounding="stochastic"),
         wgrad_input=NVFP4Spec(hadamard=True),
         wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
+    ),
+    # TE's MXFP8BlockScaling(enable_2d_quantization=True): 32×32 weight tiles
+    "mxfp8_2d": dict(
+        input=MXSpec("e4m3", 32, mode="rceil"),
+        weight=MXSpec("e4m3", 32, mode="rceil", block_2d=True),
+        grad_output=MXSpec("e4m3", 32, mode="rceil"),
+    ),
+    # TE's Float8BlockScaling defaults: E4M3, 1×128 / 128×128 (weights), power-of-two scales, eps 0
+    "fp8_blockwise": dict(
+        input=BlockwiseSpec("e4m3", 128, block_2d=False, pow2=True, eps=0.0),
+        weight=BlockwiseSpec("e4m3", 128, block_2d=True, pow2=True, eps=0.0),
+        grad_output=BlockwiseSpec("e4m3", 128, block_2d=False, pow2=True, eps=0.0),
+    ),
+    # Tseng et al. 2025: high-precision forward; MXFP4 backward GEMMs with SR, RHT on the wgrad operands
+    "mxfp4_training": dict(
+        dgrad_grad_output=MXSpec("e2m1", 32, mode="floor", rounding="stochastic"),
+        dgrad_weight=MXSpec("e2m1", 32, mode="floor", rounding="stochastic"),
+        wgrad_grad_output=MXSpec("e2m1", 32, mode="floor", rounding="stochastic", hadamard=True),
+        wgrad_input=MXSpec("e2m1", 32, mode="floor", rounding="stochastic", hadamard=True),
     ),
     "int8_per_token": dict(
         input=IntSpec(8, signed=True, symmetric=True, granularity="axis"),
@@ -102,6 +121,7 @@ def test_to_dict_writes_the_spec_kind_and_every_spec_field():
         "global_scale": True,
         "pad": True,
         "rounding": "rne",
+        "convention": "nvidia",
     }
     assert data["dgrad_weight"] is None
     assert data["name"] == "nvfp4"
@@ -323,7 +343,9 @@ def test_get_recipe_of_an_unsupported_type_is_refused(value):
     "spec", [{"kind": "FP8Spec", "element": "e4m3"}, {"element": "e4m3"}, {"kind": "tensorwisespec"}]
 )
 def test_from_dict_with_unknown_spec_kind_is_refused(spec):
-    with pytest.raises(ValueError, match="unknown spec kind .*TensorwiseSpec, IntSpec, MXSpec, NVFP4Spec"):
+    with pytest.raises(
+        ValueError, match="unknown spec kind .*TensorwiseSpec, BlockwiseSpec, IntSpec, MXSpec, NVFP4Spec"
+    ):
         Recipe.from_dict({"input": spec})
 
 

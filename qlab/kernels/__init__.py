@@ -3,7 +3,7 @@
     quantize(x, spec, axis)        MX or FP8-current-scaling quantize → QTensor (codes, scales)
     qdq(x, spec, axis, dtype)      qlab.quantize.qdq through whichever kernel covers the spec
     mx_qdq(x, spec, axis)          MX block quantize-dequantize → (values, E8M0 bytes)
-    fp8_qdq(x, spec, axis)         FP8 current scaling, per tensor or per row → (values, scales)
+    fp8_qdq(x, spec, axis)         FP8 current scaling per tensor, row or 1×128 tile → (values, scales)
     nvfp4_qdq(x, spec, axis, seed, offset)   NVFP4 1×16 / 16×16 → (values, block scales, global)
     layer_norm(x, shape, w, b, eps, stats=...)   LayerNorm with welford/two_pass/textbook stats
 
@@ -50,14 +50,14 @@ def mx_qdq(
             f"spec must be an MXSpec (or an MX preset name) for mx_qdq, got {type(spec).__name__}"
         )
     _check_mx_kernel_spec(spec)
-    Q._check_input(x, spec, axis)
+    Q.check_input(x, spec, axis)
     checks.floating_dtype("dtype", dtype)
     backend = _resolve(x, backend)
     if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
         return Q.dequantize(q, dtype or x.dtype), q.scale_codes
     if backend == "cpu":  # the compiled qdq, and the E8M0 bytes from the block amaxes (one more read of x)
-        blocks = Q._to_layout(x, spec, axis % x.dim())
+        blocks = Q.to_layout(x, spec, axis % x.dim())
         scale_codes = scaling.mx_scale_codes(blocks.abs().amax(-1), get_format(spec.element), spec.mode)
         return Q.qdq(x, spec, axis, dtype=dtype), scale_codes
     from qlab.kernels.mx_triton import mx_qdq_last_axis
@@ -68,8 +68,11 @@ def mx_qdq(
 
 
 def _check_mx_kernel_spec(spec: Q.MXSpec) -> None:
-    if spec.block_size != 32 or spec.rounding != "rne":
-        raise ValueError(f"spec: the MX kernel covers block_size 32 with rne rounding; got {spec}")
+    if spec.block_size != 32 or spec.rounding != "rne" or spec.block_2d or spec.hadamard:
+        raise ValueError(
+            f"spec: the MX kernel covers 1-D blocks of 32 with rne rounding and no Hadamard transform; "
+            f"got {spec}"
+        )
 
 
 def _auto_backend(x: torch.Tensor) -> str:
@@ -99,59 +102,80 @@ def fp8_qdq(
     dtype: torch.dtype | None = None,
     backend: str = "auto",
 ):
-    """FP8 current scaling (TensorwiseSpec, RNE): (qdq values in ``dtype`` (default x's) and x's
-    shape, float32 scales: shape () per tensor, or per row/channel x's shape with ``axis`` moved
-    last and of size 1, as ``qlab.quantize.quantize`` gives them)."""
+    """FP8 current scaling (TensorwiseSpec, or BlockwiseSpec with 1×128 tiles; RNE): (qdq values in
+    ``dtype`` (default x's) and x's shape, float32 scales as ``qlab.quantize.quantize`` gives them:
+    shape () per tensor, x's shape with ``axis`` moved last and of size 1 per row/channel, or
+    (..., n_tiles) per tile)."""
     spec = Q.get_spec(spec)
-    if not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
-        raise TypeError(f"spec must be a TensorwiseSpec with rne rounding for fp8_qdq, got {spec!r}")
-    Q._check_input(x, spec, axis)  # the reference's refusals (dtype, axis, NaN without a NaN encoding)
+    _check_fp8_kernel_spec(spec, "fp8_qdq")
+    axis = Q.check_input(x, spec, axis)  # the reference's refusals (dtype, axis, NaN without a NaN encoding)
     checks.floating_dtype("dtype", dtype)
     backend = _resolve(x, backend)
-    if backend == "reference":
+    if backend in ("reference", "cpu"):
         q = Q.quantize(x, spec, axis, keep_source=False)
         return Q.dequantize(q, dtype or x.dtype), q.scales
-    if backend == "cpu":  # the compiled qdq, and the scales from the amaxes (one more read of x)
-        layout = Q._to_layout(x, spec, axis % x.dim())
-        scales = scaling.fp8_current_scale(
-            Q._amax(layout, spec, -1), spec.element, eps=spec.eps, pow2=spec.pow2
-        )
-        return Q.qdq(x, spec, axis, dtype=dtype), scales
-    from qlab.kernels.fp8_triton import fp8_current_scaling
-
-    per_row = spec.granularity == "axis"
-    moved = x.movedim(axis, -1) if per_row else x
-    values, scales = fp8_current_scaling(
-        moved, get_format(spec.element), per_row=per_row, eps=spec.eps, pow2=spec.pow2, out_dtype=dtype
-    )
-    if per_row:
+    values, scales = _fp8_kernel(x, spec, axis, emit_codes=False, out_dtype=dtype)
+    if isinstance(spec, Q.BlockwiseSpec):
+        values = Q.from_layout(values.float(), spec, axis, x.shape, dtype or x.dtype)
+    elif spec.granularity == "axis":
         values = values.movedim(-1, axis)
     return values, scales
 
 
+def _check_fp8_kernel_spec(spec, caller: str) -> None:
+    blockwise = isinstance(spec, Q.BlockwiseSpec) and not spec.block_2d
+    if not (isinstance(spec, Q.TensorwiseSpec) or blockwise) or spec.rounding != "rne":
+        raise TypeError(
+            f"spec must be a TensorwiseSpec or a 1-D BlockwiseSpec with rne rounding for {caller}, "
+            f"got {spec!r}"
+        )
+
+
+def _fp8_kernel(x, spec, axis: int, *, emit_codes: bool, out_dtype=None):
+    """The FP8 current-scaling kernel on x: per tensor, per row along ``axis``, or per 1×128 tile (each
+    tile of quantize's blocked layout (..., n_tiles, 128) is one row). Returns the kernel's output in
+    the layout it ran on and the scales as quantize stores them."""
+    from qlab.kernels.fp8_triton import fp8_current_scaling
+
+    if isinstance(spec, Q.BlockwiseSpec):
+        source = Q.to_layout(x, spec, axis)  # float32 (exact), zero-padded, (..., n_tiles, 128)
+        out_dtype = None if emit_codes else torch.float32  # from_layout casts, as the reference does
+    else:
+        source = x.movedim(axis, -1) if spec.granularity == "axis" else x
+    out, scales = fp8_current_scaling(
+        source,
+        get_format(spec.element),
+        per_row=spec.granularity != "tensor",
+        eps=spec.eps,
+        pow2=spec.pow2,
+        emit_codes=emit_codes,
+        out_dtype=None if emit_codes else out_dtype,
+        convention=getattr(spec, "convention", "nvidia"),
+    )
+    if isinstance(spec, Q.BlockwiseSpec):
+        scales = scales.squeeze(-1)
+    return out, scales
+
+
 def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") -> Q.QTensor:
     """``qlab.quantize.quantize(x, spec, axis)`` through the kernels: the same QTensor (codes in the
-    blocked layout, scales, E8M0 bytes), bit for bit. Covers MXSpec (block 32, RNE, every scale mode)
-    and TensorwiseSpec current scaling (RNE, per tensor or per row); other specs raise TypeError.
-    The result keeps no high-precision source (``QTensor.along`` needs the original tensor).
+    blocked layout, scales, E8M0 bytes), bit for bit. Covers MXSpec (block 32, 1-D, RNE, every scale
+    mode), TensorwiseSpec current scaling (RNE, per tensor or per row) and 1-D BlockwiseSpec (RNE);
+    other specs raise TypeError. The result keeps no high-precision source (``QTensor.along`` needs
+    the original tensor).
     """
     spec = Q.get_spec(spec)
     if isinstance(spec, Q.MXSpec):
         _check_mx_kernel_spec(spec)
-    elif not isinstance(spec, Q.TensorwiseSpec) or spec.rounding != "rne":
-        raise TypeError(
-            f"spec: kernels.quantize covers MXSpec and TensorwiseSpec with rne rounding, got {spec!r}"
-        )
-    axis = Q._check_input(x, spec, axis)
+    else:
+        _check_fp8_kernel_spec(spec, "kernels.quantize (or an MXSpec)")
+    axis = Q.check_input(x, spec, axis)
     if _resolve(x, backend) in ("cpu", "reference"):
         return Q.quantize(x, spec, axis, keep_source=False)
-    element = get_format(spec.element)
-    moves = isinstance(spec, Q.MXSpec) or spec.granularity == "axis"
-    moved = x.movedim(axis, -1) if moves else x
     if isinstance(spec, Q.MXSpec):
         from qlab.kernels.mx_triton import mx_quantize_last_axis
 
-        codes, scale_codes = mx_quantize_last_axis(moved, element, spec.mode)
+        codes, scale_codes = mx_quantize_last_axis(x.movedim(axis, -1), get_format(spec.element), spec.mode)
         return Q.QTensor(
             codes=codes,
             scales=scaling._mx_scale_values(scale_codes),
@@ -161,11 +185,7 @@ def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") ->
             dtype=x.dtype,
             scale_codes=scale_codes,
         )
-    from qlab.kernels.fp8_triton import fp8_current_scaling
-
-    codes, scales = fp8_current_scaling(
-        moved, element, per_row=spec.granularity == "axis", eps=spec.eps, pow2=spec.pow2, emit_codes=True
-    )
+    codes, scales = _fp8_kernel(x, spec, axis, emit_codes=True)
     return Q.QTensor(codes=codes, scales=scales, spec=spec, axis=axis, shape=x.shape, dtype=x.dtype)
 
 
@@ -249,7 +269,7 @@ def nvfp4_qdq(
         raise ValueError(
             f"spec: the NVFP4 kernel covers global-scaled specs without the Hadamard transform; got {spec}"
         )
-    Q._check_input(x, spec, axis)
+    Q.check_input(x, spec, axis)
     checks.seed("seed", seed)
     checks.integer("offset", offset, low=0)
     checks.floating_dtype("dtype", dtype)
@@ -266,6 +286,7 @@ def nvfp4_qdq(
         moved,
         block_2d=spec.block_2d,
         stochastic=spec.rounding == "stochastic",
+        convention=spec.convention,
         seed=seed,
         offset=offset,
         out_dtype=dtype,
@@ -276,16 +297,18 @@ def nvfp4_qdq(
 
 
 def covers(spec) -> bool:
-    """Whether ``qdq`` has a Triton kernel for ``spec``: MX (block 32), TensorwiseSpec, NVFP4 without the
-    Hadamard transform and with its global scale — all with RNE (stochastic rounding keeps its generator
-    semantics in ``qlab.quantize``)."""
+    """Whether ``qdq`` has a Triton kernel for ``spec``: MX (1-D blocks of 32), TensorwiseSpec, 1-D
+    BlockwiseSpec, NVFP4 with its global scale — all with RNE and without the Hadamard transform
+    (stochastic rounding keeps its generator semantics in ``qlab.quantize``)."""
     spec = Q.get_spec(spec)
-    if spec.rounding != "rne":
+    if spec.rounding != "rne" or spec.hadamard:
         return False
     if isinstance(spec, Q.MXSpec):
-        return spec.block_size == 32
+        return spec.block_size == 32 and not spec.block_2d
     if isinstance(spec, Q.NVFP4Spec):
-        return not spec.hadamard and spec.global_scale
+        return spec.global_scale
+    if isinstance(spec, Q.BlockwiseSpec):
+        return not spec.block_2d
     return isinstance(spec, Q.TensorwiseSpec)
 
 

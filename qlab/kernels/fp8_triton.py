@@ -5,8 +5,9 @@ Per tensor, two launches and no host synchronisation: ``_amax_kernel`` max-reduc
 device float (atomic max; a separate NaN flag, since GPU max reductions may drop NaN), then
 ``_scale_cast_kernel`` reads it, computes scale = fmt_max / max(amax, eps) (correctly rounded
 division; 0/inf/NaN amax → 1; overflow → float32 max; optional power-of-two floor) and writes
-cast(x · scale) / scale (qdq) or the codes of cast(x · scale) (quantize; for E4M3/E5M2 the bytes of
-torch.float8_e4m3fn / float8_e5m2). Per row (granularity "axis", the last axis): one program per row, two
+cast(x · scale) · fl(1/scale) (qdq; / scale in torchao's convention) or the codes of cast(x · scale)
+(quantize; for E4M3/E5M2 the bytes of torch.float8_e4m3fn / float8_e5m2). Per row (granularity
+"axis", the last axis; also FP8 blockwise 1×128 tiles, each tile a row): one program per row, two
 passes over the row's chunks.
 """
 
@@ -57,6 +58,7 @@ def _store(
     MIN_NORMAL: tl.constexpr,
     INV_MIN_SUBNORMAL: tl.constexpr,
     NAN_CODE: tl.constexpr,
+    NVIDIA: tl.constexpr,
 ):
     values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
     values = tl.where(x != x, x, values)  # NaN stays NaN
@@ -66,7 +68,11 @@ def _store(
             encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE),
             mask=inside,
         )
-    else:
+    elif NVIDIA:  # TE and cuBLAS multiply by scale_inv = fl(1/scale)
+        tl.store(
+            out_ptr + offsets, (values * tl.math.div_rn(1.0, scale)).to(out_ptr.dtype.element_ty), mask=inside
+        )
+    else:  # torchao divides
         tl.store(out_ptr + offsets, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -89,6 +95,7 @@ def _scale_cast_kernel(
     MIN_NORMAL: tl.constexpr,
     INV_MIN_SUBNORMAL: tl.constexpr,
     NAN_CODE: tl.constexpr,
+    NVIDIA: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
@@ -110,6 +117,7 @@ def _scale_cast_kernel(
         MIN_NORMAL,
         INV_MIN_SUBNORMAL,
         NAN_CODE,
+        NVIDIA,
     )
     tl.store(scale_ptr, scale, mask=tl.program_id(0) == 0)
 
@@ -131,6 +139,7 @@ def _row_kernel(
     MIN_NORMAL: tl.constexpr,
     INV_MIN_SUBNORMAL: tl.constexpr,
     NAN_CODE: tl.constexpr,
+    NVIDIA: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64) * n_cols
@@ -161,6 +170,7 @@ def _row_kernel(
             MIN_NORMAL,
             INV_MIN_SUBNORMAL,
             NAN_CODE,
+            NVIDIA,
         )
     tl.store(scale_ptr + tl.program_id(0), scale)
 
@@ -174,9 +184,11 @@ def fp8_current_scaling(
     pow2: bool,
     emit_codes: bool = False,
     out_dtype: torch.dtype | None = None,
+    convention: str = "nvidia",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(qdq values in ``out_dtype`` (default x's), or uint8 codes, in x's shape; float32 scales: shape ()
-    per tensor or (..., 1) per row)."""
+    per tensor or (..., 1) per row). ``convention``: dequantize by values · fl(1/scale) ("nvidia") or
+    values / scale ("torchao")."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(flat.shape, dtype=torch.uint8 if emit_codes else out_dtype or x.dtype, device=x.device)
     constants = dict(
@@ -185,6 +197,7 @@ def fp8_current_scaling(
         POW2=bool(pow2),
         MIN_BIASED=128 - element.bias,
         EMIT_CODES=emit_codes,
+        NVIDIA=convention == "nvidia",
         **encode_constants(element),
         CHUNK=CHUNK,
     )

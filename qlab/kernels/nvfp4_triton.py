@@ -1,13 +1,17 @@
 """Triton kernel: NVFP4 quantize-dequantize (E2M1 elements, E4M3 block scales per 1×16 or 16×16 tile,
-one float32 global scale), bit-exact with ``qlab.quantize.qdq(x, NVFP4Spec(...))`` for RNE.
+one float32 global scale), bit-exact with ``qlab.quantize.qdq(x, NVFP4Spec(...))`` for RNE, in either
+convention.
 
 Two launches, no host synchronisation: the tensor's amax (fp8_triton._amax_kernel), then one
-program per tile: s_global = amax/(448·6) (1 if that is 0 or not finite), s_block =
-E4M3(clamp(amax_block/6/s_global, 2^-6, 448)) (NaN for a non-finite block), x·(1/s_global)/s_block
-clamped to ±6 and rounded onto the E2M1 grid, times s_global·s_block — the reference's operations
-in the reference's order. Stochastic rounding draws 15 random bits per element from Philox
-(tl.randint) keyed by (seed, offset + element index): the same seed and offset give the same bits
-on every launch and device; the draws are not those of the CPU reference's torch.Generator.
+program per tile computing the reference's operations in the reference's order (REFERENCE §2).
+NVIDIA: S_enc = min(2688/amax, FLT_MAX) (1 for amax 0 or non-finite), S_dec = 1/S_enc, s_block =
+E4M3(min(amax_block·(S_enc·fl(1/6)), 448)) (no floor), elements x·min(1/(s_block·S_dec), FLT_MAX)
+clamped to ±6 and rounded onto the E2M1 grid, times fl(fl(s_block·amax)·fl(1/2688)). torchao:
+s_global = amax/(448·6), s_block = E4M3(clamp(amax_block/6/s_global, 2^-6, 448)), x·(1/s_global)/s_block,
+times s_global·s_block. A non-finite block gets a NaN scale. Stochastic rounding draws 15 random bits
+per element from Philox (tl.randint) keyed by (seed, offset + element index): the same seed and
+offset give the same bits on every launch and device; the draws are not those of the CPU
+reference's torch.Generator.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from qlab.kernels.triton_math import round_to_grid
 
 BLOCK = 16
 ROWS = 16
+FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
+RCP_6: tl.constexpr = 0.1666666716337204  # fl(1/6) in float32
+RCP_2688: tl.constexpr = 0.00037202381645329297  # fl(1/2688) in float32
 
 
 @triton.jit
@@ -38,6 +45,7 @@ def _nvfp4_kernel(
     offset,
     TILE_2D: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    NVIDIA: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -48,10 +56,7 @@ def _nvfp4_kernel(
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
 
     amax = tl.load(amax_ptr)
-    candidate = tl.math.div_rn(amax, 2688.0)  # 448 · 6
-    usable = (tl.load(nan_ptr) == 0) & (amax != float("inf")) & (candidate > 0)
-    global_scale = tl.where(usable, candidate, 1.0)
-
+    finite_amax = (tl.load(nan_ptr) == 0) & (amax != float("inf"))
     magnitude = tl.abs(x)
     block_amax = tl.max(magnitude, axis=1)
     block_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
@@ -59,18 +64,36 @@ def _nvfp4_kernel(
         block_amax = tl.zeros((ROWS,), tl.float32) + tl.max(block_amax, axis=0)
         block_nan = (tl.zeros((ROWS,), tl.int32) + tl.max(block_nan.to(tl.int32), axis=0)) > 0
     block_finite = (block_amax != float("inf")) & (block_nan == 0)
-    raw = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), tl.zeros((ROWS,), tl.float32) + global_scale)
-    clamped = tl.minimum(tl.maximum(raw, 0.015625), 448.0)
-    block_scale = round_to_grid(clamped, 448.0, 3, 121)  # E4M3 (bias 7), RNE
-    block_scale = tl.where(block_finite, block_scale, float("nan"))
-
-    reciprocal = tl.math.div_rn(1.0, global_scale)
-    inverse = tl.where(
-        reciprocal == float("inf"),
-        tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + 1.0, global_scale * block_scale),
-        tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + reciprocal, block_scale),
-    )
-    scaled = tl.minimum(tl.maximum(x * inverse[:, None], -6.0), 6.0)
+    if (
+        NVIDIA
+    ):  # TE's order: S_enc, s_block = E4M3(amax_b · (S_enc · fl(1/6))), x · min(1/(s_block · S_dec), max)
+        encode = tl.minimum(tl.math.div_rn(2688.0, amax), FLOAT32_MAX)
+        encode = tl.where(finite_amax & (amax > 0), encode, 1.0)
+        global_scale = tl.math.div_rn(1.0, encode)  # S_dec
+        raw = block_amax * (encode * RCP_6)
+        block_scale = round_to_grid(tl.minimum(raw, 448.0), 448.0, 3, 121)  # E4M3 (bias 7), RNE, no floor
+        block_scale = tl.where(block_finite, block_scale, float("nan"))
+        inverse = tl.minimum(
+            tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + 1.0, block_scale * global_scale), FLOAT32_MAX
+        )
+        usual = finite_amax & (encode < FLOAT32_MAX)
+        full_scale = tl.where(usual, (block_scale * amax) * RCP_2688, block_scale * global_scale)
+    else:  # torchao's order: s_global = amax/2688, s_block = E4M3(clamp(amax_b/6/s_global, 2^-6, 448))
+        candidate = tl.math.div_rn(amax, 2688.0)  # 448 · 6
+        global_scale = tl.where(finite_amax & (candidate > 0), candidate, 1.0)
+        raw = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), tl.zeros((ROWS,), tl.float32) + global_scale)
+        clamped = tl.minimum(tl.maximum(raw, 0.015625), 448.0)
+        block_scale = round_to_grid(clamped, 448.0, 3, 121)  # E4M3 (bias 7), RNE
+        block_scale = tl.where(block_finite, block_scale, float("nan"))
+        inverse = tl.math.div_rn(
+            tl.zeros((ROWS,), tl.float32) + tl.math.div_rn(1.0, global_scale), block_scale
+        )
+        full_scale = global_scale * block_scale
+    scaled = x * inverse[:, None]
+    if not NVIDIA:  # a tiny tensor's inverse overflows: divide by the global, then the block scale
+        divided = tl.math.div_rn(tl.math.div_rn(x, global_scale), block_scale[:, None])
+        scaled = tl.where(inverse[:, None] == float("inf"), divided, scaled)
+    scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
     scaled = tl.where((scaled != scaled) | (x != x) | (block_finite[:, None] == 0), 0.0, scaled)
     if STOCHASTIC:
         noise = (tl.randint(seed, (offsets + offset).to(tl.uint32)) & 0x7FFF).to(tl.float32) * (1.0 / 32768.0)
@@ -82,7 +105,6 @@ def _nvfp4_kernel(
         values = tl.where(scaled < 0, -values, values)
     else:
         values = round_to_grid(scaled, 6.0, 1, 127)
-    full_scale = global_scale * block_scale
     tl.store(out_ptr + offsets, (values * full_scale[:, None]).to(out_ptr.dtype.element_ty), mask=inside)
     if TILE_2D:
         tl.store(
@@ -103,6 +125,7 @@ def nvfp4_qdq_last_axis(
     seed: int,
     offset: int,
     out_dtype: torch.dtype | None = None,
+    convention: str = "nvidia",
 ):
     """(qdq values in ``out_dtype`` (default x's) and x's shape, float32 block scales, float32 global
     scale ()) for x (..., K)."""
@@ -131,6 +154,7 @@ def nvfp4_qdq_last_axis(
         offset,
         TILE_2D=block_2d,
         STOCHASTIC=stochastic,
+        NVIDIA=convention == "nvidia",
         ROWS=ROWS,
         BLOCK=BLOCK,
     )
