@@ -944,6 +944,8 @@ CASES = [
     ("config task", lambda: C.TrainConfig(task="mnist"), ValueError, "task"),
     ("config recipe", lambda: C.TrainConfig(recipe="fp4"), ValueError, "recipe"),
     ("config compile str", lambda: C.TrainConfig(compile="yes"), TypeError, "compile"),
+    ("config ablate unknown", lambda: C.TrainConfig(recipe="nvfp4", ablate=["sr"]), ValueError, "ablate"),
+    ("config ablate on fp32", lambda: C.TrainConfig(ablate=["hadamard"]), ValueError, "ablate"),
     ("config lr inf", lambda: C.TrainConfig(task="digits", lr=INF), ValueError, "lr"),
     ("config lr NaN", lambda: C.TrainConfig(task="digits", lr=NAN), ValueError, "lr"),
     ("config lr 0", lambda: C.TrainConfig(task="digits", lr=0), ValueError, "lr"),

@@ -434,6 +434,20 @@ def test_config_normalisation_and_recipe_specific_keep(tmp_path):
     assert config.replace(steps=9).steps == 9 and TrainConfig.from_dict(config.to_dict()) == config
 
 
+def test_ablate_switches_recipe_ingredients_off_in_the_built_model():
+    # nvfp4's wgrad operands carry the RHT and its dy stochastic rounding; ablate removes exactly those
+    full = build_model(TrainConfig(recipe="nvfp4", **TINY), 20).blocks[0].mlp.fc.recipe
+    ablated = build_model(TrainConfig(recipe="nvfp4", ablate=["hadamard", "stochastic_rounding"], **TINY), 20)
+    recipe = ablated.blocks[0].mlp.fc.recipe
+    assert full.wgrad_input.hadamard and full.grad_output.rounding == "stochastic"
+    assert not recipe.wgrad_input.hadamard and not recipe.wgrad_grad_output.hadamard
+    assert recipe.grad_output.rounding == "rne" and recipe.wgrad_grad_output.rounding == "rne"
+    assert recipe.weight == full.weight  # 16×16 weight tiles untouched
+    assert TrainConfig(recipe="nvfp4", ablate="hadamard").ablate == [
+        "hadamard"
+    ]  # one name, as --set gives it
+
+
 # --- 4. the learning-rate schedule --------------------------------------------------------------------
 
 

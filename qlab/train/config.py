@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from qlab import checks
+from qlab.ablation import INGREDIENTS
 from qlab.nn import check_gemm
 from qlab.recipe import PRESETS, get_recipe
 from qlab.sparse import MODES as TOPK_MODES
@@ -41,6 +42,9 @@ class TrainConfig:
         "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
     )
     compile: bool = False  # torch.compile the model for the training steps (benchmarks/bench_train.py)
+    ablate: list[str] = field(
+        default_factory=list
+    )  # recipe ingredients switched off (qlab.ablation.INGREDIENTS)
     keep_high_precision: list[str] | dict[str, list[str]] = field(
         default_factory=lambda: ["head", "last_layer"]
     )
@@ -108,6 +112,11 @@ class TrainConfig:
             )
         if self.recipe not in BASELINES:
             get_recipe(self.recipe, backward_override=self.backward_override)  # refuses bad combinations
+        self.ablate = list(checks.names("ablate", self.ablate, tuple(INGREDIENTS)))
+        if self.ablate and self.recipe in BASELINES:
+            raise ValueError(
+                f"ablate={self.ablate} switches off parts of a quantized recipe; got {self.recipe!r}"
+            )
         check_gemm(self.gemm, get_recipe("bf16" if self.recipe in BASELINES else self.recipe))
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(

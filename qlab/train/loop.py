@@ -31,6 +31,7 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
+from qlab.ablation import without
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.recipe import get_recipe
 from qlab.results import write_csv
@@ -98,7 +99,7 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(
             model,
-            get_recipe(config.recipe, backward_override=config.backward_override),
+            without(get_recipe(config.recipe, backward_override=config.backward_override), config.ablate),
             keep_high_precision=keep,
             seed=config.seed + 10_000 * rank,
             gemm=config.gemm,

@@ -1,0 +1,152 @@
+"""Which parts of a low-precision recipe matter: recipe variants with one ingredient switched off,
+and the error each leaves in the three GEMMs of a Linear layer (notebook 07).
+
+    errors = gemm_errors(get_recipe("nvfp4"), x, weight, grad_output)   # {"fprop": …, "dgrad": …, "wgrad": …}
+    variants = ablations("nvfp4")                                       # {"nvfp4": Recipe, "no 2D weight": …}
+
+``gemm_errors`` runs one ``QuantLinear`` forward and backward and compares y = x·Wᵀ, dx = dy·W and
+dW = dyᵀ·x with the same products in float64 (relative Frobenius error ‖Ŷ − Y‖/‖Y‖): the error the
+recipe's quantized operands leave in each GEMM's output, which element SQNR cannot show (the Hadamard
+transform is meant to act on wgrad, whose reduction runs over tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from qlab import checks
+from qlab.recipe import ROLES, Recipe, get_recipe
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+ABLATED_RECIPES = ("nvfp4", "mxfp4_training")
+# what each ingredient's removal changes: (roles, spec field, value)
+INGREDIENTS = {
+    "2d_weight": (("weight", "dgrad_weight"), "block_2d", False),  # 1×16 / 1×32 weight blocks
+    "stochastic_rounding": (ROLES, "rounding", "rne"),  # round-to-nearest-even everywhere
+    "hadamard": (ROLES, "hadamard", False),  # no random Hadamard transform
+}
+_VARIANT_NAMES = {"2d_weight": "no 2D weight", "stochastic_rounding": "no SR", "hadamard": "no RHT"}
+
+
+def without(recipe: Recipe, ingredients) -> Recipe:
+    """``recipe`` with each named ingredient (``INGREDIENTS``: "2d_weight", "stochastic_rounding",
+    "hadamard") switched off in every spec that has it; specs without it are unchanged."""
+    ingredients = checks.names("ingredients", ingredients, tuple(INGREDIENTS))
+    changes = {}
+    for ingredient in ingredients:
+        roles, field, value = INGREDIENTS[ingredient]
+        for role in roles:
+            spec = changes.get(role, getattr(recipe, role))
+            if spec is not None and field in {f.name for f in dataclasses.fields(spec)}:
+                changes[role] = dataclasses.replace(spec, **{field: value})
+    return recipe.replace(**changes)
+
+
+def uses(recipe: Recipe, ingredient: str) -> bool:
+    """Whether any spec of ``recipe`` has ``ingredient`` switched on."""
+    checks.choice("ingredient", ingredient, tuple(INGREDIENTS))
+    roles, field, off = INGREDIENTS[ingredient]
+    specs = [getattr(recipe, role) for role in roles if getattr(recipe, role) is not None]
+    return any(getattr(spec, field, off) != off for spec in specs)
+
+
+def ablations(preset: str) -> dict[str, Recipe]:
+    """The preset and variants with one ingredient it uses switched off, then all of them ("none").
+
+    nvfp4: "no 2D weight" (1×16 weight blocks), "no SR" (RNE gradients), "no RHT" (no Hadamard
+    transform on the wgrad operands), "none". mxfp4_training: "no SR", "no RHT", "none". Keeping the
+    last layers in high precision is a model-level choice (``TrainConfig.keep_high_precision``).
+    """
+    checks.choice("preset", preset, ABLATED_RECIPES)
+    recipe = get_recipe(preset, backward_override=None)
+    present = [ingredient for ingredient in INGREDIENTS if uses(recipe, ingredient)]
+    variants = {preset: recipe}
+    for ingredient in present:
+        variants[_VARIANT_NAMES[ingredient]] = without(recipe, [ingredient]).replace(
+            name=_VARIANT_NAMES[ingredient]
+        )
+    variants["none"] = without(recipe, present).replace(name="none")
+    return variants
+
+
+def gemm_errors(
+    recipe: str | Recipe, x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, *, seed: int = 0
+) -> dict[str, float]:
+    """Relative Frobenius error of y, dx and dW from a QuantLinear with ``recipe`` (stochastic rounding
+    seeded by ``seed``) against float64 products of the same float32 operands.
+
+    x: (tokens, in), weight: (out, in), grad_output: (tokens, out); all real float tensors.
+    """
+    from qlab.nn import QuantLinear
+
+    x = checks.tensor("x", x, real=True)
+    weight = checks.tensor("weight", weight, real=True)
+    grad_output = checks.tensor("grad_output", grad_output, real=True)
+    if x.dim() != 2 or weight.dim() != 2 or grad_output.dim() != 2:
+        raise ValueError(
+            f"x, weight and grad_output must be 2-D (tokens, in), (out, in), (tokens, out); got shapes "
+            f"{tuple(x.shape)}, {tuple(weight.shape)}, {tuple(grad_output.shape)}"
+        )
+    if x.shape[1] != weight.shape[1] or grad_output.shape != (x.shape[0], weight.shape[0]):
+        raise ValueError(
+            f"shapes do not chain: x {tuple(x.shape)}, weight {tuple(weight.shape)} need grad_output "
+            f"{(x.shape[0], weight.shape[0])}, got {tuple(grad_output.shape)}"
+        )
+    layer = QuantLinear(weight.shape[1], weight.shape[0], bias=False, recipe=recipe, seed=seed)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+    inputs = x.detach().float().clone().requires_grad_(True)
+    y = layer(inputs)
+    y.backward(grad_output.float())
+    x64, w64, dy64 = x.double(), weight.double(), grad_output.double()
+    exact = {"fprop": x64 @ w64.T, "dgrad": dy64 @ w64, "wgrad": dy64.T @ x64}
+    got = {"fprop": y.detach(), "dgrad": inputs.grad, "wgrad": layer.weight.grad}
+    return {gemm: float((got[gemm].double() - exact[gemm]).norm() / exact[gemm].norm()) for gemm in GEMMS}
+
+
+def synthetic_operands(tokens: int = 256, features: int = 256, out: int = 256, *, seed: int = 0):
+    """(x, weight, grad_output) float32 with the structure real layers show: activations with a few
+    outlier channels (4 channels ×20), Gaussian weights of scale 1/√in, and output gradients whose
+    per-token magnitudes spread over two decades (log-normal)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, features, generator=generator)
+    x[:, torch.randperm(features, generator=generator)[:4]] *= 20.0
+    weight = torch.randn(out, features, generator=generator) / features**0.5
+    token_scale = torch.exp(torch.randn(tokens, 1, generator=generator) * 1.15)
+    grad_output = torch.randn(tokens, out, generator=generator) * token_scale * 1e-3
+    return x, weight, grad_output
+
+
+def capture_operands(model: torch.nn.Module, forward_backward, *, skip=()) -> dict[str, tuple]:
+    """Every ``nn.Linear``'s GEMM operands in one training step: {name: (x, weight, grad_output)},
+    float32 2-D copies (tokens flattened) of what the layer saw in ``forward_backward()`` (a callable
+    that runs the model forward and backward once). Layers named in ``skip`` are left out."""
+    if not callable(forward_backward):
+        raise TypeError(f"forward_backward must be a callable, got {checks.shown(forward_backward)}")
+    captured, handles = {}, []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name not in skip:
+
+            def keep_input(module, inputs, name=name):
+                captured[name] = [inputs[0].detach().reshape(-1, module.in_features).float().clone()]
+
+            def keep_grad(module, grad_input, grad_output, name=name):
+                captured[name].append(
+                    grad_output[0].detach().reshape(-1, module.out_features).float().clone()
+                )
+
+            handles.append(module.register_forward_pre_hook(keep_input))
+            handles.append(module.register_full_backward_hook(keep_grad))
+    try:
+        forward_backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    modules = dict(model.named_modules())
+    return {
+        name: (parts[0], modules[name].weight.detach().float().clone(), parts[1])
+        for name, parts in captured.items()
+        if len(parts) == 2
+    }

@@ -1,0 +1,160 @@
+"""qlab.stats and qlab.ablation (notebook 07) against hand-computed cases and torch's own float8 casts."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from qlab import ablation, stats
+from qlab.recipe import ROLES, get_recipe
+
+
+@pytest.fixture(autouse=True)
+def eager_only(monkeypatch):
+    monkeypatch.setenv("QLAB_COMPILE", "0")
+
+
+# --- qlab.stats ---------------------------------------------------------------------------------------
+
+
+def test_t_quantiles_are_the_published_table_values():
+    # Student's t, two-sided 95 % (any statistics table): df 1 → 12.706, 2 → 4.303, 4 → 2.776, 9 → 2.262,
+    # 30 → 2.042; beyond the table the normal 1.960
+    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042), (200, 1.960)]:
+        assert stats.t_quantile_975(df) == expected
+
+
+def test_mean_interval_of_hand_computed_samples():
+    # [1, 2, 3]: mean 2, s = 1, half-width 4.303 / √3
+    mean, low, high = stats.mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3), rel=1e-12)
+    assert mean - low == pytest.approx(high - mean, rel=1e-12)
+    # [5, 5]: zero spread, zero width; one value: no interval
+    assert stats.mean_interval([5.0, 5.0]) == (5.0, 5.0, 5.0)
+    single = stats.mean_interval([0.3])
+    assert single[0] == 0.3 and math.isnan(single[1]) and math.isnan(single[2])
+
+
+def test_mean_interval_refuses_empty_and_non_finite():
+    with pytest.raises(ValueError, match="at least one"):
+        stats.mean_interval([])
+    with pytest.raises(ValueError, match="finite"):
+        stats.mean_interval([1.0, math.nan])
+
+
+def test_paired_differences_subtract_the_same_seed_of_the_baseline():
+    frame = pd.DataFrame(
+        {"recipe": ["fp32", "fp32", "a", "a"], "seed": [0, 1, 1, 0], "loss": [1.0, 2.0, 2.5, 1.25]}
+    )
+    out = stats.paired_differences(frame, "loss", baseline="fp32", by="recipe", pair="seed")
+    assert out.to_dict("list") == {"recipe": ["a", "a"], "seed": [1, 0], "difference": [0.5, 0.25]}
+    with pytest.raises(ValueError, match="no row for seed"):
+        stats.paired_differences(
+            frame[frame.seed == 0].iloc[:1].pipe(lambda f: pd.concat([f, frame.iloc[2:3]])),
+            "loss",
+            baseline="fp32",
+            by="recipe",
+            pair="seed",
+        )
+    summary = stats.summarize(out, "difference", ["recipe"])
+    assert summary.loc[0, "n"] == 2 and summary.loc[0, "mean"] == 0.375
+
+
+# --- qlab.ablation ------------------------------------------------------------------------------------
+
+
+def _specs(recipe):
+    return [getattr(recipe, role) for role in ROLES if getattr(recipe, role) is not None]
+
+
+def test_each_ablation_switches_off_exactly_its_ingredient():
+    nvfp4 = ablation.ablations("nvfp4")
+    assert list(nvfp4) == ["nvfp4", "no 2D weight", "no SR", "no RHT", "none"]
+    full = nvfp4["nvfp4"]
+    assert any(s.rounding == "stochastic" for s in _specs(full)) and any(s.hadamard for s in _specs(full))
+    assert (
+        nvfp4["no 2D weight"].weight.block_2d is False
+        and nvfp4["no 2D weight"].grad_output == full.grad_output
+    )
+    assert all(s.rounding == "rne" for s in _specs(nvfp4["no SR"])) and nvfp4["no SR"].weight == full.weight
+    assert (
+        not any(s.hadamard for s in _specs(nvfp4["no RHT"]))
+        and nvfp4["no RHT"].grad_output == full.grad_output
+    )
+    none = nvfp4["none"]
+    assert not any(s.hadamard or s.rounding == "stochastic" or s.block_2d for s in _specs(none))
+    mxfp4 = ablation.ablations("mxfp4_training")
+    assert list(mxfp4) == ["mxfp4_training", "no SR", "no RHT", "none"]
+    with pytest.raises(ValueError, match="preset"):
+        ablation.ablations("fp8_tensorwise")
+
+
+def test_gemm_errors_of_an_unquantized_layer_are_float32_rounding():
+    x, w, dy = ablation.synthetic_operands(64, 48, 32)
+    errors = ablation.gemm_errors(get_recipe("bf16", backward_override=None), x, w, dy)
+    assert set(errors) == {"fprop", "dgrad", "wgrad"}
+    assert all(e < 1e-6 for e in errors.values())  # float32 GEMMs against float64: ~√K · 2^-24
+
+
+def test_gemm_errors_of_fp8_tensorwise_equal_torch_float8_operands_in_float64():
+    # independent reference: each operand cast by torch's own float8 dtype with TE's scale 448/amax (E4M3)
+    # or 57344/amax (E5M2), dequantized with fl(1/scale), multiplied in float64
+    x, w, dy = ablation.synthetic_operands(64, 48, 32, seed=3)
+
+    def fp8(t, dtype):
+        scale = torch.finfo(dtype).max / t.abs().amax().double()
+        scale = scale.float()
+        return (t * scale).to(dtype).double() * (1.0 / scale.double()).float().double()
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    exact = {
+        "fprop": x.double() @ w.double().T,
+        "dgrad": dy.double() @ w.double(),
+        "wgrad": dy.double().T @ x.double(),
+    }
+    expected = {
+        "fprop": fp8(x, e4m3) @ fp8(w, e4m3).T,
+        "dgrad": fp8(dy, e5m2) @ fp8(w, e4m3),
+        "wgrad": fp8(dy, e5m2).T @ fp8(x, e4m3),
+    }
+    errors = ablation.gemm_errors(get_recipe("fp8_tensorwise", backward_override=None), x, w, dy)
+    for gemm in ablation.GEMMS:
+        reference = float((expected[gemm] - exact[gemm]).norm() / exact[gemm].norm())
+        # the layer multiplies in float32 (relative ~1e-6 of the product), the reference in float64
+        assert errors[gemm] == pytest.approx(reference, rel=1e-3), gemm
+        assert errors[gemm] > 0.01  # E4M3/E5M2 operands: percent-level GEMM error, not rounding noise
+
+
+def test_gemm_errors_refuse_shapes_that_do_not_chain():
+    x, w, dy = ablation.synthetic_operands(16, 8, 4)
+    with pytest.raises(ValueError, match="do not chain"):
+        ablation.gemm_errors("fp8_tensorwise", x, w, dy.T)
+    with pytest.raises(ValueError, match="2-D"):
+        ablation.gemm_errors("fp8_tensorwise", x[None], w, dy)
+
+
+def test_capture_operands_records_what_each_linear_saw():
+    # y = relu(x A^T) B^T, loss = sum(y): the second layer's dy is all ones, the first layer's dy is
+    # (ones @ B) masked by relu' — computed by hand here
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 5, bias=False), torch.nn.ReLU(), torch.nn.Linear(5, 3, bias=False)
+    )
+    x = torch.randn(2, 4, 6)
+
+    def step():
+        model(x).sum().backward()
+
+    captured = ablation.capture_operands(model, step)
+    assert set(captured) == {"0", "2"}
+    x0, w0, dy0 = captured["0"]
+    assert torch.equal(x0, x.reshape(8, 6)) and torch.equal(w0, model[0].weight)
+    hidden = x.reshape(8, 6) @ model[0].weight.T
+    x2, w2, dy2 = captured["2"]
+    assert torch.equal(x2, hidden.relu()) and torch.equal(dy2, torch.ones(8, 3))
+    assert torch.allclose(dy0, (torch.ones(8, 3) @ model[2].weight) * (hidden > 0), rtol=0, atol=1e-6)
+    assert set(ablation.capture_operands(model, step, skip=("2",))) == {"0"}
+    assert not model[0]._forward_pre_hooks and not model[0]._backward_hooks  # hooks removed
