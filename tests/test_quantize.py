@@ -781,6 +781,85 @@ def test_tensorwise_axis_granularity_has_one_scale_per_slice(axis):
 
 
 # =================================================================================================
+# FP8 blockwise (DeepSeek-V3 / TE Float8BlockScaling), MXFP8 32×32 weight tiles, MX with the RHT
+# =================================================================================================
+
+
+def te_blockwise_reference(x: torch.Tensor, tile_rows: int, pow2: bool):
+    """TE's blockwise_quantizer_reference on x (rows, columns), written out: zero-pad to whole 1×128
+    tiles (or 128×128 blocks), scale = 448 / amax per tile (float64 quotient rounded once to float32;
+    amax 0 → 1; pow2: frexp then 2^(e−1), the floor), stored = E4M3(clamp(x·scale, ±448)) by torch's own
+    cast, dequantized = stored · fl(1/scale), cropped back."""
+    rows, columns = x.shape
+    padded = F.pad(x.float(), (0, -columns % 128, 0, -rows % tile_rows))
+    tiles = padded.reshape(padded.shape[0] // tile_rows, tile_rows, -1, 128)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True).double()
+    scale = torch.where(amax == 0, 1.0, 448.0 / amax).float()
+    if pow2:
+        scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
+    stored = (tiles * scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    inverse = (1.0 / scale.double()).float()
+    values = (stored.float() * inverse).reshape(padded.shape)[:rows, :columns]
+    return stored.view(torch.uint8), scale.reshape(scale.shape[0], -1), values
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x128", "128x128"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_blockwise_equals_te_reference(dtype, block_2d, pow2):
+    # 200 × 300: partial tiles in both directions; tile magnitudes over 10^±6; one all-zero tile
+    x = mixed_magnitudes((200, 384), 128, -6, 6, seed=5, dtype=torch.float64)[:, :300]
+    x[:128, :128] = 0.0
+    x = x.to(dtype)
+    spec = Q.BlockwiseSpec("e4m3", block_2d=block_2d, pow2=pow2)
+    codes, scales, expected = te_blockwise_reference(x, 128 if block_2d else 1, pow2)
+    q = quantize(x, spec)
+    assert_same_bits(q.scales, scales)  # one per tile: (rows, tiles) or (rows / 128, tiles)
+    assert torch.equal(q.codes, codes.reshape(q.codes.shape))  # the padded layout (rows, tiles, 128)
+    assert_same_bits(dequantize(q, torch.float32), expected)
+    assert_same_bits(qdq(x, spec, dtype=torch.float32), expected)
+    assert_same_bits(qdq(x.T.contiguous(), spec, axis=0, dtype=torch.float32), expected.T.contiguous())
+    if pow2:  # TE's default: every scale a power of two (mantissa 1/2 in frexp's convention)
+        assert (torch.frexp(q.scales).mantissa == 0.5).all()
+
+
+def test_blockwise_2d_weight_is_the_same_quantization_along_both_axes():
+    # 128×128 blocks: fprop (axis −1) and dgrad (axis 0) see one quantized weight, as TE's 2D weights do
+    w = mixed_magnitudes((256, 384), 128, -3, 3, seed=6)
+    spec = Q.BlockwiseSpec("e4m3", block_2d=True)
+    assert_same_bits(qdq(w, spec, axis=-1), qdq(w, spec, axis=0))
+    assert not torch.equal(qdq(w, "fp8_blockwise", axis=-1), qdq(w, "fp8_blockwise", axis=0))
+
+
+def test_mxfp8_2d_tiles_share_one_e8m0_scale():
+    # TE's 2D MXFP8 reference (test_mxfp8_2d_quantize.py): one amax per 32×32 tile, e = ceil(log2(amax/448))
+    # (RCEIL) as a biased byte, elements E4M3(x / 2^e) — checked with frexp and torch's float8 cast
+    x = mixed_magnitudes((64, 96), 32, -5, 5, seed=7)
+    tile_magnitude = 10.0 ** torch.arange(-3, 3).reshape(2, 3).double()
+    x = (x.double() * tile_magnitude.repeat_interleave(32, 0).repeat_interleave(32, 1)).float()
+    q = quantize(x, MXSpec("e4m3", mode="rceil", block_2d=True))
+    assert q.scale_codes.shape == (2, 3)
+    tile_amax = x.reshape(2, 32, 3, 32).abs().amax(dim=(1, 3)).double()
+    for (i, j), amax in np.ndenumerate(tile_amax.numpy()):
+        descale = float(np.float32(amax) / np.float32(448.0))
+        assert q.scale_codes[i, j].item() == frexp_ceil_log2(descale) + 127, (i, j)
+    scales = (2.0 ** (q.scale_codes.double() - 127)).float().repeat_interleave(32, 0).repeat_interleave(32, 1)
+    expected = (x / scales).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scales
+    assert_same_bits(dequantize(q), expected)
+    spec = MXSpec("e4m3", mode="rceil", block_2d=True)
+    assert_same_bits(qdq(x, spec, axis=0), qdq(x, spec, axis=-1))  # the same tiles along either axis
+
+
+def test_mx_with_hadamard_quantizes_the_rotated_tensor_and_rotates_back():
+    x = mixed_magnitudes((16, 64), 32, -1, 1, seed=8)
+    spec = MXSpec("e2m1", hadamard=True, hadamard_seed=3)
+    rotated = scaling.hadamard_transform(x, seed=3)
+    inside = qdq(rotated, MXSpec("e2m1"))
+    assert_same_bits(quantize(x, spec).dequantize(), scaling.hadamard_transform(inside, seed=3, inverse=True))
+    assert_same_bits(qdq(x, spec), scaling.hadamard_transform(inside, seed=3, inverse=True))
+
+
+# =================================================================================================
 # Delayed scaling
 # =================================================================================================
 

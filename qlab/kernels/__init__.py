@@ -322,8 +322,8 @@ def qdq(
     tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
     if not covers(spec) or tiles_need_2d or x.numel() == 0 or _resolve(x, backend) == "cpu":
         return Q.qdq(x, spec, axis, dtype=dtype)
-    if isinstance(spec, Q.MXSpec):
-        return mx_qdq(x, spec, axis, dtype=dtype, backend=backend)[0]
-    if isinstance(spec, Q.NVFP4Spec):
-        return nvfp4_qdq(x, spec, axis, dtype=dtype, backend=backend)[0]
-    return fp8_qdq(x, spec, axis, dtype=dtype, backend=backend)[0]
+    return _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
+
+
+# the kernel entry point of each spec class that has one (``covers`` says which of its specs)
+_KERNEL_QDQ = {Q.MXSpec: mx_qdq, Q.NVFP4Spec: nvfp4_qdq, Q.TensorwiseSpec: fp8_qdq, Q.BlockwiseSpec: fp8_qdq}

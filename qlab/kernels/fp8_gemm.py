@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from qlab import quantize as Q
-
-TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+from qlab.formats import TORCH_FLOAT8
 
 
 def is_fp8_spec(spec) -> bool:
