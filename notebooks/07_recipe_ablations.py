@@ -24,7 +24,8 @@
 # 1×128/128×128 scaling, per-tensor scaling, MXFP8 with 1-D and 32×32 weight blocks):
 #
 # 1. **GEMM-output error** of fprop (y = x·Wᵀ), dgrad (dx = dy·W) and wgrad (dW = dyᵀ·x) against
-#    float64, on synthetic operands and on real operands captured from a trained CharGPT — the place
+#    float64, on synthetic operands and on real operands captured from a trained CharGPT and from the
+#    pretrained SmolLM2-135M (`qlab.models`; its massive `down_proj` activations, notebook 06) — the place
 #    the RHT is meant to act (wgrad), which element SQNR (notebook 00) cannot show;
 # 2. **what SR buys**: SR is unbiased, RNE is not — one SR draw errs more, the mean of many draws less;
 # 3. **training**: validation loss of CharGPT trained with each variant, as the difference to FP32
@@ -38,8 +39,11 @@ seeds: int = 3  # SR seeds / synthetic-operand seeds / training seeds (intervals
 tokens: int = 512  # tokens of the synthetic operands (the wgrad reduction length)
 features: int = 256  # input and output features of the synthetic operands
 capture_steps: int = 150  # FP32 training steps before the real operands are captured
+pretrained_model: str = "smollm2-135m"  # packaged model whose layers give a third set of operands ("" skips it)
+pretrained_layers: list[str] = ["model.layers.0.self_attn.q_proj", "model.layers.11.mlp.down_proj", "model.layers.29.mlp.down_proj"]  # its Linears captured
+pretrained_tokens: int = 128  # tokens per sequence (2 held-out sequences) for the pretrained model's step
 sr_draws: int = 16  # SR draws averaged in section 2
-train_variants: list[str] = ["nvfp4", "nvfp4/none", "mxfp4_training", "mxfp4_training/none", "fp8_blockwise"]  # trained beside FP32: preset or preset/ablation
+train_variants: list[str] = ["nvfp4", "nvfp4/+BF16 last block", "nvfp4/none", "mxfp4_training", "mxfp4_training/none", "fp8_blockwise"]  # trained beside FP32: preset, preset/none|no SR|no RHT|no 2D weight, or preset/+BF16 last block
 train_steps: int = 150  # optimizer steps per training run
 layers: int = 2  # transformer blocks of CharGPT
 width: int = 64  # embedding width
@@ -51,7 +55,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from qlab import ablation, session, stats
+from qlab import ablation, models, session, stats
 from qlab.nn import QuantLinear
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
@@ -63,6 +67,7 @@ NAME = "07_recipe_ablations"
 device = session.start(NAME, globals()).device
 if smoke:
     seeds, tokens, features, capture_steps, sr_draws, train_steps = 2, 64, 32, 2, 3, 2
+    pretrained_layers, pretrained_tokens = pretrained_layers[:1], 16
     train_variants, layers, width, context, batch_size = ["nvfp4", "nvfp4/none"], 1, 32, 32, 8
 use_paper_style()
 torch.manual_seed(0)
@@ -83,7 +88,8 @@ for family, variants in FAMILIES.items():
 # of the unquantized operands (relative Frobenius error). Synthetic operands (`seeds` draws): 4
 # outlier activation channels (×20), weights of scale 1/√in, output gradients whose per-token size
 # spreads over two decades. Real operands: every Linear of a CharGPT trained `capture_steps` steps in
-# FP32, on one training batch (the tied head excluded). Each (variant, seed) runs with its own SR seed.
+# FP32, on one training batch (the tied head excluded), and `pretrained_layers` of the pretrained model
+# on one held-out batch (the language-model loss). Each (variant, seed) runs with its own SR seed.
 
 # %%
 corpus = shakespeare()
@@ -102,7 +108,15 @@ def one_step():
 
 
 real = ablation.capture_operands(fp32_model, one_step, skip=("head",))
-print(f"captured {len(real)} layers: {', '.join(real)}")
+sources = {"CharGPT": real}
+if pretrained_model:
+    llm, tokenizer = models.load(pretrained_model)
+    llm_batch = models.shakespeare_batches(tokenizer, 2, pretrained_tokens, 1, seed=0)[0]
+    sources[pretrained_model] = ablation.capture_operands(
+        llm, lambda: llm(input_ids=llm_batch, labels=llm_batch).loss.backward(), only=pretrained_layers)
+    del llm
+for source, layers_captured in sources.items():
+    print(f"{source}: captured {len(layers_captured)} layers: {', '.join(layers_captured)}")
 
 rows = []
 for family, variants in FAMILIES.items():
@@ -112,10 +126,11 @@ for family, variants in FAMILIES.items():
             errors = ablation.gemm_errors(recipe, x, w, dy, seed=seed)
             rows += [dict(family=family, variant=variant, operands="synthetic", layer="synthetic", seed=seed,
                           gemm=gemm, rel_error=value) for gemm, value in errors.items()]
-            for layer, (x, w, dy) in real.items():
-                errors = ablation.gemm_errors(recipe, x, w, dy, seed=seed)
-                rows += [dict(family=family, variant=variant, operands="CharGPT", layer=layer, seed=seed,
-                              gemm=gemm, rel_error=value) for gemm, value in errors.items()]
+            for source, layers_captured in sources.items():
+                for layer, (x, w, dy) in layers_captured.items():
+                    errors = ablation.gemm_errors(recipe, x, w, dy, seed=seed)
+                    rows += [dict(family=family, variant=variant, operands=source, layer=layer, seed=seed,
+                                  gemm=gemm, rel_error=value) for gemm, value in errors.items()]
 gemm_errors = pd.DataFrame(rows)
 save_csv(gemm_errors, f"{NAME}_gemm_errors")
 per_seed = gemm_errors.groupby(["family", "variant", "operands", "gemm", "seed"], sort=False).rel_error.mean().reset_index()
@@ -128,7 +143,7 @@ gemm_summary.pivot_table(index=["family", "variant"], columns=["operands", "gemm
 # averaged over the captured layers first), whiskers the 95 % interval.
 
 # %%
-OPERAND_COLORS = {"synthetic": "C0", "CharGPT": "C1"}
+OPERAND_COLORS = {source: f"C{i}" for i, source in enumerate(["synthetic", *sources])}
 fig, axes = subplots(len(FAMILIES), 3, width="text", aspect=1.0, squeeze=False, sharex="col")
 for row, family in enumerate(FAMILIES):
     names = list(FAMILIES[family])
@@ -137,9 +152,10 @@ for row, family in enumerate(FAMILIES):
         for k, (operands, color) in enumerate(OPERAND_COLORS.items()):
             part = gemm_summary[(gemm_summary.family == family) & (gemm_summary.gemm == gemm)
                                 & (gemm_summary.operands == operands)].set_index("variant").loc[names]
-            positions = np.arange(len(names)) + (k - 0.5) * 0.38
+            height = 0.8 / len(OPERAND_COLORS)
+            positions = np.arange(len(names)) + (k - (len(OPERAND_COLORS) - 1) / 2) * height
             error = np.vstack([part["mean"] - part["low"], part["high"] - part["mean"]])
-            ax.barh(positions, part["mean"], height=0.36, color=color, label=operands,
+            ax.barh(positions, part["mean"], height=height * 0.95, color=color, label=operands,
                     xerr=np.nan_to_num(error), error_kw=dict(linewidth=0.6, capsize=1.5))
         ax.set_yticks(np.arange(len(names)), names if col == 0 else [""] * len(names))
         ax.invert_yaxis()
@@ -194,24 +210,29 @@ sr_bias.groupby("variant").wgrad_rel_error_of_mean.agg(["first", "last"]).round(
 # ## 3. Training: validation loss relative to FP32
 #
 # CharGPT (the model of notebook 03) trained `train_steps` steps with each variant in
-# `train_variants` ("preset/none" switches off every ingredient of `qlab.ablation.ablations(preset)`),
-# the head kept in high precision, and FP32 with the same seeds: same initial weights and batches per
-# seed. Reported: the final validation loss minus FP32's with the same seed, mean and 95 % interval
+# `train_variants` ("preset/none" switches off every ingredient of `qlab.ablation.ablations(preset)`;
+# "preset/+BF16 last block" keeps the last transformer block in high precision too, as NVIDIA's recipe
+# keeps its last layers), the head always kept in high precision, and FP32 with the same seeds: same
+# initial weights and batches per seed. Reported: the final validation loss minus FP32's with the same seed, mean and 95 % interval
 # over seeds; and the weight-gradient fidelity (relative error of each quantized layer's dW against
 # the FP32 gradient at the same weights and batch) averaged over the run.
 
 # %%
-OFF = {"none": None, "no SR": ["stochastic_rounding"], "no RHT": ["hadamard"], "no 2D weight": ["2d_weight"]}
+OFF = {"no SR": ["stochastic_rounding"], "no RHT": ["hadamard"], "no 2D weight": ["2d_weight"]}
 
 
 def training_config(variant: str, seed: int) -> TrainConfig:
     preset, _, ablated = variant.partition("/")
+    keep = ["head", "last_block"] if ablated == "+BF16 last block" else ["head"]
     if ablated == "none":
         present = [i for i in ablation.INGREDIENTS if ablation.uses(get_recipe(preset, backward_override=None), i)]
+    elif ablated in ("", "+BF16 last block") or ablated in OFF:
+        present = OFF.get(ablated, [])
     else:
-        present = OFF[ablated] if ablated else []
-    return base.replace(recipe=preset, ablate=present, steps=train_steps, seed=seed, device=device,
-                        warmup_steps=max(1, train_steps // 10), eval_every=train_steps,
+        raise ValueError(f"train_variants: unknown {ablated!r} in {variant!r}; expected none, "
+                         f"{', '.join(OFF)} or +BF16 last block")
+    return base.replace(recipe=preset, ablate=present, keep_high_precision=keep, steps=train_steps, seed=seed,
+                        device=device, warmup_steps=max(1, train_steps // 10), eval_every=train_steps,
                         fidelity_every=0 if preset == "fp32" else max(1, train_steps // 3))
 
 
@@ -252,8 +273,8 @@ save_figure(fig, f"{NAME}_training")
 
 # %%
 metrics = {"seeds": seeds, "train_steps": train_steps}
-for row in gemm_summary[gemm_summary.operands == "CharGPT"].itertuples():
-    metrics[f"{row.variant}_{row.gemm}_error"] = row.mean
+for row in gemm_summary[gemm_summary.operands != "synthetic"].itertuples():
+    metrics[f"{row.operands}_{row.variant}_{row.gemm}_error"] = row.mean
 for row in training_summary.itertuples():
     metrics[f"{row.variant}_val_loss_delta"] = row.mean
 save_metrics(NAME, **metrics)

@@ -119,15 +119,19 @@ def synthetic_operands(tokens: int = 256, features: int = 256, out: int = 256, *
     return x, weight, grad_output
 
 
-def capture_operands(model: torch.nn.Module, forward_backward, *, skip=()) -> dict[str, tuple]:
+def capture_operands(model: torch.nn.Module, forward_backward, *, skip=(), only=None) -> dict[str, tuple]:
     """Every ``nn.Linear``'s GEMM operands in one training step: {name: (x, weight, grad_output)},
     float32 2-D copies (tokens flattened) of what the layer saw in ``forward_backward()`` (a callable
-    that runs the model forward and backward once). Layers named in ``skip`` are left out."""
+    that runs the model forward and backward once). Layers named in ``skip`` are left out; ``only``
+    (names) keeps just those, each of which must be a Linear of the model."""
     if not callable(forward_backward):
         raise TypeError(f"forward_backward must be a callable, got {checks.shown(forward_backward)}")
+    linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    if only is not None:
+        only = set(checks.names("only", only, linears))
     captured, handles = {}, []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name not in skip:
+        if isinstance(module, torch.nn.Linear) and name not in skip and (only is None or name in only):
 
             def keep_input(module, inputs, name=name):
                 captured[name] = [inputs[0].detach().reshape(-1, module.in_features).float().clone()]

@@ -157,4 +157,7 @@ def test_capture_operands_records_what_each_linear_saw():
     assert torch.equal(x2, hidden.relu()) and torch.equal(dy2, torch.ones(8, 3))
     assert torch.allclose(dy0, (torch.ones(8, 3) @ model[2].weight) * (hidden > 0), rtol=0, atol=1e-6)
     assert set(ablation.capture_operands(model, step, skip=("2",))) == {"0"}
+    assert set(ablation.capture_operands(model, step, only=["2"])) == {"2"}
+    with pytest.raises(ValueError, match="only"):
+        ablation.capture_operands(model, step, only=["1"])  # the ReLU is not a Linear
     assert not model[0]._forward_pre_hooks and not model[0]._backward_hooks  # hooks removed
