@@ -56,7 +56,6 @@ import pandas as pd
 import torch
 
 from qlab import ablation, models, session, stats
-from qlab.nn import QuantLinear
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
 from qlab.results import save_csv, save_metrics
@@ -184,12 +183,7 @@ for variant in ("mxfp4_training", "no SR"):
     exact = dy.double().T @ x.double()
     total = torch.zeros_like(exact)
     for draw in range(sr_draws):
-        layer_inputs = x.clone().requires_grad_(True)
-        layer = QuantLinear(w.shape[1], w.shape[0], bias=False, recipe=recipe, seed=1000 + draw)
-        with torch.no_grad():
-            layer.weight.copy_(w)
-        layer(layer_inputs).backward(dy)
-        total += layer.weight.grad.double()
+        total += ablation.gemm_outputs(recipe, x, w, dy, seed=1000 + draw)["wgrad"].double()
         mean_error = float(((total / (draw + 1)) - exact).norm() / exact.norm())
         sr_rows.append(dict(variant=variant, draws=draw + 1, wgrad_rel_error_of_mean=mean_error))
 sr_bias = pd.DataFrame(sr_rows)
@@ -218,20 +212,12 @@ sr_bias.groupby("variant").wgrad_rel_error_of_mean.agg(["first", "last"]).round(
 # the FP32 gradient at the same weights and batch) averaged over the run.
 
 # %%
-OFF = {"no SR": ["stochastic_rounding"], "no RHT": ["hadamard"], "no 2D weight": ["2d_weight"]}
-
-
 def training_config(variant: str, seed: int) -> TrainConfig:
-    preset, _, ablated = variant.partition("/")
-    keep = ["head", "last_block"] if ablated == "+BF16 last block" else ["head"]
-    if ablated == "none":
-        present = [i for i in ablation.INGREDIENTS if ablation.uses(get_recipe(preset, backward_override=None), i)]
-    elif ablated in ("", "+BF16 last block") or ablated in OFF:
-        present = OFF.get(ablated, [])
-    else:
-        raise ValueError(f"train_variants: unknown {ablated!r} in {variant!r}; expected none, "
-                         f"{', '.join(OFF)} or +BF16 last block")
-    return base.replace(recipe=preset, ablate=present, keep_high_precision=keep, steps=train_steps, seed=seed,
+    preset, _, label = variant.partition("/")
+    keep_last_block = label == "+BF16 last block"  # a model-level choice, not a recipe ingredient
+    off = [] if keep_last_block or preset == "fp32" else ablation.switched_off(preset, label)
+    keep = ["head", "last_block"] if keep_last_block else ["head"]
+    return base.replace(recipe=preset, ablate=off, keep_high_precision=keep, steps=train_steps, seed=seed,
                         device=device, warmup_steps=max(1, train_steps // 10), eval_every=train_steps,
                         fidelity_every=0 if preset == "fp32" else max(1, train_steps // 3))
 

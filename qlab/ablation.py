@@ -52,6 +52,23 @@ def uses(recipe: Recipe, ingredient: str) -> bool:
     return any(getattr(spec, field, off) != off for spec in specs)
 
 
+def switched_off(preset: str, label: str) -> list[str]:
+    """The ingredients a variant label switches off in ``preset``: "" none, "none" every one the preset
+    uses, or one of "no 2D weight", "no SR", "no RHT" (the names ``ablations`` gives its variants)."""
+    recipe = get_recipe(preset, backward_override=None)
+    present = [ingredient for ingredient in INGREDIENTS if uses(recipe, ingredient)]
+    by_label = {_VARIANT_NAMES[ingredient]: [ingredient] for ingredient in present}
+    if label == "":
+        return []
+    if label == "none":
+        return present
+    if label not in by_label:
+        raise ValueError(
+            f"{preset} has no variant {label!r}; expected '', 'none' or one of: {', '.join(by_label)}"
+        )
+    return by_label[label]
+
+
 def ablations(preset: str) -> dict[str, Recipe]:
     """The preset and variants with one ingredient it uses switched off, then all of them ("none").
 
@@ -61,13 +78,10 @@ def ablations(preset: str) -> dict[str, Recipe]:
     """
     checks.choice("preset", preset, ABLATED_RECIPES)
     recipe = get_recipe(preset, backward_override=None)
-    present = [ingredient for ingredient in INGREDIENTS if uses(recipe, ingredient)]
+    labels = [_VARIANT_NAMES[i] for i in INGREDIENTS if uses(recipe, i)] + ["none"]
     variants = {preset: recipe}
-    for ingredient in present:
-        variants[_VARIANT_NAMES[ingredient]] = without(recipe, [ingredient]).replace(
-            name=_VARIANT_NAMES[ingredient]
-        )
-    variants["none"] = without(recipe, present).replace(name="none")
+    for label in labels:
+        variants[label] = without(recipe, switched_off(preset, label)).replace(name=label)
     return variants
 
 
@@ -79,6 +93,17 @@ def gemm_errors(
 
     x: (tokens, in), weight: (out, in), grad_output: (tokens, out); all real float tensors.
     """
+    got = gemm_outputs(recipe, x, weight, grad_output, seed=seed)
+    x64, w64, dy64 = x.double(), weight.double(), grad_output.double()
+    exact = {"fprop": x64 @ w64.T, "dgrad": dy64 @ w64, "wgrad": dy64.T @ x64}
+    return {gemm: float((got[gemm].double() - exact[gemm]).norm() / exact[gemm].norm()) for gemm in GEMMS}
+
+
+def gemm_outputs(
+    recipe: str | Recipe, x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, *, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """{"fprop": y, "dgrad": dx, "wgrad": dW} of one QuantLinear forward and backward with ``recipe``
+    (its stochastic rounding seeded by ``seed``), float32; shapes as for ``gemm_errors``."""
     from qlab.nn import QuantLinear
 
     x = checks.tensor("x", x, real=True)
@@ -100,10 +125,7 @@ def gemm_errors(
     inputs = x.detach().float().clone().requires_grad_(True)
     y = layer(inputs)
     y.backward(grad_output.float())
-    x64, w64, dy64 = x.double(), weight.double(), grad_output.double()
-    exact = {"fprop": x64 @ w64.T, "dgrad": dy64 @ w64, "wgrad": dy64.T @ x64}
-    got = {"fprop": y.detach(), "dgrad": inputs.grad, "wgrad": layer.weight.grad}
-    return {gemm: float((got[gemm].double() - exact[gemm]).norm() / exact[gemm].norm()) for gemm in GEMMS}
+    return {"fprop": y.detach(), "dgrad": inputs.grad, "wgrad": layer.weight.grad}
 
 
 def synthetic_operands(tokens: int = 256, features: int = 256, out: int = 256, *, seed: int = 0):

@@ -219,7 +219,7 @@ def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> d
     """
     checks.tensor("tensor", tensor, real=True)
     spec = Q.get_spec(spec)
-    if not isinstance(spec, (Q.MXSpec, Q.NVFP4Spec, Q.BlockwiseSpec)):
+    if spec.block_size is None:
         raise ValueError(
             f"spec must be a block spec (MXSpec, NVFP4Spec, BlockwiseSpec), got {type(spec).__name__}"
         )
@@ -231,7 +231,7 @@ def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> d
     layout = Q.to_layout(x, spec, axis)  # (..., n_blocks, block)
     parts, out = spec.quantize_layout(layout)
     scales = spec.block_multipliers(parts)
-    codes = parts.get("scale_codes")  # BlockwiseSpec's float32 scales have no codes to count
+    codes = spec.scale_codes(parts)  # None for BlockwiseSpec: float32 scales have no codes to count
     blocks_x, blocks_error = layout.double(), (out.double() - layout.double())
     nonzero_elements = blocks_x != 0
     nonzero = nonzero_elements.any(-1) & torch.isfinite(scales)

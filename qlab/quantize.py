@@ -80,11 +80,12 @@ class QuantSpec:
       float32_noise: stochastic rounding draws ``stochastic_noise`` (False: float64 torch.rand).
     Methods, each on quantize's layout tensor (``to_layout``) with scales shared along ``dim``:
       ``quantize_layout`` → (parts, dequantized), parts holding "values" (on the element grid),
-      "scales" and any of "scale_codes", "zero_point", "global_scale" (QTensor's fields);
+      "scales" and any of "scale_codes", "zero_point", "global_scale", "global_amax" (QTensor's fields);
       ``dequantize_values`` (element values, QTensor) → dequantized values in the layout;
       ``inside_range`` → True where an element was not clipped;
       ``check_values`` refuses data the element format cannot hold (eager only);
-      ``block_multipliers`` (block specs) → what dequantize multiplies each block by, (..., rows, n_blocks).
+      ``block_multipliers`` (block specs) → what dequantize multiplies each block by, (..., rows, n_blocks);
+      ``scale_codes`` → the block scales' integer codes (computed by quantize only, not on qdq's path).
     A new spec is one frozen dataclass subclassing QuantSpec plus its presets in SPECS.
     """
 
@@ -113,7 +114,16 @@ class QuantSpec:
         raise NotImplementedError
 
     def dequantize_values(self, values: torch.Tensor, q: QTensor) -> torch.Tensor:
+        """Block specs: the element values times their block's multiplier (``block_multipliers``)."""
+        parts = {"scales": q.scales, "global_scale": q.global_scale, "global_amax": q.global_amax}
+        return values * self.block_multipliers(parts)[..., None]
+
+    def block_multipliers(self, parts: dict) -> torch.Tensor:
         raise NotImplementedError
+
+    def scale_codes(self, parts: dict) -> torch.Tensor | None:
+        """The integer codes of the block scales (E8M0 bytes, E4M3 codes), None where scales are float32."""
+        return parts.get("scale_codes")
 
     def inside_range(self, layout: torch.Tensor, parts: dict) -> torch.Tensor:
         raise NotImplementedError
@@ -231,9 +241,6 @@ class BlockwiseSpec(QuantSpec):
 
     def block_multipliers(self, parts):
         return scaling.reciprocal(block_scales(parts["scales"], self))
-
-    def dequantize_values(self, values, q):
-        return values * self.block_multipliers({"scales": q.scales})[..., None]
 
     def inside_range(self, layout, parts):
         scales = block_scales(parts["scales"], self)[..., None]
@@ -364,9 +371,6 @@ class MXSpec(QuantSpec):
     def block_multipliers(self, parts):
         return block_scales(parts["scales"], self)
 
-    def dequantize_values(self, values, q):
-        return values * block_scales(q.scales, self)[..., None]
-
     def inside_range(self, layout, parts):
         return layout.abs() / block_scales(parts["scales"], self)[..., None] <= get_format(self.element).max
 
@@ -425,7 +429,6 @@ class NVFP4Spec(QuantSpec):
         parts = {
             "values": values,
             "scales": stored,
-            "scale_codes": encode_float(stored, get_format("e4m3")),
             "global_scale": global_scale,
             "global_amax": tensor_amax if self.convention == "nvidia" else None,
         }
@@ -444,9 +447,8 @@ class NVFP4Spec(QuantSpec):
         per_block = block_scales(parts["scales"], self)
         return self._multipliers(per_block, parts["global_scale"], parts.get("global_amax"))
 
-    def dequantize_values(self, values, q):
-        parts = {"scales": q.scales, "global_scale": q.global_scale, "global_amax": q.global_amax}
-        return values * self.block_multipliers(parts)[..., None]
+    def scale_codes(self, parts):
+        return encode_float(parts["scales"], get_format("e4m3"))
 
     def inside_range(self, layout, parts):
         per_block = block_scales(parts["scales"], self)[..., None]
@@ -713,6 +715,7 @@ def quantize(
     values = parts.pop("values")
     fmt = get_format(spec.element)
     codes = encode_float(values, fmt) if isinstance(fmt, FloatFormat) else values.to(fmt.code_dtype)
+    parts["scale_codes"] = spec.scale_codes(parts)
     return QTensor(
         codes=codes,
         spec=spec,

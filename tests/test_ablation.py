@@ -161,3 +161,12 @@ def test_capture_operands_records_what_each_linear_saw():
     with pytest.raises(ValueError, match="only"):
         ablation.capture_operands(model, step, only=["1"])  # the ReLU is not a Linear
     assert not model[0]._forward_pre_hooks and not model[0]._backward_hooks  # hooks removed
+
+
+def test_switched_off_names_the_ingredients_of_a_variant_label():
+    assert ablation.switched_off("nvfp4", "") == []
+    assert ablation.switched_off("nvfp4", "no RHT") == ["hadamard"]
+    assert ablation.switched_off("nvfp4", "none") == ["2d_weight", "stochastic_rounding", "hadamard"]
+    assert ablation.switched_off("mxfp4_training", "none") == ["stochastic_rounding", "hadamard"]
+    with pytest.raises(ValueError, match="no variant 'no 2D weight'"):
+        ablation.switched_off("mxfp4_training", "no 2D weight")  # it has no 2-D weight tiles to remove

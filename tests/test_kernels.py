@@ -184,6 +184,10 @@ def test_fp8_blockwise_1x128_kernel_matches_the_reference(axis, pow2):
     spec = Q.BlockwiseSpec("e4m3", pow2=pow2)
     values, scales = fp8_qdq(x.to(DEVICE), spec, axis, backend="triton")
     ref_values, ref_scales = fp8_qdq(x, spec, axis, backend="reference")
+    cpu_values, cpu_scales = fp8_qdq(x, spec, axis, backend="cpu")  # the fused qdq + scales from the amaxes
+    assert torch.equal(_bits(cpu_values), _bits(ref_values)) and torch.equal(
+        _bits(cpu_scales), _bits(ref_scales)
+    )
     assert scales.shape == ref_scales.shape and torch.equal(_bits(scales.cpu()), _bits(ref_scales))
     assert torch.equal(_bits(values.cpu()), _bits(ref_values))
     assert torch.equal(

@@ -111,9 +111,14 @@ def fp8_qdq(
     axis = Q.check_input(x, spec, axis)  # the reference's refusals (dtype, axis, NaN without a NaN encoding)
     checks.floating_dtype("dtype", dtype)
     backend = _resolve(x, backend)
-    if backend in ("reference", "cpu"):
+    if backend == "reference":
         q = Q.quantize(x, spec, axis, keep_source=False)
         return Q.dequantize(q, dtype or x.dtype), q.scales
+    if backend == "cpu":  # the compiled qdq, and the scales from the amaxes (one more read of x)
+        layout = Q.to_layout(x, spec, axis)  # per tile: (..., n_tiles, 128)
+        amaxes = layout.abs().amax(-1) if isinstance(spec, Q.BlockwiseSpec) else Q.amax(layout, spec, -1)
+        scales = scaling.fp8_current_scale(amaxes, spec.element, eps=spec.eps, pow2=spec.pow2)
+        return Q.qdq(x, spec, axis, dtype=dtype), scales
     values, scales = _fp8_kernel(x, spec, axis, emit_codes=False, out_dtype=dtype)
     if isinstance(spec, Q.BlockwiseSpec):
         values = Q.from_layout(values.float(), spec, axis, x.shape, dtype or x.dtype)
