@@ -91,7 +91,7 @@ def gemm_errors(
     """Relative Frobenius error of y, dx and dW from a QuantLinear with ``recipe`` (stochastic rounding
     seeded by ``seed``) against float64 products of the same float32 operands.
 
-    x: (tokens, in), weight: (out, in), grad_output: (tokens, out); all real float tensors.
+    x: (tokens, in), weight: (out, in), grad_output: (tokens, out); floating-point tensors.
     """
     got = gemm_outputs(recipe, x, weight, grad_output, seed=seed)
     x64, w64, dy64 = x.double(), weight.double(), grad_output.double()
@@ -106,9 +106,9 @@ def gemm_outputs(
     (its stochastic rounding seeded by ``seed``), float32; shapes as for ``gemm_errors``."""
     from qlab.nn import QuantLinear
 
-    x = checks.tensor("x", x, real=True)
-    weight = checks.tensor("weight", weight, real=True)
-    grad_output = checks.tensor("grad_output", grad_output, real=True)
+    x = checks.tensor("x", x, floating=True)
+    weight = checks.tensor("weight", weight, floating=True)
+    grad_output = checks.tensor("grad_output", grad_output, floating=True)
     if x.dim() != 2 or weight.dim() != 2 or grad_output.dim() != 2:
         raise ValueError(
             f"x, weight and grad_output must be 2-D (tokens, in), (out, in), (tokens, out); got shapes "

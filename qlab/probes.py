@@ -506,7 +506,7 @@ class ProbeSet:
             if patterns is not None and not any(checks.matches(name, p) for p in patterns):
                 continue
             values = {f"{label}/{k}": v for k, v in what_if_stats(tensor, spec, self.what_if_axis).items()}
-            if self.block_stats and isinstance(spec, (Q.MXSpec, Q.NVFP4Spec)):
+            if self.block_stats and spec.block_size is not None:
                 blocks = block_stats(tensor, spec, self.what_if_axis)
                 values.update({f"{label}/block/{k}": v for k, v in blocks.items()})
             self._pending.append((where, None, values))

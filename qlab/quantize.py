@@ -220,7 +220,7 @@ class BlockwiseSpec(QuantSpec):
     rounding: str = "rne"
 
     def __post_init__(self):
-        scaling._float_format(self.element, "element")
+        checks.choice("element", self.element, ("e4m3", "e5m2"))
         checks.integer("block_size", self.block_size, low=1)
         for flag in ("block_2d", "pow2", "pad"):
             checks.boolean(flag, getattr(self, flag))

@@ -11,6 +11,7 @@ value has no interval (NaN bounds): a single observation is reported as such.
 from __future__ import annotations
 
 import math
+import numbers
 
 import pandas as pd
 
@@ -34,6 +35,11 @@ def t_quantile_975(degrees_of_freedom: int) -> float:
 def mean_interval(values) -> tuple[float, float, float]:
     """(mean, low, high): the mean of ``values`` and its 95 % Student-t interval; (v, nan, nan) for one
     value. Non-finite values are refused (a diverged run is reported, not averaged)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"values must be a sequence of numbers, got {checks.shown(values)}")
+    values = list(values)
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"values must be real numbers, got {values[:5]}")
     values = [float(v) for v in values]
     if not values:
         raise ValueError("mean_interval needs at least one value, got none")
@@ -50,6 +56,9 @@ def mean_interval(values) -> tuple[float, float, float]:
 
 def summarize(frame: pd.DataFrame, value: str, by: list[str]) -> pd.DataFrame:
     """One row per group of ``by``: n, mean, low and high (95 % interval over the group's rows)."""
+    for column in (value, *by):
+        if column not in frame.columns:
+            raise ValueError(f"column {column!r} is not in the frame (columns: {list(frame.columns)})")
     rows = []
     for key, group in frame.groupby(by, sort=False):
         mean, low, high = mean_interval(group[value])

@@ -20,6 +20,7 @@ from torch import nn
 
 import qlab
 from qlab import (
+    ablation,
     advisor,
     formats,
     kernels,
@@ -31,6 +32,7 @@ from qlab import (
     seed_model,
     session,
     sparse,
+    stats,
     synthetic,
 )
 from qlab import models as qlab_models
@@ -314,6 +316,7 @@ CASES = [
     ("TensorwiseSpec convention", lambda: Q.TensorwiseSpec(convention=None), ValueError, "convention"),
     ("BlockwiseSpec block_size 0", lambda: Q.BlockwiseSpec(block_size=0), ValueError, "block_size"),
     ("BlockwiseSpec element int8", lambda: Q.BlockwiseSpec("int8"), ValueError, "element"),
+    ("BlockwiseSpec element e2m1", lambda: Q.BlockwiseSpec("e2m1"), ValueError, "e4m3, e5m2"),
     ("BlockwiseSpec pow2 str", lambda: Q.BlockwiseSpec(pow2="yes"), TypeError, "pow2"),
     ("BlockwiseSpec eps < 0", lambda: Q.BlockwiseSpec(eps=-1.0), ValueError, "eps"),
     (
@@ -336,6 +339,45 @@ CASES = [
         "multiple of 16",
     ),
     ("MXSpec 2-D on 1-D x", lambda: Q.qdq(torch.ones(64), "mxfp8_2d"), ValueError, "2 dimensions"),
+    # --- qlab.stats and qlab.ablation ------------------------------------------------------------------
+    ("mean_interval str", lambda: stats.mean_interval("abc"), TypeError, "sequence of numbers"),
+    ("mean_interval None", lambda: stats.mean_interval(None), TypeError, "sequence of numbers"),
+    ("mean_interval strings", lambda: stats.mean_interval(["1", "2"]), TypeError, "real numbers"),
+    (
+        "summarize missing column",
+        lambda: stats.summarize(pd.DataFrame({"a": [1]}), "b", ["a"]),
+        ValueError,
+        "'b'",
+    ),
+    (
+        "paired_differences missing column",
+        lambda: stats.paired_differences(pd.DataFrame({"a": [1]}), "b", baseline="x", by="a", pair="a"),
+        ValueError,
+        "'b'",
+    ),
+    (
+        "gemm_errors int64 x",
+        lambda: ablation.gemm_errors(
+            "nvfp4", torch.ones(4, 16, dtype=torch.long), torch.ones(2, 16), torch.ones(4, 2)
+        ),
+        TypeError,
+        "x",
+    ),
+    (
+        "gemm_errors unknown recipe",
+        lambda: ablation.gemm_errors("nvfp5", x32(), x32(2, 32), x32(4, 2)),
+        ValueError,
+        "nvfp5",
+    ),
+    ("without unknown ingredient", lambda: ablation.without(R.get_recipe("nvfp4"), ["sr"]), ValueError, "sr"),
+    ("ablations of fp8", lambda: ablation.ablations("mxfp8"), ValueError, "preset"),
+    ("switched_off unknown label", lambda: ablation.switched_off("nvfp4", "no FP4"), ValueError, "no FP4"),
+    (
+        "capture_operands int",
+        lambda: ablation.capture_operands(torch.nn.Linear(2, 2), 3),
+        TypeError,
+        "callable",
+    ),
     # --- qlab.quantize: quantize, qdq, dequantize, measurements -----------------------------------
     ("quantize a list", lambda: Q.quantize([1.0], "mxfp8"), TypeError, "x must be"),
     (
@@ -946,6 +988,12 @@ CASES = [
     ("config compile str", lambda: C.TrainConfig(compile="yes"), TypeError, "compile"),
     ("config ablate unknown", lambda: C.TrainConfig(recipe="nvfp4", ablate=["sr"]), ValueError, "ablate"),
     ("config ablate on fp32", lambda: C.TrainConfig(ablate=["hadamard"]), ValueError, "ablate"),
+    (
+        "config ablate what the recipe lacks",
+        lambda: C.TrainConfig(recipe="mxfp4_training", ablate=["2d_weight"]),
+        ValueError,
+        "does not use",
+    ),
     ("config lr inf", lambda: C.TrainConfig(task="digits", lr=INF), ValueError, "lr"),
     ("config lr NaN", lambda: C.TrainConfig(task="digits", lr=NAN), ValueError, "lr"),
     ("config lr 0", lambda: C.TrainConfig(task="digits", lr=0), ValueError, "lr"),

@@ -307,7 +307,7 @@ def test_block_statistics_locate_blocks_along_any_axis_and_for_nvfp4():
 
 def test_what_if_specs_per_module_and_block_rows_in_one_probe_set():
     model = small_model()
-    what_if = {"mx": ("mxfp8", "0"), "nv": ("nvfp4", ["2"]), "all": "fp8_e4m3"}
+    what_if = {"mx": ("mxfp8", "0"), "nv": ("nvfp4", ["2"]), "all": "fp8_e4m3", "bw": ("fp8_blockwise", "2")}
     probes = ProbeSet(model, modules=["0", "2"], roles=("output",), stats=("amax",), what_if=what_if,
                       block_stats=True)  # fmt: skip
     with probes:
@@ -316,8 +316,10 @@ def test_what_if_specs_per_module_and_block_rows_in_one_probe_set():
     labels = {
         module: {s.split("/")[0] for s in group.stat if "/" in s} for module, group in frame.groupby("module")
     }
-    assert labels == {"0": {"mx", "all"}, "2": {"nv", "all"}}
-    assert {"mx/block/clipped_block_fraction", "mx/bulk_rel_error"} <= set(frame.stat)
+    assert labels == {"0": {"mx", "all"}, "2": {"nv", "all", "bw"}}
+    assert {"mx/block/clipped_block_fraction", "mx/bulk_rel_error", "bw/block/scale_log2_max"} <= set(
+        frame.stat
+    )
     assert not any(s.startswith("all/block/") for s in frame.stat)  # per-tensor FP8 has no blocks
 
 

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from qlab import checks
-from qlab.ablation import INGREDIENTS
+from qlab.ablation import INGREDIENTS, uses
 from qlab.nn import check_gemm
 from qlab.recipe import PRESETS, get_recipe
 from qlab.sparse import MODES as TOPK_MODES
@@ -116,6 +116,11 @@ class TrainConfig:
         if self.ablate and self.recipe in BASELINES:
             raise ValueError(
                 f"ablate={self.ablate} switches off parts of a quantized recipe; got {self.recipe!r}"
+            )
+        absent = [i for i in self.ablate if not uses(get_recipe(self.recipe, backward_override=None), i)]
+        if absent:
+            raise ValueError(
+                f"ablate: recipe {self.recipe!r} does not use {absent}; there is nothing to switch off"
             )
         check_gemm(self.gemm, get_recipe("bf16" if self.recipe in BASELINES else self.recipe))
         if self.optimizer not in OPTIMIZERS:
