@@ -224,13 +224,97 @@ def test_probe_set_saves_a_tidy_csv(tmp_path, monkeypatch):
     assert "0,0,x,probe,hist/2^2,1" in text
 
 
-def test_seed_model_training_ratio_is_the_loss_scale():
+def test_seed_model_training_ratio_is_the_loss_scale(monkeypatch):
     from qlab import seed_model
+
+    monkeypatch.setenv("QLAB_COMPILE", "0")  # compiling the statistics costs seconds; eager is tested below
 
     run = seed_model.train("corrected", "adam", 3, loss_scale=2.0**10, width=32, depth=1, tokens=8, batch=4)
     # the probe inside backward sees ×scale; param.grad is unscaled: the ratio is the scale to
     # float32 rounding
     assert ((run.ratio / run.loss_scale - 1).abs() < 1e-5).all() and (run.audit_unexplained < 1e-6).all()
+
+
+# --- batched statistics: one fused reduction per shape and step ---------------------------------------
+
+
+def _direct_stats(x: torch.Tensor) -> dict[str, float]:
+    """STATS of one tensor computed here in float64, element by element where it matters."""
+    x64 = x.double().flatten()
+    magnitude = x64.abs()
+    channels = x64.abs().reshape(-1, x.shape[-1] if x.dim() else 1).amax(0).sort().values
+    nonzero = magnitude[magnitude > 0]
+    return {
+        "min": x64.min().item(),
+        "max": x64.max().item(),
+        "mean": x64.mean().item(),
+        "std": ((x64 - x64.mean()) ** 2).mean().sqrt().item(),
+        "l1": magnitude.sum().item(),
+        "l2": (x64 * x64).sum().sqrt().item(),
+        "amax": magnitude.max().item(),
+        "dynamic_range": math.log2(magnitude.max().item()) - math.log2(nonzero.min().item()),
+        "zero_fraction": (x64 == 0).double().mean().item(),
+        "outlier_ratio": (channels[-1] / channels[(len(channels) - 1) // 2]).item(),
+    }
+
+
+@pytest.mark.parametrize("compiled", ["0", "1"])
+def test_batched_statistics_equal_float64_statistics_of_each_tensor(compiled, monkeypatch):
+    """Tensors of several shapes, dtypes and ranks recorded in one step, interleaved, with the batched
+    reduction forced to flush mid-step (a small byte cap) and one tensor above the batching size: every
+    statistic equals the float64 one of its own tensor (min/max/amax/zeros exact; sums to 1e-12, as
+    the float64 summation order differs), in recording order."""
+    import qlab.probes as P
+
+    monkeypatch.setenv("QLAB_COMPILE", compiled)
+    monkeypatch.setattr(P, "_FUSED_MIN_NUMEL", 1)  # every batch through torch.compile when compiled
+    monkeypatch.setattr(P, "_BATCH_MAX_NUMEL", 600)  # the 24×32 tensor is reduced alone
+    monkeypatch.setattr(P, "_BATCH_MAX_BYTES", 3000)  # flushes in the middle of the step
+    g = torch.Generator().manual_seed(4)
+    tensors = []
+    for i in range(5):
+        tensors.append(torch.randn(3, 4, 8, generator=g) * 10.0 ** (i - 2))  # one batch of 5
+        tensors.append(torch.randn(8, generator=g).bfloat16())  # bf16 rows, stats of the bf16 values
+        tensors.append(torch.randn(2, 8, generator=g).relu())  # exact zeros
+    tensors += [torch.tensor(-2.5), torch.randn(24, 32, generator=g)]
+    tensors[0][0, 0, :] *= 1000.0  # an outlier channel row
+    probes = ProbeSet(small_model())
+    with probes:
+        for i, x in enumerate(tensors):
+            probe(x, f"t{i}")
+    frame = probes.to_frame()
+    assert frame.module.drop_duplicates().tolist() == [f"t{i}" for i in range(len(tensors))]
+    values = frame.set_index(["module", "stat"]).value
+    for i, x in enumerate(tensors):
+        expected = _direct_stats(x)
+        for stat in ("min", "max", "amax", "zero_fraction"):
+            assert values[f"t{i}", stat] == expected[stat], (i, stat)
+        for stat in ("mean", "std", "l1", "l2", "dynamic_range", "outlier_ratio"):
+            if x.dim() == 0 and stat in ("dynamic_range", "outlier_ratio"):
+                continue
+            assert values[f"t{i}", stat] == pytest.approx(expected[stat], rel=1e-12, abs=1e-300), (i, stat)
+    assert values["t15", "std"] == 0 and values["t15", "outlier_ratio"] == 1
+    assert not P._fused_failed  # the compiled reduction ran; it did not fall back to eager
+
+
+def test_statistics_are_of_the_values_at_recording_time_not_after_in_place_changes(monkeypatch):
+    """A Linear's output recorded, then changed in place by the inplace ReLU after it, and a parameter
+    gradient recorded, then zeroed in place: the records keep the values the hooks saw."""
+    monkeypatch.setenv("QLAB_COMPILE", "0")  # the staging copies are the same either way
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        expected_min = model[0](x).min().item()  # negative: the ReLU clears it in place afterwards
+    with ProbeSet(model, modules=["0"], roles=("output", "param_grad"), stats=("min", "l2")) as probes:
+        model(x).sum().backward()
+        probes.record_param_grads()
+        expected_l2 = torch.linalg.vector_norm(model[0].weight.grad.double()).item()
+        model.zero_grad(set_to_none=False)
+        probes.step()
+    values = probes.to_frame().set_index(["module", "role", "stat"]).value
+    assert expected_min < 0 and values["0", "output", "min"] == expected_min
+    assert values["0.weight", "param_grad", "l2"] == pytest.approx(expected_l2, rel=1e-12)
 
 
 # --- statistics that SQNR hides (hand-computed tensors) ------------------------------------------------
