@@ -77,3 +77,37 @@ def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:
     fig.savefig(pdf, format="pdf", metadata=_PDF_METADATA)
     fig.savefig(png, format="png", metadata=_PNG_METADATA)
     return SavedFigure(pdf, png)
+
+
+def mean_band(ax, frame, x: str, y: str, *, by: str | None = None, method: str = "t", **line_kwargs):
+    """Draw on ``ax`` the mean of ``y`` over the rows that share an ``x`` (the seeds) as a line, and its
+    95 % interval (``qlab.stats.mean_interval`` by ``method``) as a band of the line's colour: one line
+    per value of ``by`` (labelled with it), or one line. Returns the summary: x, [by], n, mean, low, high
+    (a single seed leaves no band: NaN bounds)."""
+    from qlab import stats
+
+    keys = [x] if by is None else [by, x]
+    summary = stats.summarize(frame, y, keys, method).sort_values(keys, kind="stable")
+    groups = [(None, summary)] if by is None else list(summary.groupby(by, sort=False))
+    for name, group in groups:
+        kwargs = dict(line_kwargs)
+        if name is not None:
+            kwargs.setdefault("label", str(name))
+        (line,) = ax.plot(group[x], group["mean"], **kwargs)
+        ax.fill_between(
+            group[x], group["low"], group["high"], color=line.get_color(), alpha=0.25, linewidth=0
+        )
+    return summary.reset_index(drop=True)
+
+
+def delta_band(
+    ax, frame, x: str, y: str, *, baseline: str, by: str, pair: str = "seed", method: str = "t", **line_kwargs
+):
+    """Draw on ``ax`` Δ``y`` against the ``baseline`` run of the same ``pair`` (seed) at the same ``x``,
+    as ``mean_band`` lines with bands per value of ``by``, and a dashed zero line: where a band leaves
+    zero the difference is resolved over the seeds. Returns the summary of the differences."""
+    from qlab import stats
+
+    differences = stats.paired_differences(frame, y, baseline=baseline, by=by, pair=[pair, x])
+    ax.axhline(0.0, color="0.3", linewidth=0.8, linestyle="--")
+    return mean_band(ax, differences, x, "difference", by=by, method=method, **line_kwargs)

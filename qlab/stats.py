@@ -1,11 +1,16 @@
 """Means over seeds with 95 % intervals, and paired differences against a baseline.
 
     mean, low, high = mean_interval([0.41, 0.44, 0.40])        # Student-t, n − 1 degrees of freedom
+    mean, low, high = mean_interval(values, method="bootstrap")  # percentile bootstrap of the mean
     frame = paired_differences(runs, "val_loss", baseline="fp32", by="recipe", pair="seed")
 
-The interval is mean ± t·s/√n with s the sample standard deviation (n − 1) and t the two-sided 95 %
-quantile of Student's t with n − 1 degrees of freedom, from the standard table (no scipy). One
-value has no interval (NaN bounds): a single observation is reported as such.
+The t interval is mean ± t·s/√n with s the sample standard deviation (n − 1) and t the two-sided
+95 % quantile of Student's t with n − 1 degrees of freedom, from the standard table (no scipy). The
+bootstrap interval is the 2.5 % and 97.5 % quantiles (inverted CDF: the smallest mean whose cumulative
+share reaches the level) of the means of resamples with replacement — every one of the nⁿ resamples
+when nⁿ ≤ 10⁶ (exact, no randomness), else ``resamples`` seeded draws. It assumes no normality, but
+with few seeds it is too narrow: prefer t for ≤ 10 seeds. One value has no interval (NaN bounds): a
+single observation is reported as such.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import pandas as pd
 
 from qlab import checks
@@ -32,11 +38,22 @@ def t_quantile_975(degrees_of_freedom: int) -> float:
     return T_975[degrees_of_freedom - 1] if degrees_of_freedom <= len(T_975) else Z_975
 
 
-def mean_interval(values) -> tuple[float, float, float]:
-    """(mean, low, high): the mean of ``values`` and its 95 % Student-t interval; (v, nan, nan) for one
-    value. Non-finite values are refused (a diverged run is reported, not averaged)."""
+METHODS = ("t", "bootstrap")
+_EXACT_BOOTSTRAP_MAX = 10**6  # resamples enumerated exactly up to this many (n = 7 gives 823,543)
+
+
+def mean_interval(
+    values, method: str = "t", *, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of ``values`` and its 95 % interval by ``method`` ("t" or
+    "bootstrap"); (v, nan, nan) for one value. Non-finite values are refused (a diverged run is
+    reported, not averaged). ``resamples`` and ``seed`` matter only for a bootstrap of more than 7
+    values (fewer are enumerated exactly)."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise TypeError(f"values must be a sequence of numbers, got {checks.shown(values)}")
+    method = checks.choice("method", method, METHODS)
+    checks.integer("resamples", resamples, low=100)
+    checks.integer("seed", seed, low=0)
     values = list(values)
     if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
         raise TypeError(f"values must be real numbers, got {values[:5]}")
@@ -49,37 +66,60 @@ def mean_interval(values) -> tuple[float, float, float]:
     mean = sum(values) / n
     if n == 1:
         return mean, math.nan, math.nan
+    if method == "bootstrap":
+        low, high = _bootstrap_bounds(np.array(values), resamples, seed)
+        return mean, low, high
     deviation = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile_975(n - 1) * deviation / math.sqrt(n)
     return mean, mean - half, mean + half
 
 
-def summarize(frame: pd.DataFrame, value: str, by: list[str]) -> pd.DataFrame:
-    """One row per group of ``by``: n, mean, low and high (95 % interval over the group's rows)."""
+def _bootstrap_bounds(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
+    n = len(values)
+    if n**n <= _EXACT_BOOTSTRAP_MAX:  # every resample once: index tuples as the digits 0 … nⁿ − 1 base n
+        digits = np.arange(n**n)[:, None] // n ** np.arange(n)[None, :] % n
+        means = np.sort(values[digits].mean(axis=1))
+    else:
+        draws = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+        means = np.sort(values[draws].mean(axis=1))
+    count = len(means)
+    low = means[max(math.ceil(0.025 * count) - 1, 0)]
+    high = means[min(math.ceil(0.975 * count) - 1, count - 1)]
+    return float(low), float(high)
+
+
+def summarize(frame: pd.DataFrame, value: str, by: list[str], method: str = "t") -> pd.DataFrame:
+    """One row per group of ``by``: n, mean, low and high (95 % interval over the group's rows, by
+    ``method`` as in ``mean_interval``)."""
     for column in (value, *by):
         if column not in frame.columns:
             raise ValueError(f"column {column!r} is not in the frame (columns: {list(frame.columns)})")
     rows = []
     for key, group in frame.groupby(by, sort=False):
-        mean, low, high = mean_interval(group[value])
+        mean, low, high = mean_interval(group[value], method)
         key = key if isinstance(key, tuple) else (key,)
         rows.append({**dict(zip(by, key)), "n": len(group), "mean": mean, "low": low, "high": high})
     return pd.DataFrame(rows)
 
 
-def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: str, pair: str) -> pd.DataFrame:
-    """``value`` minus the baseline's ``value`` with the same ``pair`` key (e.g. the same seed), for every
-    row whose ``by`` column is not ``baseline``: columns by, pair, difference."""
-    for column in (value, by, pair):
-        if column not in frame.columns:
+def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: str, pair) -> pd.DataFrame:
+    """``value`` minus the baseline's ``value`` with the same ``pair`` key — a column (e.g. the seed) or
+    a list of columns (e.g. seed and step, for curves) — for every row whose ``by`` column is not
+    ``baseline``, in the frame's order: columns by, *pair, difference."""
+    pair = [pair] if isinstance(pair, str) else list(pair)
+    for column in (value, by, *pair):
+        if not isinstance(column, str) or column not in frame.columns:
             raise ValueError(f"column {column!r} is not in the frame (columns: {list(frame.columns)})")
-    reference = frame[frame[by] == baseline].set_index(pair)[value]
+    reference = frame[frame[by] == baseline][[*pair, value]]
     if reference.empty:
         raise ValueError(f"no baseline rows with {by} == {baseline!r}")
-    others = frame[frame[by] != baseline]
-    missing = set(others[pair]) - set(reference.index)
-    if missing:
-        raise ValueError(f"the baseline has no row for {pair} {sorted(missing)}")
-    return others.assign(difference=others[value].to_numpy() - reference.loc[others[pair]].to_numpy())[
-        [by, pair, "difference"]
-    ].reset_index(drop=True)
+    if reference.duplicated(pair).any():
+        raise ValueError(f"the baseline has more than one row for some {pair}: pair them uniquely")
+    others = frame[frame[by] != baseline][[by, *pair, value]]
+    joined = others.merge(reference, on=pair, how="left", suffixes=("", "_baseline"), indicator=True)
+    missing = joined[joined["_merge"] == "left_only"][pair].drop_duplicates()
+    if len(missing):
+        shown = missing.iloc[:, 0].tolist() if len(pair) == 1 else missing.values.tolist()
+        raise ValueError(f"the baseline has no row for {', '.join(pair)} {sorted(shown)}")
+    joined["difference"] = joined[value] - joined[f"{value}_baseline"]
+    return joined[[by, *pair, "difference"]].reset_index(drop=True)

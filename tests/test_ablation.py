@@ -1,66 +1,17 @@
-"""qlab.stats and qlab.ablation (notebook 07) against hand-computed cases and torch's own float8 casts."""
+"""qlab.ablation (notebook 07) against hand-computed cases and torch's own float8 casts."""
 
 from __future__ import annotations
 
-import math
-
-import pandas as pd
 import pytest
 import torch
 
-from qlab import ablation, stats
+from qlab import ablation
 from qlab.recipe import ROLES, get_recipe
 
 
 @pytest.fixture(autouse=True)
 def eager_only(monkeypatch):
     monkeypatch.setenv("QLAB_COMPILE", "0")
-
-
-# --- qlab.stats ---------------------------------------------------------------------------------------
-
-
-def test_t_quantiles_are_the_published_table_values():
-    # Student's t, two-sided 95 % (any statistics table): df 1 → 12.706, 2 → 4.303, 4 → 2.776, 9 → 2.262,
-    # 30 → 2.042; beyond the table the normal 1.960
-    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042), (200, 1.960)]:
-        assert stats.t_quantile_975(df) == expected
-
-
-def test_mean_interval_of_hand_computed_samples():
-    # [1, 2, 3]: mean 2, s = 1, half-width 4.303 / √3
-    mean, low, high = stats.mean_interval([1.0, 2.0, 3.0])
-    assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3), rel=1e-12)
-    assert mean - low == pytest.approx(high - mean, rel=1e-12)
-    # [5, 5]: zero spread, zero width; one value: no interval
-    assert stats.mean_interval([5.0, 5.0]) == (5.0, 5.0, 5.0)
-    single = stats.mean_interval([0.3])
-    assert single[0] == 0.3 and math.isnan(single[1]) and math.isnan(single[2])
-
-
-def test_mean_interval_refuses_empty_and_non_finite():
-    with pytest.raises(ValueError, match="at least one"):
-        stats.mean_interval([])
-    with pytest.raises(ValueError, match="finite"):
-        stats.mean_interval([1.0, math.nan])
-
-
-def test_paired_differences_subtract_the_same_seed_of_the_baseline():
-    frame = pd.DataFrame(
-        {"recipe": ["fp32", "fp32", "a", "a"], "seed": [0, 1, 1, 0], "loss": [1.0, 2.0, 2.5, 1.25]}
-    )
-    out = stats.paired_differences(frame, "loss", baseline="fp32", by="recipe", pair="seed")
-    assert out.to_dict("list") == {"recipe": ["a", "a"], "seed": [1, 0], "difference": [0.5, 0.25]}
-    with pytest.raises(ValueError, match="no row for seed"):
-        stats.paired_differences(
-            frame[frame.seed == 0].iloc[:1].pipe(lambda f: pd.concat([f, frame.iloc[2:3]])),
-            "loss",
-            baseline="fp32",
-            by="recipe",
-            pair="seed",
-        )
-    summary = stats.summarize(out, "difference", ["recipe"])
-    assert summary.loc[0, "n"] == 2 and summary.loc[0, "mean"] == 0.375
 
 
 # --- qlab.ablation ------------------------------------------------------------------------------------

@@ -355,6 +355,50 @@ CASES = [
         ValueError,
         "'b'",
     ),
+    ("mean_interval method", lambda: stats.mean_interval([1.0, 2.0], "normal"), ValueError, "method"),
+    (
+        "mean_interval resamples 5",
+        lambda: stats.mean_interval([1.0, 2.0], "bootstrap", resamples=5),
+        ValueError,
+        "resamples",
+    ),
+    (
+        "paired_differences baseline repeats a seed",
+        lambda: stats.paired_differences(
+            pd.DataFrame({"r": ["b", "b", "q"], "s": [0, 0, 0], "v": [1.0, 2.0, 3.0]}),
+            "v",
+            baseline="b",
+            by="r",
+            pair="s",
+        ),
+        ValueError,
+        "pair",
+    ),
+    (
+        "mean_band missing column",
+        lambda: plotting.mean_band(None, pd.DataFrame({"x": [1], "y": [2.0]}), "x", "loss"),
+        ValueError,
+        "'loss'",
+    ),
+    (
+        "delta_band unknown baseline",
+        lambda: plotting.delta_band(
+            None,
+            pd.DataFrame({"r": ["a"], "seed": [0], "x": [1], "y": [2.0]}),
+            "x",
+            "y",
+            baseline="fp32",
+            by="r",
+        ),
+        ValueError,
+        "fp32",
+    ),
+    (
+        "gradient_noise_floor batches not a list",
+        lambda: probes.gradient_noise_floor(torch.nn.Linear(2, 2), [1], 3, lambda m, b: 0),
+        TypeError,
+        "other_batches",
+    ),
     (
         "gemm_errors int64 x",
         lambda: ablation.gemm_errors(

@@ -1,0 +1,161 @@
+"""qlab.stats and the plot helpers built on it, against hand-computed cases, published t values, the
+exact bootstrap distribution and closed-form gradients."""
+
+from __future__ import annotations
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from qlab import plotting, stats  # noqa: E402
+
+
+def test_t_quantiles_are_the_published_table_values():
+    # Student's t, two-sided 95 % (any statistics table): df 1 → 12.706, 2 → 4.303, 4 → 2.776, 9 → 2.262,
+    # 30 → 2.042; beyond the table the normal 1.960
+    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042), (200, 1.960)]:
+        assert stats.t_quantile_975(df) == expected
+
+
+def test_mean_interval_of_hand_computed_samples():
+    # [1, 2, 3]: mean 2, s = 1, half-width 4.303 / √3
+    mean, low, high = stats.mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3), rel=1e-12)
+    assert mean - low == pytest.approx(high - mean, rel=1e-12)
+    # [5, 5]: zero spread, zero width; one value: no interval
+    assert stats.mean_interval([5.0, 5.0]) == (5.0, 5.0, 5.0)
+    single = stats.mean_interval([0.3])
+    assert single[0] == 0.3 and math.isnan(single[1]) and math.isnan(single[2])
+
+
+def test_mean_interval_refuses_empty_and_non_finite():
+    with pytest.raises(ValueError, match="at least one"):
+        stats.mean_interval([])
+    with pytest.raises(ValueError, match="finite"):
+        stats.mean_interval([1.0, math.nan])
+
+
+def test_paired_differences_subtract_the_same_seed_of_the_baseline():
+    frame = pd.DataFrame(
+        {"recipe": ["fp32", "fp32", "a", "a"], "seed": [0, 1, 1, 0], "loss": [1.0, 2.0, 2.5, 1.25]}
+    )
+    out = stats.paired_differences(frame, "loss", baseline="fp32", by="recipe", pair="seed")
+    assert out.to_dict("list") == {"recipe": ["a", "a"], "seed": [1, 0], "difference": [0.5, 0.25]}
+    with pytest.raises(ValueError, match="no row for seed"):
+        stats.paired_differences(
+            frame[frame.seed == 0].iloc[:1].pipe(lambda f: pd.concat([f, frame.iloc[2:3]])),
+            "loss",
+            baseline="fp32",
+            by="recipe",
+            pair="seed",
+        )
+    summary = stats.summarize(out, "difference", ["recipe"])
+    assert summary.loc[0, "n"] == 2 and summary.loc[0, "mean"] == 0.375
+
+
+def test_exact_bootstrap_of_three_values_is_the_trinomial_distribution():
+    # resample means of [0, 1, 2]: sums 0 … 6 with counts 1, 3, 6, 7, 6, 3, 1 of 27. The 2.5 % point is
+    # the smallest mean whose cumulative share reaches 2.5 %: 1/27 = 3.7 % at sum 0 → 0; the 97.5 %
+    # point: 26/27 = 96.3 % at sum 5 is short, so sum 6 → 2
+    assert stats.mean_interval([0.0, 1.0, 2.0], "bootstrap") == (1.0, 0.0, 2.0)
+    # [0, 0, 0, 4]: 256 resamples; the mean is k (number of 4s drawn, binomial(4, 1/4)) → counts
+    # 81, 108, 54, 12, 1: cumulative 81/256 = 31.6 % at k = 0 → low 0; 97.5 % needs 249.6 of 256:
+    # 81 + 108 + 54 = 243 at k = 2 is short, 255 at k = 3 → high 3
+    assert stats.mean_interval([0.0, 0.0, 0.0, 4.0], "bootstrap") == (1.0, 0.0, 3.0)
+
+
+def test_sampled_bootstrap_is_seeded_and_near_the_normal_interval_for_many_values():
+    values = np.random.default_rng(7).normal(2.0, 1.0, size=200).tolist()
+    first = stats.mean_interval(values, "bootstrap", resamples=4000, seed=3)
+    assert first == stats.mean_interval(values, "bootstrap", resamples=4000, seed=3)
+    assert first != stats.mean_interval(values, "bootstrap", resamples=4000, seed=4)
+    mean, low, high = stats.mean_interval(values)  # t with 199 df ≈ normal: the bootstrap is close
+    assert first[0] == mean
+    # the bootstrap half-width is 1.96·s/√n·√((n−1)/n) up to resampling noise (±5 % at 4000 draws)
+    assert (first[2] - first[1]) == pytest.approx(high - low, rel=0.08)
+
+
+def test_summarize_and_paired_differences_pair_on_several_columns():
+    frame = pd.DataFrame(
+        {
+            "recipe": ["fp32"] * 4 + ["q"] * 4,
+            "seed": [0, 0, 1, 1] * 2,
+            "step": [10, 20] * 4,
+            "loss": [2.0, 1.0, 2.2, 1.2, 2.5, 1.25, 2.4, 1.5],
+        }
+    )
+    out = stats.paired_differences(frame, "loss", baseline="fp32", by="recipe", pair=["seed", "step"])
+    assert out.columns.tolist() == ["recipe", "seed", "step", "difference"]
+    assert out.difference.tolist() == pytest.approx([0.5, 0.25, 0.2, 0.3], abs=1e-15)
+    with pytest.raises(ValueError, match="more than one row"):
+        stats.paired_differences(frame, "loss", baseline="fp32", by="recipe", pair="seed")
+    summary = stats.summarize(out, "difference", ["step"])
+    assert summary.step.tolist() == [10, 20] and summary["mean"].tolist() == pytest.approx([0.35, 0.275])
+
+
+def test_mean_band_draws_the_mean_and_the_interval_of_each_x():
+    # two seeds at x = 0 and 1: means 1.5 and 4; half-widths 12.706 · s / √2 with s = |a − b| / √2,
+    # i.e. 12.706 · |a − b| / 2
+    frame = pd.DataFrame({"x": [0, 0, 1, 1], "seed": [0, 1, 0, 1], "y": [1.0, 2.0, 3.0, 5.0]})
+    fig, ax = plt.subplots()
+    summary = plotting.mean_band(ax, frame, "x", "y")
+    line = ax.get_lines()[0]
+    assert line.get_ydata().tolist() == [1.5, 4.0]
+    half = [12.706 * 1.0 / 2, 12.706 * 2.0 / 2]
+    assert summary["high"].tolist() == pytest.approx([1.5 + half[0], 4.0 + half[1]], rel=1e-12)
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]
+    for bound in (1.5 - half[0], 1.5 + half[0], 4.0 - half[1], 4.0 + half[1]):  # the band's corners
+        assert min(abs(band - bound)) < 1e-12
+    plt.close(fig)
+
+
+def test_delta_band_subtracts_the_same_seed_and_step_of_the_baseline():
+    frame = pd.DataFrame(
+        {
+            "recipe": ["fp32"] * 4 + ["a"] * 4 + ["b"] * 4,
+            "seed": [0, 1] * 6,
+            "step": [1, 1, 2, 2] * 3,
+            "loss": [1.0, 2.0, 0.5, 1.5, 1.5, 2.5, 0.5, 1.5, 1.0, 2.0, 0.25, 1.75],
+        }
+    )
+    fig, ax = plt.subplots()
+    summary = plotting.delta_band(ax, frame, "step", "loss", baseline="fp32", by="recipe")
+    assert list(ax.get_lines()[0].get_ydata()) == [0.0, 0.0]  # the zero line
+    by_recipe = {line.get_label(): line.get_ydata().tolist() for line in ax.get_lines()[1:]}
+    assert by_recipe == {"a": [0.5, 0.0], "b": [0.0, 0.0]}
+    # b at step 2: differences −0.25 and +0.25 → mean 0, s = 0.25·√2, half-width 12.706 · 0.25
+    row = summary[(summary.recipe == "b") & (summary.step == 2)].iloc[0]
+    assert row["high"] == pytest.approx(12.706 * 0.25, rel=1e-12)
+    plt.close(fig)
+
+
+def test_gradient_noise_floor_is_the_agreement_of_two_batches_closed_form_gradients():
+    # loss mean((x Wᵀ − y)²): dL/dW = 2/(n·m) (x Wᵀ − y)ᵀ x, per batch set, in float64 here
+    from qlab.probes import gradient_noise_floor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2, bias=False))
+    weight = model[0].weight.detach().double()
+    first = [(torch.randn(5, 3), torch.randn(5, 2))]
+    second = [(torch.randn(5, 3), torch.randn(5, 2))]
+
+    def closed_form(batches):
+        x, y = (t.double() for t in batches[0])
+        return (2 / 10 * (x @ weight.T - y).T @ x).flatten()
+
+    floor = gradient_noise_floor(model, first, second, lambda m, b: (m(b[0]) - b[1]).square().mean())
+    g1, g2 = closed_form(first), closed_form(second)
+    cosine = (g1 @ g2 / (g1.norm() * g2.norm())).item()
+    error = ((g2 - g1).norm() / g1.norm()).item()
+    # float32 model against float64 closed form: float32 rounding, rel 1e-5
+    assert floor.layer.tolist() == ["0"]
+    assert floor.cosine.item() == pytest.approx(cosine, rel=1e-5)
+    assert floor.relative_error.item() == pytest.approx(error, rel=1e-5)
