@@ -1,4 +1,6 @@
-"""The training loop: one function, ``train(config)``, that runs on a laptop CPU or under torchrun.
+"""The training loop: ``train(config)``, that runs on a laptop CPU or under torchrun. It reads like
+nanoGPT's: setup (``_start``: model, ``make_optimizer``, resume), then per step ``_train_step``,
+``_evaluate_into`` and ``_save_outputs`` (checkpoint and CSVs).
 
 Per optimizer step: ``grad_accum`` micro-batches (loss / grad_accum, backward; DDP syncs only on
 the last), optional GradScaler unscale, gradient clipping, AdamW (or SGD) with warmup + cosine lr. Batches
@@ -447,6 +449,69 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     attached for the run (param grads recorded after unscaling on sampled steps)."""
     if not isinstance(config, TrainConfig):
         raise TypeError(f"train expects a TrainConfig, got {type(config).__name__}")
+    run = _start(config, probes)
+    elapsed = run.metrics[-1]["time_s"] if run.metrics else 0.0
+    progress = _progress(config, run.rank, run.start)
+    began = time.perf_counter()
+    try:
+        for step in range(run.start, config.steps):
+            row, stop = _train_step(run, step)
+            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+                _evaluate_into(row, run, stop)
+            row["time_s"] = elapsed + time.perf_counter() - began
+            run.metrics.append(row)
+            progress.update(1)
+            progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
+            _save_outputs(run, row, stop)
+    finally:
+        progress.close()
+        if run.probe_set is not None:
+            run.probe_set.detach()
+    seconds = time.perf_counter() - began
+    return TrainResult(
+        pd.DataFrame(run.metrics), pd.DataFrame(run.fidelity), run.trained, seconds, run.probe_set
+    )
+
+
+@dataclass
+class _Run:
+    """Everything one training run holds between steps."""
+
+    config: TrainConfig
+    rank: int
+    world_size: int
+    device: torch.device
+    batches: Batches
+    trained: nn.Module  # the model itself (evaluation, fidelity, checkpoints)
+    model: nn.Module  # what the micro-batches go through: DDP's wrapper under torchrun
+    step_model: nn.Module  # ``model``, compiled when config.compile
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    autocast: object  # a context-manager factory
+    out_dir: Path | None
+    metrics: list
+    fidelity: list
+    start: int
+    probe_set: object
+    validation: object
+    fidelity_inputs: list | None
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on the matrices only; ``learning_rate`` sets the lr each step."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+    return torch.optim.SGD(groups, lr=config.lr)
+
+
+def _start(config: TrainConfig, probes) -> _Run:
+    """Build the model, optimizer and scaler; resume from the checkpoint; write config and vocabulary."""
     rank, world_size, device = _distributed(config)
     batches = Batches(config)
     vocab_size = len(batches.vocabulary) if batches.vocabulary is not None else None
@@ -457,16 +522,7 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
         if autocast_name
         else contextlib.nullcontext
     )
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    if config.optimizer == "adamw":
-        optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
-    else:
-        optimizer = torch.optim.SGD(groups, lr=config.lr)
+    optimizer = make_optimizer(config, model)
     scaler = torch.amp.GradScaler(device.type, enabled=config.grad_scaler)
     out_dir = Path(config.out_dir) if config.out_dir else None
     metrics, fidelity, start = [], [], 0
@@ -490,102 +546,105 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     if probe_set is not None:
         probe_set.current_step = start
         probe_set.attach()
-    validation = batches.validation()
     fidelity_inputs = [t.to(device) for t in batches.fidelity_batch()] if config.fidelity_every else None
+    return _Run(
+        config, rank, world_size, device, batches, trained, model, step_model, optimizer, scaler, autocast,
+        out_dir, metrics, fidelity, start, probe_set, batches.validation(), fidelity_inputs,
+    )  # fmt: skip
+
+
+def _train_step(run: _Run, step: int) -> tuple[dict, Divergence]:
+    """One optimizer step: the micro-batches' backward, unscale, clip, the divergence checks, the
+    update. Returns the step's metrics row (no val_loss yet) and the Divergence that reports a failure."""
+    config, trained = run.config, run.trained
+    if run.fidelity_inputs is not None and step % config.fidelity_every == 0:
+        rows = gradient_fidelity(trained, *run.fidelity_inputs, run.autocast)
+        run.fidelity += [{"step": step, **row} for row in rows]
+    lr = learning_rate(config, step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.zero_grad(set_to_none=True)
+    train_loss = torch.zeros((), device=run.device)
+    step_inputs = []
+    for micro in range(config.grad_accum):
+        inputs, targets = (t.to(run.device) for t in run.batches.train(step, micro, run.rank))
+        step_inputs.append(inputs)
+        sync = micro == config.grad_accum - 1 or run.world_size == 1
+        with contextlib.nullcontext() if sync else run.model.no_sync():
+            loss = _loss(run.step_model, inputs, targets, run.autocast)[0] / config.grad_accum
+            run.scaler.scale(loss).backward()
+        train_loss += loss.detach()
+    run.scaler.unscale_(run.optimizer)
+    if run.probe_set is not None and run.probe_set.sampling():
+        run.probe_set.record_param_grads()
+    grad_norm = nn.utils.clip_grad_norm_(trained.parameters(), config.grad_clip or math.inf)
+    if run.world_size > 1:  # before the checks, so every rank takes the same decision
+        dist.all_reduce(train_loss)
+        train_loss /= run.world_size
+    loss_value, norm_value = train_loss.item(), grad_norm.item()
+    stop = Divergence(step + 1, lr, trained, step_inputs, run.out_dir, run.metrics, run.fidelity, run.rank)
+    if not math.isfinite(loss_value):
+        stop.raise_for("train_loss", loss_value)
+    skipped = not math.isfinite(norm_value)  # GradScaler skips such a step and lowers its scale
+    if skipped and not config.grad_scaler:
+        stop.raise_for("grad_norm", norm_value)
+    before = [w.detach().clone() for w in _linear_weights(trained)] if config.track_updates else None
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    if run.probe_set is not None:
+        run.probe_set.step()
     tokens_per_item = config.context if config.task == "shakespeare" else 1
-    elapsed = metrics[-1]["time_s"] if metrics else 0.0
-    progress = _progress(config, rank, start)
-    began = time.perf_counter()
-    try:
-        for step in range(start, config.steps):
-            if fidelity_inputs is not None and step % config.fidelity_every == 0:
-                fidelity += [
-                    {"step": step, **row} for row in gradient_fidelity(trained, *fidelity_inputs, autocast)
-                ]
-            lr = learning_rate(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            train_loss = torch.zeros((), device=device)
-            step_inputs = []
-            for micro in range(config.grad_accum):
-                inputs, targets = (t.to(device) for t in batches.train(step, micro, rank))
-                step_inputs.append(inputs)
-                sync = micro == config.grad_accum - 1 or world_size == 1
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    loss = _loss(step_model, inputs, targets, autocast)[0] / config.grad_accum
-                    scaler.scale(loss).backward()
-                train_loss += loss.detach()
-            scaler.unscale_(optimizer)
-            if probe_set is not None and probe_set.sampling():
-                probe_set.record_param_grads()
-            grad_norm = nn.utils.clip_grad_norm_(trained.parameters(), config.grad_clip or math.inf)
-            if world_size > 1:  # before the checks, so every rank takes the same decision
-                dist.all_reduce(train_loss)
-                train_loss /= world_size
-            loss_value, norm_value = train_loss.item(), grad_norm.item()
-            stop = Divergence(step + 1, lr, trained, step_inputs, out_dir, metrics, fidelity, rank)
-            if not math.isfinite(loss_value):
-                stop.raise_for("train_loss", loss_value)
-            skipped = not math.isfinite(norm_value)  # GradScaler skips such a step and lowers its scale
-            if skipped and not config.grad_scaler:
-                stop.raise_for("grad_norm", norm_value)
-            before = [w.detach().clone() for w in _linear_weights(trained)] if config.track_updates else None
-            scaler.step(optimizer)
-            scaler.update()
-            if probe_set is not None:
-                probe_set.step()
-            row = {
-                "step": step + 1,
-                "tokens": (step + 1) * config.batch_size * tokens_per_item,
-                "train_loss": loss_value,
-                "val_loss": math.nan,
-                "grad_norm": norm_value,
-                "lr": lr,
-            }
-            if config.grad_scaler:  # the step GradScaler skipped (inf/NaN gradients) and its scale after it
-                row.update(scaler_skipped=skipped, loss_scale=scaler.get_scale())
-            if before is not None:
-                row.update(_update_footprint(_linear_weights(trained), before))
-            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                row.update(evaluate(trained, validation, autocast, device))
-                if config.task == "shakespeare":
-                    row.pop("val_accuracy")
-                if not math.isfinite(row["val_loss"]):
-                    stop.raise_for("val_loss", row["val_loss"])
-            row["time_s"] = elapsed + time.perf_counter() - began
-            metrics.append(row)
-            progress.update(1)
-            progress.set_postfix(loss=f"{row['train_loss']:.3f}", refresh=False)
-            last = step + 1 == config.steps
-            if out_dir is not None and (
-                last or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
-            ):
-                if _first_nonfinite_parameter(trained) is not None:  # never overwrite a good checkpoint
-                    stop.raise_for("parameters", math.nan)
-                quant_by_rank = _quant_states_by_rank(trained, world_size)  # a collective: all ranks
-                if rank == 0:
-                    save_checkpoint(
-                        out_dir / CHECKPOINT,
-                        step=step + 1,
-                        model=trained,
-                        optimizer=optimizer,
-                        scaler=scaler,
-                        metrics=metrics,
-                        fidelity=fidelity,
-                        config=config,
-                        quant_by_rank=quant_by_rank,
-                    )
-            if out_dir is not None and rank == 0 and (last or not math.isnan(row["val_loss"])):
-                write_csv(pd.DataFrame(metrics), out_dir / "metrics.csv")
-                if fidelity:
-                    write_csv(pd.DataFrame(fidelity), out_dir / "fidelity.csv")
-    finally:
-        progress.close()
-        if probe_set is not None:
-            probe_set.detach()
-    seconds = time.perf_counter() - began
-    return TrainResult(pd.DataFrame(metrics), pd.DataFrame(fidelity), trained, seconds, probe_set)
+    row = {
+        "step": step + 1,
+        "tokens": (step + 1) * config.batch_size * tokens_per_item,
+        "train_loss": loss_value,
+        "val_loss": math.nan,
+        "grad_norm": norm_value,
+        "lr": lr,
+    }
+    if config.grad_scaler:  # the step GradScaler skipped (inf/NaN gradients) and its scale after it
+        row.update(scaler_skipped=skipped, loss_scale=run.scaler.get_scale())
+    if before is not None:
+        row.update(_update_footprint(_linear_weights(trained), before))
+    return row, stop
+
+
+def _evaluate_into(row: dict, run: _Run, stop: Divergence) -> None:
+    """Add the validation loss (and digits' accuracy) to ``row``; a non-finite one stops the run."""
+    row.update(evaluate(run.trained, run.validation, run.autocast, run.device))
+    if run.config.task == "shakespeare":
+        row.pop("val_accuracy")
+    if not math.isfinite(row["val_loss"]):
+        stop.raise_for("val_loss", row["val_loss"])
+
+
+def _save_outputs(run: _Run, row: dict, stop: Divergence) -> None:
+    """The checkpoint (every checkpoint_every steps and at the last; never over a good one with
+    non-finite parameters) and the metrics CSVs (after an evaluation and at the last step)."""
+    config, step = run.config, row["step"]
+    if run.out_dir is None:
+        return
+    last = step == config.steps
+    if last or (config.checkpoint_every and step % config.checkpoint_every == 0):
+        if _first_nonfinite_parameter(run.trained) is not None:
+            stop.raise_for("parameters", math.nan)
+        quant_by_rank = _quant_states_by_rank(run.trained, run.world_size)  # a collective: all ranks
+        if run.rank == 0:
+            save_checkpoint(
+                run.out_dir / CHECKPOINT,
+                step=step,
+                model=run.trained,
+                optimizer=run.optimizer,
+                scaler=run.scaler,
+                metrics=run.metrics,
+                fidelity=run.fidelity,
+                config=config,
+                quant_by_rank=quant_by_rank,
+            )
+    if run.rank == 0 and (last or not math.isnan(row["val_loss"])):
+        write_csv(pd.DataFrame(run.metrics), run.out_dir / "metrics.csv")
+        if run.fidelity:
+            write_csv(pd.DataFrame(run.fidelity), run.out_dir / "fidelity.csv")
 
 
 def _compiled(model: nn.Module) -> nn.Module:
