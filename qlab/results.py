@@ -72,3 +72,21 @@ def save_metrics(name: str, **metrics) -> Path:
     tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return SavedPath(path)
+
+
+def markdown_table(df: pd.DataFrame, float_format: str = "{:.4g}") -> str:
+    """``df`` as a GitHub-flavoured markdown table (header, then one row per row; the index is not
+    written; floats through ``float_format``; ``|`` in cells escaped), for a notebook's
+    ``IPython.display.Markdown`` or the README."""
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
+    if not isinstance(float_format, str) or "{" not in float_format:
+        raise TypeError(f"float_format must be a format string like '{{:.4g}}', got {checks.shown(float_format)}")
+
+    def cell(value) -> str:
+        text = float_format.format(value) if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
