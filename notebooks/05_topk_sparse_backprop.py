@@ -29,40 +29,54 @@
 #   GEMMs, dx = dy[:, idx]·W[idx, :] and only rows idx of dW;
 # - **sparse_rows** — `TopKLinear(mode="row")`, each row its own k entries, multiplied as a sparse tensor.
 #
-# This notebook measures (1) accuracy on scikit-learn's digits vs k over several seeds, with
-# meProp's MNIST numbers beside ours as a reference point, not a claim of equality (8×8 digits are
-# not MNIST); (2) validation loss of the Shakespeare character model vs k; (3) backward time vs k
-# for every variant; (4) what fraction of the weights actually change per step.
+# This notebook measures (1) accuracy on scikit-learn's digits vs k over several seeds, for the shared
+# index set and for meProp's own per-example top-k (`topk_mode="row"`), with meProp's MNIST numbers
+# beside ours as a reference point, not a claim of equality (8×8 digits are not MNIST); (2) validation
+# loss of the Shakespeare character model vs k over seeds; (3) backward time and end-to-end step time
+# vs k for every variant (medians and quartiles over repeats); (4) what fraction of the weights
+# actually change per step. Differences are paired against the dense run of the same seed, with 95 %
+# Student-t intervals (`qlab.stats`).
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
 device: str = "auto"  # "auto", "cpu" or "cuda"
-seeds: int = 3  # independent digits runs per k
+seeds: int = 5  # independent digits runs per k and mode
 fractions: list[float] = [0.01, 0.02, 0.05, 0.1, 0.16, 0.25, 0.5]  # k as a fraction of each layer's outputs
 hidden: int = 500  # hidden width of the digits MLP (two hidden layers; meProp's MNIST width)
 digits_steps: int = 300  # optimizer steps per digits run
 text_steps: int = 200  # optimizer steps per Shakespeare run
 text_fractions: list[float] = [0.05, 0.16, 0.5]  # k for the Shakespeare model
+text_seeds: int = 3  # Shakespeare runs per k
 timing_tokens: int = 512  # rows of x and dy in the timing
 timing_width: int = 2048  # width of the square Linear layer timed
-timing_repeats: int = 5  # backward passes timed per point (median)
+timing_repeats: int = 15  # passes timed per point (median and quartiles)
 
 # %%
+import numpy as np
 import pandas as pd
 import torch
+from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, PercentFormatter, ScalarFormatter
 from torch import nn
 
-from qlab import session
-from qlab.plotting import save_figure, subplots, use_paper_style
+from qlab import session, stats
+from qlab.plotting import mean_band, save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
-from qlab.sparse import BACKWARDS, backward_seconds
+from qlab.sparse import BACKWARDS, pass_seconds
+
+
+def k_axis(ax, ticks):
+    """A log x axis labelled with the k fractions as percentages (no minor labels)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+    ax.xaxis.set_minor_locator(NullLocator())
 from qlab.train import TrainConfig, train
 
 NAME = "05_topk_sparse_backprop"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
-    seeds, fractions, hidden, digits_steps, text_steps, text_fractions = 1, [0.05, 0.5], 32, 8, 4, [0.25]
-    timing_tokens, timing_width, timing_repeats = 32, 64, 2
+    seeds, fractions, hidden, digits_steps, text_steps, text_fractions = 2, [0.05, 0.5], 32, 8, 4, [0.25]
+    text_seeds, timing_tokens, timing_width, timing_repeats = 1, 32, 64, 2
 use_paper_style()
 MEPROP = {"k": 80, "hidden": 500, "sparse_accuracy": 0.9827, "dense_accuracy": 0.9820, "backprop_speedup": 5.9}
 digits = TrainConfig(task="digits", hidden=[hidden, hidden], steps=digits_steps, batch_size=64, lr=3e-3,
@@ -74,36 +88,53 @@ print(f"digits MLP 64 → {hidden} → {hidden} → 10, k ∈ {fractions} of eac
 # ## 1. Accuracy vs k on digits
 #
 # Top-k on both hidden layers' output gradients (the 10-way output layer stays dense,
-# `topk_keep=["last_layer"]`), shared index set (gathered GEMMs), AdamW, the same batches and
-# initial weights per seed for every k.
+# `topk_keep=["last_layer"]`), AdamW, the same batches and initial weights per seed for every k and
+# mode: "shared" (one index set per batch, gathered GEMMs) and "row" (each example its own k, as
+# meProp's per-example result).
 
 # %%
+MODES = ("shared", "row")
+runs = [(seed, None, "dense") for seed in range(seeds)]
+runs += [(seed, k, mode) for seed in range(seeds) for mode in MODES for k in fractions]
 rows = []
-for seed, k in session.progress([(seed, k) for seed in range(seeds) for k in [None] + fractions], desc="digits runs"):
-    result = train(digits.replace(topk=k, seed=seed))
-    last = result.metrics.iloc[-1]
-    rows.append({"k_fraction": 1.0 if k is None else k, "dense": k is None, "seed": seed,
+for seed, k, mode in session.progress(runs, desc="digits runs"):
+    config = digits.replace(seed=seed) if k is None else digits.replace(topk=k, topk_mode=mode, seed=seed)
+    last = train(config).metrics.iloc[-1]
+    rows.append({"mode": mode, "k_fraction": 1.0 if k is None else k, "seed": seed,
                  "val_accuracy": last.val_accuracy, "val_loss": last.val_loss})
 accuracy = pd.DataFrame(rows)
 save_csv(accuracy, f"{NAME}_digits")
-accuracy_table = accuracy.groupby(["dense", "k_fraction"]).val_accuracy.agg(["mean", "min", "max"])
-accuracy_table.round(4)
+dense_mean, dense_low, dense_high = stats.mean_interval(accuracy[accuracy["mode"] == "dense"].val_accuracy)
+# Δ accuracy against the dense run of the same seed, per (mode, k): mean and 95 % interval over seeds
+paired = [
+    stats.paired_differences(accuracy[(accuracy["mode"] == "dense") | (accuracy.k_fraction == k)], "val_accuracy",
+                             baseline="dense", by="mode", pair="seed").assign(k_fraction=k)
+    for k in fractions
+]
+gaps = stats.summarize(pd.concat(paired, ignore_index=True), "difference", ["mode", "k_fraction"])
+gaps.round(4)
 
 # %%
-fig, ax = subplots(width="column", aspect=0.75)
-sparse_rows = accuracy[~accuracy.dense].groupby("k_fraction").val_accuracy.agg(["mean", "min", "max"])
-ax.errorbar(sparse_rows.index, sparse_rows["mean"], yerr=[sparse_rows["mean"] - sparse_rows["min"],
-            sparse_rows["max"] - sparse_rows["mean"]], marker="o", markersize=3, capsize=2, label="top-k, digits (ours)")
-dense_mean = accuracy[accuracy.dense].val_accuracy.mean()
-ax.axhline(dense_mean, color="black", linewidth=0.8, label=f"dense, digits (ours) {dense_mean:.3f}")
-ax.plot([MEPROP["k"] / MEPROP["hidden"]], [MEPROP["sparse_accuracy"]], marker="*", color="C3", linestyle="none",
-        markersize=7, label="meProp MNIST k=80/500 (published)")
-ax.axhline(MEPROP["dense_accuracy"], color="C3", linewidth=0.8, linestyle=":", label="meProp MNIST dense (published)")
-ax.set_xscale("log")
-ax.set_xlabel("k / hidden width")
-ax.set_ylabel("validation accuracy")
-ax.set_title("Accuracy vs k (min–max over seeds)")
-ax.legend(fontsize=5)
+fig, axes = subplots(1, 2, width="text", aspect=0.45)
+sparse_runs = accuracy[accuracy["mode"] != "dense"]
+mean_band(axes[0], sparse_runs, "k_fraction", "val_accuracy", by="mode", marker="o", markersize=3)
+axes[0].axhspan(dense_low, dense_high, color="black", alpha=0.12, linewidth=0)
+axes[0].axhline(dense_mean, color="black", linewidth=0.8, label=f"dense {dense_mean:.3f}")
+axes[0].plot([MEPROP["k"] / MEPROP["hidden"]], [MEPROP["sparse_accuracy"]], marker="*", color="C3",
+             linestyle="none", markersize=7, label="meProp MNIST, row (published)")
+axes[0].set_ylabel("validation accuracy")
+axes[0].set_title(f"Digits accuracy, mean and 95 % band over {seeds} seeds", fontsize=7)
+digits_deltas = pd.concat(paired, ignore_index=True).assign(accuracy_points=lambda f: 100 * f.difference)
+mean_band(axes[1], digits_deltas, "k_fraction", "accuracy_points", by="mode", marker="o", markersize=3)
+axes[1].axhline(0.0, color="black", linewidth=0.8)
+axes[1].axhline(-1.0, color="grey", linewidth=0.8, linestyle=":")
+axes[1].set_ylabel("Δ accuracy vs dense (points)")
+axes[1].set_title("Paired with the dense run; dotted: one point", fontsize=7)
+for ax in axes:
+    k_axis(ax, fractions)
+    ax.set_xlabel("k / hidden width")
+handles, labels = axes[0].get_legend_handles_labels()
+fig.legend(handles, labels, fontsize=6, loc="lower center", ncol=len(labels), bbox_to_anchor=(0.5, -0.08))
 save_figure(fig, f"{NAME}_digits")
 
 # %% [markdown]
@@ -119,20 +150,26 @@ text = TrainConfig(steps=text_steps, layers=2, width=64, context=64, batch_size=
 if smoke:
     text = text.replace(layers=1, width=32, context=32, batch_size=8, eval_batches=1)
 text_rows = []
-for k in session.progress([None] + text_fractions, desc="Shakespeare runs"):
-    result = train(text.replace(topk=k))
-    text_rows.append({"k_fraction": 1.0 if k is None else k, "dense": k is None,
+for seed, k in session.progress([(s, k) for s in range(text_seeds) for k in [None] + text_fractions],
+                                desc="Shakespeare runs"):
+    result = train(text.replace(topk=k, seed=seed))
+    text_rows.append({"run": "dense" if k is None else "top-k", "k_fraction": 1.0 if k is None else k, "seed": seed,
                       "val_loss": result.metrics.val_loss.iloc[-1]})
-text_table = pd.DataFrame(text_rows)
-text_table["gap_to_dense"] = text_table.val_loss - text_table.loc[text_table.dense, "val_loss"].iloc[0]
-save_csv(text_table, f"{NAME}_shakespeare")
-text_table.round(4)
+text_runs = pd.DataFrame(text_rows)
+save_csv(text_runs, f"{NAME}_shakespeare")
+text_gaps = stats.summarize(
+    pd.concat([stats.paired_differences(text_runs[(text_runs.run == "dense") | (text_runs.k_fraction == k)],
+                                        "val_loss", baseline="dense", by="run", pair="seed").assign(k_fraction=k)
+               for k in text_fractions], ignore_index=True),
+    "difference", ["k_fraction"])
+text_gaps.round(4)  # Δ validation loss vs dense (nats), mean and 95 % interval over text_seeds
 
 # %% [markdown]
-# ## 3. Backward time vs k
+# ## 3. Backward time and step time vs k
 #
-# The backward pass alone (the forward is identical in every variant) of a square Linear layer
-# and of the digits MLP, median of `timing_repeats` after a warm-up. Hook masking still runs the
+# The backward pass alone (the forward is identical in every variant), and a whole training step
+# (forward, backward, AdamW — whose update stays dense), of a square Linear layer and of the digits
+# MLP: median and quartiles of `timing_repeats` passes after a warm-up. Hook masking still runs the
 # full GEMMs and adds a top-k selection on top: it cannot be faster than dense. The gathered GEMMs
 # shrink both backward GEMMs by k/M and pay one top-k over the column sums of |dy|. The sparse
 # variant pays torch.sparse's overheads.
@@ -145,38 +182,49 @@ timing_models = {
                                                           nn.ReLU(), nn.Linear(hidden, 10)), 64, 10, ["4"]),
 }
 timing_rows = []
-for label, (model, inputs, outputs, keep) in session.progress(timing_models.items(), total=len(timing_models),
-                                                              desc="timing"):
+points = [(label, timed, variant, k) for label in timing_models for timed in ("backward", "step")
+          for variant, k in [("dense", 1.0)] + [(v, k) for k in fractions for v in BACKWARDS[1:]]]
+for label, timed, variant, k in session.progress(points, desc="timing"):
+    model, inputs, outputs, keep = timing_models[label]
     model = model.to(device)
     x = torch.randn(timing_tokens, inputs, device=device, requires_grad=True)
     dy = torch.randn(timing_tokens, outputs, device=device)
-    dense_seconds = backward_seconds(model, x, dy, "dense", 1.0, repeats=timing_repeats)
-    timing_rows.append({"model": label, "backward": "dense", "k_fraction": 1.0, "ms": 1e3 * dense_seconds,
-                        "ratio_to_dense": 1.0})
-    for k in fractions:
-        for variant in BACKWARDS[1:]:
-            seconds = backward_seconds(model, x, dy, variant, k, keep=keep, repeats=timing_repeats)
-            timing_rows.append({"model": label, "backward": variant, "k_fraction": k, "ms": 1e3 * seconds,
-                                "ratio_to_dense": seconds / dense_seconds})
+    seconds = 1e3 * np.array(pass_seconds(model, x, dy, variant, k, keep=keep, repeats=timing_repeats, timed=timed))
+    timing_rows.append({"model": label, "timed": timed, "backward": variant, "k_fraction": k,
+                        "ms": np.median(seconds), "ms_q25": np.quantile(seconds, 0.25),
+                        "ms_q75": np.quantile(seconds, 0.75), "repeats": timing_repeats})
 timing = pd.DataFrame(timing_rows)
+dense_ms = timing[timing.backward == "dense"].set_index(["model", "timed"]).ms
+for column in ("ms", "ms_q25", "ms_q75"):  # quartiles over the dense median: the spread of the numerator
+    timing[column.replace("ms", "ratio_to_dense")] = timing[column] / dense_ms.loc[
+        list(zip(timing.model, timing.timed))].to_numpy()
 save_csv(timing, f"{NAME}_timing")  # "_timing" outputs vary run to run; every other output is byte-stable
-timing.pivot_table(index=["model", "k_fraction"], columns="backward", values="ratio_to_dense").round(2)
+timing.pivot_table(index=["model", "timed", "k_fraction"], columns="backward", values="ratio_to_dense").round(2)
 
 # %%
-fig, axes = subplots(1, len(timing_models), width="text", aspect=0.8, squeeze=False)
-for ax, label in zip(axes[0], timing_models):
-    part = timing[(timing.model == label) & (timing.backward != "dense")]
-    for i, variant in enumerate(BACKWARDS[1:]):
-        series = part[part.backward == variant]
-        ax.plot(series.k_fraction, series.ratio_to_dense, marker="o", markersize=3, color=f"C{i}", label=variant)
-    ax.axhline(1.0, color="black", linewidth=0.8, label="dense")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("k / output features")
-    ax.set_title(label)
-axes[0][0].set_ylabel(f"backward time / dense ({device})")
-axes[0][-1].legend(fontsize=5)
-fig.suptitle(f"Where top-k saves time: {timing_tokens} rows, {device}")
+fig, axes = subplots(2, len(timing_models), width="text", aspect=0.6, squeeze=False, sharex=True)
+for column, label in enumerate(timing_models):
+    for row, timed in enumerate(("backward", "step")):
+        ax = axes[row][column]
+        part = timing[(timing.model == label) & (timing.timed == timed) & (timing.backward != "dense")]
+        for i, variant in enumerate(BACKWARDS[1:]):
+            series = part[part.backward == variant]
+            ax.errorbar(series.k_fraction, series.ratio_to_dense,
+                        yerr=[series.ratio_to_dense - series.ratio_to_dense_q25,
+                              series.ratio_to_dense_q75 - series.ratio_to_dense],
+                        marker="o", markersize=3, capsize=1.5, color=f"C{i}", label=variant)
+        ax.axhline(1.0, color="black", linewidth=0.8, label="dense")
+        k_axis(ax, fractions)
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"{label}: {'backward' if timed == 'backward' else 'whole step'}", fontsize=7)
+        if row == 1:
+            ax.set_xlabel("k / output features")
+    axes[0][0].set_ylabel("backward / dense")
+    axes[1][0].set_ylabel("step / dense")
+axes[0][-1].legend(fontsize=5, loc="center left", bbox_to_anchor=(1.02, 0.5))
+fig.suptitle(f"Time against dense: median and quartiles of {timing_repeats}, {timing_tokens} rows, {device}")
 save_figure(fig, f"{NAME}_timing")
 
 # %% [markdown]
@@ -214,7 +262,10 @@ fig.suptitle("Weights with a gradient vs weights the optimizer moved")
 save_figure(fig, f"{NAME}_updates")
 
 # %%
-mean_sparse_accuracy = accuracy[~accuracy.dense].groupby("k_fraction").val_accuracy.mean()
-within_1pct = [k for k, a in mean_sparse_accuracy.items() if a >= dense_mean - 0.01]
-save_metrics(NAME, dense_accuracy=dense_mean, accuracy_at_meprop_k=mean_sparse_accuracy.get(0.16, float("nan")),
-             smallest_k_within_1pct=min(within_1pct, default=None))
+# the smallest k whose whole 95 % interval of Δ accuracy lies within one point of dense, per mode
+within_1pt = {mode: min(part.k_fraction[part.low >= -0.01], default=None) for mode, part in gaps.groupby("mode")}
+at_meprop = gaps.set_index(["mode", "k_fraction"])
+save_metrics(NAME, dense_accuracy=dense_mean, seeds=seeds,
+             gap_at_meprop_k_shared=at_meprop["mean"].get(("shared", 0.16), float("nan")),
+             gap_at_meprop_k_row=at_meprop["mean"].get(("row", 0.16), float("nan")),
+             smallest_k_within_1pt_shared=within_1pt.get("shared"), smallest_k_within_1pt_row=within_1pt.get("row"))

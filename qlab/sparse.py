@@ -295,22 +295,45 @@ def sparsify_model(model: nn.Module, k, *, mode: str = "shared", variant: str = 
 BACKWARDS = ("dense", "hook_mask", "gathered", "sparse_rows")
 
 
+TIMED = ("backward", "step")
+
+
 def backward_seconds(
     model: nn.Module, x: torch.Tensor, dy: torch.Tensor, backward: str, k, *, keep=(), repeats: int = 5
 ) -> float:
-    """Median seconds of one backward pass of ``model`` (forward excluded) for the ``backward`` variant:
+    """Median seconds of one backward pass of ``model`` (forward excluded): ``pass_seconds``'s median."""
+    import statistics
+
+    return statistics.median(pass_seconds(model, x, dy, backward, k, keep=keep, repeats=repeats))
+
+
+def pass_seconds(
+    model: nn.Module,
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    backward: str,
+    k,
+    *,
+    keep=(),
+    repeats: int = 5,
+    timed: str = "backward",
+) -> list[float]:
+    """Seconds of each of ``repeats`` passes (after one warm-up) of ``model`` for the ``backward`` variant:
 
     dense (the model as it is), hook_mask (mask_gradients, shared index set), gathered
-    (sparsify_model, mode "shared") or sparse_rows (sparsify_model, mode "row"). The model is left as
-    it was; x must require a gradient if dx is to be timed. keep: names left dense in every variant.
+    (sparsify_model, mode "shared") or sparse_rows (sparsify_model, mode "row"). ``timed``: "backward"
+    (the backward pass alone, forward excluded) or "step" (forward, backward and an AdamW step: what a
+    training step costs end to end, the optimizer's dense update included). The model is left as it
+    was (a "step" runs on a copy); x must require a gradient if dx is to be timed. keep: names left
+    dense in every variant.
     """
     import copy
-    import statistics
     import time
 
     checks.choice("backward", backward, BACKWARDS)
     checks.module("model", model)
     checks.integer("repeats", repeats, low=1)
+    checks.choice("timed", timed, TIMED)
     if backward in ("gathered", "sparse_rows"):
         mode = "shared" if backward == "gathered" else "row"
         if type(model) is nn.Linear:  # a bare layer cannot be swapped inside itself
@@ -318,6 +341,9 @@ def backward_seconds(
         else:
             model = copy.deepcopy(model)
             sparsify_model(model, k, mode=mode, keep=keep)
+    elif timed == "step":
+        model = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if timed == "step" else None
     mask = mask_gradients(model, k, keep=keep) if backward == "hook_mask" else None
     synchronize = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     times = []
@@ -325,13 +351,18 @@ def backward_seconds(
         for _ in range(repeats + 1):  # the first is a warm-up
             x.grad = None
             model.zero_grad(set_to_none=True)
-            y = model(x)
             synchronize()
             start = time.perf_counter()
+            y = model(x)
+            if optimizer is None:
+                synchronize()
+                start = time.perf_counter()
             y.backward(dy)
+            if optimizer is not None:
+                optimizer.step()
             synchronize()
             times.append(time.perf_counter() - start)
     finally:
         if mask is not None:
             mask.remove()
-    return statistics.median(times[1:])
+    return times[1:]

@@ -938,6 +938,12 @@ CASES = [
         ValueError,
         "repeats",
     ),
+    (
+        "pass_seconds timed",
+        lambda: sparse.pass_seconds(tiny(), x32(2, 8), torch.ones(2, 4), "dense", 2, timed="forward"),
+        ValueError,
+        "timed",
+    ),
     # --- qlab.kernels -----------------------------------------------------------------------------
     ("kernels.qdq backend", lambda: kernels.qdq(x32(), "mxfp8", backend="gpu"), ValueError, "backend"),
     ("kernels.qdq dtype", lambda: kernels.qdq(x32(), "mxfp8", dtype=torch.int8), TypeError, "dtype"),

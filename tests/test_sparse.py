@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from qlab.probes import ProbeSet
+from qlab import sparse
 from qlab.sparse import GradientMask, TopKLinear, mask_gradients, resolve_k, sparsify_model, topk_mask
 from qlab.train import TrainConfig, build_model, train
 from qlab.train.models import MLP, CharGPT
@@ -688,3 +689,17 @@ def test_max_child_only_lets_needed_gradients_compete():
     winner_is_bias = dense_b.abs().sum() > dense_w.abs().sum()
     assert winner_is_bias
     assert torch.equal(layer.bias.grad, dense_b) and not layer.weight.grad.any()
+
+
+@pytest.mark.parametrize("timed", ["backward", "step"])
+def test_pass_seconds_leave_the_model_as_it_was(timed):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    x, dy = torch.randn(6, 8, requires_grad=True), torch.randn(6, 4)
+    for variant in sparse.BACKWARDS:
+        seconds = sparse.pass_seconds(model, x, dy, variant, 0.5, keep=["2"], repeats=3, timed=timed)
+        assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # a "step" ran on a copy
+    assert all(not m._backward_pre_hooks and not m._backward_hooks for m in model.modules())
+    assert isinstance(model[0], nn.Linear) and type(model[0]) is nn.Linear
