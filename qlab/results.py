@@ -81,7 +81,9 @@ def markdown_table(df: pd.DataFrame, float_format: str = "{:.4g}") -> str:
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
     if not isinstance(float_format, str) or "{" not in float_format:
-        raise TypeError(f"float_format must be a format string like '{{:.4g}}', got {checks.shown(float_format)}")
+        raise TypeError(
+            f"float_format must be a format string like '{{:.4g}}', got {checks.shown(float_format)}"
+        )
 
     def cell(value) -> str:
         text = float_format.format(value) if isinstance(value, float) else str(value)

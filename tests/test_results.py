@@ -49,8 +49,5 @@ def test_bad_names_are_refused(name, tmp_path, monkeypatch):
 def test_markdown_table_by_hand():
     frame = pd.DataFrame({"method": ["a|b", "c"], "error": [0.000123456, 2.0], "n": [3, 4]})
     assert results.markdown_table(frame) == (
-        "| method | error | n |\n"
-        "|---|---|---|\n"
-        "| a\\|b | 0.0001235 | 3 |\n"
-        "| c | 2 | 4 |"
+        "| method | error | n |\n|---|---|---|\n| a\\|b | 0.0001235 | 3 |\n| c | 2 | 4 |"
     )

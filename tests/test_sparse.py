@@ -25,8 +25,8 @@ import pytest
 import torch
 from torch import nn
 
-from qlab.probes import ProbeSet
 from qlab import sparse
+from qlab.probes import ProbeSet
 from qlab.sparse import GradientMask, TopKLinear, mask_gradients, resolve_k, sparsify_model, topk_mask
 from qlab.train import TrainConfig, build_model, train
 from qlab.train.models import MLP, CharGPT
