@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,11 +57,20 @@ def seed_quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.T
     return SeedQuantizerFunction.apply(x, 2 ** (bits - 1) - 1)
 
 
+def fp16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b as a GPU's fp16 GEMM computes it: operands rounded to fp16, products accumulated in fp32,
+    the result rounded to fp16 (beyond ±65504: ±inf). CPU fp16 GEMMs are 8× slower here, so the fp32
+    GEMM of the rounded operands stands in for the accumulation."""
+    return (a.half().float() @ b.half().float()).half()
+
+
 class SeedLinearFunction(torch.autograd.Function):
-    """The seed's _quantize_global: quantized forward, hand-written backward with probes."""
+    """The seed's _quantize_global: quantized forward, hand-written backward with probes. With
+    ``fp16`` every GEMM is ``fp16_matmul`` and the results stay fp16, as under the seed's autocast
+    ("since the mixed precision mode, the gradient flows in fp16")."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mode, name, bits):
+    def forward(ctx, x, weight, bias, mode, name, bits, fp16=False):
         x2d = x.reshape(-1, x.shape[-1])
         q_x, s_x = seed_quantize(x2d, bits)
         q_w, s_w = seed_quantize(weight, bits)
@@ -68,8 +78,9 @@ class SeedLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(x2d, s_x, weight, s_w)  # the raw tensors, yet their scales are used below
         else:
             ctx.save_for_backward(q_x, s_x, q_w, s_w)
-        ctx.shape, ctx.has_bias, ctx.name, ctx.bits = x.shape, bias is not None, name, bits
-        output = (q_x @ q_w.T) * (s_x * s_w)
+        ctx.shape, ctx.has_bias, ctx.name, ctx.bits, ctx.fp16 = x.shape, bias is not None, name, bits, fp16
+        matmul = fp16_matmul if fp16 else torch.matmul
+        output = matmul(q_x, q_w.T) * (s_x * s_w)
         if bias is not None:
             output = output + bias
         return output.reshape(*x.shape[:-1], -1)
@@ -80,24 +91,36 @@ class SeedLinearFunction(torch.autograd.Function):
         g2d = g.reshape(-1, g.shape[-1])
         probe(g2d, f"{ctx.name}.grad_output")
         q_g, s_g = seed_quantize(g2d, ctx.bits)
-        grad_x = ((q_g @ w_saved) * (s_g * s_w)).reshape(ctx.shape)
-        grad_w = (q_g.T @ x_saved) * (s_g * s_x)
+        matmul = fp16_matmul if ctx.fp16 else torch.matmul
+        grad_x = (matmul(q_g, w_saved) * (s_g * s_w)).reshape(ctx.shape)
+        grad_w = matmul(q_g.T, x_saved) * (s_g * s_x)
         probe(grad_w, f"{ctx.name}.weight.grad_inside")
         grad_b = g2d.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class SeedLinear(nn.Linear):
     """nn.Linear through SeedLinearFunction (mode "as_written" or "corrected")."""
 
-    def __init__(self, in_features, out_features, bias=True, *, mode="as_written", name="linear", bits=8):
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        *,
+        mode="as_written",
+        name="linear",
+        bits=8,
+        fp16=False,
+    ):
         checks.choice("mode", mode, MODES)
         checks.integer("bits", bits, low=2, high=16)
         super().__init__(in_features, out_features, bias=bias)
         self.mode, self.name, self.bits = mode, name, bits
+        self.fp16 = checks.boolean("fp16", fp16)  # GEMMs in fp16 (fp16_matmul), as under the seed's autocast
 
     def forward(self, x):
-        return SeedLinearFunction.apply(x, self.weight, self.bias, self.mode, self.name, self.bits)
+        return SeedLinearFunction.apply(x, self.weight, self.bias, self.mode, self.name, self.bits, self.fp16)
 
 
 class Block(nn.Module):
@@ -184,19 +207,34 @@ def train(
     depth: int = 2,
     seed: int = 0,
     watch: str = "blocks.0.fc1",
+    precision: str = "fp32",
+    eps: float = 1e-8,
+    audit: bool = True,
+    bits: int = 8,
 ) -> pd.DataFrame:
     """Train a SeedTransformer on the permutation task; one row per step.
 
     Columns: step, loss, loss_scale (GradScaler's scale during that step's backward, 1 without),
     inside_norm (‖wgrad‖ the probe sees inside the first micro-batch's backward of layer ``watch``),
-    final_norm (‖param.grad‖ after unscaling and clipping: what the optimizer uses), ratio, and
-    audit_unexplained (largest over parameters; GradientAudit given the scale, clip coefficient).
+    final_norm (‖param.grad‖ after unscaling and clipping: what the optimizer uses), ratio,
+    audit_unexplained (largest over parameters; GradientAudit given the scale, clip coefficient) — NaN
+    with ``audit=False``, which skips the probe and the audit (faster) — and zero_grad_fraction (exact
+    zeros among the SeedLinear weight gradients the optimizer gets).
+
+    precision "fp16" is the seed's own setting: every SeedLinear GEMM, forward and backward, in fp16
+    (``fp16_matmul``, fp32 accumulation as on a GPU; the other ops stay fp32); pair it with
+    ``loss_scale`` (GradScaler), as the seed did. ``eps`` is Adam's ε; ``bits`` the grids' width (the
+    seed does not state its own).
     """
     import pandas as pd
 
     from qlab.probes import GradientAudit, ProbeSet
 
     checks.choice("optimizer", optimizer, ("adam", "sgd"))
+    checks.choice("precision", precision, ("fp32", "fp16"))
+    checks.number("eps", eps, low=0, open_low=True)
+    checks.boolean("audit", audit)
+    checks.integer("bits", bits, low=2, high=16)
     for name, value in (
         ("steps", steps),
         ("growth_interval", growth_interval),
@@ -209,9 +247,12 @@ def train(
     if not isinstance(watch, str):
         raise TypeError(f"watch must be a module name (str), got {checks.shown(watch)}")
     model = SeedTransformer(vocab=vocab, width=width, depth=depth, tokens=tokens, mode=mode, seed=seed)
+    linears = [m for m in model.modules() if isinstance(m, SeedLinear)]
+    for layer in linears:
+        layer.fp16, layer.bits = precision == "fp16", bits
     lr = lr if lr is not None else (3e-3 if optimizer == "adam" else 0.5)
     opt = (
-        torch.optim.Adam(model.parameters(), lr)
+        torch.optim.Adam(model.parameters(), lr, eps=eps)
         if optimizer == "adam"
         else torch.optim.SGD(model.parameters(), lr)
     )
@@ -231,14 +272,15 @@ def train(
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         scale = scaler.get_scale() if scaler is not None else 1.0
-        probes = ProbeSet(model, modules=[watch], roles=("probe",), stats=("l2",))
+        probes = ProbeSet(model, modules=[watch], roles=("probe",), stats=("l2",)) if audit else None
         loss_total = 0.0
-        with GradientAudit(model) as audit:
+        auditor = GradientAudit(model) if audit else contextlib.nullcontext()
+        with auditor:
             for micro in range(microbatches):
                 x, y = permutation_task_batch(batch, tokens, vocab, generator, seed)
                 loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) / microbatches
                 loss_total += loss.item()
-                with probes if micro == 0 else contextlib.nullcontext():
+                with probes if micro == 0 and probes is not None else contextlib.nullcontext():
                     (scaler.scale(loss) if scaler is not None else loss).backward()
         if scaler is not None:
             scaler.unscale_(opt)
@@ -246,10 +288,14 @@ def train(
         if clip_norm is not None:
             total = nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
             coefficient = min(1.0, clip_norm / (total.item() + 1e-6))
-        report = audit.report(loss_scale=scale, clip_coefficient=coefficient)
-        frame = probes.to_frame()
-        inside = frame[frame.module == f"{watch}.weight.grad_inside"].value.iloc[0]
+        if audit:
+            unexplained = auditor.report(loss_scale=scale, clip_coefficient=coefficient).unexplained.max()
+            frame = probes.to_frame()
+            inside = frame[frame.module == f"{watch}.weight.grad_inside"].value.iloc[0]
+        else:
+            unexplained = inside = math.nan
         final = watched.weight.grad.norm().item()
+        zeros = sum(int((layer.weight.grad == 0).sum()) for layer in linears)
         rows.append(
             {
                 "step": step,
@@ -259,7 +305,8 @@ def train(
                 "final_norm": final,
                 "ratio": inside / final,
                 "clip_coefficient": coefficient,
-                "audit_unexplained": report.unexplained.max(),
+                "audit_unexplained": unexplained,
+                "zero_grad_fraction": zeros / sum(layer.weight.numel() for layer in linears),
             }
         )
         if scaler is not None:

@@ -1012,6 +1012,10 @@ CASES = [
     ("seed train mode", lambda: seed_model.train(mode="wrong", steps=1), ValueError, "mode"),
     ("seed train optimizer", lambda: seed_model.train(optimizer="lamb", steps=1), ValueError, "optimizer"),
     ("seed train steps 0", lambda: seed_model.train(steps=0), ValueError, "steps"),
+    ("seed train precision", lambda: seed_model.train(steps=1, precision="bf16"), ValueError, "precision"),
+    ("seed train eps 0", lambda: seed_model.train(steps=1, eps=0.0), ValueError, "eps"),
+    ("seed train bits 1", lambda: seed_model.train(steps=1, bits=1), ValueError, "bits"),
+    ("SeedLinear fp16 str", lambda: seed_model.SeedLinear(4, 4, fp16="yes"), TypeError, "fp16"),
     ("seed train lr < 0", lambda: seed_model.train(steps=1, lr=-1.0), ValueError, "lr"),
     ("seed train loss_scale 0", lambda: seed_model.train(steps=1, loss_scale=0), ValueError, "loss_scale"),
     (

@@ -98,3 +98,55 @@ def test_audit_explains_the_loss_scale_and_flags_the_written_bug(mode, flagged, 
     scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
     report = audit.report(loss_scale=scaler.get_scale(), tolerance=1e-5).set_index("parameter")
     assert bool(report.flagged["0.weight"]) is flagged
+
+
+def test_fp16_matmul_rounds_operands_and_result_to_fp16_and_accumulates_wider():
+    # 1 + 2⁻¹² is not an fp16 value (11 significant bits): the operand rounds to 1 first
+    a = torch.tensor([[1 + 2.0**-12, 1.0]])
+    b = torch.tensor([[3.0], [2.0**-12]])
+    # fp32 accumulation keeps 3 + 2⁻¹²; the fp16 result then rounds it to 3 (spacing at 3 is 2⁻⁹)
+    assert seed_model.fp16_matmul(a, b).item() == 3.0 and seed_model.fp16_matmul(a, b).dtype == torch.float16
+    # 3000 ones sum to 3000 in fp32, an fp16 value; an fp16 accumulator would stall at 2048 (2048 + 1
+    # rounds back to 2048)
+    ones = torch.ones(1, 3000)
+    assert seed_model.fp16_matmul(ones, torch.ones(3000, 1)).item() == 3000.0  # 3000 is an fp16 value
+    # beyond fp16's largest finite value 65504 the result is inf, as the grid products of section 5 show
+    big = torch.full((1, 256), 127.0)
+    assert seed_model.fp16_matmul(big, big.T).item() == float("inf")
+
+
+def test_fp16_layer_gradients_are_the_corrected_formula_through_fp16_gemms():
+    torch.manual_seed(0)
+    layer = SeedLinear(16, 8, mode="corrected", fp16=True)
+    x = torch.randn(10, 16, requires_grad=True)
+    g = torch.randn(10, 8)
+    layer(x).backward(g)
+    q_x, s_x = int8(x.detach())
+    q_w, s_w = int8(layer.weight.detach())
+    q_g, s_g = int8(g)
+    half = lambda t: t.half().float()  # noqa: E731
+    expected_dw = half(half(q_g).T @ half(q_x)) * (s_g * s_x)
+    expected_dx = half(half(q_g) @ half(q_w)) * (s_g * s_w)
+    # grid values are integers ≤ 127 (exact in fp16); the products sum exactly in fp32; the fp16
+    # result and its scaling by s_g·s_x in fp16 round twice: compare in fp16's precision (rtol 2⁻¹⁰)
+    assert torch.allclose(layer.weight.grad, expected_dw, rtol=2**-10, atol=0)
+    assert torch.allclose(x.grad, expected_dx, rtol=2**-10, atol=0)
+
+
+def test_seed_setting_fp16_trains_without_the_audit():
+    run = seed_model.train(
+        "corrected",
+        "adam",
+        3,
+        loss_scale=2.0**10,
+        precision="fp16",
+        bits=6,
+        audit=False,
+        width=32,
+        depth=1,
+        tokens=8,
+        batch=4,
+        eps=1e-16,
+    )
+    assert run.loss.notna().all() and run.audit_unexplained.isna().all()
+    assert ((run.zero_grad_fraction >= 0) & (run.zero_grad_fraction <= 1)).all()
