@@ -29,16 +29,18 @@
 # n·u + n²κ²u² (two-pass) and n·κ·u (Welford).
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 20 s)
+smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
 device: str = "auto"  # where torch's own layer_norm runs for comparison: "auto", "cpu" or "cuda"
 seed: int = 0  # seeds every random draw
 n: int = 1024  # row length for the κ sweeps
-trials: int = 8  # rows per κ value; medians are plotted
+trials: int = 8  # rows per κ value; medians and quartiles are plotted
 kappa_max: float = 1e7  # largest target condition number
 kappa_points: int = 29  # κ values, log-spaced from 1 to kappa_max
 n_max_log2: int = 15  # the error-vs-length sweep ends at rows of 2**n_max_log2 elements
 kappa_for_length: float = 10.0  # condition number of the rows in the error-vs-length sweep
 eps: float = 1e-5  # LayerNorm epsilon (the seed's value)
+chargpt_steps: int = 300  # FP32 CharGPT steps before its LayerNorm inputs are measured (section 7)
+pretrained_models: list[str] = ["smollm2-135m", "minilm-l6"]  # packaged models measured in section 7
 
 # %%
 import math
@@ -48,7 +50,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from qlab import numerics, session
+from qlab import models, numerics, session
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 
@@ -56,6 +58,7 @@ NAME = "02_welford_vs_naive_variance"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
 if smoke:
     n, trials, kappa_points, n_max_log2 = 64, 2, 7, 8
+    chargpt_steps, pretrained_models = 2, []
 use_paper_style()
 generator = torch.Generator().manual_seed(seed)
 ERROR_FLOOR = 1e-12  # exact results are drawn here on the log axes
@@ -246,7 +249,7 @@ save_figure(fig, f"{NAME}_length")
 # the same float32 inputs through a float64 two-pass LayerNorm (its own error, ≲ n·2⁻⁵³ + n²κ²2⁻¹⁰⁶,
 # is below 10⁻¹⁰ here, far under every float32 error plotted). Output error is the largest absolute
 # error (outputs are O(1)); gradient error is the normwise relative error of dL/dx for a fixed
-# random upstream gradient.
+# random upstream gradient. Lines are medians over the `trials` rows of each κ, bands their quartiles.
 
 # %%
 ln_x = numerics.rows_with_condition_number(kappa_targets, n, trials, std=1.0, dtype=torch.float32,
@@ -277,13 +280,20 @@ for label, fn in session.progress(ln_implementations.items(), total=len(ln_imple
 ln_table = pd.concat(records, ignore_index=True)
 save_csv(ln_table, f"{NAME}_layernorm")
 
-ln_summary = ln_table.groupby(["implementation", "kappa_target"], sort=False).median(numeric_only=True).reset_index()
+grouped = ln_table.groupby(["implementation", "kappa_target"], sort=False)
+ln_summary = grouped.median(numeric_only=True).reset_index()
+ln_low = grouped.quantile(0.25, numeric_only=True).reset_index()
+ln_high = grouped.quantile(0.75, numeric_only=True).reset_index()
 fig, axes = subplots(1, 2, width="text", aspect=0.65)
 for label in ln_implementations:
-    part = ln_summary[ln_summary["implementation"] == label]
+    chosen = ln_summary["implementation"] == label
+    part = ln_summary[chosen]
     style = {"ls": "--", "marker": "x"} if label.startswith("torch") else {"marker": "o"}
-    axes[0].loglog(part["kappa"], part["output_abs_error"].clip(lower=ERROR_FLOOR), label=label, **style)
-    axes[1].loglog(part["kappa"], part["grad_rel_error"].clip(lower=ERROR_FLOOR), label=label, **style)
+    for ax, column in zip(axes, ("output_abs_error", "grad_rel_error")):
+        (line,) = ax.loglog(part["kappa"], part[column].clip(lower=ERROR_FLOOR), label=label, markersize=3, **style)
+        ax.fill_between(part["kappa"], ln_low[chosen][column].clip(lower=ERROR_FLOOR),
+                        ln_high[chosen][column].clip(lower=ERROR_FLOOR), color=line.get_color(), alpha=0.2,
+                        linewidth=0)
 axes[0].set_ylabel("max |y − y_ref|")
 axes[1].set_ylabel("rel. error of dL/dx")
 for ax in axes:
@@ -374,6 +384,55 @@ else:
     print("no CUDA device: the GPU section is skipped (it needs the Triton kernels on a GPU)")
 
 # %% [markdown]
+# ## 7. Does it matter in practice? κ of the rows real models normalise
+#
+# Sections 2–4 put the danger at κ ≳ 10³ for float32 accumulation and κ ≳ 2 for bf16 accumulation.
+# Here: κ of every row each normalisation layer receives, in a CharGPT trained `chargpt_steps` FP32
+# steps (on 8 validation batches) and in the packaged pretrained models on held-out Shakespeare
+# (`numerics.norm_input_conditions`, float64 two-pass moments). SmolLM2 (Llama) normalises with
+# RMSNorm, which subtracts no mean — its κ says what a LayerNorm in its place would face.
+
+# %%
+from qlab.train import TrainConfig, train  # noqa: E402
+from qlab.train.loop import Batches  # noqa: E402
+
+config = TrainConfig(steps=chargpt_steps, batch_size=16, seed=seed, progress=False, eval_every=max(chargpt_steps, 1))
+if smoke:
+    config = config.replace(layers=1, width=32, context=32, batch_size=4, eval_batches=1)
+chargpt = train(config).model.eval()
+validation = Batches(config).validation()
+frames = [numerics.norm_input_conditions(
+    chargpt, lambda: [chargpt(ids) for ids, _ in validation]).assign(model=f"CharGPT ({chargpt_steps} steps)")]
+for name in pretrained_models:
+    pretrained, tokenizer = models.load(name)
+    batch = models.shakespeare_batches(tokenizer, 4, 128, 1, seed=seed)[0]
+    frames.append(numerics.norm_input_conditions(pretrained, lambda: pretrained(input_ids=batch)).assign(model=name))
+norm_kappa = pd.concat(frames, ignore_index=True)
+save_csv(norm_kappa, f"{NAME}_model_kappa")
+norm_kappa.groupby(["model", "kind"]).agg(layers=("layer", "nunique"), kappa_median=("kappa_median", "median"),
+                                         kappa_p99_max=("kappa_p99", "max"), kappa_max=("kappa_max", "max"),
+                                         bf16_risk=("bf16_textbook_fraction", "mean"),
+                                         fp32_risk=("fp32_textbook_fraction", "mean")).round(3)
+
+# %%
+per_layer = norm_kappa.groupby(["model", "layer"], sort=False).agg(
+    kappa_median=("kappa_median", "median"), kappa_max=("kappa_max", "max")).reset_index()
+fig, ax = subplots(width="column", aspect=0.8)
+for i, (label, part) in enumerate(per_layer.groupby("model", sort=False)):
+    positions = np.arange(len(part))
+    ax.scatter(positions, part.kappa_median - 1, s=6, color=f"C{i}", label=f"{label}: median row")
+    ax.scatter(positions, part.kappa_max - 1, s=8, color=f"C{i}", marker="^", alpha=0.6, label=f"{label}: worst row")
+ax.axhline(1, color="grey", linestyle=":", linewidth=0.8)
+ax.text(0, 1.4, "κ = 2: bf16-accumulated textbook fails", fontsize=5, color="grey")
+ax.axhline(999, color="grey", linestyle="--", linewidth=0.8)
+ax.text(0, 1400, "κ = 10³: float32 textbook loses every digit", fontsize=5, color="grey")
+ax.set_yscale("log")
+ax.set_xlabel("normalisation layer (model order)")
+ax.set_ylabel("κ − 1 of its input rows")
+ax.legend(fontsize=5, loc="center left", bbox_to_anchor=(1.02, 0.5))
+save_figure(fig, f"{NAME}_model_kappa")
+
+# %% [markdown]
 # ## Headline numbers
 #
 # Saved to `data/02_welford_vs_naive_variance.json` (what `qlab sweep` collects).
@@ -387,6 +446,8 @@ metrics = {
     "seed_welford_fp32_grad1": seed_fp32.loc["welford", "grad1"],
     "fp32_textbook_kappa_all_digits_lost": first_kappa_losing_all_digits("fp32", "textbook"),
     "fp32_welford_kappa_all_digits_lost": first_kappa_losing_all_digits("fp32", "welford"),
+    "model_rows_kappa_ge_2": float(np.average(norm_kappa.bf16_textbook_fraction, weights=norm_kappa.rows)),
+    "model_rows_kappa_ge_1000": float(np.average(norm_kappa.fp32_textbook_fraction, weights=norm_kappa.rows)),
     "swapped_grads_detected": "swapped" in numerics.check_layer_norm_grads(
         numerics.layer_norm_swapped_affine_grads, seed=seed).diagnosis,
 }

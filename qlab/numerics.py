@@ -656,3 +656,61 @@ def check_layer_norm_grads(
     else:
         diagnosis = "wrong: " + ", ".join(wrong)
     return GradCheckResult(table=table, diagnosis=diagnosis)
+
+
+# --------------------------------------------------------------------------------------------
+# How ill-conditioned are the rows real models normalise?
+# --------------------------------------------------------------------------------------------
+
+NORM_KINDS = ("LayerNorm", "RMSNorm")  # matched against the end of a module's class name
+
+
+def norm_input_conditions(model: torch.nn.Module, forward: Callable[[], object]) -> pd.DataFrame:
+    """κ = √(1 + mean²/σ²) of every row that each normalisation layer of ``model`` (a module whose class
+    name ends in LayerNorm or RMSNorm: nn.LayerNorm, BERT's, LlamaRMSNorm) receives while ``forward()``
+    runs, one row per layer and call: layer, kind, rows, kappa_median, kappa_p99, kappa_max, and
+    bf16_textbook_fraction / fp32_textbook_fraction (the share of rows with κ ≥ 2 and κ ≥ 10³, where
+    notebook 02 measures E[X²]−E[X]² losing every digit of σ² in bf16 / float32 accumulation).
+    Moments in float64, two-pass (relative error ≲ n·2⁻⁵³·κ², far below what is reported). RMSNorm
+    divides by the root mean square and subtracts no mean, so its κ says what a LayerNorm in its
+    place would face, not what it does."""
+    checks.module("model", model)
+    if not callable(forward):
+        raise TypeError(f"forward must be a callable that runs the model, got {checks.shown(forward)}")
+    rows, handles = [], []
+
+    def record(name, kind):
+        def hook(module, inputs):
+            x = inputs[0].detach()
+            x = x.reshape(-1, x.shape[-1]).double()
+            mean = x.mean(1, keepdim=True)
+            variance = ((x - mean) ** 2).mean(1)
+            kappa = torch.where(variance > 0, torch.sqrt(1 + mean[:, 0] ** 2 / variance), math.inf)
+            rows.append(
+                {
+                    "layer": name,
+                    "kind": kind,
+                    "rows": len(kappa),
+                    "kappa_median": kappa.median().item(),
+                    "kappa_p99": kappa.quantile(0.99).item(),
+                    "kappa_max": kappa.max().item(),
+                    "bf16_textbook_fraction": (kappa >= 2).double().mean().item(),
+                    "fp32_textbook_fraction": (kappa >= 1e3).double().mean().item(),
+                }
+            )
+
+        return hook
+
+    for name, module in model.named_modules():
+        kind = next((k for k in NORM_KINDS if type(module).__name__.endswith(k)), None)
+        if kind is not None:
+            handles.append(module.register_forward_pre_hook(record(name, kind)))
+    if not handles:
+        raise ValueError(f"the model has no LayerNorm or RMSNorm module ({type(model).__name__})")
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return pd.DataFrame(rows)

@@ -728,3 +728,27 @@ def test_reference_layer_norm_matches_torch_float64():
     torch.testing.assert_close(
         qn.reference_layer_norm(x, (16,), w, b), F.layer_norm(x, (16,), w, b), rtol=1e-13, atol=1e-13
     )
+
+
+def test_norm_input_conditions_by_hand():
+    # rows fed to the LayerNorm: [1, 3] (mean 2, σ 1: κ = √5), [5, 5] (σ 0: κ = inf) and [-1, 1]
+    # (mean 0: κ = 1); the RMSNorm-named module (it sees the LayerNorm's output) is found by its name
+    from qlab.numerics import norm_input_conditions
+
+    class TinyRMSNorm(torch.nn.Module):
+        def forward(self, x):
+            return x
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(2), TinyRMSNorm())
+    x = torch.tensor([[1.0, 3.0], [5.0, 5.0], [-1.0, 1.0]])
+    frame = norm_input_conditions(model, lambda: model(x))
+    assert frame.layer.tolist() == ["0", "1"] and frame.kind.tolist() == ["LayerNorm", "RMSNorm"]
+    row = frame.iloc[0]
+    assert row.rows == 3 and row.kappa_median == pytest.approx(math.sqrt(5), rel=1e-15)
+    assert row.kappa_max == math.inf
+    assert row.bf16_textbook_fraction == pytest.approx(2 / 3) and row.fp32_textbook_fraction == pytest.approx(
+        1 / 3
+    )
+    assert not model[0]._forward_pre_hooks  # hooks removed
+    with pytest.raises(ValueError, match="no LayerNorm or RMSNorm"):
+        norm_input_conditions(torch.nn.Linear(2, 2), lambda: None)
