@@ -204,6 +204,18 @@ def batches(name: str, value) -> list:
     return list(value)
 
 
+def frame_columns(name: str, frame, columns: Sequence[str]):
+    """A pandas DataFrame holding every one of ``columns`` (each a str naming a column)."""
+    import pandas as pd
+
+    if not isinstance(frame, pd.DataFrame):
+        raise TypeError(f"{name} must be a pandas DataFrame, got {shown(frame)}")
+    for column in columns:
+        if not isinstance(column, str) or column not in frame.columns:
+            raise ValueError(f"column {column!r} is not in the {name} (columns: {list(frame.columns)})")
+    return frame
+
+
 def names(name: str, value, allowed: Sequence[str]) -> tuple[str, ...]:
     """A subset of ``allowed``: a bare string is one name, else a list/tuple of names."""
     chosen = patterns(name, value)

@@ -79,6 +79,11 @@ def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:
     return SavedFigure(pdf, png)
 
 
+def _check_axes(ax) -> None:
+    if not isinstance(ax, matplotlib.axes.Axes):
+        raise TypeError(f"ax must be a matplotlib Axes, got {checks.shown(ax)}")
+
+
 def mean_band(ax, frame, x: str, y: str, *, by: str | None = None, method: str = "t", **line_kwargs):
     """Draw on ``ax`` the mean of ``y`` over the rows that share an ``x`` (the seeds) as a line, and its
     95 % interval (``qlab.stats.mean_interval`` by ``method``) as a band of the line's colour: one line
@@ -86,6 +91,7 @@ def mean_band(ax, frame, x: str, y: str, *, by: str | None = None, method: str =
     (a single seed leaves no band: NaN bounds)."""
     from qlab import stats
 
+    _check_axes(ax)
     keys = [x] if by is None else [by, x]
     summary = stats.summarize(frame, y, keys, method).sort_values(keys, kind="stable")
     groups = [(None, summary)] if by is None else list(summary.groupby(by, sort=False))
@@ -108,6 +114,7 @@ def delta_band(
     zero the difference is resolved over the seeds. Returns the summary of the differences."""
     from qlab import stats
 
+    _check_axes(ax)
     differences = stats.paired_differences(frame, y, baseline=baseline, by=by, pair=[pair, x])
     ax.axhline(0.0, color="0.3", linewidth=0.8, linestyle="--")
     return mean_band(ax, differences, x, "difference", by=by, method=method, **line_kwargs)

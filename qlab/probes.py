@@ -743,7 +743,7 @@ def weight_gradients(model: nn.Module, batches, loss_fn, names=None) -> dict[str
     checks.module("model", model)
     checks.batches("batches", batches)
     layers = {name: module for name, module, _ in linear_layers(model)}
-    chosen = list(layers) if names is None else checks.patterns("names", names)
+    chosen = list(layers) if names is None else checks.names("names", names, list(layers))
     saved = {id(p): p.grad for p in model.parameters()}
     try:
         for p in model.parameters():

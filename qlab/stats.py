@@ -91,9 +91,7 @@ def _bootstrap_bounds(values: np.ndarray, resamples: int, seed: int) -> tuple[fl
 def summarize(frame: pd.DataFrame, value: str, by: list[str], method: str = "t") -> pd.DataFrame:
     """One row per group of ``by``: n, mean, low and high (95 % interval over the group's rows, by
     ``method`` as in ``mean_interval``)."""
-    for column in (value, *by):
-        if column not in frame.columns:
-            raise ValueError(f"column {column!r} is not in the frame (columns: {list(frame.columns)})")
+    checks.frame_columns("frame", frame, [value, *by])
     rows = []
     for key, group in frame.groupby(by, sort=False):
         mean, low, high = mean_interval(group[value], method)
@@ -106,10 +104,11 @@ def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: st
     """``value`` minus the baseline's ``value`` with the same ``pair`` key — a column (e.g. the seed) or
     a list of columns (e.g. seed and step, for curves) — for every row whose ``by`` column is not
     ``baseline``, in the frame's order: columns by, *pair, difference."""
-    pair = [pair] if isinstance(pair, str) else list(pair)
-    for column in (value, by, *pair):
-        if not isinstance(column, str) or column not in frame.columns:
-            raise ValueError(f"column {column!r} is not in the frame (columns: {list(frame.columns)})")
+    if isinstance(pair, str):
+        pair = [pair]
+    elif not isinstance(pair, (list, tuple)) or not pair:
+        raise TypeError(f"pair must be a column name or a non-empty list of them, got {checks.shown(pair)}")
+    checks.frame_columns("frame", frame, [value, by, *pair])
     reference = frame[frame[by] == baseline][[*pair, value]]
     if reference.empty:
         raise ValueError(f"no baseline rows with {by} == {baseline!r}")

@@ -83,6 +83,10 @@ def fig():
     return plotting.subplots()[0]
 
 
+def axes():
+    return plotting.subplots()[1]
+
+
 NOTEBOOK = "02"
 
 
@@ -376,14 +380,14 @@ CASES = [
     ),
     (
         "mean_band missing column",
-        lambda: plotting.mean_band(None, pd.DataFrame({"x": [1], "y": [2.0]}), "x", "loss"),
+        lambda: plotting.mean_band(axes(), pd.DataFrame({"x": [1], "y": [2.0]}), "x", "loss"),
         ValueError,
         "'loss'",
     ),
     (
         "delta_band unknown baseline",
         lambda: plotting.delta_band(
-            None,
+            axes(),
             pd.DataFrame({"r": ["a"], "seed": [0], "x": [1], "y": [2.0]}),
             "x",
             "y",
@@ -392,6 +396,37 @@ CASES = [
         ),
         ValueError,
         "fp32",
+    ),
+    (
+        "mean_band ax None",
+        lambda: plotting.mean_band(None, pd.DataFrame({"x": [1], "y": [2.0]}), "x", "y"),
+        TypeError,
+        "ax",
+    ),
+    ("summarize frame list", lambda: stats.summarize([1, 2], "y", ["x"]), TypeError, "frame"),
+    (
+        "paired_differences pair empty",
+        lambda: stats.paired_differences(
+            pd.DataFrame({"r": ["a"], "v": [1.0]}), "v", baseline="a", by="r", pair=[]
+        ),
+        TypeError,
+        "pair",
+    ),
+    (
+        "paired_differences pair int",
+        lambda: stats.paired_differences(
+            pd.DataFrame({"r": ["a"], "v": [1.0]}), "v", baseline="a", by="r", pair=5
+        ),
+        TypeError,
+        "pair",
+    ),
+    (
+        "weight_gradients names typo",
+        lambda: probes.weight_gradients(
+            torch.nn.Sequential(torch.nn.Linear(2, 2)), [1], lambda m, b: 0, names=["zz"]
+        ),
+        ValueError,
+        "names",
     ),
     (
         "gradient_noise_floor batches not a list",
