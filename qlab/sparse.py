@@ -334,15 +334,16 @@ def pass_seconds(
     checks.module("model", model)
     checks.integer("repeats", repeats, low=1)
     checks.choice("timed", timed, TIMED)
-    if backward in ("gathered", "sparse_rows"):
+    swapped = backward in ("gathered", "sparse_rows")
+    bare = type(model) is nn.Linear  # a bare layer cannot be swapped inside itself: it is wrapped
+    if timed == "step" or (swapped and not bare):  # the caller's model is neither stepped nor swapped
+        model = copy.deepcopy(model)
+    if swapped:
         mode = "shared" if backward == "gathered" else "row"
-        if type(model) is nn.Linear:  # a bare layer cannot be swapped inside itself
+        if bare:
             model = TopKLinear.from_linear(model, k, mode=mode)
         else:
-            model = copy.deepcopy(model)
             sparsify_model(model, k, mode=mode, keep=keep)
-    elif timed == "step":
-        model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4) if timed == "step" else None
     mask = mask_gradients(model, k, keep=keep) if backward == "hook_mask" else None
     synchronize = torch.cuda.synchronize if x.is_cuda else (lambda: None)

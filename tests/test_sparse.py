@@ -703,3 +703,8 @@ def test_pass_seconds_leave_the_model_as_it_was(timed):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # a "step" ran on a copy
     assert all(not m._backward_pre_hooks and not m._backward_hooks for m in model.modules())
     assert isinstance(model[0], nn.Linear) and type(model[0]) is nn.Linear
+    layer = nn.Linear(8, 8)  # a bare layer is wrapped, not swapped: its weights must not move either
+    weight = layer.weight.detach().clone()
+    for variant in sparse.BACKWARDS:
+        sparse.pass_seconds(layer, x, torch.randn(6, 8), variant, 0.5, repeats=2, timed=timed)
+    assert torch.equal(layer.weight, weight)
