@@ -55,7 +55,14 @@ timing_repeats: int = 15  # passes timed per point (median and quartiles)
 import numpy as np
 import pandas as pd
 import torch
-from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator, PercentFormatter, ScalarFormatter
+from matplotlib.ticker import (
+    FixedLocator,
+    LogLocator,
+    NullFormatter,
+    NullLocator,
+    PercentFormatter,
+    ScalarFormatter,
+)
 from torch import nn
 
 from qlab import session, stats
@@ -216,6 +223,7 @@ for column, label in enumerate(timing_models):
         ax.axhline(1.0, color="black", linewidth=0.8, label="dense")
         k_axis(ax, fractions)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 0.2, 0.5, 1, 2, 5: readable
         ax.yaxis.set_major_formatter(ScalarFormatter())
         ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"{label}: {'backward' if timed == 'backward' else 'whole step'}", fontsize=7)
