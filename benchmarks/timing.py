@@ -10,11 +10,12 @@ picks that count from how busy the cores are in the second before the benchmark 
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 
 import torch
+
+from qlab.session import machine  # noqa: F401  (benchmarks name their machine through here)
 
 
 def add_thread_argument(parser) -> None:
@@ -52,16 +53,6 @@ def set_threads(requested: str) -> int:
         count = int(requested)
     torch.set_num_threads(count)
     return count
-
-
-def machine(device: torch.device | None = None) -> str:
-    """One line naming the machine the numbers come from."""
-    if device is not None and device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return (
-        f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
-    )
 
 
 def median_seconds(fn, repeats: int, *, synchronize: bool = False) -> float:

@@ -25,6 +25,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds × 3000 fp16 steps: a 16-core machine)
 device: str = "auto"  # unused: everything trains on the CPU (DDP over gloo)
 seed: int = 0  # seeds the model and the data
 steps: int = 150  # training steps per run
@@ -49,6 +50,8 @@ from qlab.results import save_csv, save_metrics
 
 NAME = "01_gradient_norm_discrepancy"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
+if profile == "paper":  # the same small model (the seed's), 10× longer runs and twice the seeds
+    steps, seeds, fp16_steps = 1500, max(seeds, 10), 3000
 if smoke:
     steps, growth_interval, ddp_steps, seeds, fp16_steps = 8, 3, 1, 2, 6
 use_paper_style()

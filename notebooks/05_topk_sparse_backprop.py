@@ -39,6 +39,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds, 3000 steps, a 1.1M-parameter CharGPT: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 5  # independent digits runs per k and mode
 fractions: list[float] = [0.01, 0.02, 0.05, 0.1, 0.16, 0.25, 0.5]  # k as a fraction of each layer's outputs
@@ -81,6 +82,9 @@ from qlab.train import TrainConfig, train
 
 NAME = "05_topk_sparse_backprop"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
+if profile == "paper":  # 10 digits seeds × 3000 steps; the 1.1M-parameter CharGPT, 3000 steps, 5 seeds
+    seeds, digits_steps, text_steps, text_seeds = max(seeds, 10), 3000, 3000, max(text_seeds, 5)
+    timing_tokens, timing_width, timing_repeats = 4096, 4096, 31
 if smoke:
     seeds, fractions, hidden, digits_steps, text_steps, text_fractions = 2, [0.05, 0.5], 32, 8, 4, [0.25]
     text_seeds, timing_tokens, timing_width, timing_repeats = 1, 32, 64, 2
@@ -154,6 +158,8 @@ save_figure(fig, f"{NAME}_digits")
 text = TrainConfig(steps=text_steps, layers=2, width=64, context=64, batch_size=16, lr=3e-3,
                    warmup_steps=min(30, text_steps), eval_every=text_steps, eval_batches=8, device=device,
                    progress=False)
+if profile == "paper":
+    text = text.replace(layers=5, width=128, context=128, batch_size=32, lr=1e-3, warmup_steps=100, eval_batches=16)
 if smoke:
     text = text.replace(layers=1, width=32, context=32, batch_size=8, eval_batches=1)
 text_rows = []

@@ -34,6 +34,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 90 s)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (16 batches of 4 × 512 tokens, 300 fine-tune steps: a GPU)
 device: str = "auto"  # where the model runs: "auto", "cpu" or "cuda"
 seed: int = 0  # positions of the Shakespeare windows
 model_name: str = "smollm2-135m"  # a packaged causal LM (qlab.models)
@@ -64,6 +65,8 @@ from qlab.results import save_csv, save_metrics
 
 NAME = "06_real_model_numerics"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
+if profile == "paper":  # 16 batches of 4 × 512 tokens; 300 fine-tune steps per recipe
+    batch_size, tokens, batches, finetune_steps, finetune_tokens = 4, 512, 16, 300, 256
 if smoke:
     batch_size, tokens, batches, finetune_steps, finetune_tokens = 1, 16, 1, 1, 16
     fidelity_recipes, finetune_recipes = fidelity_recipes[:1], finetune_recipes[:1]

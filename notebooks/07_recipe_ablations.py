@@ -34,6 +34,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, 5 seeds: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 3  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
 tokens: int = 512  # tokens of the synthetic operands (the wgrad reduction length)
@@ -64,6 +65,9 @@ from qlab.train.data import shakespeare
 
 NAME = "07_recipe_ablations"
 device = session.start(NAME, globals()).device
+if profile == "paper":  # the 1.1M-parameter CharGPT (5 blocks × 128), 3000 steps, 5 seeds
+    seeds, train_steps, capture_steps, sr_draws = max(seeds, 5), 3000, 1000, 64
+    layers, width, context, batch_size = 5, 128, 128, 32
 if smoke:
     seeds, tokens, features, capture_steps, sr_draws, train_steps = 2, 64, 32, 2, 3, 2
     pretrained_layers, pretrained_tokens = pretrained_layers[:1], 16

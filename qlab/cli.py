@@ -2,7 +2,8 @@
 
     qlab list                                   the notebooks and their parameters
     qlab run NOTEBOOK [-p NAME VALUE ...] [--smoke] [--timeout S] [--output PATH]
-    qlab figures [--smoke]                      every notebook, default parameters
+    qlab figures [--smoke] [--profile paper]    every notebook, default parameters (paper: the
+                                                training notebooks at paper scale, data/paper/)
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--smoke]
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
@@ -21,7 +22,7 @@ import sys
 
 import yaml
 
-from qlab import notebooks, sweep
+from qlab import notebooks, paths, sweep
 from qlab.notebooks import DEFAULT_TIMEOUT_S, NotebookError
 
 
@@ -49,6 +50,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     figures = sub.add_parser("figures", help="run every notebook with default parameters")
     figures.add_argument("--smoke", action="store_true")
+    figures.add_argument(
+        "--profile",
+        choices=("cpu", "paper"),
+        default="cpu",
+        help="paper: only the notebooks with a profile parameter, at paper scale (a GPU), into data/paper/",
+    )
     figures.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
 
     sw = sub.add_parser("sweep", help="run a notebook over the cartesian product of a YAML grid")
@@ -108,11 +115,17 @@ def _cmd_figures(args) -> int:
     from tqdm.auto import tqdm
 
     failures = []
-    bar = tqdm(notebooks.list_notebooks(), desc="notebooks", unit="nb")
+    chosen, parameters, output_dir = notebooks.list_notebooks(), {}, None
+    if args.profile != "cpu":
+        chosen = [path for path in chosen if "profile" in notebooks.notebook_parameters(path)]
+        parameters = {"profile": args.profile}
+        output_dir = paths.RUNS_DIR / ("smoke" if args.smoke else "") / args.profile
+    bar = tqdm(chosen, desc="notebooks", unit="nb")
     for path in bar:
         bar.set_postfix_str(path.stem)
+        output = None if output_dir is None else output_dir / f"{path.stem}.ipynb"
         try:
-            notebooks.run_notebook(path, smoke=args.smoke, timeout=args.timeout)
+            notebooks.run_notebook(path, parameters, smoke=args.smoke, timeout=args.timeout, output=output)
         except NotebookError as err:
             failures.append(str(err))
     for failure in failures:

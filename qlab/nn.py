@@ -44,6 +44,7 @@ non-delayed row above it, so the presence of the flag alone decides None vs dumm
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import torch
@@ -53,7 +54,7 @@ from qlab import checks, kernels
 from qlab import quantize as Q
 from qlab.formats import drawn_noise, register_noise_source
 from qlab.kernels import fp8_gemm
-from qlab.recipe import ROLES, Recipe, get_recipe
+from qlab.recipe import BACKWARD_OVERRIDES, ROLES, Recipe, get_recipe
 from qlab.scaling import DelayedScaling, hadamard_matrix
 
 STES = ("identity", "clipped")
@@ -223,7 +224,7 @@ class _LinearFunction(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         if rolls:
             layer.record_amaxes({"input": x, "weight": weight})
-        if layer.recipe.backward_override == "dequantized":  # the forward's operands, dequantized
+        if layer.saves_dequantized:  # the forward's operands, dequantized
             ctx.save_for_backward(_as_tensor(x_op, x), _as_tensor(w_op, weight))
         else:  # None re-quantizes from high precision along the backward GEMMs' axes
             ctx.save_for_backward(x, weight)
@@ -237,7 +238,7 @@ class _LinearFunction(torch.autograd.Function):
         x_saved, w_saved = ctx.saved_tensors
         layer, scales = ctx.layer, ctx.scales
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        quantized = layer.recipe.backward_override is None
+        quantized = layer.quantized_backward
         dx = dw = db = None
         if need_x:
             dx = _matmul("dgrad", *layer.gemm_operands("dgrad", dy, w_saved, scales, quantized=quantized))
@@ -320,6 +321,7 @@ class QuantLinear(nn.Linear):
                 "transformers Conv1D's (in, out) weight"
             )
         self.seed = checks.seed("seed", seed)
+        self.exact_backward = False  # True: the exact gradient of this forward, whatever the recipe says
         self._generators: dict = {}
         self._noise_source = register_noise_source(self._generator)
         self._deferred: list = []
@@ -371,6 +373,49 @@ class QuantLinear(nn.Linear):
             f"{super().extra_repr()}, recipe={self.recipe.name}, "
             f"backward_override={self.recipe.backward_override}, gemm={self.gemm}"
         )
+
+    def saved_operand_bytes(self, input_shape, backward_mode, high_precision_bytes: int = 2) -> int:
+        """Bytes a low-precision implementation keeps from forward for this layer's backward (weight
+        included), for an input of ``input_shape`` (..., in_features), by ``backward_mode``:
+        "high_precision" — x and W as they came (``high_precision_bytes`` each: 2 for bf16);
+        "dequantized" — the forward's quantized x and W (``QTensor.storage_bytes``);
+        None — the recipe's own backward: x quantized for wgrad (along the tokens) and W for dgrad
+        (along the outputs), the column-wise copies TE keeps. qlab's emulation keeps float tensors in
+        every mode; this counts what low-precision storage would hold."""
+        checks.choice("backward_mode", backward_mode, BACKWARD_OVERRIDES)
+        checks.integer("high_precision_bytes", high_precision_bytes, low=1)
+        shape = tuple(input_shape)
+        if not shape or shape[-1] != self.in_features:
+            raise ValueError(f"input_shape must end in in_features={self.in_features}, got {shape}")
+        tokens = math.prod(shape[:-1])
+        if backward_mode == "high_precision":
+            return (tokens + self.out_features) * self.in_features * high_precision_bytes
+        x = torch.ones(tokens, self.in_features)
+        w = torch.ones(self.out_features, self.in_features)
+        if backward_mode == "dequantized":
+            operands = [(x, "input", -1), (w, "weight", -1)]
+        else:
+            operands = [(x, "wgrad_input", 0), (w, "dgrad_weight", 0)]
+        total = 0
+        for tensor, role, axis in operands:
+            spec = self.recipe.spec(role)
+            if spec is None:
+                total += tensor.numel() * high_precision_bytes
+            else:
+                generator = torch.Generator().manual_seed(0) if spec.rounding == "stochastic" else None
+                quantized = Q.quantize(tensor, spec, axis, generator=generator, keep_source=False)
+                total += quantized.storage_bytes()
+        return total
+
+    @property
+    def saves_dequantized(self) -> bool:
+        """Whether backward multiplies by the forward's own (dequantized) operands."""
+        return self.exact_backward or self.recipe.backward_override == "dequantized"
+
+    @property
+    def quantized_backward(self) -> bool:
+        """Whether backward quantizes dy and re-quantizes its operands (the recipe's own backward)."""
+        return self.recipe.backward_override is None and not self.exact_backward
 
     @property
     def compiles(self) -> bool:

@@ -416,12 +416,17 @@ def _check_normalized_shape(x: torch.Tensor, normalized_shape) -> tuple[int, ...
     return shape
 
 
-def _layer_norm_stats(rows: torch.Tensor, stats: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and biased variance of each row of a rows × n tensor, in its dtype.
+def _layer_norm_stats(rows: torch.Tensor, stats: str, acc: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and biased variance of each row of a rows × n tensor, returned in rows' dtype.
 
-    welford: Welford inside 16-element chunks merged pairwise (PyTorch's CPU scheme);
-    two_pass and textbook: PyTorch's (cascade) sums, so only the formula differs.
+    float32/float64 ``acc`` (rows already in it): welford is Welford inside 16-element chunks merged
+    pairwise (PyTorch's CPU scheme); two_pass and textbook use PyTorch's (cascade) sums, so only the
+    formula differs. bfloat16/float16 ``acc``: every algorithm runs inside 16-element chunks merged
+    pairwise, each step rounded to ``acc`` (``moments``), as a kernel accumulating in 16 bits would.
     """
+    if acc in (torch.bfloat16, torch.float16):
+        m = moments(rows, stats, acc_dtype=acc, chunk=LAYER_NORM_WELFORD_CHUNK)
+        return m.mean.to(rows.dtype), m.var().to(rows.dtype).clamp_min(0)
     if stats == "welford":
         m = moments(rows, "welford", chunk=LAYER_NORM_WELFORD_CHUNK)
         return m.mean, m.var()
@@ -435,11 +440,12 @@ def _layer_norm_stats(rows: torch.Tensor, stats: str) -> tuple[torch.Tensor, tor
 
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, n_dims, eps, stats, acc):
+    def forward(ctx, x, weight, bias, n_dims, eps, stats, stats_acc):
         shape = x.shape
         n = math.prod(shape[x.dim() - n_dims :])
+        acc = torch.float32 if stats_acc in (torch.bfloat16, torch.float16) else stats_acc  # the rest
         rows = x.reshape(-1, n).to(acc)
-        mean, var = _layer_norm_stats(rows, stats)
+        mean, var = _layer_norm_stats(rows, stats, stats_acc)
         rstd = torch.rsqrt(var + eps)
         y = (rows - mean[:, None]) * rstd[:, None]
         if weight is not None:
@@ -487,8 +493,10 @@ def _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dt
     checks.floating_dtype("acc_dtype", acc_dtype)
     if acc_dtype is None:
         acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if acc_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"layer_norm accumulates in float32 or float64, got acc_dtype={acc_dtype}")
+    if acc_dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"layer_norm accumulates in float32, float64, bfloat16 or float16, got acc_dtype={acc_dtype}"
+        )
     return shape, acc_dtype
 
 
@@ -506,11 +514,50 @@ def layer_norm(
 
     Same signature and semantics as ``torch.nn.functional.layer_norm`` (biased variance, eps inside
     the square root). Computation in ``acc_dtype`` (float32, or float64 for float64 input); output
-    in x's dtype. Backward is analytic (not autograd through the statistics):
+    in x's dtype. A bfloat16 or float16 ``acc_dtype`` accumulates only the statistics in it, every
+    step rounded (16-element chunks merged pairwise); normalization and backward stay in float32.
+    Backward is analytic (not autograd through the statistics):
     dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·weight, dweight = Σ dy·x̂, dbias = Σ dy.
     """
     shape, acc = _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype)
     return _LayerNormFunction.apply(x, weight, bias, len(shape), float(eps), stats, acc)
+
+
+class StatsLayerNorm(torch.nn.LayerNorm):
+    """nn.LayerNorm computed by ``layer_norm`` with the statistics ``stats`` accumulated in ``acc_dtype``
+    (float32 by default; bfloat16 or float16 rounds every step of the statistics)."""
+
+    def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *, stats="welford",
+                 acc_dtype=None, device=None, dtype=None):  # fmt: skip
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
+        _require_choice(stats, LAYER_NORM_STATS, "stats")
+        checks.floating_dtype("acc_dtype", acc_dtype)
+        self.stats, self.acc_dtype = stats, acc_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = self.acc_dtype or (torch.float64 if x.dtype == torch.float64 else torch.float32)
+        return layer_norm(
+            x, self.normalized_shape, self.weight, self.bias, self.eps, stats=self.stats, acc_dtype=acc
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, stats={self.stats}, acc_dtype={self.acc_dtype}"
+
+
+def use_stats_layer_norms(model: torch.nn.Module, stats: str, acc_dtype=None) -> list[str]:
+    """Replace (in place) every nn.LayerNorm of ``model`` by a ``StatsLayerNorm`` sharing its weight and
+    bias Parameters; returns the names replaced."""
+    checks.module("model", model)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.LayerNorm:
+            swapped = StatsLayerNorm(module.normalized_shape, module.eps, stats=stats, acc_dtype=acc_dtype,
+                                     elementwise_affine=False)  # fmt: skip
+            swapped.weight, swapped.bias = module.weight, module.bias
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, swapped)
+            replaced.append(name)
+    return replaced
 
 
 class _SwappedAffineGradsLayerNorm(_LayerNormFunction):

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 RESULTS_ENV = "QLAB_RESULTS_DIR"
+PROFILE_ENV = "QLAB_PROFILE"  # "paper": results go to data/paper/ and figures/paper/
 
 
 def _find_root() -> Path:
@@ -36,18 +37,23 @@ def results_root() -> Path:
     return Path(override).resolve() if override else ROOT
 
 
-def data_dir() -> Path:
-    """Where tidy CSV results go (created on demand)."""
-    path = results_root() / "data"
+def _results_subdir(kind: str) -> Path:
+    path = results_root() / kind
+    profile = os.environ.get(PROFILE_ENV, "cpu")
+    if profile != "cpu":  # a paper-scale run never mixes with the default (cpu) results
+        path = path / profile
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def data_dir() -> Path:
+    """Where tidy CSV results go (created on demand): data/, or data/paper/ under the paper profile."""
+    return _results_subdir("data")
 
 
 def figures_dir() -> Path:
-    """Where exported figures (PDF + PNG) go (created on demand)."""
-    path = results_root() / "figures"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    """Where exported figures (PDF + PNG) go (created on demand): figures/, or figures/paper/."""
+    return _results_subdir("figures")
 
 
 def shown(path: Path) -> str:

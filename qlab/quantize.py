@@ -561,6 +561,21 @@ class QTensor:
             )
         return quantize(self.source, self.spec, axis=axis, generator=generator, scale=self.fixed_scale)
 
+    def storage_bytes(self) -> int:
+        """Bytes a low-precision implementation keeps for this tensor: each of its ``shape``'s elements
+        at the element format's width (two e2m1 per byte; no padding), each block scale as its code (one
+        E8M0 or E4M3 byte) or as a float32 (one per tensor, tile, block or row, partial blocks included),
+        a float32 zero point per scale for asymmetric integers, and one float32 for NVFP4's per-tensor
+        scale."""
+        element = self.spec.bits if isinstance(self.spec, IntSpec) else get_format(self.spec.element).bits
+        total = math.ceil(math.prod(self.shape) * element / 8)
+        total += self.scale_codes.numel() if self.scale_codes is not None else 4 * self.scales.numel()
+        if self.zero_point is not None:
+            total += 4 * self.zero_point.numel()
+        if self.global_scale is not None:
+            total += 4
+        return total
+
     def packed_codes(self) -> torch.Tensor:
         """Element codes with two 4-bit codes per byte (e2m1 elements only)."""
         if self.spec.element != "e2m1":

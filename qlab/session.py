@@ -14,6 +14,10 @@ Where results go (``start`` prints it):
   ``runs/interactive/<notebook>/<changed parameters>/data|figures``, so an experiment never
   overwrites the committed results.
 
+A training notebook's ``profile`` parameter ("cpu", the default, or "paper": paper-scale sizes for
+a GPU) adds a ``paper/`` level under data/ and figures/ (``data/paper/`` with default parameters
+otherwise), and a ``<notebook>_machine.json`` there naming the device the results came from.
+
 The defaults are read from the notebook's paired ``notebooks/<name>.py`` (the source of truth), not
 from the cell as edited in the browser.
 """
@@ -21,8 +25,10 @@ from the cell as edited in the browser.
 from __future__ import annotations
 
 import ast
+import json
 import math
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +36,7 @@ import torch
 
 from qlab import checks, paths
 
+PROFILES = ("cpu", "paper")
 HEADLESS_ENV = "QLAB_HEADLESS"  # set by qlab.notebooks.run_notebook for the kernel: progress as text
 INTERACTIVE_DIR = "interactive"
 
@@ -111,7 +118,10 @@ def start(name: str, namespace: dict) -> NotebookRun:
         raise TypeError(f"namespace must be the notebook's globals(), got {checks.shown(namespace)}")
     defaults = notebook_defaults(name)
     current = {key: namespace[key] for key in defaults if key in namespace}
-    changed = {key: value for key, value in current.items() if not _same(value, defaults[key])}
+    profile = checks.choice("profile", current.get("profile", "cpu"), PROFILES)
+    changed = {
+        key: value for key, value in current.items() if key != "profile" and not _same(value, defaults[key])
+    }
     if _INHERITED_RESULTS is not None:
         results_dir, why = Path(_INHERITED_RESULTS), "chosen by the runner"
     elif not changed:
@@ -123,11 +133,31 @@ def start(name: str, namespace: dict) -> NotebookRun:
         results_dir = paths.RUNS_DIR / INTERACTIVE_DIR / name / point_slug(changed)
         os.environ[paths.RESULTS_ENV] = str(results_dir)
         why = "parameters differ from the defaults; data/ and figures/ stay untouched"
+    if profile == "cpu":
+        os.environ.pop(paths.PROFILE_ENV, None)
+    else:
+        os.environ[paths.PROFILE_ENV] = profile
     device = str(resolve_device(current.get("device", "auto")))
     shown = results_dir.relative_to(paths.ROOT) if results_dir.is_relative_to(paths.ROOT) else results_dir
     where = "data/ and figures/" if results_dir == paths.ROOT else f"{shown}/data and {shown}/figures"
+    if profile != "cpu":
+        where = where.replace("data", f"data/{profile}").replace("figures", f"figures/{profile}")
+        record = {"notebook": name, "profile": profile, "machine": machine(torch.device(device))}
+        record["torch"], record["cuda"] = torch.__version__, torch.version.cuda
+        text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+        (paths.data_dir() / f"{name}_machine.json").write_text(text)
     print(f"{name}: results go to {where} ({why}); device {device}")
     return NotebookRun(name, current, changed, results_dir, device)
+
+
+def machine(device: torch.device | None = None) -> str:
+    """One line naming the machine results come from: the GPU's name, or the CPU, its cores and threads."""
+    if device is not None and device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return (
+        f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
 
 
 def headless() -> bool:

@@ -870,8 +870,8 @@ CASES = [
         "weight",
     ),
     (
-        "layer_norm acc fp16",
-        lambda: numerics.layer_norm(x32(4, 8), 8, acc_dtype=torch.float16),
+        "layer_norm acc fp8",
+        lambda: numerics.layer_norm(x32(4, 8), 8, acc_dtype=torch.float8_e4m3fn),
         ValueError,
         "acc_dtype",
     ),

@@ -982,3 +982,29 @@ def test_reduce_amax_gives_every_rank_the_max_of_the_ranks_amaxes(tmp_path):
         assert bool((alone[0][role][:2] > alone[1][role][:2]).any()) and bool(
             (alone[1][role][:2] > alone[0][role][:2]).any()
         )
+
+
+# What backward keeps, by hand for an input of 16×64 tokens × 64 features and a 64 → 256 layer:
+# x has 1024·64 elements, W 256·64; E8M0 / E4M3 scales one byte, float32 scales four.
+SAVED_OPERAND_CASES = [
+    ("mxfp8", "high_precision", (1024 + 256) * 64 * 2),  # bf16 originals
+    ("mxfp8", "dequantized", (1024 * 64 + 1024 * 2) + (256 * 64 + 256 * 2)),  # 2 blocks of 32 per row
+    ("mxfp8", None, (1024 * 64 + 32 * 64) + (256 * 64 + 8 * 64)),  # blocks of 32 down the columns
+    ("nvfp4", "dequantized", (1024 * 32 + 1024 * 4 + 4) + (256 * 32 + 16 * 4 + 4)),  # W in 16×16 tiles
+    ("fp8_tensorwise", "dequantized", (1024 * 64 + 4) + (256 * 64 + 4)),
+    ("fp8_delayed", None, (1024 * 64 + 4) + (256 * 64 + 4)),
+]
+
+
+@pytest.mark.parametrize(("recipe", "mode", "expected"), SAVED_OPERAND_CASES)
+def test_saved_operand_bytes_by_hand(recipe, mode, expected):
+    layer = QuantLinear(64, 256, recipe=recipe)
+    assert layer.saved_operand_bytes((16, 64, 64), mode) == expected
+
+
+def test_saved_operand_bytes_refuses_a_wrong_shape_or_mode():
+    layer = QuantLinear(64, 256, recipe="mxfp8")
+    with pytest.raises(ValueError, match="in_features=64"):
+        layer.saved_operand_bytes((16, 32), None)
+    with pytest.raises(ValueError, match="backward_mode"):
+        layer.saved_operand_bytes((16, 64), "dequantised")

@@ -1059,6 +1059,31 @@ def test_along_without_a_source_raises():
         q.along(0)
 
 
+# Bytes a low-precision implementation keeps, by hand from each format's definition (REFERENCE §1):
+# elements × element bits / 8, plus one scale per block (E8M0 / E4M3: 1 byte; float32: 4 bytes).
+STORAGE_CASES = [
+    # spec, shape, axis, bytes
+    ("fp8_e4m3", (32, 64), -1, 32 * 64 + 4),  # one float32 scale for the tensor
+    ("fp8_blockwise", (32, 64), -1, 32 * 64 + 32 * 4),  # one 1×128 block per row, partial (64 of 128)
+    ("mxfp8", (32, 64), -1, 32 * 64 + 32 * 2),  # 2 E8M0 bytes per row
+    ("mxfp8", (32, 64), 0, 32 * 64 + 64),  # along the columns: 1 block of 32 per column
+    ("mxfp6_e3m2", (32, 64), -1, 32 * 64 * 6 // 8 + 32 * 2),
+    ("mxfp4", (32, 64), -1, 32 * 64 // 2 + 32 * 2),
+    ("nvfp4", (32, 64), -1, 32 * 64 // 2 + 32 * 4 + 4),  # E4M3 per 16, one float32 per-tensor scale
+    ("nvfp4_2d", (32, 64), -1, 32 * 64 // 2 + 2 * 4 + 4),  # one E4M3 per 16×16 tile
+    ("nvfp4", (3, 17), -1, 26 + 3 * 2 + 4),  # 51 four-bit codes round up to 26 bytes; 2 blocks a row
+    ("int8_rowwise", (32, 64), -1, 32 * 64 + 32 * 4),  # a float32 step per row
+    ("int4_rowwise", (32, 64), -1, 32 * 64 // 2 + 32 * 4),
+    ("uint8_asymmetric", (32, 64), -1, 32 * 64 + 4 + 4),  # step and zero point for the tensor
+]
+
+
+@pytest.mark.parametrize(("spec", "shape", "axis", "expected"), STORAGE_CASES)
+def test_storage_bytes_follow_the_format_definitions(spec, shape, axis, expected):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    assert Q.quantize(x, spec, axis=axis).storage_bytes() == expected
+
+
 def test_packed_codes_for_fp4_equal_pack_fp4_and_torchao():
     x = mixed_magnitudes((4, 64), 32, -2, 2, seed=10)
     q = quantize(x, "mxfp4")

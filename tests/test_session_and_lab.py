@@ -71,6 +71,55 @@ def test_a_runner_chooses_for_itself(interactive, monkeypatch, tmp_path):
     assert run.results_dir == tmp_path / "sweep_point"
 
 
+TRAINING = "03_backward_override_training_curves"
+
+
+def test_paper_profile_writes_under_data_paper_and_names_the_machine(
+    interactive, monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(session, "_INHERITED_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv(paths.RESULTS_ENV, str(tmp_path / "results"))  # as run_notebook sets it for the kernel
+    monkeypatch.delenv(paths.PROFILE_ENV, raising=False)
+    run = session.start(TRAINING, dict(session.notebook_defaults(TRAINING), profile="paper"))
+    try:
+        assert run.changed == {}  # the profile is where results go, not a changed parameter
+        assert paths.data_dir() == (tmp_path / "results" / "data" / "paper").resolve()
+        assert paths.figures_dir() == (tmp_path / "results" / "figures" / "paper").resolve()
+        record = json.loads((paths.data_dir() / f"{TRAINING}_machine.json").read_text())
+        assert record["profile"] == "paper" and record["machine"] == session.machine(torch.device("cpu"))
+        assert "data/paper" in capsys.readouterr().out
+        # back to the cpu profile: data/ itself again
+        session.start(TRAINING, session.notebook_defaults(TRAINING))
+        assert paths.data_dir() == (tmp_path / "results" / "data").resolve()
+    finally:
+        monkeypatch.delenv(paths.PROFILE_ENV, raising=False)
+
+
+def test_an_unknown_profile_is_refused(interactive):
+    with pytest.raises(ValueError, match="profile 'gpu'; expected one of: cpu, paper"):
+        session.start(TRAINING, dict(session.notebook_defaults(TRAINING), profile="gpu"))
+
+
+def test_figures_paper_profile_runs_only_the_training_notebooks(monkeypatch, tmp_path):
+    from qlab import cli
+
+    calls = []
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path)
+    monkeypatch.setattr(
+        notebooks,
+        "run_notebook",
+        lambda path, parameters, **options: calls.append((path.stem, parameters, options["output"])),
+    )
+    assert cli.main(["figures", "--profile", "paper"]) == 0
+    stems = [stem for stem, _, _ in calls]
+    assert stems == [
+        p.stem for p in notebooks.list_notebooks() if "profile" in notebooks.notebook_parameters(p)
+    ]
+    assert {"01", "03", "05", "06", "07"} <= {stem[:2] for stem in stems}
+    assert all(parameters == {"profile": "paper"} for _, parameters, _ in calls)
+    assert all(output == tmp_path / "paper" / f"{stem}.ipynb" for stem, _, output in calls)
+
+
 def test_resolve_device():
     assert session.resolve_device("cpu") == torch.device("cpu")
     assert session.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,8 +30,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from qlab import cli
-from qlab.nn import QuantLinear
+from qlab.nn import QuantLinear, fake_quant
 from qlab.probes import ProbeSet
+from qlab.recipe import get_recipe
 from qlab.train import TrainConfig, build_model, gradient_fidelity, launch, load_config, train
 from qlab.train import data as D
 from qlab.train import loop as L
@@ -847,6 +848,97 @@ def test_gradient_fidelity_leaves_the_model_alone():
         assert row["relative_error"] == pytest.approx(float((g - ref).norm() / ref.norm()), rel=1e-12)
         if row["quantized"]:
             assert 0.5 < row["cosine"] < 1 and row["relative_error"] > 0
+
+
+class _StraightThroughLinear(nn.Module):
+    """y = qdq(x)·qdq(W)ᵀ + b differentiated by autograd through identity straight-through quantizers:
+    the exact gradient of a QuantLinear's forward, built without QuantLinear's backward."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.weight, self.bias, self.recipe = layer.weight, layer.bias, layer.recipe
+
+    def forward(self, x):
+        x_q = fake_quant(x, self.recipe.spec("input"), -1)
+        return F.linear(x_q, fake_quant(self.weight, self.recipe.spec("weight"), -1), self.bias)
+
+
+def _mlp(recipe, override):
+    torch.manual_seed(0)
+    return nn.Sequential(
+        QuantLinear(64, 64, recipe=get_recipe(recipe, backward_override=override), seed=1),
+        nn.ReLU(),
+        QuantLinear(64, 32, recipe=get_recipe(recipe, backward_override=override), seed=2),
+        nn.ReLU(),
+        nn.Linear(32, 10),
+    )
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("override", [None, "high_precision", "dequantized"])
+def test_gradient_fidelity_against_the_exact_gradient_of_the_quantized_forward(recipe, override):
+    model = _mlp(recipe, override)
+    generator = torch.Generator().manual_seed(5)
+    x, y = torch.randn(48, 64, generator=generator), torch.randint(0, 10, (48,), generator=generator)
+    rows = {row["layer"]: row for row in gradient_fidelity(model, x, y)}
+    straight_through = copy.deepcopy(model)
+    for index in (0, 2):
+        straight_through[index] = _StraightThroughLinear(straight_through[index])
+    measured = copy.deepcopy(model)
+    grads = []
+    for candidate in (measured, straight_through):
+        F.cross_entropy(candidate(x), y).backward()
+        grads.append({index: candidate[index].weight.grad.double().flatten() for index in (0, 2, 4)})
+    for index in (0, 2, 4):
+        g, ref = grads[0][index], grads[1][index]
+        row = rows[str(index)]
+        if override == "dequantized":  # the same products in the same order as the reference's
+            assert row["exact_relative_error"] <= 1e-6 and row["exact_cosine"] == pytest.approx(1, abs=1e-12)
+        else:  # the recipe's own backward or the original operands: measurably not the exact gradient
+            expected = float((g - ref).norm() / ref.norm())
+            # QuantLinear's GEMMs and autograd's may sum in different orders: float32 rounding, ~1e-7 of ‖g‖
+            assert row["exact_relative_error"] == pytest.approx(expected, abs=1e-5)
+            if index != 4:  # the head is plain: its input and dy are the same forward's, so is its gradient
+                assert row["exact_relative_error"] > 1e-3
+    assert not rows["4"]["quantized"] and rows["0"]["quantized"]
+
+
+def test_gradient_fidelity_noise_floor_compares_fp32_gradients_of_two_batches():
+    model = _mlp("mxfp8", None)
+    generator = torch.Generator().manual_seed(6)
+    batch = torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+    other = torch.randn(32, 64, generator=generator), torch.randint(0, 10, (32,), generator=generator)
+    rows = {row["layer"]: row for row in gradient_fidelity(model, *batch, other_batch=other)}
+    plain = copy.deepcopy(model)
+    for index in (0, 2):
+        linear = nn.Linear(64, plain[index].out_features)
+        linear.weight, linear.bias = plain[index].weight, plain[index].bias
+        plain[index] = linear
+    grads = []
+    for inputs, targets in (batch, other):
+        plain.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(inputs), targets).backward()
+        grads.append({index: plain[index].weight.grad.double().flatten() for index in (0, 2, 4)})
+    for index in (0, 2, 4):
+        g_other, g = grads[1][index], grads[0][index]
+        row = rows[str(index)]
+        # the same FP32 products in the same order: float64 agreement up to the order of its sums
+        assert row["noise_cosine"] == pytest.approx(
+            float(g_other @ g / (g_other.norm() * g.norm())), rel=1e-12
+        )
+        assert row["noise_relative_error"] == pytest.approx(float((g_other - g).norm() / g.norm()), rel=1e-12)
+    assert "noise_cosine" not in gradient_fidelity(model, *batch)[0]
+
+
+def test_gradient_fidelity_of_delayed_scaling_leaves_its_amax_history_alone():
+    model, (inputs, targets) = _model_and_batch("fp8_delayed")
+    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    before = _snapshot(model)[2]
+    rows = gradient_fidelity(model, inputs, targets)
+    after = _snapshot(model)[2]
+    assert repr(before) == repr(after)
+    quantized = [row for row in rows if row["quantized"]]
+    assert quantized and all(0 < row["exact_relative_error"] < 1 for row in quantized)
 
 
 # --- 10. QuantLinear.quant_state ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ import yaml
 from qlab import checks
 from qlab.ablation import INGREDIENTS, uses
 from qlab.nn import check_gemm
+from qlab.numerics import LAYER_NORM_STATS
 from qlab.recipe import PRESETS, get_recipe
 from qlab.sparse import MODES as TOPK_MODES
 from qlab.sparse import check_k
@@ -25,6 +26,7 @@ TASKS = ("shakespeare", "digits")
 BASELINES = ("fp32", "bf16")  # no quantization; bf16 runs the model under bf16 autocast
 RECIPES = BASELINES + tuple(name for name in PRESETS if name != "bf16")
 AUTOCAST_DTYPES = (None, "bf16", "fp16")
+LAYER_NORM_ACC = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "sgd")
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
@@ -71,6 +73,10 @@ class TrainConfig:
         "adamw"  # "adamw", or "sgd" (no momentum: with weight_decay 0 only weights with a gradient move)
     )
     autocast: str | None = None  # None, "bf16" or "fp16"
+    layer_norm: str = (
+        "torch"  # "torch" (nn.LayerNorm), or qlab.numerics statistics: textbook, two_pass, welford
+    )
+    layer_norm_acc: str = "fp32"  # what those statistics accumulate in: "fp32", "bf16" or "fp16"
     grad_scaler: bool = False  # torch.amp.GradScaler (dynamic loss scaling)
     # sparse back-propagation (qlab.sparse): keep the top-k output-gradient features of each Linear
     topk: int | float | None = None  # None = dense; a count, or a fraction of each layer's outputs
@@ -140,6 +146,13 @@ class TrainConfig:
                 )
         if self.autocast not in AUTOCAST_DTYPES:
             raise ValueError(f"unknown autocast {self.autocast!r}; expected None, 'bf16' or 'fp16'")
+        checks.choice("layer_norm", self.layer_norm, ("torch", *LAYER_NORM_STATS))
+        checks.choice("layer_norm_acc", self.layer_norm_acc, tuple(LAYER_NORM_ACC))
+        if self.layer_norm == "torch" and self.layer_norm_acc != "fp32":
+            raise ValueError(
+                f"layer_norm_acc={self.layer_norm_acc!r} applies to qlab's LayerNorm statistics; "
+                f"choose layer_norm='textbook', 'two_pass' or 'welford'"
+            )
         if self.recipe == "bf16" and self.autocast not in (None, "bf16"):
             raise ValueError(f"recipe 'bf16' runs under bf16 autocast; got autocast={self.autocast!r}")
         if not (

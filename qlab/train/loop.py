@@ -35,12 +35,13 @@ from torch.nn import functional as F
 
 from qlab.ablation import without
 from qlab.nn import QuantLinear, plain_linears, quantize_model
+from qlab.numerics import use_stats_layer_norms
 from qlab.recipe import get_recipe
 from qlab.results import write_csv
 from qlab.session import progress, resolve_device
-from qlab.sparse import sparsify_model
+from qlab.sparse import TopKLinear, sparsify_model
 from qlab.train import data as D
-from qlab.train.config import BASELINES, TrainConfig
+from qlab.train.config import BASELINES, LAYER_NORM_ACC, TrainConfig
 from qlab.train.models import MLP, CharGPT
 
 CHECKPOINT = "checkpoint.pt"
@@ -97,6 +98,8 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
             )
         else:
             model = MLP(64, tuple(config.hidden), 10)
+    if config.layer_norm != "torch":
+        use_stats_layer_norms(model, config.layer_norm, LAYER_NORM_ACC[config.layer_norm_acc])
     if config.recipe not in BASELINES:
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(
@@ -185,9 +188,10 @@ class Batches:
         indices = torch.randint(self._population("val"), (c.eval_batches, c.batch_size), generator=generator)
         return [self._draw(row, "val") for row in indices]
 
-    def fidelity_batch(self):
-        """One fixed training batch (batch_size items) on which gradients are compared."""
-        generator = torch.Generator().manual_seed(104729)
+    def fidelity_batch(self, index: int = 0):
+        """A fixed training batch (batch_size items) on which gradients are compared; ``index`` 1 gives
+        a second one, for the mini-batch noise floor."""
+        generator = torch.Generator().manual_seed(104729 + index)
         return self._draw(
             torch.randint(self._population("train"), (self.config.batch_size,), generator=generator), "train"
         )
@@ -225,39 +229,64 @@ def gradient_fidelity(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     autocast=contextlib.nullcontext,
+    other_batch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> list[dict]:
-    """Per Linear weight: cosine similarity and relative error ‖g − g_ref‖/‖g_ref‖ of the model's gradient
-    against the fp32 gradient (every layer a plain nn.Linear: no quantization, no top-k; no autocast) at
-    the same weights on the same batch.
+    """Per Linear weight, the model's gradient on one batch against two references at the same weights,
+    as ``cosine`` similarity and ``relative_error`` ‖g − g_ref‖/‖g_ref‖ (float64):
+
+    - FP32 (``cosine``, ``relative_error``): every layer a plain nn.Linear (no quantization, no top-k),
+      no autocast;
+    - the exact gradient of the model's own forward (``exact_cosine``, ``exact_relative_error``): the
+      same quantized forward under the same autocast, differentiated by the chain rule through the
+      forward's dequantized operands (straight-through quantizers; every QuantLinear's ``exact_backward``,
+      delayed scaling included; top-k layers dense). The "dequantized" override is this by construction.
+
+    With ``other_batch`` (inputs, targets), also what the data alone moves a gradient by:
+    ``noise_cosine`` and ``noise_relative_error`` of the FP32 gradient on ``other_batch`` against the
+    FP32 gradient on this batch (a fidelity reads against it).
 
     Works on deep copies: the model, its gradients and its stochastic-rounding generators are untouched.
     """
     measured = copy.deepcopy(model)
+    exact = copy.deepcopy(model)
+    plain_linears(exact, TopKLinear)
+    for module in exact.modules():
+        if isinstance(module, QuantLinear):
+            module.exact_backward = True
     reference = copy.deepcopy(model)
     plain_linears(reference)
-    gradients = []
-    for candidate, context in ((measured, autocast), (reference, contextlib.nullcontext)):
-        candidate.zero_grad(set_to_none=True)
-        _loss(candidate, inputs, targets, context)[0].backward()
-        gradients.append(
-            {
-                name: module.weight.grad.double()
-                for name, module in candidate.named_modules()
-                if isinstance(module, nn.Linear)
-            }
-        )
+    passes = [(measured, inputs, targets, autocast), (exact, inputs, targets, autocast)]
+    passes.append((reference, inputs, targets, contextlib.nullcontext))
+    if other_batch is not None:
+        passes.append((reference, *other_batch, contextlib.nullcontext))
+    gradients = [_weight_gradients(*one_pass) for one_pass in passes]
     rows = []
-    for name, g_ref in gradients[1].items():
-        g = gradients[0][name]
-        rows.append(
-            {
-                "layer": name,
-                "quantized": type(model.get_submodule(name)) is not nn.Linear,
-                "cosine": F.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0).item(),
-                "relative_error": ((g - g_ref).norm() / g_ref.norm()).item(),
-            }
-        )
+    for name, g_ref in gradients[2].items():
+        row = {"layer": name, "quantized": type(model.get_submodule(name)) is not nn.Linear}
+        row.update(_agreement(gradients[0][name], g_ref))
+        row.update(_agreement(gradients[0][name], gradients[1][name], "exact_"))
+        if other_batch is not None:
+            row.update(_agreement(gradients[3][name], g_ref, "noise_"))
+        rows.append(row)
     return rows
+
+
+def _weight_gradients(model: nn.Module, inputs, targets, autocast) -> dict[str, torch.Tensor]:
+    """Every Linear weight's gradient (float64) of the loss on one batch."""
+    model.zero_grad(set_to_none=True)
+    _loss(model, inputs, targets, autocast)[0].backward()
+    return {
+        name: module.weight.grad.double()
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    }
+
+
+def _agreement(g: torch.Tensor, g_ref: torch.Tensor, prefix: str = "") -> dict[str, float]:
+    return {
+        f"{prefix}cosine": F.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0).item(),
+        f"{prefix}relative_error": ((g - g_ref).norm() / g_ref.norm()).item(),
+    }
 
 
 def _linear_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -546,7 +575,9 @@ def _start(config: TrainConfig, probes) -> _Run:
     if probe_set is not None:
         probe_set.current_step = start
         probe_set.attach()
-    fidelity_inputs = [t.to(device) for t in batches.fidelity_batch()] if config.fidelity_every else None
+    fidelity_inputs = None
+    if config.fidelity_every:
+        fidelity_inputs = [tuple(t.to(device) for t in batches.fidelity_batch(index)) for index in (0, 1)]
     return _Run(
         config, rank, world_size, device, batches, trained, model, step_model, optimizer, scaler, autocast,
         out_dir, metrics, fidelity, start, probe_set, batches.validation(), fidelity_inputs,
@@ -558,7 +589,8 @@ def _train_step(run: _Run, step: int) -> tuple[dict, Divergence]:
     update. Returns the step's metrics row (no val_loss yet) and the Divergence that reports a failure."""
     config, trained = run.config, run.trained
     if run.fidelity_inputs is not None and step % config.fidelity_every == 0:
-        rows = gradient_fidelity(trained, *run.fidelity_inputs, run.autocast)
+        batch, other_batch = run.fidelity_inputs
+        rows = gradient_fidelity(trained, *batch, run.autocast, other_batch)
         run.fidelity += [{"step": step, **row} for row in rows]
     lr = learning_rate(config, step)
     for group in run.optimizer.param_groups:
