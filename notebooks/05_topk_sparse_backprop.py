@@ -39,7 +39,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
-profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds, 3000 steps, a 1.1M-parameter CharGPT: a GPU)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds, 3000 steps, a 1.0M-parameter CharGPT: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 5  # independent digits runs per k and mode
 fractions: list[float] = [0.01, 0.02, 0.05, 0.1, 0.16, 0.25, 0.5]  # k as a fraction of each layer's outputs
@@ -82,7 +82,7 @@ from qlab.train import TrainConfig, train
 
 NAME = "05_topk_sparse_backprop"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
-if profile == "paper":  # 10 digits seeds × 3000 steps; the 1.1M-parameter CharGPT, 3000 steps, 5 seeds
+if profile == "paper":  # 10 digits seeds × 3000 steps; the 1.0M-parameter CharGPT, 3000 steps, 5 seeds
     seeds, digits_steps, text_steps, text_seeds = max(seeds, 10), 3000, 3000, max(text_seeds, 5)
     timing_tokens, timing_width, timing_repeats = 4096, 4096, 31
 if smoke:

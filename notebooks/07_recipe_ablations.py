@@ -65,7 +65,7 @@ from qlab.train.data import shakespeare
 
 NAME = "07_recipe_ablations"
 device = session.start(NAME, globals()).device
-if profile == "paper":  # the 1.1M-parameter CharGPT (5 blocks × 128), 3000 steps, 5 seeds
+if profile == "paper":  # the 1.0M-parameter CharGPT (5 blocks × 128), 3000 steps, 5 seeds
     seeds, train_steps, capture_steps, sr_draws = max(seeds, 5), 3000, 1000, 64
     layers, width, context, batch_size = 5, 128, 128, 32
 if smoke:

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import matplotlib
 import matplotlib.pyplot as plt
+import numpy as np
 
 from qlab import checks, paths
 
@@ -84,16 +85,31 @@ def _check_axes(ax) -> None:
         raise TypeError(f"ax must be a matplotlib Axes, got {checks.shown(ax)}")
 
 
-def mean_band(ax, frame, x: str, y: str, *, by: str | None = None, method: str = "t", **line_kwargs):
+def mean_band(
+    ax, frame, x: str, y: str, *, by: str | None = None, method: str = "t", log: bool = False, **line_kwargs
+):
     """Draw on ``ax`` the mean of ``y`` over the rows that share an ``x`` (the seeds) as a line, and its
     95 % interval (``qlab.stats.mean_interval`` by ``method``) as a band of the line's colour: one line
     per value of ``by`` (labelled with it), or one line. Returns the summary: x, [by], n, mean, low, high
-    (a single seed leaves no band: NaN bounds)."""
+    (a single seed leaves no band: NaN bounds).
+
+    ``log=True`` is for positive quantities that span decades (an error, a norm): the mean and interval
+    are those of log10(y), drawn as 10^… on a log axis — the geometric mean and a multiplicative band
+    that never reaches zero, as a band of the plain mean would. The summary stays in y's units."""
     from qlab import stats
 
     _check_axes(ax)
+    checks.boolean("log", log)
     keys = [x] if by is None else [by, x]
+    if log:
+        checks.frame_columns("frame", frame, [y, *keys])
+        if not (frame[y] > 0).all():
+            raise ValueError(f"log=True needs positive {y!r} values; got {frame[y].min()!r}")
+        frame = frame.assign(**{y: np.log10(frame[y].to_numpy(dtype=float))})
+        ax.set_yscale("log")
     summary = stats.summarize(frame, y, keys, method).sort_values(keys, kind="stable")
+    if log:
+        summary[["mean", "low", "high"]] = 10.0 ** summary[["mean", "low", "high"]]
     groups = [(None, summary)] if by is None else list(summary.groupby(by, sort=False))
     for name, group in groups:
         kwargs = dict(line_kwargs)

@@ -117,6 +117,20 @@ def test_mean_band_draws_the_mean_and_the_interval_of_each_x():
     plt.close(fig)
 
 
+def test_mean_band_on_a_log_axis_is_the_geometric_mean_and_a_multiplicative_interval():
+    # log10 of 1 and 100 is 0 and 2: mean 1 (the geometric mean 10), s = √2, half-width 12.706 · √2/√2
+    frame = pd.DataFrame({"x": [0, 0], "y": [1.0, 100.0]})
+    fig, ax = plt.subplots()
+    summary = plotting.mean_band(ax, frame, "x", "y", log=True)
+    assert ax.get_yscale() == "log"
+    assert ax.get_lines()[0].get_ydata().tolist() == pytest.approx([10.0], rel=1e-12)
+    assert summary["low"].iloc[0] == pytest.approx(10.0 ** (1 - 12.706), rel=1e-9)
+    assert summary["high"].iloc[0] == pytest.approx(10.0 ** (1 + 12.706), rel=1e-9)
+    with pytest.raises(ValueError, match="positive 'y'"):
+        plotting.mean_band(ax, pd.DataFrame({"x": [0, 0], "y": [1.0, 0.0]}), "x", "y", log=True)
+    plt.close(fig)
+
+
 def test_delta_band_subtracts_the_same_seed_and_step_of_the_baseline():
     frame = pd.DataFrame(
         {
