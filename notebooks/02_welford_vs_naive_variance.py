@@ -94,17 +94,11 @@ for dtype in (torch.float32, torch.float64):
         y = fn(x)
         y.sum().backward()
         y, g = y.detach().cpu().double()[0], x.grad.cpu().double()[0]
-        rows.append(
-            {
-                "dtype": str(dtype).removeprefix("torch."),
-                "implementation": label,
-                "y0": y[0].item(),
-                "y1": y[1].item(),
-                "max_abs_error": (y - exact_seed).abs().max().item(),
-                "grad0": g[0].item(),
-                "grad1": g[1].item(),
-            }
-        )
+        rows.append({
+            "dtype": str(dtype).removeprefix("torch."), "implementation": label,
+            "y0": y[0].item(), "y1": y[1].item(), "max_abs_error": (y - exact_seed).abs().max().item(),
+            "grad0": g[0].item(), "grad1": g[1].item(),
+        })
 seed_table = pd.DataFrame(rows)
 save_csv(seed_table, f"{NAME}_seed")
 seed_table.style.format({c: "{:+.6g}" for c in ["y0", "y1", "max_abs_error", "grad0", "grad1"]})
@@ -134,9 +128,7 @@ CONFIGS = [  # label, input dtype, accumulation dtype
 ]
 ALGORITHMS = list(numerics.ALGORITHMS)
 kappa_targets = np.logspace(0, math.log10(kappa_max), kappa_points)
-base_rows = numerics.rows_with_condition_number(
-    kappa_targets, n, trials, dtype=torch.float64, generator=generator
-)
+base_rows = numerics.rows_with_condition_number(kappa_targets, n, trials, dtype=torch.float64, generator=generator)
 
 records = []
 for label, in_dtype, acc_dtype in session.progress(CONFIGS, desc="κ sweep"):
@@ -146,30 +138,19 @@ for label, in_dtype, acc_dtype in session.progress(CONFIGS, desc="κ sweep"):
     for algorithm in ALGORITHMS:
         var = numerics.variance(x, algorithm, acc_dtype=acc_dtype).double()
         rel_error = ((var - exact_var).abs() / exact_var).clamp(max=1.0)  # 1 = every digit lost
-        records.append(
-            pd.DataFrame(
-                {
-                    "config": label,
-                    "input_dtype": str(in_dtype).removeprefix("torch."),
-                    "acc_dtype": str(acc_dtype).removeprefix("torch."),
-                    "algorithm": algorithm,
-                    "kappa_target": np.repeat(kappa_targets, trials),
-                    "trial": np.tile(np.arange(trials), kappa_points),
-                    "kappa": kappa.numpy(),
-                    "rel_error": rel_error.numpy(),
-                }
-            )
-        )
+        records.append(pd.DataFrame({
+            "config": label, "input_dtype": str(in_dtype).removeprefix("torch."),
+            "acc_dtype": str(acc_dtype).removeprefix("torch."), "algorithm": algorithm,
+            "kappa_target": np.repeat(kappa_targets, trials), "trial": np.tile(np.arange(trials), kappa_points),
+            "kappa": kappa.numpy(), "rel_error": rel_error.numpy(),
+        }))
 kappa_table = pd.concat(records, ignore_index=True)
 kappa_table = kappa_table[np.isfinite(kappa_table["kappa"])]  # rows the dtype rounded to a constant
 save_csv(kappa_table, f"{NAME}_kappa")
 
 # %%
-summary = (
-    kappa_table.groupby(["config", "algorithm", "kappa_target"], sort=False)
-    .agg(kappa=("kappa", "median"), rel_error=("rel_error", "median"))
-    .reset_index()
-)
+summary = (kappa_table.groupby(["config", "algorithm", "kappa_target"], sort=False)
+           .agg(kappa=("kappa", "median"), rel_error=("rel_error", "median")).reset_index())
 fig, axes = subplots(2, 3, width="text", aspect=0.75, sharex=True, sharey=True)
 for ax, (label, _, acc_dtype) in zip(axes.flat, CONFIGS):
     u = numerics.unit_roundoff(acc_dtype)
@@ -190,7 +171,6 @@ handles, labels = axes.flat[0].get_legend_handles_labels()
 axes.flat[-1].legend(handles + axes.flat[0].lines[-2:], labels + ["u·κ", "u·κ²"], loc="center")
 save_figure(fig, f"{NAME}_kappa")
 
-
 # %%
 def first_kappa_losing_all_digits(config: str, algorithm: str, threshold: float = 0.5) -> float:
     part = summary[(summary["config"] == config) & (summary["algorithm"] == algorithm)]
@@ -199,11 +179,9 @@ def first_kappa_losing_all_digits(config: str, algorithm: str, threshold: float 
 
 
 for label, _, acc_dtype in CONFIGS:
-    print(
-        f"{label:>16}: textbook loses every digit from κ ≈ {first_kappa_losing_all_digits(label, 'textbook'):.3g}"
-        f" (rule of thumb u^-1/2 = {numerics.unit_roundoff(acc_dtype) ** -0.5:.3g}); "
-        f"Welford from κ ≈ {first_kappa_losing_all_digits(label, 'welford'):.3g}"
-    )
+    print(f"{label:>16}: textbook loses every digit from κ ≈ {first_kappa_losing_all_digits(label, 'textbook'):.3g}"
+          f" (rule of thumb u^-1/2 = {numerics.unit_roundoff(acc_dtype) ** -0.5:.3g}); "
+          f"Welford from κ ≈ {first_kappa_losing_all_digits(label, 'welford'):.3g}")
 
 # %% [markdown]
 # Textbook's error follows the u·κ² slope and reaches 100 % a little before the rule of thumb
@@ -233,15 +211,12 @@ for label, _, acc_dtype in CONFIGS:
 # %%
 LENGTH_CONFIGS = [c for c in CONFIGS if c[0] in ("fp32", "fp16", "bf16")]
 LENGTH_VARIANTS = {  # label -> (algorithm, chunk)
-    "textbook": ("textbook", None),
-    "welford": ("welford", None),
-    "welford, chunk 16": ("welford", 16),
-    "pairwise": ("pairwise", None),
+    "textbook": ("textbook", None), "welford": ("welford", None),
+    "welford, chunk 16": ("welford", 16), "pairwise": ("pairwise", None),
 }
-lengths = [2**k for k in range(4, n_max_log2 + 1)]
-length_rows = numerics.rows_with_condition_number(
-    [kappa_for_length], lengths[-1], trials, dtype=torch.float64, generator=generator
-)
+lengths = [2 ** k for k in range(4, n_max_log2 + 1)]
+length_rows = numerics.rows_with_condition_number([kappa_for_length], lengths[-1], trials,
+                                                  dtype=torch.float64, generator=generator)
 records = []
 for label, in_dtype, acc_dtype in session.progress(LENGTH_CONFIGS, desc="length sweep"):
     for length in lengths:
@@ -250,35 +225,18 @@ for label, in_dtype, acc_dtype in session.progress(LENGTH_CONFIGS, desc="length 
         for variant, (algorithm, chunk) in LENGTH_VARIANTS.items():
             var = numerics.variance(x, algorithm, acc_dtype=acc_dtype, chunk=chunk).double()
             rel_error = ((var - exact_var).abs() / exact_var).clamp(max=1.0)
-            records.append(
-                pd.DataFrame(
-                    {
-                        "config": label,
-                        "variant": variant,
-                        "n": length,
-                        "trial": np.arange(trials),
-                        "rel_error": rel_error.numpy(),
-                    }
-                )
-            )
+            records.append(pd.DataFrame({"config": label, "variant": variant, "n": length,
+                                         "trial": np.arange(trials), "rel_error": rel_error.numpy()}))
 length_table = pd.concat(records, ignore_index=True)
 save_csv(length_table, f"{NAME}_length")
 
 fig, axes = subplots(1, len(LENGTH_CONFIGS), width="text", aspect=0.9)
-length_summary = (
-    length_table.groupby(["config", "variant", "n"], sort=False)["rel_error"].median().reset_index()
-)
+length_summary = length_table.groupby(["config", "variant", "n"], sort=False)["rel_error"].median().reset_index()
 for ax, (label, _, acc_dtype) in zip(axes, LENGTH_CONFIGS):
     for variant in LENGTH_VARIANTS:
         part = length_summary[(length_summary["config"] == label) & (length_summary["variant"] == variant)]
         ax.loglog(part["n"], part["rel_error"].clip(lower=ERROR_FLOOR), marker="o", label=variant)
-    ax.loglog(
-        lengths,
-        [min(numerics.unit_roundoff(acc_dtype) * m, 1.0) for m in lengths],
-        "k--",
-        lw=0.7,
-        label="u·n",
-    )
+    ax.loglog(lengths, [min(numerics.unit_roundoff(acc_dtype) * m, 1.0) for m in lengths], "k--", lw=0.7, label="u·n")
     ax.set_title(f"{label} (κ = {kappa_for_length:g})")
     ax.set_xlabel("row length n")
     ax.set_ylim(top=2)
@@ -297,9 +255,8 @@ save_figure(fig, f"{NAME}_length")
 # random upstream gradient. Lines are medians over the `trials` rows of each κ, bands their quartiles.
 
 # %%
-ln_x = numerics.rows_with_condition_number(
-    kappa_targets, n, trials, std=1.0, dtype=torch.float32, generator=generator
-)
+ln_x = numerics.rows_with_condition_number(kappa_targets, n, trials, std=1.0, dtype=torch.float32,
+                                           generator=generator)
 ln_kappa = numerics.condition_number(ln_x)
 upstream = torch.randn(ln_x.shape, generator=generator)
 ref_x = ln_x.double().requires_grad_(True)
@@ -314,26 +271,15 @@ ln_implementations = {
     f"torch ({device})": lambda x: F.layer_norm(x, (n,), eps=eps),
 }
 records = []
-for label, fn in session.progress(
-    ln_implementations.items(), total=len(ln_implementations), desc="LayerNorms"
-):
+for label, fn in session.progress(ln_implementations.items(), total=len(ln_implementations), desc="LayerNorms"):
     x = ln_x.to(device if label.startswith("torch") else "cpu").detach().requires_grad_(True)
     y = fn(x)
     (grad,) = torch.autograd.grad(y, x, upstream.to(x.device))
     out_error = (y.detach().cpu().double() - ref_y).abs().amax(dim=1)
     grad_error = (grad.cpu().double() - ref_grad).abs().amax(dim=1) / ref_grad.abs().amax(dim=1)
-    records.append(
-        pd.DataFrame(
-            {
-                "implementation": label,
-                "kappa_target": np.repeat(kappa_targets, trials),
-                "trial": np.tile(np.arange(trials), kappa_points),
-                "kappa": ln_kappa.numpy(),
-                "output_abs_error": out_error.numpy(),
-                "grad_rel_error": grad_error.numpy(),
-            }
-        )
-    )
+    records.append(pd.DataFrame({"implementation": label, "kappa_target": np.repeat(kappa_targets, trials),
+                                 "trial": np.tile(np.arange(trials), kappa_points), "kappa": ln_kappa.numpy(),
+                                 "output_abs_error": out_error.numpy(), "grad_rel_error": grad_error.numpy()}))
 ln_table = pd.concat(records, ignore_index=True)
 save_csv(ln_table, f"{NAME}_layernorm")
 
@@ -347,17 +293,10 @@ for label in ln_implementations:
     part = ln_summary[chosen]
     style = {"ls": "--", "marker": "x"} if label.startswith("torch") else {"marker": "o"}
     for ax, column in zip(axes, ("output_abs_error", "grad_rel_error")):
-        (line,) = ax.loglog(
-            part["kappa"], part[column].clip(lower=ERROR_FLOOR), label=label, markersize=3, **style
-        )
-        ax.fill_between(
-            part["kappa"],
-            ln_low[chosen][column].clip(lower=ERROR_FLOOR),
-            ln_high[chosen][column].clip(lower=ERROR_FLOOR),
-            color=line.get_color(),
-            alpha=0.2,
-            linewidth=0,
-        )
+        (line,) = ax.loglog(part["kappa"], part[column].clip(lower=ERROR_FLOOR), label=label, markersize=3, **style)
+        ax.fill_between(part["kappa"], ln_low[chosen][column].clip(lower=ERROR_FLOOR),
+                        ln_high[chosen][column].clip(lower=ERROR_FLOOR), color=line.get_color(), alpha=0.2,
+                        linewidth=0)
 axes[0].set_ylabel("max |y − y_ref|")
 axes[1].set_ylabel("rel. error of dL/dx")
 for ax in axes:
@@ -390,9 +329,7 @@ for label, fn in checked.items():
     result = numerics.check_layer_norm_grads(fn, seed=seed)
     print(f"{label:>34}: {result.diagnosis}")
     check_tables.append(result.table.assign(implementation=label))
-check_table = pd.concat(check_tables, ignore_index=True)[
-    ["implementation", "quantity", "error", "tolerance", "ok"]
-]
+check_table = pd.concat(check_tables, ignore_index=True)[["implementation", "quantity", "error", "tolerance", "ok"]]
 save_csv(check_table, f"{NAME}_gradcheck")
 
 fig, ax = subplots(width="column", aspect=0.75)
@@ -400,12 +337,8 @@ quantities = list(check_table["quantity"].unique())
 width = 0.8 / len(checked)
 for i, label in enumerate(checked):
     part = check_table[check_table["implementation"] == label]
-    ax.bar(
-        np.arange(len(quantities)) + (i - (len(checked) - 1) / 2) * width,
-        part["error"].clip(lower=ERROR_FLOOR),
-        width,
-        label=label,
-    )
+    ax.bar(np.arange(len(quantities)) + (i - (len(checked) - 1) / 2) * width,
+           part["error"].clip(lower=ERROR_FLOOR), width, label=label)
 ax.axhline(check_table["tolerance"].iloc[0], color="k", ls="--", lw=0.7, label="tolerance")
 ax.set_yscale("log")
 ax.set_xticks(np.arange(len(quantities)), quantities)
@@ -432,28 +365,16 @@ if torch.cuda.is_available():
         (grad,) = torch.autograd.grad(y, x, upstream.to("cuda"))
         out_error = (y.detach().cpu().double() - ref_y).abs().amax(dim=1)
         grad_error = (grad.cpu().double() - ref_grad).abs().amax(dim=1) / ref_grad.abs().amax(dim=1)
-        gpu_records.append(
-            pd.DataFrame(
-                {
-                    "stats": statistics,
-                    "kappa_target": np.repeat(kappa_targets, trials),
-                    "kappa": ln_kappa.numpy(),
-                    "output_abs_error": out_error.numpy(),
-                    "grad_rel_error": grad_error.numpy(),
-                }
-            )
-        )
+        gpu_records.append(pd.DataFrame({"stats": statistics, "kappa_target": np.repeat(kappa_targets, trials),
+                                         "kappa": ln_kappa.numpy(), "output_abs_error": out_error.numpy(),
+                                         "grad_rel_error": grad_error.numpy()}))
     gpu_table = pd.concat(gpu_records, ignore_index=True)
     save_csv(gpu_table, f"{NAME}_gpu")
-    gpu_summary = (
-        gpu_table.groupby(["stats", "kappa_target"], sort=False).median(numeric_only=True).reset_index()
-    )
+    gpu_summary = gpu_table.groupby(["stats", "kappa_target"], sort=False).median(numeric_only=True).reset_index()
     fig, axes = subplots(1, 2, width="text", aspect=0.65)
     for statistics in ("textbook", "two_pass", "welford"):
         part = gpu_summary[gpu_summary["stats"] == statistics]
-        axes[0].loglog(
-            part["kappa"], part["output_abs_error"].clip(lower=ERROR_FLOOR), marker="o", label=statistics
-        )
+        axes[0].loglog(part["kappa"], part["output_abs_error"].clip(lower=ERROR_FLOOR), marker="o", label=statistics)
         axes[1].loglog(part["kappa"], part["grad_rel_error"].clip(lower=ERROR_FLOOR), marker="o", label=statistics)
     axes[0].set_ylabel("max |y − y_ref|")
     axes[1].set_ylabel("rel. error of dL/dx")
@@ -478,48 +399,32 @@ else:
 from qlab.train import TrainConfig, train  # noqa: E402
 from qlab.train.loop import Batches  # noqa: E402
 
-config = TrainConfig(
-    steps=chargpt_steps, batch_size=16, seed=seed, progress=False, eval_every=max(chargpt_steps, 1)
-)
+config = TrainConfig(steps=chargpt_steps, batch_size=16, seed=seed, progress=False, eval_every=max(chargpt_steps, 1))
 if smoke:
     config = config.replace(layers=1, width=32, context=32, batch_size=4, eval_batches=1)
 chargpt = train(config).model.eval()
 validation = Batches(config).validation()
-frames = [
-    numerics.norm_input_conditions(chargpt, lambda: [chargpt(ids) for ids, _ in validation]).assign(
-        model=f"CharGPT ({chargpt_steps} steps)"
-    )
-]
+frames = [numerics.norm_input_conditions(
+    chargpt, lambda: [chargpt(ids) for ids, _ in validation]).assign(model=f"CharGPT ({chargpt_steps} steps)")]
 for name in pretrained_models:
     pretrained, tokenizer = models.load(name)
     batch = models.shakespeare_batches(tokenizer, 4, 128, 1, seed=seed)[0]
-    frames.append(
-        numerics.norm_input_conditions(pretrained, lambda: pretrained(input_ids=batch)).assign(model=name)
-    )
+    frames.append(numerics.norm_input_conditions(pretrained, lambda: pretrained(input_ids=batch)).assign(model=name))
 norm_kappa = pd.concat(frames, ignore_index=True)
 save_csv(norm_kappa, f"{NAME}_model_kappa")
-norm_kappa.groupby(["model", "kind"]).agg(
-    layers=("layer", "nunique"),
-    kappa_median=("kappa_median", "median"),
-    kappa_p99_max=("kappa_p99", "max"),
-    kappa_max=("kappa_max", "max"),
-    bf16_risk=("bf16_textbook_fraction", "mean"),
-    fp32_risk=("fp32_textbook_fraction", "mean"),
-).round(3)
+norm_kappa.groupby(["model", "kind"]).agg(layers=("layer", "nunique"), kappa_median=("kappa_median", "median"),
+                                         kappa_p99_max=("kappa_p99", "max"), kappa_max=("kappa_max", "max"),
+                                         bf16_risk=("bf16_textbook_fraction", "mean"),
+                                         fp32_risk=("fp32_textbook_fraction", "mean")).round(3)
 
 # %%
-per_layer = (
-    norm_kappa.groupby(["model", "layer"], sort=False)
-    .agg(kappa_median=("kappa_median", "median"), kappa_max=("kappa_max", "max"))
-    .reset_index()
-)
+per_layer = norm_kappa.groupby(["model", "layer"], sort=False).agg(
+    kappa_median=("kappa_median", "median"), kappa_max=("kappa_max", "max")).reset_index()
 fig, ax = subplots(width="column", aspect=0.8)
 for i, (label, part) in enumerate(per_layer.groupby("model", sort=False)):
     positions = np.arange(len(part))
     ax.scatter(positions, part.kappa_median - 1, s=6, color=f"C{i}", label=f"{label}: median row")
-    ax.scatter(
-        positions, part.kappa_max - 1, s=8, color=f"C{i}", marker="^", alpha=0.6, label=f"{label}: worst row"
-    )
+    ax.scatter(positions, part.kappa_max - 1, s=8, color=f"C{i}", marker="^", alpha=0.6, label=f"{label}: worst row")
 ax.axhline(1, color="grey", linestyle=":", linewidth=0.8)
 ax.text(0, 1.4, "κ = 2: bf16-accumulated textbook fails", fontsize=5, color="grey")
 ax.axhline(999, color="grey", linestyle="--", linewidth=0.8)
@@ -543,38 +448,18 @@ save_figure(fig, f"{NAME}_model_kappa")
 # with 95 % intervals over seeds.
 
 # %%
-ln_config = TrainConfig(
-    steps=ln_train_steps,
-    layers=2,
-    width=64,
-    context=64,
-    batch_size=16,
-    lr=3e-3,
-    eval_batches=8,
-    warmup_steps=min(30, ln_train_steps),
-    eval_every=max(1, ln_train_steps // 6),
-    progress=False,
-)
+ln_config = TrainConfig(steps=ln_train_steps, layers=2, width=64, context=64, batch_size=16, lr=3e-3, eval_batches=8,
+                        warmup_steps=min(30, ln_train_steps), eval_every=max(1, ln_train_steps // 6), progress=False)
 if smoke:
     ln_config = ln_config.replace(layers=1, width=32, context=32, batch_size=4, eval_batches=1)
-TORCH_LN, WELFORD_LN, TEXTBOOK_LN = (
-    "torch (fp32 statistics)",
-    "welford (bf16 statistics)",
-    "textbook (bf16 statistics)",
-)
-LN_VARIANTS = {
-    TORCH_LN: ("torch", "fp32"),
-    WELFORD_LN: ("welford", "bf16"),
-    TEXTBOOK_LN: ("textbook", "bf16"),
-}
+TORCH_LN, WELFORD_LN, TEXTBOOK_LN = "torch (fp32 statistics)", "welford (bf16 statistics)", "textbook (bf16 statistics)"
+LN_VARIANTS = {TORCH_LN: ("torch", "fp32"), WELFORD_LN: ("welford", "bf16"), TEXTBOOK_LN: ("textbook", "bf16")}
 ln_runs = [(s, v) for s in range(ln_train_seeds) for v in LN_VARIANTS]
 ln_curves = []
 for ln_seed, variant in session.progress(ln_runs, desc="LayerNorm training runs"):
     layer_norm, acc = LN_VARIANTS[variant]
     metrics = train(ln_config.replace(seed=ln_seed, layer_norm=layer_norm, layer_norm_acc=acc)).metrics
-    ln_curves.append(
-        metrics.dropna(subset=["val_loss"])[["step", "val_loss"]].assign(variant=variant, seed=ln_seed)
-    )
+    ln_curves.append(metrics.dropna(subset=["val_loss"])[["step", "val_loss"]].assign(variant=variant, seed=ln_seed))
 ln_curves = pd.concat(ln_curves, ignore_index=True)
 save_csv(ln_curves, f"{NAME}_ln_training")
 ln_final = ln_curves[ln_curves.step == ln_curves.step.max()]
@@ -586,11 +471,9 @@ vs_welford = stats.paired_differences(bf16_only, "val_loss", baseline=WELFORD_LN
 textbook_minus_welford = stats.summarize(vs_welford, "difference", ["variant"])
 ln_table = ln_losses.merge(ln_gaps.drop(columns="n"), on="variant", how="left", suffixes=("", "_vs_torch"))
 save_csv(ln_table, f"{NAME}_ln_training_summary")
-print(
-    f"textbook − Welford (bf16 statistics), paired by seed over {ln_train_seeds} seeds: "
-    f"{textbook_minus_welford['mean'].iloc[0]:+.5f} nats "
-    f"[{textbook_minus_welford['low'].iloc[0]:+.5f}, {textbook_minus_welford['high'].iloc[0]:+.5f}]"
-)
+print(f"textbook − Welford (bf16 statistics), paired by seed over {ln_train_seeds} seeds: "
+      f"{textbook_minus_welford['mean'].iloc[0]:+.5f} nats "
+      f"[{textbook_minus_welford['low'].iloc[0]:+.5f}, {textbook_minus_welford['high'].iloc[0]:+.5f}]")
 Markdown(markdown_table(ln_table, "{:.5f}"))
 
 # %%
@@ -619,8 +502,8 @@ metrics = {
     "model_rows_kappa_ge_2": float(np.average(norm_kappa.bf16_textbook_fraction, weights=norm_kappa.rows)),
     "model_rows_kappa_ge_1000": float(np.average(norm_kappa.fp32_textbook_fraction, weights=norm_kappa.rows)),
     "ln_training_textbook_minus_welford": textbook_minus_welford["mean"].iloc[0],
-    "swapped_grads_detected": "swapped"
-    in numerics.check_layer_norm_grads(numerics.layer_norm_swapped_affine_grads, seed=seed).diagnosis,
+    "swapped_grads_detected": "swapped" in numerics.check_layer_norm_grads(
+        numerics.layer_norm_swapped_affine_grads, seed=seed).diagnosis,
 }
 save_metrics(NAME, **metrics)
 pd.Series(metrics)

@@ -50,14 +50,8 @@ seeds: int = 3  # independent runs per configuration (seed 0, 1, ...)
 steps: int = 300  # optimizer steps per run
 recipes: list[str] = ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"]  # recipes × every override
 recipe_backward_only: list[str] = ["fp8_delayed"]  # recipes that refuse an override: their own backward only
-overrides: list[str] = [
-    "none",
-    "high_precision",
-    "dequantized",
-]  # backward modes ("none" is the recipe's own)
-keep_high_precision: list[str] = [
-    "head"
-]  # layers every recipe keeps unquantized (fnmatch; first_block, last_block)
+overrides: list[str] = ["none", "high_precision", "dequantized"]  # backward modes ("none" is the recipe's own)
+keep_high_precision: list[str] = ["head"]  # layers every recipe keeps unquantized (fnmatch; first_block, last_block)
 layers: int = 2  # transformer blocks
 width: int = 64  # embedding width
 heads: int = 4  # attention heads
@@ -92,51 +86,21 @@ if profile == "paper":
     seeds, steps, layers, width, context, batch_size = max(seeds, 5), 3000, 5, 128, 128, 32
     lr, warmup_steps, eval_every, eval_batches, fidelity_every = 1e-3, 100, 100, 16, 250
 if smoke:
-    steps, layers, width, context, batch_size, eval_every, eval_batches, fidelity_every = (
-        4,
-        1,
-        32,
-        32,
-        8,
-        2,
-        1,
-        2,
-    )
+    steps, layers, width, context, batch_size, eval_every, eval_batches, fidelity_every = 4, 1, 32, 32, 8, 2, 1, 2
     seeds, warmup_steps, recipes = 2, 2, ["nvfp4"] if "nvfp4" in recipes else recipes[:1]
 use_paper_style()
 modes = [None if mode in ("none", None) else mode for mode in overrides]
 corpus = shakespeare()
 entropy = unigram_entropy(corpus.train, len(corpus.vocabulary))
-base = TrainConfig(
-    steps=steps,
-    layers=layers,
-    width=width,
-    heads=heads,
-    context=context,
-    batch_size=batch_size,
-    lr=lr,
-    warmup_steps=warmup_steps,
-    eval_every=eval_every,
-    eval_batches=eval_batches,
-    fidelity_every=fidelity_every,
-    keep_high_precision=keep_high_precision,
-    device=device,
-    gemm=gemm,
-    compile=compiled,
-    progress=False,
-)
-configurations = (
-    [("fp32", None), ("bf16", None)]
-    + [(recipe, mode) for recipe in recipes for mode in modes]
-    + [(recipe, None) for recipe in recipe_backward_only]
-)
-print(
-    f"{len(corpus.train):,} training / {len(corpus.val):,} validation characters, vocabulary {len(corpus.vocabulary)}, "
-    f"validation plays: {', '.join(corpus.val_plays)}"
-)
-print(
-    f"unigram entropy of the training text: {entropy:.3f} nats/char; {len(configurations)} configurations × {seeds} seeds"
-)
+base = TrainConfig(steps=steps, layers=layers, width=width, heads=heads, context=context, batch_size=batch_size,
+                   lr=lr, warmup_steps=warmup_steps, eval_every=eval_every, eval_batches=eval_batches,
+                   fidelity_every=fidelity_every, keep_high_precision=keep_high_precision, device=device,
+                   gemm=gemm, compile=compiled, progress=False)
+configurations = ([("fp32", None), ("bf16", None)] + [(recipe, mode) for recipe in recipes for mode in modes]
+                  + [(recipe, None) for recipe in recipe_backward_only])
+print(f"{len(corpus.train):,} training / {len(corpus.val):,} validation characters, vocabulary {len(corpus.vocabulary)}, "
+      f"validation plays: {', '.join(corpus.val_plays)}")
+print(f"unigram entropy of the training text: {entropy:.3f} nats/char; {len(configurations)} configurations × {seeds} seeds")
 
 # %% [markdown]
 # ## Runs
@@ -280,19 +244,9 @@ Markdown(markdown_table(jaggedness_summary, "{:.3f}"))
 quantized_layers = fidelity[fidelity.quantized & fidelity.recipe.isin(quantized_recipes)].copy()
 for prefix in ("", "exact_", "noise_"):
     quantized_layers[f"{prefix}one_minus_cosine"] = 1 - quantized_layers[f"{prefix}cosine"]
-per_step = (
-    quantized_layers.groupby(["recipe", "override", "seed", "step"], sort=False)[
-        [
-            "one_minus_cosine",
-            "exact_one_minus_cosine",
-            "noise_one_minus_cosine",
-            "relative_error",
-            "exact_relative_error",
-        ]
-    ]
-    .mean()
-    .reset_index()
-)
+FIDELITY_COLUMNS = ["one_minus_cosine", "exact_one_minus_cosine", "noise_one_minus_cosine"]
+per_step = (quantized_layers.groupby(["recipe", "override", "seed", "step"], sort=False)[FIDELITY_COLUMNS]
+            .mean().reset_index())
 REFERENCES = [
     ("one_minus_cosine", "1 − cos vs FP32"),
     ("exact_one_minus_cosine", "1 − cos vs the exact gradient\nof the quantized forward"),
@@ -323,24 +277,11 @@ if len(per_step):
 # mini-batch noise floor's relative error for scale.
 
 # %%
-per_run = (
-    quantized_layers.groupby(["recipe", "override", "seed"], sort=False)[
-        ["relative_error", "exact_relative_error", "noise_relative_error"]
-    ]
-    .mean()
-    .reset_index()
-)
-fidelity_summary = pd.concat(
-    [
-        stats.summarize(per_run, column, ["recipe", "override"]).assign(reference=reference)
-        for column, reference in [
-            ("relative_error", "fp32"),
-            ("exact_relative_error", "exact quantized forward"),
-            ("noise_relative_error", "another mini-batch (fp32)"),
-        ]
-    ],
-    ignore_index=True,
-)
+ERRORS = {"relative_error": "fp32", "exact_relative_error": "exact quantized forward",
+          "noise_relative_error": "another mini-batch (fp32)"}
+per_run = quantized_layers.groupby(["recipe", "override", "seed"], sort=False)[list(ERRORS)].mean().reset_index()
+fidelity_summary = pd.concat([stats.summarize(per_run, column, ["recipe", "override"]).assign(reference=reference)
+                              for column, reference in ERRORS.items()], ignore_index=True)
 save_csv(fidelity_summary, f"{NAME}_fidelity_summary")
 fidelity_table = fidelity_summary.assign(
     value=[f"{m:.3g} [{lo:.3g}, {hi:.3g}]" for m, lo, hi in fidelity_summary[["mean", "low", "high"]].values]
@@ -447,21 +388,12 @@ Markdown(markdown_table(memory, "{:.3f}"))
 finals["config"] = finals.recipe + "/" + finals.override
 finals.loc[finals.recipe.isin(["fp32", "bf16"]), "config"] = finals.recipe
 losses = stats.summarize(finals, "val_loss", ["recipe", "override"])
-gaps = stats.summarize(
-    stats.paired_differences(finals, "val_loss", baseline="fp32", by="config", pair="seed"),
-    "difference",
-    ["config"],
-)
-summary = losses.assign(
-    config=np.where(
-        losses.recipe.isin(["fp32", "bf16"]), losses.recipe, losses.recipe + "/" + losses.override
-    )
-)
-summary = summary.merge(
-    gaps.rename(columns={"mean": "gap_to_fp32", "low": "gap_low", "high": "gap_high"}).drop(columns="n"),
-    on="config",
-    how="left",
-).drop(columns="config")
+paired = stats.paired_differences(finals, "val_loss", baseline="fp32", by="config", pair="seed")
+gaps = stats.summarize(paired, "difference", ["config"])
+summary = losses.assign(config=np.where(losses.recipe.isin(["fp32", "bf16"]), losses.recipe,
+                                        losses.recipe + "/" + losses.override))
+gaps = gaps.rename(columns={"mean": "gap_to_fp32", "low": "gap_low", "high": "gap_high"}).drop(columns="n")
+summary = summary.merge(gaps, on="config", how="left").drop(columns="config")
 summary["nats_below_unigram_entropy"] = entropy - summary["mean"]
 save_csv(summary, f"{NAME}_summary")
 timing = finals.groupby(["recipe", "override"], sort=False).wall_s.mean().reset_index()
@@ -477,12 +409,7 @@ Markdown(markdown_table(shown, "{:.1f}"))
 
 # %%
 fp32_loss = summary.loc[summary.recipe == "fp32", "mean"].iloc[0]
-metrics = {
-    "unigram_entropy": entropy,
-    "fp32_val_loss": fp32_loss,
-    "parameters": model_parameters,
-    "seeds": seeds,
-}
+metrics = {"unigram_entropy": entropy, "fp32_val_loss": fp32_loss, "parameters": model_parameters, "seeds": seeds}
 for row in summary[summary.recipe != "fp32"].itertuples():
     metrics[f"gap_{row.recipe}_{row.override}"] = row.gap_to_fp32
 save_metrics(NAME, **metrics)
