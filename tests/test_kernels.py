@@ -180,7 +180,9 @@ def test_fp8_per_channel_along_other_axes(axis):
 @pytest.mark.parametrize("axis", [-1, 0])
 def test_fp8_blockwise_1x128_kernel_matches_the_reference(axis, pow2):
     # FP8 blockwise is per-tile current scaling: the row kernel runs each 1×128 tile of the padded layout
-    x = _fp8_inputs()[:, :, :300]  # 300 = 2 tiles + a padded partial one; NaN, inf, zero and tiny rows
+    # along the last axis 300 = 2 tiles + a padded partial one; along axis 0 the 5 rows are one partial
+    # tile, so 40 columns suffice (the interpreter runs one program per row: 900 rows took 15 s)
+    x = _fp8_inputs()[:, :, : 300 if axis == -1 else 40]  # NaN, inf, zero and tiny rows kept
     spec = Q.BlockwiseSpec("e4m3", pow2=pow2)
     values, scales = fp8_qdq(x.to(DEVICE), spec, axis, backend="triton")
     ref_values, ref_scales = fp8_qdq(x, spec, axis, backend="reference")
