@@ -36,6 +36,7 @@ from torch.nn import functional as F
 from qlab.ablation import without
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.numerics import use_stats_layer_norms
+from qlab.probes import gradient_agreement
 from qlab.recipe import get_recipe
 from qlab.results import write_csv
 from qlab.session import progress, resolve_device
@@ -259,14 +260,16 @@ def gradient_fidelity(
     passes.append((reference, inputs, targets, contextlib.nullcontext))
     if other_batch is not None:
         passes.append((reference, *other_batch, contextlib.nullcontext))
-    gradients = [_weight_gradients(*one_pass) for one_pass in passes]
+    measured, exact, fp32, *other = [_weight_gradients(*one_pass) for one_pass in passes]
+    tables = {"": gradient_agreement(measured, fp32), "exact_": gradient_agreement(measured, exact)}
+    if other:
+        tables["noise_"] = gradient_agreement(other[0], fp32)
     rows = []
-    for name, g_ref in gradients[2].items():
+    for index, name in enumerate(fp32):  # gradient_agreement keeps the reference's order
         row = {"layer": name, "quantized": type(model.get_submodule(name)) is not nn.Linear}
-        row.update(_agreement(gradients[0][name], g_ref))
-        row.update(_agreement(gradients[0][name], gradients[1][name], "exact_"))
-        if other_batch is not None:
-            row.update(_agreement(gradients[3][name], g_ref, "noise_"))
+        for prefix, table in tables.items():
+            row[f"{prefix}cosine"] = float(table.cosine.iloc[index])  # plain floats: weights_only checkpoints
+            row[f"{prefix}relative_error"] = float(table.relative_error.iloc[index])
         rows.append(row)
     return rows
 
@@ -279,13 +282,6 @@ def _weight_gradients(model: nn.Module, inputs, targets, autocast) -> dict[str, 
         name: module.weight.grad.double()
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear)
-    }
-
-
-def _agreement(g: torch.Tensor, g_ref: torch.Tensor, prefix: str = "") -> dict[str, float]:
-    return {
-        f"{prefix}cosine": F.cosine_similarity(g.flatten(), g_ref.flatten(), dim=0).item(),
-        f"{prefix}relative_error": ((g - g_ref).norm() / g_ref.norm()).item(),
     }
 
 
