@@ -376,12 +376,15 @@ class QuantLinear(nn.Linear):
 
     def saved_operand_bytes(self, input_shape, backward_mode, high_precision_bytes: int = 2) -> int:
         """Bytes a low-precision implementation keeps from forward for this layer's backward (weight
-        included), for an input of ``input_shape`` (..., in_features), by ``backward_mode``:
+        included), for an input of ``input_shape`` (..., in_features), by ``backward_mode`` (as a Recipe's
+        backward_override; "none" is None):
         "high_precision" — x and W as they came (``high_precision_bytes`` each: 2 for bf16);
         "dequantized" — the forward's quantized x and W (``QTensor.storage_bytes``);
         None — the recipe's own backward: x quantized for wgrad (along the tokens) and W for dgrad
         (along the outputs), the column-wise copies TE keeps. qlab's emulation keeps float tensors in
         every mode; this counts what low-precision storage would hold."""
+        if isinstance(backward_mode, str) and backward_mode.strip().lower() == "none":
+            backward_mode = None  # as Recipe reads it (YAML's `none`)
         checks.choice("backward_mode", backward_mode, BACKWARD_OVERRIDES)
         checks.integer("high_precision_bytes", high_precision_bytes, low=1)
         shape = tuple(input_shape)
