@@ -1,17 +1,20 @@
-"""qdq speed on CPU: qlab against torchao's reference quantizers and x.clone(), in the same run.
+"""qdq speed on CPU: qlab against torchao's reference quantizers and torch.add, in the same run.
 
     python benchmarks/bench_quantize.py [--size 4096] [--repeats 5]
 
 For each recipe, a 4096×4096 float32 tensor is quantized and dequantized by
-- qlab's compiled fast path (``qdq``; compilation happens in the warm-up and is reported apart),
-- qlab's eager path (``qdq(fast=False)``, the same bits),
+- qlab's compiled fast path writing into a preallocated tensor (``qdq(x, out=y)``), against
+  ``torch.add(x, 0, out=y)``: one read and one write of the tensor, the memory-bound floor;
+- the same path returning a fresh tensor (``qdq(x)``), against ``torch.add(x, 0)``, which pays the
+  same first-touch page faults for its fresh 64 MiB (glibc hands such blocks back to the kernel
+  when they are freed, so every call faults them in again: 20–30 ms here, several times the kernel);
+- qlab's eager path (``qdq(fast=False)``, the same bits);
 - torchao 0.18 eager: ``to_mx`` + ``to_dtype`` (MX), ``NVFP4Tensor.to_nvfp4`` + ``dequantize``,
-  ``hp_tensor_to_float8_dynamic`` + ``to_original_precision`` (FP8 tensorwise),
-- ``torch.add(x, 0, out=y)`` into a preallocated y: one read and one write of the tensor, the
-  memory-bound floor (steadier than ``x.clone()``, whose first-touch page faults swing it 3–40 ms here).
-Every block format has a row (torchao's column where torchao has the recipe). Prints a markdown table
-of medians of --repeats runs after one warm-up, and ratios. torchao is a test/benchmark-only
-dependency (``pip install -e .[dev]``).
+  ``hp_tensor_to_float8_dynamic`` + ``to_original_precision`` (FP8 tensorwise).
+Compilation happens in the warm-up and is reported apart. Every block format has a row
+(torchao's column where torchao has the recipe; bits compared in torchao's scale convention).
+Prints a markdown table of medians of --repeats runs after one warm-up, and ratios. torchao is a
+test/benchmark-only dependency (``pip install -e .[dev]``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ def torchao_recipes():
     }
 
 
+# torchao's convention of the presets whose default follows NVIDIA's (REFERENCE §2: multiply by fl(1/s)
+# where torchao divides): the bits compared with torchao's
+TORCHAO_CONVENTION = {
+    "fp8_e4m3": Q.TensorwiseSpec(convention="torchao"),
+    "nvfp4": "nvfp4_torchao",
+}
+
 LABELS = {
     "fp8_e4m3": "FP8 E4M3 tensorwise",
     "mxfp8": "MXFP8 FLOOR",
@@ -93,32 +103,37 @@ def main() -> None:
     reference = torchao_recipes()
 
     floor = median_seconds(lambda: torch.add(x, 0, out=y), args.repeats)
+    fresh_floor = median_seconds(lambda: torch.add(x, 0), args.repeats)
     print(
         f"machine: {machine()}; qdq of a {args.size}×{args.size} float32 tensor; "
-        f"torch.add(x, 0, out=y) {floor * 1e3:.1f} ms\n"
+        f"torch.add(x, 0, out=y) {floor * 1e3:.1f} ms, torch.add(x, 0) {fresh_floor * 1e3:.1f} ms\n"
     )
     print(
-        "| recipe | qlab compiled (ms) | qlab compiled / add | qlab eager (ms) | torchao eager (ms) "
-        "| torchao / qlab compiled | first call (compile, s) | same bits as torchao |"
+        "| recipe | compiled, out=y (ms) | / add(out=y) | compiled, fresh (ms) | / add fresh "
+        "| qlab eager (ms) | torchao eager (ms) | torchao / qlab compiled fresh | first call (compile, s) "
+        "| same bits as torchao |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, label in LABELS.items():
         start = time.perf_counter()
         fast = Q.qdq(x, name, fast=True)
         first_call = time.perf_counter() - start
+        Q.qdq(x, name, fast=True, out=y)  # compiles the out= variant
+        into = median_seconds(lambda: Q.qdq(x, name, fast=True, out=y), args.repeats)
         compiled = median_seconds(lambda: Q.qdq(x, name, fast=True), args.repeats)
         eager = median_seconds(lambda: Q.qdq(x, name, fast=False), args.repeats)
         theirs, same = "—", "—"
         if name in reference:
             seconds = median_seconds(lambda: reference[name](x), args.repeats)
             theirs = f"{seconds * 1e3:.1f} | {seconds / compiled:.1f}"
-            same = torch.equal(torch.nan_to_num(fast), torch.nan_to_num(reference[name](x)))
+            ours = Q.qdq(x, TORCHAO_CONVENTION[name], fast=True) if name in TORCHAO_CONVENTION else fast
+            same = torch.equal(torch.nan_to_num(ours), torch.nan_to_num(reference[name](x)))
             same = "yes" if same else "no"
         else:
             theirs = "— | —"
         print(
-            f"| {label} | {compiled * 1e3:.1f} | {compiled / floor:.2f} | {eager * 1e3:.1f} | {theirs} | "
-            f"{first_call:.1f} | {same} |",
+            f"| {label} | {into * 1e3:.1f} | {into / floor:.2f} | {compiled * 1e3:.1f} | "
+            f"{compiled / fresh_floor:.2f} | {eager * 1e3:.1f} | {theirs} | {first_call:.1f} | {same} |",
             flush=True,
         )
 

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import add_thread_argument, machine, median_and_range, set_threads  # noqa: E402
 
+from qlab.quantize import COMPILE_OPTIONS  # noqa: E402
 from qlab.train import TrainConfig, train  # noqa: E402
 from qlab.train.config import RECIPES  # noqa: E402
 from qlab.train.loop import resolve_device  # noqa: E402
@@ -63,7 +64,7 @@ def llama_step_seconds(recipe: str | None, steps: int, device: torch.device) -> 
     model = transformers.LlamaForCausalLM(config).to(device).train()
     if recipe is not None:
         quantize_model(model, recipe, keep_high_precision=["lm_head"])
-    compiled = torch.compile(model, dynamic=False)
+    compiled = torch.compile(model, dynamic=False, options=COMPILE_OPTIONS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
     times = []

@@ -25,7 +25,7 @@ import math
 import torch
 
 from qlab import checks
-from qlab.formats import FloatFormat, _check_codes, get_format
+from qlab.formats import FloatFormat, _cast_rne_float32, _check_codes, get_format
 
 MX_SCALE_MODES = ("floor", "rceil", "ceil", "even")
 E8M0_NAN = 0xFF
@@ -188,23 +188,39 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
     """
     fmt = _float_format(element, "element")
     checks.choice("mode", mode, MX_SCALE_MODES)
-    amax = finite_check = _amaxes("amax", amax).float()
+    amax = _amaxes("amax", amax).float()
+    codes = _mx_biased_exponent(amax, fmt, mode).to(torch.uint8)
+    return torch.where(torch.isfinite(amax), codes, E8M0_NAN)
+
+
+def _mx_biased_exponent(amax: torch.Tensor, fmt: FloatFormat, mode: str) -> torch.Tensor:
+    """The E8M0 byte of each finite float32 amax as int32 in [0, 254] (no checks; a non-finite amax
+    gives some value in that range, which callers replace)."""
     if mode == "rceil":
         descale = amax / fmt.max
         exponent = _unbiased_exponent(descale) + ((descale.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
         # a float32-subnormal descale: ceil(log2) is -126 above 2^-127 and at most -127 otherwise
         subnormal = descale < 2.0**-126
         exponent = torch.where(subnormal, torch.where(descale > 2.0**-127, -126, -127), exponent)
-    else:
-        if mode == "even":  # round the mantissa to the element's width (half up) before taking floor
-            rounded = amax.view(torch.int32) + (1 << (22 - fmt.mantissa_bits))
-            amax = (rounded & 0x7F800000).view(torch.float32)
-        exponent = _unbiased_exponent(amax)
-        if mode == "ceil":
-            exponent = exponent + ((amax.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
-        exponent = exponent - fmt.emax
-    codes = (exponent.clamp(-127, 127) + 127).to(torch.uint8)
-    return torch.where(torch.isfinite(finite_check), codes, E8M0_NAN)
+        return (exponent.clamp(-127, 127) + 127).to(torch.int32)  # the scalar where() gave int64
+    if mode == "even":  # round the mantissa to the element's width (half up) before taking floor
+        rounded = amax.view(torch.int32) + (1 << (22 - fmt.mantissa_bits))
+        amax = (rounded & 0x7F800000).view(torch.float32)
+    field = (amax.view(torch.int32) >> 23) & 0xFF  # the biased exponent: floor(log2 amax) + 127
+    if mode == "ceil":
+        field = field + ((amax.view(torch.int32) & 0x7FFFFF) != 0).to(torch.int32)
+    return (field - fmt.emax).clamp(0, 254)  # = clamp(floor(log2 amax) − emax, −127, 127) + 127
+
+
+def _mx_block_scales(amax: torch.Tensor, fmt: FloatFormat, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X, 1/X) in float32 for each block amax: the values ``mx_scale_values`` gives for
+    ``mx_scale_codes(amax)`` (NaN for a non-finite amax), computed without the byte round trip, in
+    few enough operations that torch.compile fuses them into the element loop (no argument checks)."""
+    biased = _mx_biased_exponent(amax, fmt, mode)
+    finite = torch.isfinite(amax)
+    scale = torch.where(biased == 0, 1 << 22, biased << 23).view(torch.float32)  # 2^-127: subnormal
+    inverse = ((254 - biased) << 23).view(torch.float32)
+    return torch.where(finite, scale, torch.nan), torch.where(finite, inverse, torch.nan)
 
 
 def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -229,6 +245,12 @@ def _mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor
 # --- NVFP4 ---------------------------------------------------------------------------------------
 
 
+def _e4m3_rne(x: torch.Tensor) -> torch.Tensor:
+    """float32 x (|x| ≤ 448) rounded to E4M3, ties to even: torch's float8 cast eagerly, and under
+    torch.compile the arithmetic cast of ``qlab.formats`` (same bits), which inductor vectorizes."""
+    return _cast_rne_float32(x.float(), get_format("e4m3"), saturate=True)
+
+
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax_tensor / (448·6) in float32; 1 when that is zero (amax < 3.8e-42) or amax is not finite."""
     amax = _amaxes("amax", amax).float()
@@ -247,7 +269,7 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
     scale = block_amax / NVFP4_ELEMENT_MAX
     if global_scale is not None:
         scale = scale / global_scale
-    scale = torch.clamp(scale, NVFP4_SCALE_MIN, NVFP4_SCALE_MAX).to(torch.float8_e4m3fn).float()
+    scale = _e4m3_rne(torch.clamp(scale, NVFP4_SCALE_MIN, NVFP4_SCALE_MAX))
     return torch.where(torch.isfinite(block_amax), scale, torch.nan)
 
 
@@ -275,7 +297,7 @@ def nvfp4_block_scales_nvidia(block_amax: torch.Tensor, encode: torch.Tensor | N
         multiplier = torch.tensor(_RCP_6, device=block_amax.device)
     else:
         multiplier = _amaxes("encode", encode).float() * _RCP_6
-    scale = torch.clamp(block_amax * multiplier, max=NVFP4_SCALE_MAX).to(torch.float8_e4m3fn).float()
+    scale = _e4m3_rne(torch.clamp(block_amax * multiplier, max=NVFP4_SCALE_MAX))
     return torch.where(torch.isfinite(block_amax), scale, torch.nan)
 
 

@@ -253,7 +253,7 @@ def test_training_compiled_tracks_eager_training(monkeypatch):
     compiled = train(config.replace(compile=True)).metrics
     assert (eager.train_loss - compiled.train_loss).abs().max() < 1e-4
     assert abs(eager.val_loss.iloc[-1] - compiled.val_loss.iloc[-1]) < 1e-4
-    assert compile_calls == [{"dynamic": False}]
+    assert compile_calls == [{"dynamic": False, "options": Q.COMPILE_OPTIONS}]
 
 
 def test_compiled_training_refuses_a_lowered_matmul_precision():

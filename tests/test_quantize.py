@@ -263,6 +263,27 @@ def test_mx_signed_underflow_gives_the_negative_zero_code():
     )
 
 
+@pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e3m2", "e2m1"])
+def test_mx_block_scales_are_the_powers_of_two_of_the_scale_codes(element, mode):
+    """qdq's fused scales (X, 1/X) are exactly 2^(byte − 127) and 2^(127 − byte) for the byte that
+    mx_scale_codes gives (pinned against math.frexp below), NaN for a block with inf or NaN; bytes
+    0 (X = 2^-127, a float32 subnormal) and 254 − emax included."""
+    fmt = formats.get_format(element)
+    amax = torch.tensor(
+        [0.0, 2.0**-149, 2.0**-127, 1e-30, 1.5 * 2.0**-20, 0.7, 1.0, 448.0, 6e4, 1.9 * 2.0**100, 3.4e38]
+        + [math.inf, math.nan]
+    )
+    codes = scaling.mx_scale_codes(amax, element, mode).tolist()
+    scale, inverse = scaling._mx_block_scales(amax, fmt, mode)
+    assert codes[0] == 0 and codes[-1] == codes[-2] == 255
+    for byte, x_scale, x_inverse in zip(codes, scale.tolist(), inverse.tolist()):
+        if byte == 255:
+            assert math.isnan(x_scale) and math.isnan(x_inverse)
+        else:
+            assert (x_scale, x_inverse) == (2.0 ** (byte - 127), 2.0 ** (127 - byte)), byte
+
+
 def test_mx_even_mode_near_float32_max_gives_a_finite_scale():
     # EVEN: amax 3.3e38 rounded (half up) to 3 mantissa bits is 2^128, floor(log2) = 128, e = 128 - 8 = 120,
     # byte 247 (torchao 0.18 agrees). The block's other values must not become NaN.
@@ -1253,6 +1274,39 @@ def test_stochastic_rounding_differs_across_seeds():
     assert not torch.equal(a, b)
 
 
+def test_qdq_writes_into_out_with_the_same_bits():
+    """qdq(out=y) returns y holding qdq(x)'s bits, in float32 and into a bfloat16 result (the compiled
+    path's out= is checked in test_compiled_path_is_bit_identical_to_eager)."""
+    x = mixed_magnitudes((64, 96), 32, -12, 12, seed=3)
+    x[0, :3] = torch.tensor([0.0, 2.0**-140, -3e5])
+    for name, axis, fast in (
+        ("mxfp8", -1, False),
+        ("mxfp8", 0, True),
+        ("nvfp4", -1, False),
+        ("fp8_e4m3", 0, True),
+    ):
+        out = torch.full_like(x, 7.0)
+        assert qdq(x, name, axis, fast=fast, out=out) is out
+        assert_same_bits(out, qdq(x, name, axis, fast=False))
+    out16 = torch.empty_like(x, dtype=torch.bfloat16)
+    assert qdq(x, "mxfp4", dtype=torch.bfloat16, out=out16) is out16
+    assert_same_bits(out16, qdq(x, "mxfp4", dtype=torch.bfloat16))
+
+
+def test_qdq_refuses_an_out_of_another_shape_dtype_or_sharing_x():
+    x = torch.randn(4, 32)
+    with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+        qdq(x, "mxfp8", out=[0.0] * 128)
+    with pytest.raises(ValueError, match=r"x's shape \(4, 32\).*shape \(4, 31\)"):
+        qdq(x, "mxfp8", out=torch.empty(4, 31))
+    with pytest.raises(ValueError, match="torch.float32 tensor.*got a torch.bfloat16"):
+        qdq(x, "mxfp8", out=torch.empty(4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="must not share memory with x"):
+        qdq(x, "mxfp8", out=x)
+    with pytest.raises(ValueError, match="must not share memory with x"):
+        qdq(x[:, :16], "mxfp8", out=x[:, 8:24])  # a partial overlap
+
+
 # =================================================================================================
 # Compiled path (slow: torch.compile takes ~10-40 s on 2 cores)
 # =================================================================================================
@@ -1290,6 +1344,11 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
         assert key in Q._compiled and key not in Q._compile_failed, name
         assert counters["stats"]["unique_graphs"] > graphs, f"{name} did not run through torch.compile"
         assert_same_bits(fast, qdq(x, name, axis, fast=False))
+        if name in ("mxfp8", "nvfp4"):  # written in place by the compiled kernel
+            out = torch.full_like(x, 7.0)
+            assert qdq(x, name, axis, fast=True, out=out) is out
+            assert key not in Q._compile_failed
+            assert_same_bits(out, fast)
     # stochastic rounding: the noise is drawn eagerly from the generator, so the bits match too
     for spec, axis in (
         (NVFP4Spec(hadamard=True, rounding="stochastic"), 0),

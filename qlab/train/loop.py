@@ -37,6 +37,7 @@ from qlab.ablation import without
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.numerics import use_stats_layer_norms
 from qlab.probes import gradient_agreement
+from qlab.quantize import COMPILE_OPTIONS
 from qlab.recipe import get_recipe
 from qlab.results import write_csv
 from qlab.session import progress, resolve_device
@@ -685,8 +686,10 @@ def _compiled(model: nn.Module) -> nn.Module:
             f"compile=True needs torch.set_float32_matmul_precision('highest') (PyTorch's default) for "
             f"QuantLinear's float32 GEMMs; this process set {precision!r}"
         )
-    torch._dynamo.reset()  # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile
-    return torch.compile(model, dynamic=False)  # limit and quietly run the rest eagerly
+    # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile limit and quietly run
+    # the rest eagerly; COMPILE_OPTIONS keeps each quantizer's element loop in one fused pass
+    torch._dynamo.reset()
+    return torch.compile(model, dynamic=False, options=COMPILE_OPTIONS)
 
 
 def _progress(config: TrainConfig, rank: int, start: int):
