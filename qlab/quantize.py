@@ -357,10 +357,9 @@ class MXSpec(QuantSpec):
     def quantize_layout(self, x, generator=None, scale=None, dim=-1):
         fmt = get_format(self.element)
         block_amax = _block_amax(x.abs(), self, dim)
-        per_block, inverse = scaling._mx_block_scales(block_amax, fmt, self.mode)
+        per_block, inverse, codes = scaling._mx_block_scales(block_amax, fmt, self.mode)
         scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
         values = cast_unchecked(scaled, fmt, self.rounding, True, generator)
-        codes = scaling.mx_scale_codes(block_amax, fmt, self.mode)  # only QTensor reads them
         parts = {
             "values": values,
             "scales": _stored_scales(per_block, self, dim),
@@ -869,8 +868,7 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
             )  # fill the cache outside tracing
 
         def qdq_full(x, scale, noise, out):
-            result = _qdq_any_layout(x, spec, axis, noise, scale, dtype)
-            return result if out is None else out.copy_(result)
+            return _written(_qdq_any_layout(x, spec, axis, noise, scale, dtype), out)
 
         # dynamo counts its recompile limit (8 shapes) per code object: give every (spec, axis) its own
         qdq_full.__code__ = qdq_full.__code__.replace(co_name=f"qdq_{len(_compiled)}")

@@ -212,15 +212,18 @@ def _mx_biased_exponent(amax: torch.Tensor, fmt: FloatFormat, mode: str) -> torc
     return (field - fmt.emax).clamp(0, 254)  # = clamp(floor(log2 amax) − emax, −127, 127) + 127
 
 
-def _mx_block_scales(amax: torch.Tensor, fmt: FloatFormat, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(X, 1/X) in float32 for each block amax: the values ``mx_scale_values`` gives for
-    ``mx_scale_codes(amax)`` (NaN for a non-finite amax), computed without the byte round trip, in
+def _mx_block_scales(
+    amax: torch.Tensor, fmt: FloatFormat, mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(X, 1/X, E8M0 byte) for each float32 block amax: ``mx_scale_values`` of ``mx_scale_codes(amax)``
+    (NaN for a non-finite amax) built from one exponent computation, without the byte round trip, in
     few enough operations that torch.compile fuses them into the element loop (no argument checks)."""
     biased = _mx_biased_exponent(amax, fmt, mode)
     finite = torch.isfinite(amax)
     scale = torch.where(biased == 0, 1 << 22, biased << 23).view(torch.float32)  # 2^-127: subnormal
     inverse = ((254 - biased) << 23).view(torch.float32)
-    return torch.where(finite, scale, torch.nan), torch.where(finite, inverse, torch.nan)
+    codes = torch.where(finite, biased.to(torch.uint8), E8M0_NAN)
+    return torch.where(finite, scale, torch.nan), torch.where(finite, inverse, torch.nan), codes
 
 
 def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
