@@ -5,9 +5,10 @@
 Training step: forward, backward, AdamW on qlab.seed_model.SeedTransformer (the seed's quantized
 linears, width 64, 2 blocks, 16 sequences × 32 tokens). Compared: no probes; a ProbeSet on every
 module with parameters, all roles and all statistics recorded every step; the same sampling every
-100 steps. Each configuration warms up past its first sampled step (which compiles the fused
-statistics kernel), then times --steps steps (two sampled steps for every=100) and reads the records
-(the one host transfer); repeats are interleaved, and the table gives the median overhead and range.
+100 steps; and every step with fewer roles or statistics (what a researcher can afford every step).
+Each configuration warms up past its first sampled step (which compiles the fused statistics
+kernel), then times --steps steps (two sampled steps for every=100) and reads the records (the one
+host transfer); repeats are interleaved, and the table gives the median overhead and range.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from timing import add_thread_argument, machine, median_and_range, set_threads  
 from qlab.probes import ProbeSet  # noqa: E402
 from qlab.seed_model import SeedTransformer, permutation_task_batch  # noqa: E402
 
-CONFIGS = (("all roles, all stats, every step", 1), ("all roles, all stats, every 100 steps", 100))
+# (label, ProbeSet keyword arguments)
+CONFIGS = (
+    ("all roles, all stats, every step", {"every": 1}),
+    ("all roles, all stats, every 100 steps", {"every": 100}),
+    ("param_grad only, all stats, every step", {"every": 1, "roles": ("param_grad",)}),
+    ("output only, all stats, every step", {"every": 1, "roles": ("output",)}),
+    ("all roles, amax and l2, every step", {"every": 1, "stats": ("amax", "l2")}),
+)
 
 
 def make_model():
@@ -67,10 +75,10 @@ def main() -> None:
     for _ in range(args.repeats):
         baseline = mean_step_seconds(make_model(), args.steps)
         baselines.append(baseline * 1e3)
-        for label, every in CONFIGS:
+        for label, options in CONFIGS:
             model = make_model()
-            with ProbeSet(model, every=every) as probes:
-                seconds = mean_step_seconds(model, args.steps, probes, warmup=every + 5)
+            with ProbeSet(model, **options) as probes:
+                seconds = mean_step_seconds(model, args.steps, probes, warmup=options["every"] + 5)
             overheads[label].append(100 * (seconds / baseline - 1))
     print(
         f"machine: {machine()}; baseline step {median_and_range(baselines)} ms, "

@@ -574,35 +574,44 @@ class ProbeSet:
 class _StatsQueue:
     """Tensors recorded in a step, waiting for one fused reduction per shape (a compiled call costs
     40–100 µs of dispatch on a CPU, more than the reduction of a small tensor). ``add`` copies the
-    tensor into a staging buffer for its shape, reused from step to step (no allocation, no page
-    faults), so a later in-place change (``zero_grad(set_to_none=False)``, an inplace ReLU) cannot reach
-    it, and returns a cell that ``flush`` fills with the tensor's ``_stats_vector``. Empty tensors and
+    tensor into a staging buffer for its (rows, channels) shape, reused from step to step (no
+    allocation, no page faults), so a later in-place change (``zero_grad(set_to_none=False)``, an
+    inplace ReLU) cannot reach it, and returns a cell that ``flush`` fills with the tensor's
+    ``_stats_vector``. Every record is copied, even a tensor recorded twice (a gradient as ``grad_flow``,
+    then as ``param_grad``): autograd's version counter cannot prove it unchanged in between, as
+    GradScaler's unscale_ kernel rewrites gradients in place without moving it. Empty tensors and
     tensors of 2²⁰ elements or more are reduced at once."""
 
     def __init__(self, outliers: bool):
         self.outliers = outliers
-        self.buffers: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) → (capacity, rows, channels)
+        # (rows, channels, dtype, device) → a (capacity, rows, channels) buffer, and its rows unbound once
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.slots: dict[tuple, tuple] = {}
         self.cells: dict[tuple, list] = {}  # the same keys → cells of the tensors staged this step
         self.bytes = 0
 
     def add(self, tensor: torch.Tensor) -> list:
-        if tensor.numel() == 0:
+        numel = tensor.numel()
+        if numel == 0:
             return [_stats_vector(tensor, self.outliers)]
-        x = _as_batch(tensor)[0]
-        if tensor.numel() >= _BATCH_MAX_NUMEL:
+        channels = tensor.shape[-1] if tensor.dim() else 1
+        x = tensor.detach().reshape(numel // channels, channels)
+        if numel >= _BATCH_MAX_NUMEL:
             return [_stats_rows_fast(x[None], self.outliers)[0]]
-        key = (tuple(x.shape), x.dtype, x.device)
+        key = (numel // channels, channels, tensor.dtype, tensor.device)
         cells = self.cells.setdefault(key, [])
-        buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape[0] == len(cells):
+        slots = self.slots.get(key)
+        if slots is None or len(slots) == len(cells):
             grown = x.new_empty((max(4, 2 * len(cells)), *x.shape))
             if cells:
-                grown[: len(cells)].copy_(buffer[: len(cells)])
-            self.buffers[key] = buffer = grown
-        buffer[len(cells)].copy_(x)
-        cells.append([None])
-        self.bytes += x.numel() * x.element_size()
-        return cells[-1]
+                grown[: len(cells)].copy_(self.buffers[key][: len(cells)])
+            self.buffers[key] = grown
+            self.slots[key] = slots = grown.unbind(0)
+        slots[len(cells)].copy_(x)
+        cell = [None]
+        cells.append(cell)
+        self.bytes += numel * tensor.element_size()
+        return cell
 
     def flush(self) -> None:
         for key, cells in self.cells.items():
@@ -616,6 +625,7 @@ class _StatsQueue:
         """Flush, then free the staging buffers (when no step is being sampled)."""
         self.flush()
         self.buffers.clear()
+        self.slots.clear()
 
 
 def _to_host(vectors: list[torch.Tensor]) -> list[list[float]]:

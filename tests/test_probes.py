@@ -317,6 +317,25 @@ def test_statistics_are_of_the_values_at_recording_time_not_after_in_place_chang
     assert values["0.weight", "param_grad", "l2"] == pytest.approx(expected_l2, rel=1e-12)
 
 
+def test_a_gradient_recorded_twice_is_read_twice_across_grad_scaler_unscaling(monkeypatch):
+    """The same gradient tensor recorded as grad_flow (scaled, during backward) and as param_grad (after
+    GradScaler.unscale_): two readings, 2¹⁰ apart. unscale_'s kernel rewrites the gradient in place
+    without moving autograd's version counter, so staging must copy it at each record (no reuse)."""
+    monkeypatch.setenv("QLAB_COMPILE", "0")
+    model = small_model(seed=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ProbeSet(model, roles=("grad_flow", "param_grad"), stats=("l2", "amax")) as probes:
+        scaler.scale(model(torch.randn(6, 8, generator=torch.Generator().manual_seed(0))).sum()).backward()
+        scaler.unscale_(optimizer)
+        probes.record_param_grads()
+        probes.step()
+    values = probes.to_frame().pivot_table(index=["module", "stat"], columns="role", values="value")
+    assert len(values) == 8  # 4 parameters × 2 statistics
+    # a power-of-two scale divides float32 exactly: the ratio is exact
+    assert (values.grad_flow / values.param_grad == 2.0**10).all()
+
+
 # --- statistics that SQNR hides (hand-computed tensors) ------------------------------------------------
 
 
