@@ -370,8 +370,10 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
 
     Computed in float32 as an exact ×1/4 (first, so no partial sum can overflow), signs, and four
     butterfly stages of sums and differences (Sylvester's H₁₆ = H₂⊗H₂⊗H₂⊗H₂): the same values as
-    ``chunk @ hadamard_matrix(16, seed)`` up to float32 rounding of the partial sums, in one
-    elementwise pass that needs no transpose.
+    ``chunk @ hadamard_matrix(16, seed)`` up to float32 rounding of the partial sums, elementwise,
+    so the bits depend neither on the layout nor on whether the code is compiled. The 16 positions of
+    a chunk are held as 16 separate columns: inductor fuses that into one loop (with
+    ``qlab.quantize.COMPILE_OPTIONS``), where a reshape and a stack per stage cost it 3.6× more.
     """
     checks.tensor("x", x, floating=True)
     checks.seed("seed", seed)
@@ -387,19 +389,26 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
         )
     lead, trail = x.shape[:dim], math.prod(x.shape[dim + 1 :])
     chunks = x.float().reshape(*lead, -1, NVFP4_BLOCK, trail) * 0.25  # first, as x·M does: no overflow
-    signs = _cached_hadamard_signs(seed).to(x.device)[:, None]
+    signs = _cached_hadamard_signs(seed)
+    columns = list(chunks.unbind(-2))
     if not inverse:
-        chunks = chunks * signs
-    for stride in (8, 4, 2, 1):
-        pairs = chunks.reshape(*lead, -1, NVFP4_BLOCK // (2 * stride), 2, stride, trail)
-        first, second = pairs.select(-3, 0), pairs.select(-3, 1)
-        chunks = torch.stack([first + second, first - second], dim=-3).reshape(*lead, -1, NVFP4_BLOCK, trail)
+        columns = [c * sign for c, sign in zip(columns, signs)]
+    for stride in (8, 4, 2, 1):  # the pairs (i, i + stride) within each group of 2·stride
+        for i in range(NVFP4_BLOCK):
+            if i & stride == 0:
+                first, second = columns[i], columns[i + stride]
+                columns[i], columns[i + stride] = first + second, first - second
     if inverse:
-        chunks = chunks * signs
-    return chunks.reshape(x.shape)
+        columns = [c * sign for c, sign in zip(columns, signs)]
+    return torch.stack(columns, dim=-2).reshape(x.shape)
 
 
-def _cached_hadamard_signs(seed: int) -> torch.Tensor:
-    """The ±1 diagonal D of hadamard_matrix(16, seed), as float32."""
-    matrix = _cached_hadamard(NVFP4_BLOCK, seed)
-    return torch.sign(matrix[:, 0]).contiguous()  # column 0 of Sylvester's H is all ones: D's signs
+_HADAMARD_SIGNS: dict = {}
+
+
+def _cached_hadamard_signs(seed: int) -> tuple[float, ...]:
+    """The ±1 diagonal D of hadamard_matrix(16, seed), as Python floats (constants when compiled)."""
+    if seed not in _HADAMARD_SIGNS:
+        matrix = _cached_hadamard(NVFP4_BLOCK, seed)  # column 0 of Sylvester's H is all ones: D's signs
+        _HADAMARD_SIGNS[seed] = tuple(torch.sign(matrix[:, 0]).tolist())
+    return _HADAMARD_SIGNS[seed]
