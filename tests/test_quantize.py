@@ -675,6 +675,36 @@ def test_hadamard_matrix_is_deterministic_per_seed_and_differs_across_seeds():
             assert not torch.equal(matrices[i], matrices[j]), (i, j)
 
 
+def test_hadamard_transform_rounds_as_the_float32_butterfly_in_every_layout():
+    """Bits pinned against a scalar numpy float32 butterfly written here (x/4, signs, then sums and
+    differences at strides 8, 4, 2, 1), along the last axis and along axis 0, eager and inverse:
+    so a rewrite for speed cannot change the rounding, nor make it depend on the layout."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 32, generator=g) * torch.exp2(torch.randint(-20, 20, (3, 32), generator=g).float())
+    signs = np.sign(scaling.hadamard_matrix(16, seed=6)[:, 0].numpy())
+
+    def butterfly(chunk, inverse):
+        v = [np.float32(c) * np.float32(0.25) for c in chunk]
+        if not inverse:
+            v = [a * np.float32(s) for a, s in zip(v, signs)]
+        for stride in (8, 4, 2, 1):
+            for i in range(16):
+                if i & stride == 0:
+                    v[i], v[i + stride] = v[i] + v[i + stride], v[i] - v[i + stride]
+        if inverse:
+            v = [a * np.float32(s) for a, s in zip(v, signs)]
+        return v
+
+    for inverse in (False, True):
+        expected = torch.tensor(
+            [[b for k in range(0, 32, 16) for b in butterfly(row[k : k + 16], inverse)] for row in x.numpy()]
+        )
+        along_rows = scaling.hadamard_transform(x, seed=6, inverse=inverse)
+        along_axis_0 = scaling.hadamard_transform(x.T.contiguous(), seed=6, inverse=inverse, dim=0).T
+        assert torch.equal(along_rows.view(torch.int32), expected.view(torch.int32))
+        assert torch.equal(along_axis_0.view(torch.int32), expected.view(torch.int32))
+
+
 def test_hadamard_transform_preserves_dot_products_along_the_axis():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(2, 8, 64, generator=g)
