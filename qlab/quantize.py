@@ -864,8 +864,6 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
     if key in _compile_failed or not compile_enabled():
         return None
     if key not in _compiled:
-        if spec.hadamard:
-            scaling._cached_hadamard_signs(spec.hadamard_seed)  # fill the cache outside tracing
 
         def qdq_full(x, scale, noise, out):
             return _written(_qdq_any_layout(x, spec, axis, noise, scale, dtype), out)

@@ -406,6 +406,7 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
 _HADAMARD_SIGNS: dict = {}
 
 
+@torch.compiler.assume_constant_result  # read once while tracing, a constant in the graph: no break
 def _cached_hadamard_signs(seed: int) -> tuple[float, ...]:
     """The ±1 diagonal D of hadamard_matrix(16, seed), as Python floats (constants when compiled)."""
     if seed not in _HADAMARD_SIGNS:
