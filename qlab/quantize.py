@@ -637,6 +637,24 @@ def to_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
     return moved.reshape(*moved.shape[:-1], -1, spec.block_size)
 
 
+@torch.library.custom_op("qlab::materialize", mutates_args=())
+def _materialize(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x, opaque to torch.compile: inductor writes x out instead of fusing it into its readers."""
+    return x.clone()
+
+
+_materialize.register_fake(torch.empty_like)
+_materialize.register_autograd(lambda ctx, grad: grad)
+
+
+def _materialized(values: torch.Tensor) -> torch.Tensor:
+    """values, written out first when traced. The inverse Hadamard transform reads each of a chunk's 16
+    dequantized values 16 times; fused under COMPILE_OPTIONS' high threshold, inductor recomputes the
+    whole qdq for every read and emits kernels that take minutes to compile (one NVFP4 QuantLinear's
+    forward and backward: 131 s, 27 s with this copy; its step is faster too). Eagerly, a no-op."""
+    return _materialize(values) if torch.compiler.is_compiling() else values
+
+
 def from_layout(
     values: torch.Tensor, spec: Spec, axis: int, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -648,7 +666,7 @@ def from_layout(
     if spec.block_size is not None:
         values = values.flatten(-2)
         if spec.hadamard:
-            values = scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True)
+            values = scaling.hadamard_transform(_materialized(values), spec.hadamard_seed, inverse=True)
         values = values[..., : moved_shape[-1]]
         if spec.tile_rows > 1:
             values = values[..., : moved_shape[-2], :]
@@ -781,7 +799,7 @@ def _from_inplace_layout(
     outer, inner = values.shape[0], values.shape[-1]
     values = values.reshape(outer, -1, inner)
     if spec.hadamard:
-        values = scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True, dim=1)
+        values = scaling.hadamard_transform(_materialized(values), spec.hadamard_seed, inverse=True, dim=1)
     return values[:, : shape[axis], :].reshape(shape).to(dtype)
 
 
