@@ -647,12 +647,15 @@ _materialize.register_fake(torch.empty_like)
 _materialize.register_autograd(lambda ctx, grad: grad)
 
 
-def _materialized(values: torch.Tensor) -> torch.Tensor:
-    """values, written out first when traced. The inverse Hadamard transform reads each of a chunk's 16
-    dequantized values 16 times; fused under COMPILE_OPTIONS' high threshold, inductor recomputes the
-    whole qdq for every read and emits kernels that take minutes to compile (one NVFP4 QuantLinear's
-    forward and backward: 131 s, 27 s with this copy; its step is faster too). Eagerly, a no-op."""
-    return _materialize(values) if torch.compiler.is_compiling() else values
+def _unrotated(values: torch.Tensor, spec: Spec, dim: int = -1) -> torch.Tensor:
+    """The inverse Hadamard transform of the dequantized values along ``dim``, which are written out
+    first when traced. The inverse reads each of a chunk's 16 values 16 times; fused under
+    COMPILE_OPTIONS' high threshold, inductor recomputed the whole qdq for every read and emitted
+    kernels that took minutes to compile (one NVFP4 QuantLinear's forward and backward: 131 s, 27 s
+    with the copy, its step no slower). Eagerly, no copy."""
+    if torch.compiler.is_compiling():
+        values = _materialize(values)
+    return scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True, dim=dim)
 
 
 def from_layout(
@@ -666,7 +669,7 @@ def from_layout(
     if spec.block_size is not None:
         values = values.flatten(-2)
         if spec.hadamard:
-            values = scaling.hadamard_transform(_materialized(values), spec.hadamard_seed, inverse=True)
+            values = _unrotated(values, spec)
         values = values[..., : moved_shape[-1]]
         if spec.tile_rows > 1:
             values = values[..., : moved_shape[-2], :]
@@ -799,7 +802,7 @@ def _from_inplace_layout(
     outer, inner = values.shape[0], values.shape[-1]
     values = values.reshape(outer, -1, inner)
     if spec.hadamard:
-        values = scaling.hadamard_transform(_materialized(values), spec.hadamard_seed, inverse=True, dim=1)
+        values = _unrotated(values, spec, dim=1)
     return values[:, : shape[axis], :].reshape(shape).to(dtype)
 
 
