@@ -31,6 +31,40 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.tensor(float("nan")), t).view(torch.int32)
 
 
+def test_kernels_read_only_constexpr_globals():
+    # Compiled Triton refuses a module global inside a @triton.jit function unless it is a
+    # tl.constexpr instance (a `NAME: tl.constexpr = 1.0` annotation is not one); the interpreter that
+    # runs these tests without a GPU accepts it, so only this check catches it before a GPU does
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+    import types
+
+    import triton
+    import triton.language as tl
+
+    kernel_types = (types.ModuleType, triton.runtime.jit.KernelInterface, tl.constexpr)
+    refused = []
+    for name in ("fp8_triton", "mx_triton", "nvfp4_triton", "layernorm_triton", "triton_math"):
+        module = importlib.import_module(f"qlab.kernels.{name}")
+        for kernel in vars(module).values():
+            # JITFunction on a GPU, InterpretedFunction under the interpreter: both keep the Python function
+            defined_here = getattr(getattr(kernel, "fn", None), "__module__", None) == module.__name__
+            if not (isinstance(kernel, triton.runtime.jit.KernelInterface) and defined_here):
+                continue
+            tree = ast.parse(textwrap.dedent(inspect.getsource(kernel.fn)))
+            local = {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+            used = [n for n in ast.walk(tree) if isinstance(n, ast.Name)]
+            local |= {n.id for n in used if isinstance(n.ctx, ast.Store)}
+            names = {n.id for n in used} - local
+            for global_name in sorted(names & set(kernel.fn.__globals__)):
+                value = kernel.fn.__globals__[global_name]
+                if not isinstance(value, kernel_types):
+                    refused.append(f"{name}.{kernel.fn.__name__} reads {global_name} = {value!r}")
+    assert not refused
+
+
 def _special_blocks(rows: int = 19, cols: int = 72) -> torch.Tensor:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=generator) * torch.logspace(-4, 4, cols)
@@ -431,6 +465,17 @@ def test_quantlinear_with_kernel_qdq_is_bit_identical(monkeypatch, recipe, dtype
     assert len(launched) >= 3  # x and W in the forward, and at least one backward operand
     for got, want in zip(results[1], results[0]):
         assert torch.equal(_bits(got.cpu()), _bits(want.cpu()))
+
+
+@pytest.mark.parametrize("spec", ["mxfp8", "fp8_e4m3_rowwise", Q.NVFP4Spec(block_2d=True), "nvfp4"])
+def test_kernel_qdq_along_axis_0_matches_the_torch_layout(spec):
+    # a GEMM's algorithm (and so its last bits on CUDA) can depend on its operands' strides: kernels.qdq
+    # must hand QuantLinear what qlab.quantize.qdq would, bits and strides
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(5))
+    want = Q.qdq(x, spec, 0)
+    got = kernels.qdq(x.to(DEVICE), spec, 0, backend="triton")
+    assert got.stride() == want.stride() == (48, 1)
+    assert torch.equal(_bits(got.cpu()), _bits(want))
 
 
 def test_kernel_qdq_covers_and_falls_back():

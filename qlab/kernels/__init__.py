@@ -320,14 +320,19 @@ def covers(spec) -> bool:
 def qdq(
     x: torch.Tensor, spec, axis: int = -1, *, dtype: torch.dtype | None = None, backend: str = "auto"
 ) -> torch.Tensor:
-    """``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``, bit for bit, through the Triton kernel for a
-    CUDA tensor (or backend="triton") when ``covers(spec)``; otherwise (and on the CPU) qlab.quantize's."""
+    """``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``, bit for bit and in the same (contiguous)
+    layout, through the Triton kernel for a CUDA tensor (or backend="triton") when ``covers(spec)``;
+    otherwise (and on the CPU) qlab.quantize's."""
     spec = Q.get_spec(spec)
     checks.floating_dtype("dtype", dtype)
     tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
     if not covers(spec) or tiles_need_2d or x.numel() == 0 or _resolve(x, backend) == "cpu":
         return Q.qdq(x, spec, axis, dtype=dtype)
-    return _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
+    values = _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
+    # Along a non-last axis the kernels hand back a transposed view. A GEMM given that view may run
+    # another cuBLAS algorithm than for qlab.quantize's contiguous result (1-4 ulp in every element of
+    # a QuantLinear's output on an H100), so the copy keeps the two paths' GEMMs identical as well.
+    return values.contiguous()
 
 
 # the kernel entry point of each spec class that has one (``covers`` says which of its specs)

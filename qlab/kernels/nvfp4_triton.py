@@ -25,9 +25,9 @@ from qlab.kernels.triton_math import round_to_grid
 
 BLOCK = 16
 ROWS = 16
-FLOAT32_MAX: tl.constexpr = 3.4028234663852886e38
-RCP_6: tl.constexpr = 0.1666666716337204  # fl(1/6) in float32
-RCP_2688: tl.constexpr = 0.00037202381645329297  # fl(1/2688) in float32
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+RCP_6 = tl.constexpr(0.1666666716337204)  # fl(1/6) in float32
+RCP_2688 = tl.constexpr(0.00037202381645329297)  # fl(1/2688) in float32
 
 
 @triton.jit
