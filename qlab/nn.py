@@ -231,6 +231,11 @@ class _LinearFunction(torch.autograd.Function):
         ctx.layer, ctx.scales, ctx.is_first_microbatch = layer, scales, is_first_microbatch
         ctx.training = layer.training
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if torch.compiler.is_compiling() and y.dtype == x.dtype:
+            # torch 2.11's Dynamo hands this backward dy = 0 when the output is `y.to(x.dtype)` that
+            # returns y itself (measured on CPU and on an H100: compiled dx all zeros, dW and db wrong);
+            # a fresh tensor avoids it, and inductor fuses the copy into the kernel that wrote y
+            return y.clone()
         return y.to(x.dtype)
 
     @staticmethod

@@ -502,7 +502,8 @@ SPECS: dict[str, Spec] = {
 
 def get_spec(spec: str | Spec) -> Spec:
     """A spec object, or one of the named presets in ``SPECS``; anything else is refused."""
-    if isinstance(spec, QuantSpec) and type(spec) in SPEC_CLASSES.values():
+    # `is`, not `in dict.values()`: torch 2.11's Dynamo cannot trace == between classes (a graph break)
+    if isinstance(spec, QuantSpec) and any(type(spec) is cls for cls in SPEC_CLASSES.values()):
         return spec
     if isinstance(spec, str) and spec in SPECS:
         return SPECS[spec]
