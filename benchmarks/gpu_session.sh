@@ -2,7 +2,7 @@
 # The README's GPU numbers in one go, on a lent GPU machine whose python3 already holds torch, Triton and
 # transformers (nothing is installed; qlab runs from the checkout):
 #
-#   bash benchmarks/gpu_session.sh OUTDIR [tests] [train] [llama] [kernels] [linear]
+#   bash benchmarks/gpu_session.sh OUTDIR [tests] [train] [eager] [llama] [kernels] [linear]   (default: tests train llama)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
 # so a part cut off keeps what it printed and the next part still runs. No part is a pass/fail gate.
