@@ -29,6 +29,7 @@ def _find_root() -> Path:
 ROOT = _find_root()
 NOTEBOOKS_DIR = ROOT / "notebooks"
 RUNS_DIR = ROOT / "runs"
+KERNEL_CACHE_DIR = RUNS_DIR / "kernel_cache"  # qlab.kernels.cpu_qdq's shared library, built per machine
 
 
 def results_root() -> Path:

@@ -31,7 +31,9 @@ Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elemen
 rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
 memory passes), compiled lazily per (spec, dtype, shape) (up to 8 shapes per spec; more run
 eagerly) and skipped silently if compilation is unavailable; it is bit-identical to eager (tested).
-Set ``QLAB_COMPILE=0`` to turn it off.
+MX specs with RNE elements and 1-D blocks, on float32 CPU tensors, go instead (at any size, eagerly
+and inside ``torch.compile``) through the C kernel ``qlab.kernels.cpu_qdq``: the same bits, about the
+speed of a memory copy. Set ``QLAB_COMPILE=0`` to turn both off.
 """
 
 from __future__ import annotations
@@ -923,8 +925,9 @@ def qdq(
     """dequantize(quantize(x, spec, axis), dtype) without materializing codes: same bits and shape.
 
     ``dtype``: the result's dtype (default x's; float32 keeps dequantized values that a 16-bit
-    dtype cannot hold exactly). ``fast``: None picks the compiled path for large inputs, True
-    forces it, False forces eager. Stochastic rounding draws its noise eagerly from ``generator``
+    dtype cannot hold exactly). ``fast``: None picks the C kernel where it covers the spec and the
+    compiled path for other large inputs, True forces a fast path, False forces eager torch ops.
+    Stochastic rounding draws its noise eagerly from ``generator``
     in both paths, so the compiled path consumes the same random numbers and gives the same bits;
     ``noise`` instead gives those draws up front (shape ``noise_shape(x, spec, axis)``; what a
     compiled model passes, see ``qlab.formats.drawn_noise``). On a non-last axis qdq maps the draws
@@ -945,6 +948,10 @@ def qdq(
         _check_out(out, x, dtype)
     if x.numel() == 0:
         return x.to(dtype).clone() if out is None else out
+    if fast is not False and randomness is None and scale is None:
+        kernel = _cpu_kernel(x, spec, axis, dtype)
+        if kernel is not None:  # the same bits in one pass, eagerly and inside torch.compile
+            return kernel.mx_qdq(x, spec, axis, out)
     if torch.compiler.is_compiling():
         return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
@@ -962,6 +969,15 @@ def qdq(
                 if noise is not None:  # the draws are spent: use them, so the stream stays the same
                     randomness = noise
     return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
+
+
+def _cpu_kernel(x: torch.Tensor, spec: Spec, axis: int, dtype: torch.dtype):
+    """qlab.kernels.cpu_qdq where it covers this qdq, else None (a length that pad=False refuses is
+    left to the reference path, which raises)."""
+    from qlab.kernels import cpu_qdq  # not at the top: qlab.kernels imports this module
+
+    whole_blocks = spec.block_size is None or spec.pad or x.shape[axis] % spec.block_size == 0
+    return cpu_qdq if whole_blocks and cpu_qdq.covers(x, spec, dtype) else None
 
 
 def _written(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from qlab import formats, scaling
 from qlab import quantize as Q
+from qlab.kernels import cpu_qdq
 from qlab.quantize import (
     IntSpec,
     MXSpec,
@@ -1354,6 +1355,7 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(Q, "_compiled", {})
     monkeypatch.setattr(Q, "_compile_failed", set())
+    monkeypatch.setattr(cpu_qdq, "available", lambda: False)  # MX: inductor's path, not the C kernel's
     from torch._dynamo.utils import counters
 
     x = mixed_magnitudes((256, 256), 32, -12, 12, seed=12)

@@ -9,7 +9,7 @@
 
 Each takes ``backend="auto"`` too.
 
-backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's torch.compile path) otherwise;
+backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's C kernel or compiled path) otherwise;
 "triton" — force the kernel (on a CPU tensor only under TRITON_INTERPRET=1); "cpu" — the fused CPU
 path; "reference" — eager ``qlab.quantize.quantize`` + ``dequantize``. Every backend gives the same
 bits; tests/test_kernels.py checks the kernel against the reference under Triton's interpreter.

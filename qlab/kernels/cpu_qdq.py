@@ -1,0 +1,153 @@
+"""MX qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per block.
+
+What it covers: ``MXSpec`` with RNE elements (every element format and scale mode), 1-D blocks along
+any axis, no Hadamard transform, float32 in and out. It gives ``qlab.quantize.qdq``'s bits
+(tests/test_cpu_qdq.py against the eager reference) at about the speed of a memory copy, where
+inductor's code for the same loop is 4-8× slower on the 2-core VM (README, Benchmarks).
+
+The C file is built with the system's C compiler on first use (under a second) into
+``paths.KERNEL_CACHE_DIR``, one library per source, compiler flags and CPU model, because it is built
+for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
+is built and qdq takes its other paths, which give the same bits.
+
+``qlab::mx_qdq_cpu`` is a torch custom op: inside ``torch.compile`` it is one opaque call, so inductor
+writes its input out once instead of fusing the producer into (and recomputing it for) every read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qlab import paths
+
+SOURCE = Path(__file__).with_name("cpu_qdq.c")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",  # no fused multiply-add: it would change the bits
+    "-fno-math-errno",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+)
+if platform.machine() in ("x86_64", "AMD64"):
+    FLAGS += ("-mprefer-vector-width=512",)  # gcc's default of 256 bits halves AVX-512's work per instruction
+MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}  # the enum in cpu_qdq.c
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this source, these flags and this CPU; built (atomically) if missing."""
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_model()]).encode()
+    ).hexdigest()[:16]
+    library = paths.KERNEL_CACHE_DIR / f"cpu_qdq-{key}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as staging:
+        built = Path(staging) / library.name
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120
+        )
+        os.replace(built, library)  # a concurrent build of the same key writes the same bytes
+    return library
+
+
+@functools.cache
+def _library():
+    """The loaded kernel library, or None where it cannot be built or loaded."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    try:
+        library = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    function = library.qlab_mx_qdq
+    i64, c_int = ctypes.c_int64, ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
+                         ctypes.c_float, c_int]  # fmt: skip
+    function.restype = None
+    return function
+
+
+@torch.compiler.assume_constant_result  # evaluated when traced (it builds files), a constant in the graph
+def available() -> bool:
+    """Whether the kernel can run here (a C compiler, and qlab's compiled paths not turned off)."""
+    return os.environ.get("QLAB_COMPILE", "1") != "0" and _library() is not None
+
+
+def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
+    """Whether ``mx_qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``."""
+    from qlab.quantize import MXSpec
+
+    return (
+        isinstance(spec, MXSpec)
+        and spec.rounding == "rne"
+        and not spec.block_2d
+        and not spec.hadamard
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and dtype == torch.float32
+        and not (x.requires_grad and torch.is_grad_enabled())
+        and available()
+    )
+
+
+def mx_qdq(x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """MX qdq of float32 CPU ``x`` by ``spec`` (checked by ``covers``) along ``axis`` (non-negative,
+    checked by the caller, as is ``spec.pad`` against the axis length), written into ``out`` if given
+    (a float32 tensor of x's shape that does not overlap x)."""
+    from qlab.formats import get_format
+
+    fmt = get_format(spec.element)
+    arguments = (axis, spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max)
+    if torch.compiler.is_compiling():
+        result = _mx_qdq_op(x, *arguments)  # opaque to inductor
+        return result if out is None else out.copy_(result)
+    if out is not None and not out.is_contiguous():
+        return out.copy_(mx_qdq(x, spec, axis))
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _run(x.contiguous(), out, *arguments)
+
+
+def _run(x, out, axis, block, mode, mbits, bias, emax, elem_max):
+    outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
+    _library()(x.data_ptr(), out.data_ptr(), outer, length, inner, block, mode, mbits, bias, emax, elem_max,
+               torch.get_num_threads())  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("qlab::mx_qdq_cpu", mutates_args=())
+def _mx_qdq_op(
+    x: torch.Tensor, axis: int, block: int, mode: int, mbits: int, bias: int, emax: int, elem_max: float
+) -> torch.Tensor:
+    x = x.contiguous()
+    return _run(x, torch.empty_like(x), axis, block, mode, mbits, bias, emax, elem_max)
+
+
+@_mx_qdq_op.register_fake
+def _(x, axis, block, mode, mbits, bias, emax, elem_max):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

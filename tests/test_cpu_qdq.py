@@ -1,0 +1,190 @@
+"""qlab.kernels.cpu_qdq: the C MX qdq kernel gives the eager reference's bits (qlab.quantize.qdq with
+fast=False, itself pinned to torchao in test_quantize.py) and torchao's own, for every element format
+and scale mode, along any axis, with partial blocks and special values; qdq dispatches to it only
+where it covers the spec; a failed build leaves qdq working."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_quantize import mixed_magnitudes, torchao_mx_reference
+
+from qlab import paths
+from qlab import quantize as Q
+from qlab.kernels import cpu_qdq
+from qlab.quantize import MXSpec
+
+pytestmark = pytest.mark.skipif(not cpu_qdq.available(), reason="no C compiler to build the kernel")
+
+ELEMENTS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+MODES = tuple(cpu_qdq.MODES)
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # NaN payloads and signed zeros compared too
+
+
+def assert_same_bits(got, expected):
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    differing = (bits(got) != bits(expected)).nonzero()
+    assert len(differing) == 0, (
+        f"{len(differing)} elements differ; first at {differing[0].tolist()}: "
+        f"{got[tuple(differing[0])].item()!r} vs {expected[tuple(differing[0])].item()!r}"
+    )
+
+
+def reference(x, spec, axis):
+    return Q.qdq(x, spec, axis, fast=False)
+
+
+# Special values, each row one MX block (the rest of the row is small normal numbers): what every
+# element format and scale mode must get bit for bit.
+SPECIAL_BLOCKS = {
+    "zeros and signed zeros": [0.0, -0.0],
+    "float32 subnormals only": [2.0**-149, -(2.0**-140), 2.0**-127],
+    "float32 max": [FLOAT32_MAX, -FLOAT32_MAX, 1.0],
+    "a NaN poisons its block": [math.nan, 1.0, -2.0],
+    "an inf poisons its block": [math.inf, 1.0],
+    "a -inf poisons its block": [-math.inf, 3.0],
+    "e4m3 max and beyond": [448.0, 449.0, 464.0, 480.0, -479.0],
+    "ties between neighbours": [1.0625, 1.1875, 2.5, 3.5, -5.0, 0.75, 0.25],
+    "element subnormals": [6.0, 2.0**-7, 3 * 2.0**-8, 2.0**-10, -(2.0**-9), 2.0**-16, 2.0**-18],
+    "amax just below a power of two": [float.fromhex("0x1.fffffep3"), 1.0],
+    "amax a power of two": [16.0, -0.5],
+}
+
+
+def special_tensor(width=40):
+    """One row per special block: the values first, then small numbers, padded to ``width``."""
+    rows = []
+    for values in SPECIAL_BLOCKS.values():
+        row = torch.linspace(-0.01, 0.01, width)
+        row[: len(values)] = torch.tensor(values, dtype=torch.float32)
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_special_values_along_either_axis(element, mode):
+    spec = MXSpec(element, mode=mode)
+    x = special_tensor()  # 40 columns: one whole block of 32 and a partial one of 8
+    for axis, operand in ((1, x), (0, x.T.contiguous())):
+        assert_same_bits(cpu_qdq.mx_qdq(operand, spec, axis), reference(operand, spec, axis))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("element", ELEMENTS)
+def test_matches_torchao_reference(element, mode):
+    """torchao's to_mx + to_dtype (finite data: torchao gives inf a finite scale, REFERENCE §2)."""
+    x = mixed_magnitudes((16, 128), 32, -20, 20, seed=3)
+    expected = torchao_mx_reference(x, element, mode)[2]
+    assert_same_bits(cpu_qdq.mx_qdq(x, MXSpec(element, mode=mode), 1), expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    axis_pick=st.integers(0, 2),
+    element=st.sampled_from(ELEMENTS),
+    mode=st.sampled_from(MODES),
+    exponent_spread=st.integers(0, 60),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_random_tensors_match_the_reference(shape, axis_pick, element, mode, exponent_spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
+    x = torch.randn(shape, generator=g) * torch.exp2(spread)
+    axis = axis_pick % len(shape)
+    spec = MXSpec(element, mode=mode)
+    assert_same_bits(cpu_qdq.mx_qdq(x, spec, axis), reference(x, spec, axis))
+
+
+def test_wide_non_last_axis_spans_several_column_tiles():
+    """Blocks down axis 1 of (2, 70, 600): more columns than the kernel's 256-wide tile, a partial block."""
+    x = torch.randn(2, 70, 600, generator=torch.Generator().manual_seed(5)) * 1e3
+    assert_same_bits(cpu_qdq.mx_qdq(x, Q.get_spec("mxfp8"), 1), reference(x, "mxfp8", 1))
+
+
+def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch):
+    calls = []
+    run = cpu_qdq._run
+    monkeypatch.setattr(cpu_qdq, "_run", lambda *args: calls.append(1) or run(*args))
+    x = torch.randn(8, 64)
+    for spec, kwargs in (
+        ("mxfp8", {}),
+        ("mxfp4", {}),
+        (MXSpec("e4m3", mode="rceil"), {"dtype": torch.float32}),
+    ):
+        calls.clear()
+        assert_same_bits(Q.qdq(x, spec, 0, **kwargs), reference(x, spec, 0))
+        assert calls, f"{spec} did not use the kernel"
+    covered = {
+        "bf16 input": (x.bfloat16(), "mxfp8", {}),
+        "stochastic rounding": (x, MXSpec("e2m1", rounding="stochastic"), {"generator": torch.Generator()}),
+        "hadamard": (x, MXSpec("e2m1", hadamard=True), {}),
+        "2-D blocks": (x, MXSpec("e4m3", block_2d=True), {}),
+        "NVFP4": (x, "nvfp4", {}),
+        "fast=False": (x, "mxfp8", {"fast": False}),
+        "needs grad": (x.clone().requires_grad_(), "mxfp8", {}),
+    }
+    for case, (tensor, spec, kwargs) in covered.items():
+        calls.clear()
+        Q.qdq(tensor, spec, -1, **kwargs)
+        assert not calls, f"{case}: the kernel does not cover it and must not run"
+
+
+def test_pad_false_still_refuses_a_partial_block():
+    with pytest.raises(ValueError, match="not a multiple of the block size"):
+        Q.qdq(torch.randn(4, 40), MXSpec("e4m3", pad=False))
+
+
+def test_out_receives_the_result_and_non_contiguous_tensors_are_read_and_written_correctly():
+    x = torch.randn(64, 96).T  # a transposed view
+    for out in (torch.full((96, 64), 7.0), torch.full((64, 96), 7.0).T):
+        result = Q.qdq(x, "mxfp8", 1, out=out)
+        assert result is out
+        assert_same_bits(out, reference(x.contiguous(), "mxfp8", 1))
+
+
+def test_inside_torch_compile_it_is_one_opaque_op_with_the_same_bits():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(64, 128) * 100
+
+    def both_axes(t):
+        return Q.qdq(torch.nn.functional.gelu(t), "mxfp8", 1) + Q.qdq(t * 3, "mxfp4", 0)
+
+    compiled = torch.compile(both_axes, fullgraph=True, backend="inductor")
+    assert_same_bits(
+        compiled(x), reference(torch.nn.functional.gelu(x), "mxfp8", 1) + reference(x * 3, "mxfp4", 0)
+    )
+    assert sum(counters["graph_break"].values()) == 0
+
+
+def test_a_failed_build_leaves_qdq_on_its_other_paths(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpu_qdq, "SOURCE", broken)
+    monkeypatch.setattr(paths, "KERNEL_CACHE_DIR", tmp_path / "cache")
+    cpu_qdq._library.cache_clear()
+    try:
+        assert not cpu_qdq.available()
+        x = torch.randn(4, 64)
+        assert_same_bits(Q.qdq(x, "mxfp8"), reference(x, "mxfp8", -1))
+    finally:
+        cpu_qdq._library.cache_clear()  # the next test rebuilds from the real source (cached on disk)
+
+
+def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path):
+    monkeypatch.setattr(paths, "KERNEL_CACHE_DIR", tmp_path)
+    compiler = cpu_qdq.shutil.which("cc") or cpu_qdq.shutil.which("gcc")
+    first = cpu_qdq._build(compiler)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_qdq._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging directory left behind
