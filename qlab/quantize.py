@@ -31,9 +31,10 @@ Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elemen
 rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
 memory passes), compiled lazily per (spec, dtype, shape) (up to 8 shapes per spec; more run
 eagerly) and skipped silently if compilation is unavailable; it is bit-identical to eager (tested).
-MX specs with RNE elements and 1-D blocks, on float32 CPU tensors, go instead (at any size, eagerly
-and inside ``torch.compile``) through the C kernel ``qlab.kernels.cpu_qdq``: the same bits, about the
-speed of a memory copy. Set ``QLAB_COMPILE=0`` to turn both off.
+MX and NVFP4 (NVIDIA's convention) specs with RNE elements and 1-D blocks, on float32 CPU tensors,
+go instead (at any size, eagerly and inside ``torch.compile``) through the C kernel
+``qlab.kernels.cpu_qdq``: the same bits, near the speed of a memory copy. ``QLAB_COMPILE=0`` turns
+both off.
 """
 
 from __future__ import annotations
@@ -951,7 +952,7 @@ def qdq(
     if fast is not False and randomness is None and scale is None:
         kernel = _cpu_kernel(x, spec, axis, dtype)
         if kernel is not None:  # the same bits in one pass, eagerly and inside torch.compile
-            return kernel.mx_qdq(x, spec, axis, out)
+            return kernel.qdq(x, spec, axis, out)
     if torch.compiler.is_compiling():
         return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")

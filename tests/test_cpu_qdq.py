@@ -1,7 +1,8 @@
-"""qlab.kernels.cpu_qdq: the C MX qdq kernel gives the eager reference's bits (qlab.quantize.qdq with
-fast=False, itself pinned to torchao in test_quantize.py) and torchao's own, for every element format
-and scale mode, along any axis, with partial blocks and special values; qdq dispatches to it only
-where it covers the spec; a failed build leaves qdq working."""
+"""qlab.kernels.cpu_qdq: the C qdq kernel gives the eager reference's bits (qlab.quantize.qdq with
+fast=False, itself pinned to torchao and TransformerEngine's formulas in test_quantize.py) for every
+MX element format and scale mode and for NVFP4 with and without its global scale, and torchao's own
+bits for MX; along any axis, with partial blocks and special values. qdq dispatches to it only where
+it covers the spec; a failed build leaves qdq working."""
 
 import math
 
@@ -14,13 +15,17 @@ from test_quantize import mixed_magnitudes, torchao_mx_reference
 from qlab import paths
 from qlab import quantize as Q
 from qlab.kernels import cpu_qdq
-from qlab.quantize import MXSpec
+from qlab.quantize import MXSpec, NVFP4Spec
 
 pytestmark = pytest.mark.skipif(not cpu_qdq.available(), reason="no C compiler to build the kernel")
 
 ELEMENTS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
 MODES = tuple(cpu_qdq.MODES)
 FLOAT32_MAX = torch.finfo(torch.float32).max
+SPECS = [MXSpec(element, mode=mode) for element in ELEMENTS for mode in MODES] + [
+    NVFP4Spec(),
+    NVFP4Spec(global_scale=False),
+]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -67,13 +72,11 @@ def special_tensor(width=40):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("element", ELEMENTS)
-def test_special_values_along_either_axis(element, mode):
-    spec = MXSpec(element, mode=mode)
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_special_values_along_either_axis(spec):
     x = special_tensor()  # 40 columns: one whole block of 32 and a partial one of 8
     for axis, operand in ((1, x), (0, x.T.contiguous())):
-        assert_same_bits(cpu_qdq.mx_qdq(operand, spec, axis), reference(operand, spec, axis))
+        assert_same_bits(cpu_qdq.qdq(operand, spec, axis), reference(operand, spec, axis))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -82,31 +85,52 @@ def test_matches_torchao_reference(element, mode):
     """torchao's to_mx + to_dtype (finite data: torchao gives inf a finite scale, REFERENCE §2)."""
     x = mixed_magnitudes((16, 128), 32, -20, 20, seed=3)
     expected = torchao_mx_reference(x, element, mode)[2]
-    assert_same_bits(cpu_qdq.mx_qdq(x, MXSpec(element, mode=mode), 1), expected)
+    assert_same_bits(cpu_qdq.qdq(x, MXSpec(element, mode=mode), 1), expected)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 70), min_size=1, max_size=3),
     axis_pick=st.integers(0, 2),
-    element=st.sampled_from(ELEMENTS),
-    mode=st.sampled_from(MODES),
+    spec=st.sampled_from(SPECS),
     exponent_spread=st.integers(0, 60),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_random_tensors_match_the_reference(shape, axis_pick, element, mode, exponent_spread, seed):
+def test_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spread, seed):
     g = torch.Generator().manual_seed(seed)
     spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
     x = torch.randn(shape, generator=g) * torch.exp2(spread)
     axis = axis_pick % len(shape)
-    spec = MXSpec(element, mode=mode)
-    assert_same_bits(cpu_qdq.mx_qdq(x, spec, axis), reference(x, spec, axis))
+    assert_same_bits(cpu_qdq.qdq(x, spec, axis), reference(x, spec, axis))
 
 
-def test_wide_non_last_axis_spans_several_column_tiles():
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
+def test_wide_non_last_axis_spans_several_column_tiles(name):
     """Blocks down axis 1 of (2, 70, 600): more columns than the kernel's 256-wide tile, a partial block."""
     x = torch.randn(2, 70, 600, generator=torch.Generator().manual_seed(5)) * 1e3
-    assert_same_bits(cpu_qdq.mx_qdq(x, Q.get_spec("mxfp8"), 1), reference(x, "mxfp8", 1))
+    assert_same_bits(cpu_qdq.qdq(x, Q.get_spec(name), 1), reference(x, name, 1))
+
+
+# NVFP4's global scale comes from the whole tensor's amax: the cases where TE's formula is clamped
+NVFP4_TENSORS = {
+    "all zeros": torch.zeros(4, 32),
+    "amax below 2688/FLT_MAX (encode clamped)": torch.full((4, 32), 1e-37) * torch.arange(1, 33),
+    "a NaN in one block, the others finite": torch.randn(4, 32).index_put_(
+        (torch.tensor([1]),), torch.tensor(math.nan)
+    ),
+    "an inf in one block": torch.randn(4, 32).index_put_(
+        (torch.tensor([2]), torch.tensor([5])), torch.tensor(math.inf)
+    ),
+    "amax near FLT_MAX": torch.randn(4, 32) * 1e37,
+    "E4M3-subnormal block scales": torch.cat([torch.full((1, 32), 1e4), torch.randn(3, 32) * 1e-3]),
+}
+
+
+@pytest.mark.parametrize("case", NVFP4_TENSORS)
+def test_nvfp4_global_scale_edge_cases(case):
+    x = NVFP4_TENSORS[case]
+    for axis in (0, 1):
+        assert_same_bits(cpu_qdq.qdq(x, NVFP4Spec(), axis), reference(x, NVFP4Spec(), axis))
 
 
 def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch):
@@ -127,7 +151,9 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         "stochastic rounding": (x, MXSpec("e2m1", rounding="stochastic"), {"generator": torch.Generator()}),
         "hadamard": (x, MXSpec("e2m1", hadamard=True), {}),
         "2-D blocks": (x, MXSpec("e4m3", block_2d=True), {}),
-        "NVFP4": (x, "nvfp4", {}),
+        "NVFP4, torchao's convention": (x, NVFP4Spec(convention="torchao"), {}),
+        "NVFP4 16×16 tiles": (x, NVFP4Spec(block_2d=True), {}),
+        "NVFP4 with Hadamard": (x, NVFP4Spec(hadamard=True), {}),
         "fast=False": (x, "mxfp8", {"fast": False}),
         "needs grad": (x.clone().requires_grad_(), "mxfp8", {}),
     }

@@ -1,26 +1,35 @@
-/* MX quantize-dequantize on the CPU, in one pass per block: the reference is qlab.quantize.qdq.
+/* Block quantize-dequantize on the CPU, one pass per block; the reference is qlab.quantize.qdq.
 
    x is float32, contiguous, viewed as (outer, length, inner); blocks of `block` elements run along
    `length` (the scale axis), so inner == 1 is the last axis. The last block may be partial: the
-   reference pads with zeros, which change no amax. Per block (OCP MX v1.0, qlab.scaling):
+   reference pads with zeros, which change no amax. Every block is
+     amax = max |x| over the block;  (inverse, multiplier) = the recipe's factors for amax;
+     out  = round_rne(min(|x · inverse|, elem_max)) · sign(x) · multiplier
+   and a block whose amax is not finite (a NaN or inf in it) is all NaN (0x7FC00000, the bits the
+   reference's 0 · NaN gives). The factors, as qlab.scaling computes them in float32:
 
-     amax   = max |x| over the block (NaN if any element is NaN)
-     b      = the E8M0 byte of amax for `mode` (floor, ceil, even, rceil), in [0, 254]
-     X      = 2^(b - 127) (the float32 subnormal 2^-127 for b = 0);  1/X from the bits (254 - b) << 23
-     out    = round_rne(min(|x / X|, elem_max)) * sign(x) * X       (element format: mbits, bias)
-     a non-finite amax (NaN or inf): the block is all NaN (0x7FC00000, as 0 * NaN gives in torch).
+   MX (OCP v1.0): b = the E8M0 byte of amax for the mode (floor, ceil, even, rceil), in [0, 254];
+     multiplier X = 2^(b - 127) (the float32 subnormal 2^-127 for b = 0), inverse = bits (254 - b) << 23.
+   NVFP4, NVIDIA's convention (TransformerEngine): with the tensor amax A, S_enc = min(fl(2688 / A),
+     FLT_MAX) (1 if A is 0 or not finite) and S_dec = fl(1 / S_enc):
+     s_block    = E4M3_rne(min(amax · fl(S_enc · fl(1/6)), 448))       (no lower clamp)
+     inverse    = min(fl(1 / fl(s_block · S_dec)), FLT_MAX)
+     multiplier = fl(fl(s_block · A) · fl(1/2688)), or s_block · S_dec where S_enc was clamped or A is
+                  not finite; without a global scale S_enc = S_dec = 1 and the multiplier is s_block.
 
    Rounding is the add-and-subtract trick of qlab.formats._cast_rne_float32: adding 2^(e + 23 - m)
    to a float32 of exponent e rounds it to m mantissa bits, ties to even, with e clamped below at the
-   element's smallest normal exponent so its subnormals share one quantum. Build with
+   format's smallest normal exponent so its subnormals share one quantum. Build with
    -ffp-contract=off: a fused multiply-add would change the bits. */
 
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { MODE_FLOOR = 0, MODE_CEIL = 1, MODE_EVEN = 2, MODE_RCEIL = 3 };
+enum { RECIPE_MX = 0, RECIPE_NVFP4 = 1 };
 #define TILE 256 /* columns handled together when blocks run down a non-last axis */
+#define FLOAT32_MAX 3.4028234663852886e38f
+#define NAN_BITS 0x7FC00000u
 
 static inline uint32_t bits_of(float value) {
     uint32_t bits;
@@ -34,31 +43,12 @@ static inline float float_of(uint32_t bits) {
     return value;
 }
 
-/* The E8M0 byte of a finite float32 amax (qlab.scaling._mx_biased_exponent). */
-static inline int32_t biased_exponent(float amax, int mode, int mbits, int emax, float elem_max) {
-    if (mode == MODE_RCEIL) {
-        float descale = amax / elem_max;
-        uint32_t bits = bits_of(descale);
-        int32_t exponent = (int32_t)((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0);
-        if (descale < 0x1p-126f) exponent = descale > 0x1p-127f ? -126 : -127;
-        if (exponent > 127) exponent = 127;
-        if (exponent < -127) exponent = -127;
-        return exponent + 127;
-    }
-    uint32_t bits = bits_of(amax);
-    if (mode == MODE_EVEN) bits = (bits + (1u << (22 - mbits))) & 0x7F800000u;
-    int32_t field = (int32_t)((bits >> 23) & 0xFF);
-    if (mode == MODE_CEIL) field += (bits & 0x7FFFFF) != 0;
-    field -= emax;
-    return field < 0 ? 0 : (field > 254 ? 254 : field);
-}
-
-/* x rounded to the element format, ties to even, saturating at elem_max; x is never NaN here.
-   Written with bit operations and a plain comparison (not fminf/copysignf) so that it vectorizes. */
-static inline float round_element(float scaled, int mbits, int min_field, float elem_max) {
-    uint32_t bits = bits_of(scaled);
+/* x rounded to a float format of mbits mantissa bits, ties to even, saturating at max_value; x is
+   never NaN here. Bit operations and plain comparisons (not fminf/copysignf), so that it vectorizes. */
+static inline float round_rne(float x, int mbits, int min_field, float max_value) {
+    uint32_t bits = bits_of(x);
     float magnitude = float_of(bits & 0x7FFFFFFFu);
-    magnitude = magnitude < elem_max ? magnitude : elem_max;
+    magnitude = magnitude < max_value ? magnitude : max_value;
     int32_t field = (int32_t)(bits_of(magnitude) >> 23);
     field = field < min_field ? min_field : field;
     float magic = float_of((uint32_t)(field + 23 - mbits) << 23);
@@ -67,71 +57,104 @@ static inline float round_element(float scaled, int mbits, int min_field, float 
 }
 
 typedef struct {
-    int mode, mbits, min_field, emax;
+    int recipe;
+    int mbits, min_field; /* the element format */
     float elem_max;
-} mx_format;
+    int mode, emax;       /* MX */
+    int global_scale;     /* NVFP4 */
+    float tensor_amax, encode_over_6, decode, usual;
+} recipe_t;
 
-/* X and 1/X for a block whose largest |x| has the bits `amax` (the bits of |x| order as the
-   magnitudes do, and any NaN lies above inf); returns 0 for a non-finite amax. */
-static inline int block_scale(uint32_t amax, const mx_format *f, float *scale, float *inverse) {
-    if (amax >= 0x7F800000u) return 0; /* NaN or inf */
-    int32_t b = biased_exponent(float_of(amax), f->mode, f->mbits, f->emax, f->elem_max);
-    *scale = b == 0 ? float_of(1u << 22) : float_of((uint32_t)b << 23);
-    *inverse = float_of((uint32_t)(254 - b) << 23);
+/* The E8M0 byte of a finite float32 amax (qlab.scaling._mx_biased_exponent). */
+static inline int32_t mx_biased_exponent(float amax, const recipe_t *r) {
+    if (r->mode == MODE_RCEIL) {
+        float descale = amax / r->elem_max;
+        uint32_t bits = bits_of(descale);
+        int32_t exponent = (int32_t)((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0);
+        if (descale < 0x1p-126f) exponent = descale > 0x1p-127f ? -126 : -127;
+        if (exponent > 127) exponent = 127;
+        if (exponent < -127) exponent = -127;
+        return exponent + 127;
+    }
+    uint32_t bits = bits_of(amax);
+    if (r->mode == MODE_EVEN) bits = (bits + (1u << (22 - r->mbits))) & 0x7F800000u;
+    int32_t field = (int32_t)((bits >> 23) & 0xFF);
+    if (r->mode == MODE_CEIL) field += (bits & 0x7FFFFF) != 0;
+    field -= r->emax;
+    return field < 0 ? 0 : (field > 254 ? 254 : field);
+}
+
+/* (inverse, multiplier) of a block whose largest |x| has the bits `amax` (the bits of |x| order as
+   the magnitudes do, and any NaN lies above inf); returns 0 for a non-finite amax. */
+static inline int block_factors(uint32_t amax, const recipe_t *r, float *inverse, float *multiplier) {
+    if (amax >= 0x7F800000u) return 0;
+    if (r->recipe == RECIPE_MX) {
+        int32_t b = mx_biased_exponent(float_of(amax), r);
+        *multiplier = b == 0 ? float_of(1u << 22) : float_of((uint32_t)b << 23);
+        *inverse = float_of((uint32_t)(254 - b) << 23);
+        return 1;
+    }
+    float wanted = float_of(amax) * r->encode_over_6;
+    float scale = round_rne(wanted < 448.0f ? wanted : 448.0f, 3, 121, 448.0f); /* E4M3: 3 bits, bias 7 */
+    float reciprocal = 1.0f / (r->global_scale ? scale * r->decode : scale);
+    *inverse = reciprocal < FLOAT32_MAX ? reciprocal : FLOAT32_MAX;
+    if (!r->global_scale)
+        *multiplier = scale;
+    else
+        *multiplier = r->usual ? (scale * r->tensor_amax) * (float)(1.0 / 2688.0) : scale * r->decode;
     return 1;
 }
 
-static inline void qdq_row_block(const float *restrict x, float *restrict out, int64_t n, const mx_format *f) {
+static inline void qdq_row_block(const float *restrict x, float *restrict out, int64_t n, const recipe_t *r) {
     uint32_t amax = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
         amax = a > amax ? a : amax;
     }
-    float scale, inverse;
-    if (!block_scale(amax, f, &scale, &inverse)) {
-        for (int64_t i = 0; i < n; i++) out[i] = float_of(0x7FC00000u);
+    float inverse, multiplier;
+    if (!block_factors(amax, r, &inverse, &multiplier)) {
+        for (int64_t i = 0; i < n; i++) out[i] = float_of(NAN_BITS);
         return;
     }
-    const int mbits = f->mbits, min_field = f->min_field;
-    const float elem_max = f->elem_max;
-    for (int64_t i = 0; i < n; i++) out[i] = round_element(x[i] * inverse, mbits, min_field, elem_max) * scale;
+    const int mbits = r->mbits, min_field = r->min_field;
+    const float elem_max = r->elem_max;
+    for (int64_t i = 0; i < n; i++) out[i] = round_rne(x[i] * inverse, mbits, min_field, elem_max) * multiplier;
 }
 
 /* Blocks of `rows` rows (stride `inner`) times `cols` columns starting at x. */
-static void qdq_column_blocks(const float *restrict x, float *restrict out, int64_t rows, int64_t inner, int64_t cols,
-                              const mx_format *f) {
+static void qdq_column_blocks(const float *restrict x, float *restrict out, int64_t rows, int64_t inner,
+                              int64_t cols, const recipe_t *r) {
     uint32_t amax[TILE];
-    float scale[TILE], inverse[TILE];
+    float inverse[TILE], multiplier[TILE];
     for (int64_t j = 0; j < cols; j++) amax[j] = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * inner;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = x + i * inner;
         for (int64_t j = 0; j < cols; j++) {
             uint32_t a = bits_of(row[j]) & 0x7FFFFFFFu;
             amax[j] = a > amax[j] ? a : amax[j];
         }
     }
     for (int64_t j = 0; j < cols; j++) {
-        if (!block_scale(amax[j], f, &scale[j], &inverse[j])) {
-            scale[j] = float_of(0x7FC00000u);
-            inverse[j] = 0.0f; /* 0 * anything finite is ±0, times the NaN scale: NaN */
+        if (!block_factors(amax[j], r, &inverse[j], &multiplier[j])) {
+            inverse[j] = 0.0f; /* 0 · a finite x is ±0, which times the NaN multiplier is NaN */
+            multiplier[j] = float_of(NAN_BITS);
         }
     }
-    const int mbits = f->mbits, min_field = f->min_field;
-    const float elem_max = f->elem_max;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * inner;
-        float *row_out = out + r * inner;
+    const int mbits = r->mbits, min_field = r->min_field;
+    const float elem_max = r->elem_max;
+    for (int64_t i = 0; i < rows; i++) {
+        const float *row = x + i * inner;
+        float *row_out = out + i * inner;
         for (int64_t j = 0; j < cols; j++) {
             float scaled = row[j] * inverse[j];
             scaled = scaled == scaled ? scaled : 0.0f; /* x = NaN or inf in a NaN block */
-            row_out[j] = round_element(scaled, mbits, min_field, elem_max) * scale[j];
+            row_out[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
         }
     }
 }
 
-void qlab_mx_qdq(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int64_t block,
-                 int mode, int mbits, int bias, int emax, float elem_max, int threads) {
-    mx_format f = {mode, mbits, 128 - bias, emax, elem_max};
+static void qdq_blocks(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int64_t block,
+                       const recipe_t *r, int threads) {
     int64_t blocks = (length + block - 1) / block;
     if (inner == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -139,10 +162,12 @@ void qlab_mx_qdq(const float *x, float *out, int64_t outer, int64_t length, int6
             int64_t row = k / blocks, start = (k % blocks) * block;
             int64_t n = length - start < block ? length - start : block;
             const int64_t offset = row * length + start;
-            if (n == 32)  /* the MX block: a constant trip count, which the compiler unrolls */
-                qdq_row_block(x + offset, out + offset, 32, &f);
+            if (n == 32) /* constant trip counts of the usual blocks, which the compiler unrolls */
+                qdq_row_block(x + offset, out + offset, 32, r);
+            else if (n == 16)
+                qdq_row_block(x + offset, out + offset, 16, r);
             else
-                qdq_row_block(x + offset, out + offset, n, &f);
+                qdq_row_block(x + offset, out + offset, n, r);
         }
         return;
     }
@@ -153,6 +178,38 @@ void qlab_mx_qdq(const float *x, float *out, int64_t outer, int64_t length, int6
         int64_t start = b * block, rows = length - start < block ? length - start : block;
         int64_t col = tile * TILE, cols = inner - col < TILE ? inner - col : TILE;
         const int64_t offset = (o * length + start) * inner + col;
-        qdq_column_blocks(x + offset, out + offset, rows, inner, cols, &f);
+        qdq_column_blocks(x + offset, out + offset, rows, inner, cols, r);
     }
+}
+
+void qlab_mx_qdq(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int64_t block,
+                 int mode, int mbits, int bias, int emax, float elem_max, int threads) {
+    recipe_t r = {.recipe = RECIPE_MX, .mbits = mbits, .min_field = 128 - bias, .elem_max = elem_max,
+                  .mode = mode, .emax = emax};
+    qdq_blocks(x, out, outer, length, inner, block, &r, threads);
+}
+
+void qlab_nvfp4_qdq(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int global_scale,
+                    int threads) {
+    recipe_t r = {.recipe = RECIPE_NVFP4, .mbits = 1, .min_field = 127, .elem_max = 6.0f, /* E2M1: bias 1 */
+                  .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
+    if (global_scale) {
+        int64_t n = outer * length * inner;
+        uint32_t amax = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : amax)
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+            amax = a > amax ? a : amax;
+        }
+        float tensor_amax = float_of(amax), encode = 1.0f;
+        if (amax < 0x7F800000u && amax > 0) {
+            encode = 2688.0f / tensor_amax;
+            encode = encode < FLOAT32_MAX ? encode : FLOAT32_MAX;
+        }
+        r.tensor_amax = tensor_amax;
+        r.decode = 1.0f / encode;
+        r.encode_over_6 = encode * (float)(1.0 / 6.0);
+        r.usual = amax < 0x7F800000u && encode < FLOAT32_MAX;
+    }
+    qdq_blocks(x, out, outer, length, inner, 16, &r, threads);
 }

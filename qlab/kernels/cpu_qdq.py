@@ -1,7 +1,8 @@
-"""MX qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per block.
+"""MX and NVFP4 qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per block.
 
-What it covers: ``MXSpec`` with RNE elements (every element format and scale mode), 1-D blocks along
-any axis, no Hadamard transform, float32 in and out. It gives ``qlab.quantize.qdq``'s bits
+What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
+convention (with or without the global scale), with RNE elements, 1-D blocks along any axis, no
+Hadamard transform, float32 in and out. It gives ``qlab.quantize.qdq``'s bits
 (tests/test_cpu_qdq.py against the eager reference) at about the speed of a memory copy, where
 inductor's code for the same loop is 4-8× slower on the 2-core VM (README, Benchmarks).
 
@@ -10,7 +11,7 @@ The C file is built with the system's C compiler on first use (under a second) i
 for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
 is built and qdq takes its other paths, which give the same bits.
 
-``qlab::mx_qdq_cpu`` is a torch custom op: inside ``torch.compile`` it is one opaque call, so inductor
+``qlab::block_qdq_cpu`` is a torch custom op: inside ``torch.compile`` it is one opaque call, so inductor
 writes its input out once instead of fusing the producer into (and recomputing it for) every read.
 """
 
@@ -84,12 +85,12 @@ def _library():
         library = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.SubprocessError):
         return None
-    function = library.qlab_mx_qdq
-    i64, c_int = ctypes.c_int64, ctypes.c_int
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
-                         ctypes.c_float, c_int]  # fmt: skip
-    function.restype = None
-    return function
+    pointer, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.qlab_mx_qdq.argtypes = [pointer, pointer, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
+                                    ctypes.c_float, c_int]  # fmt: skip
+    library.qlab_nvfp4_qdq.argtypes = [pointer, pointer, i64, i64, i64, c_int, c_int]
+    library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = None
+    return library
 
 
 @torch.compiler.assume_constant_result  # evaluated when traced (it builds files), a constant in the graph
@@ -99,11 +100,15 @@ def available() -> bool:
 
 
 def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
-    """Whether ``mx_qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``."""
-    from qlab.quantize import MXSpec
+    """Whether ``qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``."""
+    from qlab.quantize import MXSpec, NVFP4Spec
 
+    if isinstance(spec, NVFP4Spec):
+        layout = spec.convention == "nvidia"
+    else:
+        layout = isinstance(spec, MXSpec)
     return (
-        isinstance(spec, MXSpec)
+        layout
         and spec.rounding == "rne"
         and not spec.block_2d
         and not spec.hadamard
@@ -115,39 +120,55 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     )
 
 
-def mx_qdq(x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """MX qdq of float32 CPU ``x`` by ``spec`` (checked by ``covers``) along ``axis`` (non-negative,
+def qdq(x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qdq of float32 CPU ``x`` by ``spec`` (checked by ``covers``) along ``axis`` (non-negative,
     checked by the caller, as is ``spec.pad`` against the axis length), written into ``out`` if given
     (a float32 tensor of x's shape that does not overlap x)."""
     from qlab.formats import get_format
+    from qlab.quantize import MXSpec
 
-    fmt = get_format(spec.element)
-    arguments = (axis, spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max)
+    if isinstance(spec, MXSpec):
+        fmt = get_format(spec.element)
+        arguments = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
+    else:  # NVFP4: the kernel knows its formats; only the global scale varies
+        arguments = (spec.block_size, -1, 0, 0, 0, 0.0, spec.global_scale)
     if torch.compiler.is_compiling():
-        result = _mx_qdq_op(x, *arguments)  # opaque to inductor
+        result = _qdq_op(x, axis, *arguments)  # opaque to inductor
         return result if out is None else out.copy_(result)
     if out is not None and not out.is_contiguous():
-        return out.copy_(mx_qdq(x, spec, axis))
+        return out.copy_(qdq(x, spec, axis))
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return _run(x.contiguous(), out, *arguments)
+    return _run(x.contiguous(), out, axis, *arguments)
 
 
-def _run(x, out, axis, block, mode, mbits, bias, emax, elem_max):
+def _run(x, out, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
+    """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1."""
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
-    _library()(x.data_ptr(), out.data_ptr(), outer, length, inner, block, mode, mbits, bias, emax, elem_max,
-               torch.get_num_threads())  # fmt: skip
+    pointers, threads = (x.data_ptr(), out.data_ptr(), outer, length, inner), torch.get_num_threads()
+    if mode < 0:
+        _library().qlab_nvfp4_qdq(*pointers, int(global_scale), threads)
+    else:
+        _library().qlab_mx_qdq(*pointers, block, mode, mbits, bias, emax, elem_max, threads)
     return out
 
 
-@torch.library.custom_op("qlab::mx_qdq_cpu", mutates_args=())
-def _mx_qdq_op(
-    x: torch.Tensor, axis: int, block: int, mode: int, mbits: int, bias: int, emax: int, elem_max: float
+@torch.library.custom_op("qlab::block_qdq_cpu", mutates_args=())
+def _qdq_op(
+    x: torch.Tensor,
+    axis: int,
+    block: int,
+    mode: int,
+    mbits: int,
+    bias: int,
+    emax: int,
+    elem_max: float,
+    global_scale: bool,
 ) -> torch.Tensor:
     x = x.contiguous()
-    return _run(x, torch.empty_like(x), axis, block, mode, mbits, bias, emax, elem_max)
+    return _run(x, torch.empty_like(x), axis, block, mode, mbits, bias, emax, elem_max, global_scale)
 
 
-@_mx_qdq_op.register_fake
-def _(x, axis, block, mode, mbits, bias, emax, elem_max):
+@_qdq_op.register_fake
+def _(x, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
