@@ -3,8 +3,10 @@
     python benchmarks/bench_quantize.py [--size 4096] [--repeats 5]
 
 For each recipe, a 4096×4096 float32 tensor is quantized and dequantized by
-- qlab's compiled fast path writing into a preallocated tensor (``qdq(x, out=y)``), against
-  ``torch.add(x, 0, out=y)``: one read and one write of the tensor, the memory-bound floor;
+- qlab's fast path writing into a preallocated tensor (``qdq(x, out=y)``), against
+  ``torch.add(x, 0, out=y)``: one read and one write of the tensor, the memory-bound floor. The fast
+  path is the C kernel ``qlab.kernels.cpu_qdq`` where it covers the recipe (MX, NVFP4 1×16), else
+  qdq's torch.compile path; for the C kernel's rows the compiled path is timed too (kernel off);
 - the same path returning a fresh tensor (``qdq(x)``), against ``torch.add(x, 0)``, which pays the
   same first-touch page faults for its fresh 64 MiB (glibc hands such blocks back to the kernel
   when they are freed, so every call faults them in again: 20–30 ms here, several times the kernel);
@@ -20,6 +22,7 @@ test/benchmark-only dependency (``pip install -e .[dev]``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -31,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import add_thread_argument, machine, median_seconds, set_threads  # noqa: E402
 
 from qlab import quantize as Q  # noqa: E402
+from qlab.kernels import cpu_qdq  # noqa: E402
 
 
 def torchao_recipes():
@@ -89,6 +93,17 @@ LABELS = {
 }
 
 
+@contextlib.contextmanager
+def without_cpu_kernel():
+    """qdq's torch.compile path where the C kernel would run."""
+    available = cpu_qdq.available
+    cpu_qdq.available = lambda: False
+    try:
+        yield
+    finally:
+        cpu_qdq.available = available
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=4096)
@@ -109,11 +124,11 @@ def main() -> None:
         f"torch.add(x, 0, out=y) {floor * 1e3:.1f} ms, torch.add(x, 0) {fresh_floor * 1e3:.1f} ms\n"
     )
     print(
-        "| recipe | compiled, out=y (ms) | / add(out=y) | compiled, fresh (ms) | / add fresh "
-        "| qlab eager (ms) | torchao eager (ms) | torchao / qlab compiled fresh | first call (compile, s) "
+        "| recipe | fast path | out=y (ms) | / add(out=y) | compiled path, out=y / add | fresh (ms) "
+        "| / add fresh | qlab eager (ms) | torchao eager (ms) | torchao / qlab fresh | first call (s) "
         "| same bits as torchao |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, label in LABELS.items():
         start = time.perf_counter()
         fast = Q.qdq(x, name, fast=True)
@@ -122,6 +137,12 @@ def main() -> None:
         into = median_seconds(lambda: Q.qdq(x, name, fast=True, out=y), args.repeats)
         compiled = median_seconds(lambda: Q.qdq(x, name, fast=True), args.repeats)
         eager = median_seconds(lambda: Q.qdq(x, name, fast=False), args.repeats)
+        path, inductor = "compiled", "—"
+        if cpu_qdq.covers(x, Q.get_spec(name), x.dtype):
+            with without_cpu_kernel():
+                Q.qdq(x, name, fast=True, out=y)  # compiles it
+                seconds = median_seconds(lambda: Q.qdq(x, name, fast=True, out=y), args.repeats)
+            path, inductor = "C kernel", f"{seconds / floor:.2f}"
         theirs, same = "—", "—"
         if name in reference:
             seconds = median_seconds(lambda: reference[name](x), args.repeats)
@@ -132,8 +153,9 @@ def main() -> None:
         else:
             theirs = "— | —"
         print(
-            f"| {label} | {into * 1e3:.1f} | {into / floor:.2f} | {compiled * 1e3:.1f} | "
-            f"{compiled / fresh_floor:.2f} | {eager * 1e3:.1f} | {theirs} | {first_call:.1f} | {same} |",
+            f"| {label} | {path} | {into * 1e3:.1f} | {into / floor:.2f} | {inductor} | "
+            f"{compiled * 1e3:.1f} | {compiled / fresh_floor:.2f} | {eager * 1e3:.1f} | {theirs} | "
+            f"{first_call:.1f} | {same} |",
             flush=True,
         )
 

@@ -31,7 +31,7 @@ Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elemen
 rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
 memory passes), compiled lazily per (spec, dtype, shape) (up to 8 shapes per spec; more run
 eagerly) and skipped silently if compilation is unavailable; it is bit-identical to eager (tested).
-MX and NVFP4 (NVIDIA's convention) specs with RNE elements and 1-D blocks, on float32 CPU tensors,
+MX and NVFP4 (NVIDIA's convention) specs with 1-D blocks (RNE or stochastic rounding), on float32 CPU tensors,
 go instead (at any size, eagerly and inside ``torch.compile``) through the C kernel
 ``qlab.kernels.cpu_qdq``: the same bits, near the speed of a memory copy. ``QLAB_COMPILE=0`` turns
 both off.
@@ -949,10 +949,15 @@ def qdq(
         _check_out(out, x, dtype)
     if x.numel() == 0:
         return x.to(dtype).clone() if out is None else out
-    if fast is not False and randomness is None and scale is None:
-        kernel = _cpu_kernel(x, spec, axis, dtype)
-        if kernel is not None:  # the same bits in one pass, eagerly and inside torch.compile
-            return kernel.qdq(x, spec, axis, out)
+    kernel = _cpu_kernel(x, spec, axis, dtype) if fast is not False and scale is None else None
+    drawn = randomness if isinstance(randomness, torch.Tensor) else None
+    if kernel is not None and spec.rounding == "stochastic" and drawn is None:
+        if torch.compiler.is_compiling():
+            kernel = None  # traced code draws from a generator inside qlab.quantize's own ops
+        else:
+            drawn = stochastic_noise(noise_shape(x, spec, axis), generator, x.device)  # the same draws
+    if kernel is not None:  # the same bits in one pass, eagerly and inside torch.compile
+        return kernel.qdq(x, spec, axis, out, drawn)
     if torch.compiler.is_compiling():
         return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")

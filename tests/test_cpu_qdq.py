@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_quantize import mixed_magnitudes, torchao_mx_reference
 
-from qlab import paths
+from qlab import formats, paths
 from qlab import quantize as Q
 from qlab.kernels import cpu_qdq
 from qlab.quantize import MXSpec, NVFP4Spec
@@ -25,6 +25,10 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 SPECS = [MXSpec(element, mode=mode) for element in ELEMENTS for mode in MODES] + [
     NVFP4Spec(),
     NVFP4Spec(global_scale=False),
+    MXSpec("e2m1", rounding="stochastic"),
+    MXSpec("e4m3", mode="rceil", rounding="stochastic"),
+    MXSpec("e3m2", mode="even", rounding="stochastic"),
+    NVFP4Spec(rounding="stochastic"),
 ]
 
 
@@ -41,8 +45,18 @@ def assert_same_bits(got, expected):
     )
 
 
-def reference(x, spec, axis):
-    return Q.qdq(x, spec, axis, fast=False)
+def reference(x, spec, axis, noise=None):
+    return Q.qdq(x, spec, axis, fast=False, noise=noise)
+
+
+def assert_kernel_matches(x, spec, axis, seed=0):
+    """The kernel against the eager reference on ``x``, both given the same draws if ``spec`` rounds
+    stochastically."""
+    spec = Q.get_spec(spec)
+    noise = None
+    if spec.rounding == "stochastic":
+        noise = formats.stochastic_noise(Q.noise_shape(x, spec, axis), torch.Generator().manual_seed(seed))
+    assert_same_bits(cpu_qdq.qdq(x, spec, axis, noise=noise), reference(x, spec, axis, noise))
 
 
 # Special values, each row one MX block (the rest of the row is small normal numbers): what every
@@ -76,7 +90,7 @@ def special_tensor(width=40):
 def test_special_values_along_either_axis(spec):
     x = special_tensor()  # 40 columns: one whole block of 32 and a partial one of 8
     for axis, operand in ((1, x), (0, x.T.contiguous())):
-        assert_same_bits(cpu_qdq.qdq(operand, spec, axis), reference(operand, spec, axis))
+        assert_kernel_matches(operand, spec, axis)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -100,15 +114,24 @@ def test_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spr
     g = torch.Generator().manual_seed(seed)
     spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
     x = torch.randn(shape, generator=g) * torch.exp2(spread)
-    axis = axis_pick % len(shape)
-    assert_same_bits(cpu_qdq.qdq(x, spec, axis), reference(x, spec, axis))
+    assert_kernel_matches(x, spec, axis_pick % len(shape), seed)
 
 
-@pytest.mark.parametrize("name", ["mxfp8", "nvfp4"])
-def test_wide_non_last_axis_spans_several_column_tiles(name):
-    """Blocks down axis 1 of (2, 70, 600): more columns than the kernel's 256-wide tile, a partial block."""
+@pytest.mark.parametrize("spec", ["mxfp8", "nvfp4", NVFP4Spec(rounding="stochastic")], ids=str)
+def test_wide_non_last_axis_spans_several_column_tiles(spec):
+    """Blocks down axis 1 of (2, 70, 600): more columns than the kernel's 256-wide tile, a partial block
+    (whose stochastic draws sit in the reference's zero-padded layout)."""
     x = torch.randn(2, 70, 600, generator=torch.Generator().manual_seed(5)) * 1e3
-    assert_same_bits(cpu_qdq.qdq(x, Q.get_spec(name), 1), reference(x, name, 1))
+    assert_kernel_matches(x, spec, 1)
+
+
+def test_qdq_with_a_generator_consumes_the_same_stream_as_eager():
+    x = torch.randn(48, 40) * 30
+    for spec in (MXSpec("e2m1", rounding="stochastic"), NVFP4Spec(rounding="stochastic")):
+        for axis in (0, 1):
+            kernel = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(9))
+            eager = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(9), fast=False)
+            assert_same_bits(kernel, eager)
 
 
 # NVFP4's global scale comes from the whole tensor's amax: the cases where TE's formula is clamped
@@ -130,7 +153,7 @@ NVFP4_TENSORS = {
 def test_nvfp4_global_scale_edge_cases(case):
     x = NVFP4_TENSORS[case]
     for axis in (0, 1):
-        assert_same_bits(cpu_qdq.qdq(x, NVFP4Spec(), axis), reference(x, NVFP4Spec(), axis))
+        assert_kernel_matches(x, NVFP4Spec(), axis)
 
 
 def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch):
@@ -138,17 +161,24 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
     run = cpu_qdq._run
     monkeypatch.setattr(cpu_qdq, "_run", lambda *args: calls.append(1) or run(*args))
     x = torch.randn(8, 64)
+    seeded = {"generator": torch.Generator().manual_seed(4)}
     for spec, kwargs in (
         ("mxfp8", {}),
         ("mxfp4", {}),
         (MXSpec("e4m3", mode="rceil"), {"dtype": torch.float32}),
+        ("nvfp4", {}),
+        (MXSpec("e2m1", rounding="stochastic"), seeded),
+        (NVFP4Spec(rounding="stochastic"), seeded),
     ):
         calls.clear()
-        assert_same_bits(Q.qdq(x, spec, 0, **kwargs), reference(x, spec, 0))
+        seeded["generator"].manual_seed(4)
+        got = Q.qdq(x, spec, 0, **kwargs)
         assert calls, f"{spec} did not use the kernel"
+        seeded["generator"].manual_seed(4)
+        assert_same_bits(got, Q.qdq(x, spec, 0, fast=False, **kwargs))
     covered = {
         "bf16 input": (x.bfloat16(), "mxfp8", {}),
-        "stochastic rounding": (x, MXSpec("e2m1", rounding="stochastic"), {"generator": torch.Generator()}),
+        "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
         "hadamard": (x, MXSpec("e2m1", hadamard=True), {}),
         "2-D blocks": (x, MXSpec("e4m3", block_2d=True), {}),
         "NVFP4, torchao's convention": (x, NVFP4Spec(convention="torchao"), {}),

@@ -4,7 +4,8 @@
    `length` (the scale axis), so inner == 1 is the last axis. The last block may be partial: the
    reference pads with zeros, which change no amax. Every block is
      amax = max |x| over the block;  (inverse, multiplier) = the recipe's factors for amax;
-     out  = round_rne(min(|x · inverse|, elem_max)) · sign(x) · multiplier
+     out  = round(min(|x · inverse|, elem_max)) · sign(x) · multiplier
+   with round to nearest even, or stochastic rounding by a given uniform draw per element;
    and a block whose amax is not finite (a NaN or inf in it) is all NaN (0x7FC00000, the bits the
    reference's 0 · NaN gives). The factors, as qlab.scaling computes them in float32:
 
@@ -22,12 +23,13 @@
    format's smallest normal exponent so its subnormals share one quantum. Build with
    -ffp-contract=off: a fused multiply-add would change the bits. */
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 enum { MODE_FLOOR = 0, MODE_CEIL = 1, MODE_EVEN = 2, MODE_RCEIL = 3 };
 enum { RECIPE_MX = 0, RECIPE_NVFP4 = 1 };
-#define TILE 256 /* columns handled together when blocks run down a non-last axis */
+#define TILE 256 /* blocks handled together: along a row, or columns when blocks run down a non-last axis */
 #define FLOAT32_MAX 3.4028234663852886e38f
 #define NAN_BITS 0x7FC00000u
 
@@ -56,6 +58,22 @@ static inline float round_rne(float x, int mbits, int min_field, float max_value
     return float_of(bits_of(rounded) | (bits & 0x80000000u));
 }
 
+/* x rounded stochastically (qlab.formats._cast_stochastic_float32): floor(|x|/q + u) · q, never more
+   than one step up, saturating at max_value, with q the quantum at |x|'s exponent and u in [0, 1). */
+static inline float round_stochastic(float x, float u, int mbits, int min_field, float max_value) {
+    uint32_t bits = bits_of(x);
+    float magnitude = float_of(bits & 0x7FFFFFFFu);
+    magnitude = magnitude < max_value ? magnitude : max_value;
+    int32_t field = (int32_t)(bits_of(magnitude) >> 23);
+    field = field < min_field ? min_field : field;
+    float quantum = float_of((uint32_t)(field - mbits) << 23);
+    float scaled = magnitude / quantum;
+    float up = floorf(scaled + u), next = floorf(scaled) + 1.0f;
+    float value = (up < next ? up : next) * quantum;
+    value = value < max_value ? value : max_value;
+    return float_of(bits_of(value) | (bits & 0x80000000u));
+}
+
 typedef struct {
     int recipe;
     int mbits, min_field; /* the element format */
@@ -66,8 +84,8 @@ typedef struct {
 } recipe_t;
 
 /* The E8M0 byte of a finite float32 amax (qlab.scaling._mx_biased_exponent). */
-static inline int32_t mx_biased_exponent(float amax, const recipe_t *r) {
-    if (r->mode == MODE_RCEIL) {
+static inline int32_t mx_biased_exponent(float amax, int mode, const recipe_t *r) {
+    if (mode == MODE_RCEIL) {
         float descale = amax / r->elem_max;
         uint32_t bits = bits_of(descale);
         int32_t exponent = (int32_t)((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0);
@@ -77,53 +95,111 @@ static inline int32_t mx_biased_exponent(float amax, const recipe_t *r) {
         return exponent + 127;
     }
     uint32_t bits = bits_of(amax);
-    if (r->mode == MODE_EVEN) bits = (bits + (1u << (22 - r->mbits))) & 0x7F800000u;
+    if (mode == MODE_EVEN) bits = (bits + (1u << (22 - r->mbits))) & 0x7F800000u;
     int32_t field = (int32_t)((bits >> 23) & 0xFF);
-    if (r->mode == MODE_CEIL) field += (bits & 0x7FFFFF) != 0;
+    if (mode == MODE_CEIL) field += (bits & 0x7FFFFF) != 0;
     field -= r->emax;
     return field < 0 ? 0 : (field > 254 ? 254 : field);
 }
 
-/* (inverse, multiplier) of a block whose largest |x| has the bits `amax` (the bits of |x| order as
-   the magnitudes do, and any NaN lies above inf); returns 0 for a non-finite amax. */
-static inline int block_factors(uint32_t amax, const recipe_t *r, float *inverse, float *multiplier) {
-    if (amax >= 0x7F800000u) return 0;
-    if (r->recipe == RECIPE_MX) {
-        int32_t b = mx_biased_exponent(float_of(amax), r);
-        *multiplier = b == 0 ? float_of(1u << 22) : float_of((uint32_t)b << 23);
-        *inverse = float_of((uint32_t)(254 - b) << 23);
-        return 1;
+static inline __attribute__((always_inline)) void mx_factors(const uint32_t *amax, float *inverse, float *multiplier,
+                                                             int64_t count, int mode, const recipe_t *r) {
+    for (int64_t j = 0; j < count; j++) {
+        int32_t b = mx_biased_exponent(float_of(amax[j]), mode, r);
+        int finite = amax[j] < 0x7F800000u;
+        float scale = float_of(b == 0 ? 1u << 22 : (uint32_t)b << 23);
+        multiplier[j] = finite ? scale : float_of(NAN_BITS);
+        inverse[j] = finite ? float_of((uint32_t)(254 - b) << 23) : 0.0f;
     }
-    float wanted = float_of(amax) * r->encode_over_6;
-    float scale = round_rne(wanted < 448.0f ? wanted : 448.0f, 3, 121, 448.0f); /* E4M3: 3 bits, bias 7 */
-    float reciprocal = 1.0f / (r->global_scale ? scale * r->decode : scale);
-    *inverse = reciprocal < FLOAT32_MAX ? reciprocal : FLOAT32_MAX;
-    if (!r->global_scale)
-        *multiplier = scale;
-    else
-        *multiplier = r->usual ? (scale * r->tensor_amax) * (float)(1.0 / 2688.0) : scale * r->decode;
-    return 1;
 }
 
-static inline void qdq_row_block(const float *restrict x, float *restrict out, int64_t n, const recipe_t *r) {
+/* (inverse, multiplier) of `count` blocks whose largest |x| have the bits amax[j] (the bits of |x|
+   order as the magnitudes do, and any NaN lies above inf). A non-finite block gets inverse 0 and a
+   NaN multiplier, so each of its elements comes out NaN (with the element loops' NaN guard). Written
+   without early exits so that the loop over blocks vectorizes (NVFP4's division among them). */
+static void block_factors(const uint32_t *amax, float *inverse, float *multiplier, int64_t count,
+                          const recipe_t *r) {
+    if (r->recipe == RECIPE_MX) { /* one loop per mode, each of which vectorizes */
+        switch (r->mode) {
+        case MODE_FLOOR: mx_factors(amax, inverse, multiplier, count, MODE_FLOOR, r); break;
+        case MODE_CEIL: mx_factors(amax, inverse, multiplier, count, MODE_CEIL, r); break;
+        case MODE_EVEN: mx_factors(amax, inverse, multiplier, count, MODE_EVEN, r); break;
+        default: mx_factors(amax, inverse, multiplier, count, MODE_RCEIL, r);
+        }
+        return;
+    }
+    const float encode_over_6 = r->encode_over_6, decode = r->global_scale ? r->decode : 1.0f;
+    const float tensor_amax = r->tensor_amax;
+    const int with_amax = r->global_scale && r->usual, global_scale = r->global_scale;
+    for (int64_t j = 0; j < count; j++) {
+        int finite = amax[j] < 0x7F800000u;
+        float wanted = (finite ? float_of(amax[j]) : 0.0f) * encode_over_6;
+        float scale = round_rne(wanted < 448.0f ? wanted : 448.0f, 3, 121, 448.0f); /* E4M3: 3 bits, bias 7 */
+        float reciprocal = 1.0f / (global_scale ? scale * decode : scale);
+        float dequantize = with_amax ? (scale * tensor_amax) * (float)(1.0 / 2688.0) : scale * decode;
+        inverse[j] = finite ? (reciprocal < FLOAT32_MAX ? reciprocal : FLOAT32_MAX) : 0.0f;
+        multiplier[j] = finite ? dequantize : float_of(NAN_BITS);
+    }
+}
+
+/* The elements of one block: n along a row (stride 1); the NaN guard maps x · 0 of a NaN or inf in
+   a non-finite block to 0, whose product with the NaN multiplier is NaN. */
+static inline void qdq_elements(const float *restrict x, float *restrict out, const float *restrict noise, int64_t n,
+                                float inverse, float multiplier, const recipe_t *r) {
+    const int mbits = r->mbits, min_field = r->min_field;
+    const float elem_max = r->elem_max;
+    if (noise) {
+        for (int64_t i = 0; i < n; i++) {
+            float scaled = x[i] * inverse;
+            scaled = scaled == scaled ? scaled : 0.0f;
+            out[i] = round_stochastic(scaled, noise[i], mbits, min_field, elem_max) * multiplier;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            float scaled = x[i] * inverse;
+            scaled = scaled == scaled ? scaled : 0.0f;
+            out[i] = round_rne(scaled, mbits, min_field, elem_max) * multiplier;
+        }
+    }
+}
+
+static inline uint32_t block_amax(const float *restrict x, int64_t n) {
     uint32_t amax = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
         amax = a > amax ? a : amax;
     }
-    float inverse, multiplier;
-    if (!block_factors(amax, r, &inverse, &multiplier)) {
-        for (int64_t i = 0; i < n; i++) out[i] = float_of(NAN_BITS);
-        return;
+    return amax;
+}
+
+/* Up to TILE consecutive blocks of one row, the last of which may be partial (`length` elements in all). */
+static void qdq_row_blocks(const float *restrict x, float *restrict out, const float *restrict noise, int64_t length,
+                           int64_t block, const recipe_t *r) {
+    uint32_t amax[TILE];
+    float inverse[TILE], multiplier[TILE];
+    int64_t count = (length + block - 1) / block;
+    for (int64_t j = 0; j < count; j++) {
+        int64_t n = length - j * block < block ? length - j * block : block;
+        /* constant trip counts for the usual blocks, which the compiler unrolls */
+        amax[j] = n == 32 ? block_amax(x + j * block, 32)
+                          : (n == 16 ? block_amax(x + j * block, 16) : block_amax(x + j * block, n));
     }
-    const int mbits = r->mbits, min_field = r->min_field;
-    const float elem_max = r->elem_max;
-    for (int64_t i = 0; i < n; i++) out[i] = round_rne(x[i] * inverse, mbits, min_field, elem_max) * multiplier;
+    block_factors(amax, inverse, multiplier, count, r);
+    for (int64_t j = 0; j < count; j++) {
+        int64_t n = length - j * block < block ? length - j * block : block;
+        const float *draws = noise ? noise + j * block : NULL;
+        if (n == 32)
+            qdq_elements(x + j * block, out + j * block, draws, 32, inverse[j], multiplier[j], r);
+        else if (n == 16)
+            qdq_elements(x + j * block, out + j * block, draws, 16, inverse[j], multiplier[j], r);
+        else
+            qdq_elements(x + j * block, out + j * block, draws, n, inverse[j], multiplier[j], r);
+    }
 }
 
 /* Blocks of `rows` rows (stride `inner`) times `cols` columns starting at x. */
-static void qdq_column_blocks(const float *restrict x, float *restrict out, int64_t rows, int64_t inner,
-                              int64_t cols, const recipe_t *r) {
+static void qdq_column_blocks(const float *restrict x, float *restrict out, const float *restrict noise,
+                              int64_t rows, int64_t inner, int64_t cols, const recipe_t *r) {
     uint32_t amax[TILE];
     float inverse[TILE], multiplier[TILE];
     for (int64_t j = 0; j < cols; j++) amax[j] = 0;
@@ -134,40 +210,42 @@ static void qdq_column_blocks(const float *restrict x, float *restrict out, int6
             amax[j] = a > amax[j] ? a : amax[j];
         }
     }
-    for (int64_t j = 0; j < cols; j++) {
-        if (!block_factors(amax[j], r, &inverse[j], &multiplier[j])) {
-            inverse[j] = 0.0f; /* 0 · a finite x is ±0, which times the NaN multiplier is NaN */
-            multiplier[j] = float_of(NAN_BITS);
-        }
-    }
+    block_factors(amax, inverse, multiplier, cols, r);
     const int mbits = r->mbits, min_field = r->min_field;
     const float elem_max = r->elem_max;
     for (int64_t i = 0; i < rows; i++) {
         const float *row = x + i * inner;
         float *row_out = out + i * inner;
-        for (int64_t j = 0; j < cols; j++) {
-            float scaled = row[j] * inverse[j];
-            scaled = scaled == scaled ? scaled : 0.0f; /* x = NaN or inf in a NaN block */
-            row_out[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
+        if (noise) {
+            const float *row_noise = noise + i * inner;
+            for (int64_t j = 0; j < cols; j++) {
+                float scaled = row[j] * inverse[j];
+                scaled = scaled == scaled ? scaled : 0.0f;
+                row_out[j] = round_stochastic(scaled, row_noise[j], mbits, min_field, elem_max) * multiplier[j];
+            }
+        } else {
+            for (int64_t j = 0; j < cols; j++) {
+                float scaled = row[j] * inverse[j];
+                scaled = scaled == scaled ? scaled : 0.0f;
+                row_out[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
+            }
         }
     }
 }
 
-static void qdq_blocks(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int64_t block,
-                       const recipe_t *r, int threads) {
-    int64_t blocks = (length + block - 1) / block;
-    if (inner == 1) {
+/* noise: NULL (RNE) or one uniform draw per element of the reference's layout, which pads `length`
+   to whole blocks: the draw of element (o, i, j) is noise[(o · padded_length + i) · inner + j]. */
+static void qdq_blocks(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
+                       int64_t block, const recipe_t *r, int threads) {
+    int64_t blocks = (length + block - 1) / block, padded = blocks * block;
+    if (inner == 1) { /* rows cut into groups of up to TILE blocks */
+        int64_t groups = (blocks + TILE - 1) / TILE, span = TILE * block;
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t k = 0; k < outer * blocks; k++) {
-            int64_t row = k / blocks, start = (k % blocks) * block;
-            int64_t n = length - start < block ? length - start : block;
-            const int64_t offset = row * length + start;
-            if (n == 32) /* constant trip counts of the usual blocks, which the compiler unrolls */
-                qdq_row_block(x + offset, out + offset, 32, r);
-            else if (n == 16)
-                qdq_row_block(x + offset, out + offset, 16, r);
-            else
-                qdq_row_block(x + offset, out + offset, n, r);
+        for (int64_t k = 0; k < outer * groups; k++) {
+            int64_t row = k / groups, start = (k % groups) * span;
+            int64_t n = length - start < span ? length - start : span;
+            const float *draws = noise ? noise + row * padded + start : NULL;
+            qdq_row_blocks(x + row * length + start, out + row * length + start, draws, n, block, r);
         }
         return;
     }
@@ -178,19 +256,20 @@ static void qdq_blocks(const float *x, float *out, int64_t outer, int64_t length
         int64_t start = b * block, rows = length - start < block ? length - start : block;
         int64_t col = tile * TILE, cols = inner - col < TILE ? inner - col : TILE;
         const int64_t offset = (o * length + start) * inner + col;
-        qdq_column_blocks(x + offset, out + offset, rows, inner, cols, r);
+        const float *draws = noise ? noise + (o * padded + start) * inner + col : NULL;
+        qdq_column_blocks(x + offset, out + offset, draws, rows, inner, cols, r);
     }
 }
 
-void qlab_mx_qdq(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int64_t block,
-                 int mode, int mbits, int bias, int emax, float elem_max, int threads) {
+void qlab_mx_qdq(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
+                 int64_t block, int mode, int mbits, int bias, int emax, float elem_max, int threads) {
     recipe_t r = {.recipe = RECIPE_MX, .mbits = mbits, .min_field = 128 - bias, .elem_max = elem_max,
                   .mode = mode, .emax = emax};
-    qdq_blocks(x, out, outer, length, inner, block, &r, threads);
+    qdq_blocks(x, out, noise, outer, length, inner, block, &r, threads);
 }
 
-void qlab_nvfp4_qdq(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int global_scale,
-                    int threads) {
+void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
+                    int global_scale, int threads) {
     recipe_t r = {.recipe = RECIPE_NVFP4, .mbits = 1, .min_field = 127, .elem_max = 6.0f, /* E2M1: bias 1 */
                   .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
     if (global_scale) {
@@ -211,5 +290,5 @@ void qlab_nvfp4_qdq(const float *x, float *out, int64_t outer, int64_t length, i
         r.encode_over_6 = encode * (float)(1.0 / 6.0);
         r.usual = amax < 0x7F800000u && encode < FLOAT32_MAX;
     }
-    qdq_blocks(x, out, outer, length, inner, 16, &r, threads);
+    qdq_blocks(x, out, noise, outer, length, inner, 16, &r, threads);
 }

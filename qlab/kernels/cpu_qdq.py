@@ -1,10 +1,11 @@
 """MX and NVFP4 qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per block.
 
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
-convention (with or without the global scale), with RNE elements, 1-D blocks along any axis, no
-Hadamard transform, float32 in and out. It gives ``qlab.quantize.qdq``'s bits
-(tests/test_cpu_qdq.py against the eager reference) at about the speed of a memory copy, where
-inductor's code for the same loop is 4-8× slower on the 2-core VM (README, Benchmarks).
+convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
+noise), 1-D blocks along any axis, no Hadamard transform, float32 in and out. It gives
+``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
+memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
+Benchmarks).
 
 The C file is built with the system's C compiler on first use (under a second) into
 ``paths.KERNEL_CACHE_DIR``, one library per source, compiler flags and CPU model, because it is built
@@ -38,6 +39,7 @@ FLAGS = (
     "-march=native",
     "-ffp-contract=off",  # no fused multiply-add: it would change the bits
     "-fno-math-errno",
+    "-fno-trapping-math",  # lets floorf vectorize (stochastic rounding); no value changes
     "-fopenmp",
     "-fPIC",
     "-shared",
@@ -86,9 +88,9 @@ def _library():
     except (OSError, subprocess.SubprocessError):
         return None
     pointer, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.qlab_mx_qdq.argtypes = [pointer, pointer, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
+    library.qlab_mx_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
                                     ctypes.c_float, c_int]  # fmt: skip
-    library.qlab_nvfp4_qdq.argtypes = [pointer, pointer, i64, i64, i64, c_int, c_int]
+    library.qlab_nvfp4_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, c_int, c_int]
     library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = None
     return library
 
@@ -101,7 +103,7 @@ def available() -> bool:
 
 def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     """Whether ``qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``."""
-    from qlab.quantize import MXSpec, NVFP4Spec
+    from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
 
     if isinstance(spec, NVFP4Spec):
         layout = spec.convention == "nvidia"
@@ -109,7 +111,7 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
         layout = isinstance(spec, MXSpec)
     return (
         layout
-        and spec.rounding == "rne"
+        and (spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec)))
         and not spec.block_2d
         and not spec.hadamard
         and x.device.type == "cpu"
@@ -120,10 +122,13 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     )
 
 
-def qdq(x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def qdq(
+    x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None, noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """qdq of float32 CPU ``x`` by ``spec`` (checked by ``covers``) along ``axis`` (non-negative,
     checked by the caller, as is ``spec.pad`` against the axis length), written into ``out`` if given
-    (a float32 tensor of x's shape that does not overlap x)."""
+    (a float32 tensor of x's shape that does not overlap x). Stochastic rounding takes its draws from
+    ``noise`` (float32, ``qlab.quantize.noise_shape(x, spec, axis)``, checked by the caller)."""
     from qlab.formats import get_format
     from qlab.quantize import MXSpec
 
@@ -132,20 +137,24 @@ def qdq(x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None) -> to
         arguments = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
     else:  # NVFP4: the kernel knows its formats; only the global scale varies
         arguments = (spec.block_size, -1, 0, 0, 0, 0.0, spec.global_scale)
+    if (spec.rounding == "stochastic") != (noise is not None):
+        raise ValueError(f"noise must be given exactly when the spec rounds stochastically, got {spec!r}")
     if torch.compiler.is_compiling():
-        result = _qdq_op(x, axis, *arguments)  # opaque to inductor
+        result = _qdq_op(x, noise, axis, *arguments)  # opaque to inductor
         return result if out is None else out.copy_(result)
     if out is not None and not out.is_contiguous():
-        return out.copy_(qdq(x, spec, axis))
+        return out.copy_(qdq(x, spec, axis, noise=noise))
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return _run(x.contiguous(), out, axis, *arguments)
+    return _run(x.contiguous(), out, None if noise is None else noise.contiguous(), axis, *arguments)
 
 
-def _run(x, out, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
+def _run(x, out, noise, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
     """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1."""
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
-    pointers, threads = (x.data_ptr(), out.data_ptr(), outer, length, inner), torch.get_num_threads()
+    draws = None if noise is None else noise.data_ptr()
+    pointers = (x.data_ptr(), out.data_ptr(), draws, outer, length, inner)
+    threads = torch.get_num_threads()
     if mode < 0:
         _library().qlab_nvfp4_qdq(*pointers, int(global_scale), threads)
     else:
@@ -156,6 +165,7 @@ def _run(x, out, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
 @torch.library.custom_op("qlab::block_qdq_cpu", mutates_args=())
 def _qdq_op(
     x: torch.Tensor,
+    noise: torch.Tensor | None,
     axis: int,
     block: int,
     mode: int,
@@ -165,10 +175,10 @@ def _qdq_op(
     elem_max: float,
     global_scale: bool,
 ) -> torch.Tensor:
-    x = x.contiguous()
-    return _run(x, torch.empty_like(x), axis, block, mode, mbits, bias, emax, elem_max, global_scale)
+    x, noise = x.contiguous(), None if noise is None else noise.contiguous()
+    return _run(x, torch.empty_like(x), noise, axis, block, mode, mbits, bias, emax, elem_max, global_scale)
 
 
 @_qdq_op.register_fake
-def _(x, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
+def _(x, noise, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
