@@ -982,7 +982,10 @@ def _cpu_kernel(x: torch.Tensor, spec: Spec, axis: int, dtype: torch.dtype):
     left to the reference path, which raises)."""
     from qlab.kernels import cpu_qdq  # not at the top: qlab.kernels imports this module
 
-    whole_blocks = spec.block_size is None or spec.pad or x.shape[axis] % spec.block_size == 0
+    blocked = [axis] if spec.tile_rows == 1 else [-2, -1]
+    whole_blocks = (
+        spec.block_size is None or spec.pad or all(x.shape[d] % spec.block_size == 0 for d in blocked)
+    )
     return cpu_qdq if whole_blocks and cpu_qdq.covers(x, spec, dtype) else None
 
 

@@ -29,6 +29,10 @@ SPECS = [MXSpec(element, mode=mode) for element in ELEMENTS for mode in MODES] +
     MXSpec("e4m3", mode="rceil", rounding="stochastic"),
     MXSpec("e3m2", mode="even", rounding="stochastic"),
     NVFP4Spec(rounding="stochastic"),
+    MXSpec("e4m3", mode="rceil", block_2d=True),
+    MXSpec("e2m1", block_2d=True),
+    NVFP4Spec(block_2d=True),
+    NVFP4Spec(block_2d=True, global_scale=False),
 ]
 
 
@@ -114,7 +118,9 @@ def test_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spr
     g = torch.Generator().manual_seed(seed)
     spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
     x = torch.randn(shape, generator=g) * torch.exp2(spread)
-    assert_kernel_matches(x, spec, axis_pick % len(shape), seed)
+    if spec.block_2d:  # 2-D tiles: the kernel covers matrices (weights)
+        x = x.reshape(shape[0], -1)
+    assert_kernel_matches(x, spec, axis_pick % x.dim(), seed)
 
 
 @pytest.mark.parametrize("spec", ["mxfp8", "nvfp4", NVFP4Spec(rounding="stochastic")], ids=str)
@@ -169,6 +175,8 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         ("nvfp4", {}),
         (MXSpec("e2m1", rounding="stochastic"), seeded),
         (NVFP4Spec(rounding="stochastic"), seeded),
+        (NVFP4Spec(block_2d=True), {}),
+        ("mxfp8_2d", {}),
     ):
         calls.clear()
         seeded["generator"].manual_seed(4)
@@ -180,9 +188,10 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         "bf16 input": (x.bfloat16(), "mxfp8", {}),
         "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
         "hadamard": (x, MXSpec("e2m1", hadamard=True), {}),
-        "2-D blocks": (x, MXSpec("e4m3", block_2d=True), {}),
+        "2-D blocks of a 3-D tensor": (x.reshape(2, 4, 64), MXSpec("e4m3", block_2d=True), {}),
+        "2-D blocks, stochastic": (x, NVFP4Spec(block_2d=True, rounding="stochastic"), {}),
+        "NVFP4 16×16 tiles, torchao's convention": (x, NVFP4Spec(block_2d=True, convention="torchao"), {}),
         "NVFP4, torchao's convention": (x, NVFP4Spec(convention="torchao"), {}),
-        "NVFP4 16×16 tiles": (x, NVFP4Spec(block_2d=True), {}),
         "NVFP4 with Hadamard": (x, NVFP4Spec(hadamard=True), {}),
         "fast=False": (x, "mxfp8", {"fast": False}),
         "needs grad": (x.clone().requires_grad_(), "mxfp8", {}),
@@ -193,9 +202,11 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         assert not calls, f"{case}: the kernel does not cover it and must not run"
 
 
-def test_pad_false_still_refuses_a_partial_block():
+def test_pad_false_still_refuses_a_partial_block_or_tile():
     with pytest.raises(ValueError, match="not a multiple of the block size"):
         Q.qdq(torch.randn(4, 40), MXSpec("e4m3", pad=False))
+    with pytest.raises(ValueError, match="not a multiple of the block size"):
+        Q.qdq(torch.randn(20, 32), NVFP4Spec(block_2d=True, pad=False))
 
 
 def test_out_receives_the_result_and_non_contiguous_tensors_are_read_and_written_correctly():

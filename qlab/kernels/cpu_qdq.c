@@ -1,7 +1,8 @@
 /* Block quantize-dequantize on the CPU, one pass per block; the reference is qlab.quantize.qdq.
 
    x is float32, contiguous, viewed as (outer, length, inner); blocks of `block` elements run along
-   `length` (the scale axis), so inner == 1 is the last axis. The last block may be partial: the
+   `length` (the scale axis), so inner == 1 is the last axis. With `square`, a block × block tile of
+   (length, inner) shares one scale (2-D weight blocks: the same tiles whichever axis the spec names). The last block may be partial: the
    reference pads with zeros, which change no amax. Every block is
      amax = max |x| over the block;  (inverse, multiplier) = the recipe's factors for amax;
      out  = round(min(|x · inverse|, elem_max)) · sign(x) · multiplier
@@ -75,11 +76,12 @@ static inline float round_stochastic(float x, float u, int mbits, int min_field,
 }
 
 typedef struct {
-    int recipe;
+    int recipe, block;
     int mbits, min_field; /* the element format */
     float elem_max;
     int mode, emax;       /* MX */
     int global_scale;     /* NVFP4 */
+    int square;           /* 2-D tiles: blocks of `block` rows times `block` columns share one scale */
     float tensor_amax, encode_over_6, decode, usual;
 } recipe_t;
 
@@ -210,6 +212,13 @@ static void qdq_column_blocks(const float *restrict x, float *restrict out, cons
             amax[j] = a > amax[j] ? a : amax[j];
         }
     }
+    if (r->square) /* TILE is a multiple of the block: a tile never straddles two calls */
+        for (int64_t g = 0; g < cols; g += r->block) {
+            int64_t end = g + r->block < cols ? g + r->block : cols;
+            uint32_t tile_amax = 0;
+            for (int64_t j = g; j < end; j++) tile_amax = amax[j] > tile_amax ? amax[j] : tile_amax;
+            for (int64_t j = g; j < end; j++) amax[j] = tile_amax;
+        }
     block_factors(amax, inverse, multiplier, cols, r);
     const int mbits = r->mbits, min_field = r->min_field;
     const float elem_max = r->elem_max;
@@ -262,15 +271,15 @@ static void qdq_blocks(const float *x, float *out, const float *noise, int64_t o
 }
 
 void qlab_mx_qdq(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
-                 int64_t block, int mode, int mbits, int bias, int emax, float elem_max, int threads) {
-    recipe_t r = {.recipe = RECIPE_MX, .mbits = mbits, .min_field = 128 - bias, .elem_max = elem_max,
+                 int64_t block, int square, int mode, int mbits, int bias, int emax, float elem_max, int threads) {
+    recipe_t r = {.recipe = RECIPE_MX, .block = (int)block, .square = square, .mbits = mbits, .min_field = 128 - bias, .elem_max = elem_max,
                   .mode = mode, .emax = emax};
     qdq_blocks(x, out, noise, outer, length, inner, block, &r, threads);
 }
 
 void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
-                    int global_scale, int threads) {
-    recipe_t r = {.recipe = RECIPE_NVFP4, .mbits = 1, .min_field = 127, .elem_max = 6.0f, /* E2M1: bias 1 */
+                    int square, int global_scale, int threads) {
+    recipe_t r = {.recipe = RECIPE_NVFP4, .block = 16, .square = square, .mbits = 1, .min_field = 127, .elem_max = 6.0f, /* E2M1: bias 1 */
                   .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
     if (global_scale) {
         int64_t n = outer * length * inner;

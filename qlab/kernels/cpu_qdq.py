@@ -2,7 +2,8 @@
 
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
-noise), 1-D blocks along any axis, no Hadamard transform, float32 in and out. It gives
+noise), 1-D blocks along any axis or 2-D tiles of a matrix (RNE), no Hadamard transform, float32 in
+and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
@@ -89,8 +90,8 @@ def _library():
         return None
     pointer, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.qlab_mx_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
-                                    ctypes.c_float, c_int]  # fmt: skip
-    library.qlab_nvfp4_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, c_int, c_int]
+                                    c_int, ctypes.c_float, c_int]  # fmt: skip
+    library.qlab_nvfp4_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, c_int, c_int, c_int]
     library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = None
     return library
 
@@ -112,7 +113,7 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     return (
         layout
         and (spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec)))
-        and not spec.block_2d
+        and (not spec.block_2d or (x.dim() == 2 and spec.rounding == "rne"))
         and not spec.hadamard
         and x.device.type == "cpu"
         and x.dtype == torch.float32
@@ -137,6 +138,10 @@ def qdq(
         arguments = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
     else:  # NVFP4: the kernel knows its formats; only the global scale varies
         arguments = (spec.block_size, -1, 0, 0, 0, 0.0, spec.global_scale)
+    square = spec.block_2d
+    if square:
+        axis = 0  # a 2-D tile is the same square of x whichever of its two axes the scales run along
+    arguments = (square, *arguments)
     if (spec.rounding == "stochastic") != (noise is not None):
         raise ValueError(f"noise must be given exactly when the spec rounds stochastically, got {spec!r}")
     if torch.compiler.is_compiling():
@@ -149,16 +154,16 @@ def qdq(
     return _run(x.contiguous(), out, None if noise is None else noise.contiguous(), axis, *arguments)
 
 
-def _run(x, out, noise, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
+def _run(x, out, noise, axis, square, block, mode, mbits, bias, emax, elem_max, global_scale):
     """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1."""
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
     draws = None if noise is None else noise.data_ptr()
     pointers = (x.data_ptr(), out.data_ptr(), draws, outer, length, inner)
     threads = torch.get_num_threads()
     if mode < 0:
-        _library().qlab_nvfp4_qdq(*pointers, int(global_scale), threads)
+        _library().qlab_nvfp4_qdq(*pointers, int(square), int(global_scale), threads)
     else:
-        _library().qlab_mx_qdq(*pointers, block, mode, mbits, bias, emax, elem_max, threads)
+        _library().qlab_mx_qdq(*pointers, block, int(square), mode, mbits, bias, emax, elem_max, threads)
     return out
 
 
@@ -167,6 +172,7 @@ def _qdq_op(
     x: torch.Tensor,
     noise: torch.Tensor | None,
     axis: int,
+    square: bool,
     block: int,
     mode: int,
     mbits: int,
@@ -176,9 +182,10 @@ def _qdq_op(
     global_scale: bool,
 ) -> torch.Tensor:
     x, noise = x.contiguous(), None if noise is None else noise.contiguous()
-    return _run(x, torch.empty_like(x), noise, axis, block, mode, mbits, bias, emax, elem_max, global_scale)
+    arguments = (square, block, mode, mbits, bias, emax, elem_max, global_scale)
+    return _run(x, torch.empty_like(x), noise, axis, *arguments)
 
 
 @_qdq_op.register_fake
-def _(x, noise, axis, block, mode, mbits, bias, emax, elem_max, global_scale):
+def _(x, noise, axis, square, block, mode, mbits, bias, emax, elem_max, global_scale):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
