@@ -957,7 +957,7 @@ def qdq(
         else:
             drawn = stochastic_noise(noise_shape(x, spec, axis), generator, x.device)  # the same draws
     if kernel is not None:  # the same bits in one pass, eagerly and inside torch.compile
-        return kernel.qdq(x, spec, axis, out, drawn)
+        return kernel.qdq(x, spec, axis, out, drawn, dtype)
     if torch.compiler.is_compiling():
         return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
     use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")

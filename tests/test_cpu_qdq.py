@@ -177,6 +177,7 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         (NVFP4Spec(rounding="stochastic"), seeded),
         (NVFP4Spec(block_2d=True), {}),
         ("mxfp8_2d", {}),
+        ("mxfp8", {"dtype": torch.bfloat16}),
     ):
         calls.clear()
         seeded["generator"].manual_seed(4)
@@ -185,7 +186,6 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         seeded["generator"].manual_seed(4)
         assert_same_bits(got, Q.qdq(x, spec, 0, fast=False, **kwargs))
     covered = {
-        "bf16 input": (x.bfloat16(), "mxfp8", {}),
         "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
         "hadamard": (x, MXSpec("e2m1", hadamard=True), {}),
         "2-D blocks of a 3-D tensor": (x.reshape(2, 4, 64), MXSpec("e4m3", block_2d=True), {}),
@@ -200,6 +200,17 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         calls.clear()
         Q.qdq(tensor, spec, -1, **kwargs)
         assert not calls, f"{case}: the kernel does not cover it and must not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"])
+def test_16_bit_inputs_and_results_match_the_reference(spec, dtype):
+    x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(2)) * 50).to(dtype)
+    for axis in (0, 1):
+        for result_dtype in (dtype, torch.float32):
+            got = Q.qdq(x, spec, axis, dtype=result_dtype)
+            assert_same_bits(got.float(), Q.qdq(x, spec, axis, dtype=result_dtype, fast=False).float())
+            assert got.dtype == result_dtype
 
 
 def test_pad_false_still_refuses_a_partial_block_or_tile():

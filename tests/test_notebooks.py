@@ -98,7 +98,19 @@ def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, mon
         if not p.stem.endswith("_timing")
         and hashlib.sha256(first[p]).digest() != hashlib.sha256(second[p]).digest()
     ]
-    assert not differing, f"outputs differ between two identical runs: {differing}"
+    assert not differing, f"outputs differ between two identical runs: {differing}\n" + "\n".join(
+        _first_difference(p, first[Path(p)], second[Path(p)])
+        for p in differing
+        if p.endswith((".csv", ".json"))
+    )
+
+
+def _first_difference(name: str, first: bytes, second: bytes) -> str:
+    """Where two text outputs part: the first differing line of each (what a flaky run needs to show)."""
+    for number, (a, b) in enumerate(zip(first.decode().splitlines(), second.decode().splitlines()), 1):
+        if a != b:
+            return f"{name}, line {number}:\n  first:  {a[:300]}\n  second: {b[:300]}"
+    return f"{name}: one run wrote more lines than the other"
 
 
 @pytest.mark.notebook

@@ -2,8 +2,8 @@
 
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
-noise), 1-D blocks along any axis or 2-D tiles of a matrix (RNE), no Hadamard transform, float32 in
-and out. It gives
+noise), 1-D blocks along any axis or 2-D tiles of a matrix (RNE), no Hadamard transform, float32 (or
+bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
@@ -48,6 +48,7 @@ FLAGS = (
 if platform.machine() in ("x86_64", "AMD64"):
     FLAGS += ("-mprefer-vector-width=512",)  # gcc's default of 256 bits halves AVX-512's work per instruction
 MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}  # the enum in cpu_qdq.c
+FLOATING = (torch.float32, torch.bfloat16, torch.float16)  # 16-bit x is widened first, as the reference does
 
 
 def _cpu_model() -> str:
@@ -116,20 +117,26 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
         and (not spec.block_2d or (x.dim() == 2 and spec.rounding == "rne"))
         and not spec.hadamard
         and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and dtype == torch.float32
+        and x.dtype in FLOATING
+        and dtype in FLOATING
         and not (x.requires_grad and torch.is_grad_enabled())
         and available()
     )
 
 
 def qdq(
-    x: torch.Tensor, spec, axis: int, out: torch.Tensor | None = None, noise: torch.Tensor | None = None
+    x: torch.Tensor,
+    spec,
+    axis: int,
+    out: torch.Tensor | None = None,
+    noise: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """qdq of float32 CPU ``x`` by ``spec`` (checked by ``covers``) along ``axis`` (non-negative,
-    checked by the caller, as is ``spec.pad`` against the axis length), written into ``out`` if given
-    (a float32 tensor of x's shape that does not overlap x). Stochastic rounding takes its draws from
-    ``noise`` (float32, ``qlab.quantize.noise_shape(x, spec, axis)``, checked by the caller)."""
+    """qdq of CPU ``x`` by ``spec`` (checked by ``covers``) along ``axis`` (non-negative, checked by the
+    caller, as is ``spec.pad`` against the axis length), in ``dtype`` (rounded from float32, as the
+    reference rounds), written into ``out`` if given (a tensor of x's shape and ``dtype`` that does not
+    overlap x). Stochastic rounding takes its draws from ``noise`` (float32,
+    ``qlab.quantize.noise_shape(x, spec, axis)``, checked by the caller)."""
     from qlab.formats import get_format
     from qlab.quantize import MXSpec
 
@@ -144,6 +151,10 @@ def qdq(
     arguments = (square, *arguments)
     if (spec.rounding == "stochastic") != (noise is not None):
         raise ValueError(f"noise must be given exactly when the spec rounds stochastically, got {spec!r}")
+    x = x.float()  # the reference's first step too
+    if dtype != torch.float32:
+        result = qdq(x, spec, axis, noise=noise)  # the float32 result, then one rounding
+        return result.to(dtype) if out is None else out.copy_(result)
     if torch.compiler.is_compiling():
         result = _qdq_op(x, noise, axis, *arguments)  # opaque to inductor
         return result if out is None else out.copy_(result)
