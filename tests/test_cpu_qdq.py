@@ -1,7 +1,8 @@
 """qlab.kernels.cpu_qdq: the C qdq kernel gives the eager reference's bits (qlab.quantize.qdq with
 fast=False, itself pinned to torchao and TransformerEngine's formulas in test_quantize.py) for every
-MX element format and scale mode and for NVFP4 with and without its global scale, and torchao's own
-bits for MX; along any axis, with partial blocks and special values. qdq dispatches to it only where
+MX element format and scale mode and for NVFP4 with and without its global scale, with RNE or
+stochastic rounding, 2-D tiles, and the Hadamard transform, and torchao's own bits for MX; along any
+axis, with partial blocks and special values. qdq dispatches to it only where
 it covers the spec; a failed build leaves qdq working."""
 
 import math
@@ -33,6 +34,10 @@ SPECS = [MXSpec(element, mode=mode) for element in ELEMENTS for mode in MODES] +
     MXSpec("e2m1", block_2d=True),
     NVFP4Spec(block_2d=True),
     NVFP4Spec(block_2d=True, global_scale=False),
+    NVFP4Spec(hadamard=True),
+    NVFP4Spec(hadamard=True, rounding="stochastic", hadamard_seed=5),
+    MXSpec("e2m1", hadamard=True, rounding="stochastic"),
+    MXSpec("e4m3", mode="rceil", hadamard=True),
 ]
 
 
@@ -123,7 +128,9 @@ def test_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spr
     assert_kernel_matches(x, spec, axis_pick % x.dim(), seed)
 
 
-@pytest.mark.parametrize("spec", ["mxfp8", "nvfp4", NVFP4Spec(rounding="stochastic")], ids=str)
+@pytest.mark.parametrize(
+    "spec", ["mxfp8", "nvfp4", NVFP4Spec(rounding="stochastic"), NVFP4Spec(hadamard=True)], ids=str
+)
 def test_wide_non_last_axis_spans_several_column_tiles(spec):
     """Blocks down axis 1 of (2, 70, 600): more columns than the kernel's 256-wide tile, a partial block
     (whose stochastic draws sit in the reference's zero-padded layout)."""
@@ -178,6 +185,8 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         (NVFP4Spec(block_2d=True), {}),
         ("mxfp8_2d", {}),
         ("mxfp8", {"dtype": torch.bfloat16}),
+        ("nvfp4_rht", {}),
+        (MXSpec("e2m1", hadamard=True, rounding="stochastic"), seeded),
     ):
         calls.clear()
         seeded["generator"].manual_seed(4)
@@ -187,12 +196,11 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         assert_same_bits(got, Q.qdq(x, spec, 0, fast=False, **kwargs))
     covered = {
         "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
-        "hadamard": (x, MXSpec("e2m1", hadamard=True), {}),
+        "2-D blocks with Hadamard": (x, NVFP4Spec(block_2d=True, hadamard=True), {}),
         "2-D blocks of a 3-D tensor": (x.reshape(2, 4, 64), MXSpec("e4m3", block_2d=True), {}),
         "2-D blocks, stochastic": (x, NVFP4Spec(block_2d=True, rounding="stochastic"), {}),
         "NVFP4 16×16 tiles, torchao's convention": (x, NVFP4Spec(block_2d=True, convention="torchao"), {}),
         "NVFP4, torchao's convention": (x, NVFP4Spec(convention="torchao"), {}),
-        "NVFP4 with Hadamard": (x, NVFP4Spec(hadamard=True), {}),
         "fast=False": (x, "mxfp8", {"fast": False}),
         "needs grad": (x.clone().requires_grad_(), "mxfp8", {}),
     }

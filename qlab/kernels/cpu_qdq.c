@@ -270,34 +270,99 @@ static void qdq_blocks(const float *x, float *out, const float *noise, int64_t o
     }
 }
 
-void qlab_mx_qdq(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
-                 int64_t block, int square, int mode, int mbits, int bias, int emax, float elem_max, int threads) {
-    recipe_t r = {.recipe = RECIPE_MX, .block = (int)block, .square = square, .mbits = mbits, .min_field = 128 - bias, .elem_max = elem_max,
-                  .mode = mode, .emax = emax};
-    qdq_blocks(x, out, noise, outer, length, inner, block, &r, threads);
+/* The seeded randomized Hadamard transform of qlab.scaling.hadamard_transform along `length`, in
+   chunks of 16, in its float32 order: × 1/4 first, the signs (before the four butterfly stages, or
+   after them for the inverse), then stages of strides 8, 4, 2, 1. src has src_length positions along
+   the axis, dst dst_length: the forward transform zero-pads src to dst_length (the reference pads to
+   whole blocks first), the inverse drops dst's padding. */
+static void hadamard(const float *src, float *dst, int64_t outer, int64_t src_length, int64_t dst_length,
+                     int64_t inner, const float *signs, int inverse, int threads) {
+    int64_t length = src_length > dst_length ? src_length : dst_length, chunks = length / 16;
+    int64_t tiles = (inner + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < outer * chunks * tiles; k++) {
+        int64_t tile = k % tiles, chunk = (k / tiles) % chunks, o = k / (tiles * chunks);
+        int64_t col = tile * TILE, cols = inner - col < TILE ? inner - col : TILE;
+        float v[16][TILE];
+        for (int i = 0; i < 16; i++) {
+            int64_t position = chunk * 16 + i;
+            const float *from = src + (o * src_length + position) * inner + col;
+            float sign = inverse ? 1.0f : signs[i];
+            if (position < src_length)
+                for (int64_t j = 0; j < cols; j++) v[i][j] = from[j] * 0.25f * sign;
+            else
+                for (int64_t j = 0; j < cols; j++) v[i][j] = 0.0f * 0.25f * sign;
+        }
+        for (int stride = 8; stride >= 1; stride /= 2)
+            for (int i = 0; i < 16; i++)
+                if (!(i & stride))
+                    for (int64_t j = 0; j < cols; j++) {
+                        float first = v[i][j], second = v[i + stride][j];
+                        v[i][j] = first + second;
+                        v[i + stride][j] = first - second;
+                    }
+        for (int i = 0; i < 16; i++) {
+            int64_t position = chunk * 16 + i;
+            if (position >= dst_length) continue;
+            float *to = dst + (o * dst_length + position) * inner + col;
+            float sign = inverse ? signs[i] : 1.0f;
+            for (int64_t j = 0; j < cols; j++) to[j] = v[i][j] * sign;
+        }
+    }
 }
 
-void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, int64_t outer, int64_t length, int64_t inner,
-                    int square, int global_scale, int threads) {
-    recipe_t r = {.recipe = RECIPE_NVFP4, .block = 16, .square = square, .mbits = 1, .min_field = 127, .elem_max = 6.0f, /* E2M1: bias 1 */
-                  .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
-    if (global_scale) {
-        int64_t n = outer * length * inner;
-        uint32_t amax = 0;
+/* NVFP4's global factors from the tensor amax A of `source` (n elements): S_enc, S_dec and the rest. */
+static void nvfp4_tensor_scale(const float *source, int64_t n, recipe_t *r, int threads) {
+    uint32_t amax = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(max : amax)
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
-            amax = a > amax ? a : amax;
-        }
-        float tensor_amax = float_of(amax), encode = 1.0f;
-        if (amax < 0x7F800000u && amax > 0) {
-            encode = 2688.0f / tensor_amax;
-            encode = encode < FLOAT32_MAX ? encode : FLOAT32_MAX;
-        }
-        r.tensor_amax = tensor_amax;
-        r.decode = 1.0f / encode;
-        r.encode_over_6 = encode * (float)(1.0 / 6.0);
-        r.usual = amax < 0x7F800000u && encode < FLOAT32_MAX;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = bits_of(source[i]) & 0x7FFFFFFFu;
+        amax = a > amax ? a : amax;
     }
-    qdq_blocks(x, out, noise, outer, length, inner, 16, &r, threads);
+    float tensor_amax = float_of(amax), encode = 1.0f;
+    if (amax < 0x7F800000u && amax > 0) {
+        encode = 2688.0f / tensor_amax;
+        encode = encode < FLOAT32_MAX ? encode : FLOAT32_MAX;
+    }
+    r->tensor_amax = tensor_amax;
+    r->decode = 1.0f / encode;
+    r->encode_over_6 = encode * (float)(1.0 / 6.0);
+    r->usual = amax < 0x7F800000u && encode < FLOAT32_MAX;
+}
+
+/* qdq_blocks, with the Hadamard transform around it when `signs` is given: x rotated into the first
+   half of `workspace` (2 · outer · padded · inner floats, padded = length rounded up to whole blocks),
+   quantized into its second half, rotated back into out. The NVFP4 tensor amax is the rotated one's. */
+static void qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs, int64_t outer,
+                int64_t length, int64_t inner, int64_t block, recipe_t *r, int threads) {
+    int64_t padded = (length + block - 1) / block * block;
+    const float *source = x;
+    float *target = out;
+    int64_t quantized_length = length;
+    if (signs) {
+        hadamard(x, workspace, outer, length, padded, inner, signs, 0, threads);
+        source = workspace;
+        target = workspace + outer * padded * inner;
+        quantized_length = padded;
+    }
+    if (r->recipe == RECIPE_NVFP4 && r->global_scale)
+        nvfp4_tensor_scale(source, outer * quantized_length * inner, r, threads);
+    qdq_blocks(source, target, noise, outer, quantized_length, inner, block, r, threads);
+    if (signs) hadamard(target, out, outer, padded, length, inner, signs, 1, threads);
+}
+
+void qlab_mx_qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs, int64_t outer,
+                 int64_t length, int64_t inner, int64_t block, int square, int mode, int mbits, int bias, int emax,
+                 float elem_max, int threads) {
+    recipe_t r = {.recipe = RECIPE_MX, .block = (int)block, .square = square, .mbits = mbits,
+                  .min_field = 128 - bias, .elem_max = elem_max, .mode = mode, .emax = emax};
+    qdq(x, out, noise, workspace, signs, outer, length, inner, block, &r, threads);
+}
+
+void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs,
+                    int64_t outer, int64_t length, int64_t inner, int square, int global_scale, int threads) {
+    recipe_t r = {.recipe = RECIPE_NVFP4, .block = 16, .square = square, .mbits = 1, .min_field = 127,
+                  .elem_max = 6.0f, /* E2M1: 1 mantissa bit, bias 1 */
+                  .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
+    qdq(x, out, noise, workspace, signs, outer, length, inner, 16, &r, threads);
 }

@@ -2,8 +2,8 @@
 
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
-noise), 1-D blocks along any axis or 2-D tiles of a matrix (RNE), no Hadamard transform, float32 (or
-bf16/fp16, widened first) in and out. It gives
+noise), 1-D blocks along any axis with or without the seeded Hadamard transform, or 2-D tiles of a
+matrix (RNE), float32 (or bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
@@ -90,9 +90,10 @@ def _library():
     except (OSError, subprocess.SubprocessError):
         return None
     pointer, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    library.qlab_mx_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, i64, c_int, c_int, c_int, c_int,
-                                    c_int, ctypes.c_float, c_int]  # fmt: skip
-    library.qlab_nvfp4_qdq.argtypes = [pointer, pointer, pointer, i64, i64, i64, c_int, c_int, c_int]
+    buffers = [pointer] * 5  # x, out, noise, workspace, Hadamard signs
+    library.qlab_mx_qdq.argtypes = [*buffers, i64, i64, i64, i64, c_int, c_int, c_int, c_int, c_int,
+                                    ctypes.c_float, c_int]  # fmt: skip
+    library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
     library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = None
     return library
 
@@ -114,8 +115,7 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     return (
         layout
         and (spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec)))
-        and (not spec.block_2d or (x.dim() == 2 and spec.rounding == "rne"))
-        and not spec.hadamard
+        and (not spec.block_2d or (x.dim() == 2 and spec.rounding == "rne" and not spec.hadamard))
         and x.device.type == "cpu"
         and x.dtype in FLOATING
         and dtype in FLOATING
@@ -148,7 +148,8 @@ def qdq(
     square = spec.block_2d
     if square:
         axis = 0  # a 2-D tile is the same square of x whichever of its two axes the scales run along
-    arguments = (square, *arguments)
+    rotation = spec.hadamard_seed if spec.hadamard else -1
+    arguments = (square, rotation, *arguments)
     if (spec.rounding == "stochastic") != (noise is not None):
         raise ValueError(f"noise must be given exactly when the spec rounds stochastically, got {spec!r}")
     x = x.float()  # the reference's first step too
@@ -165,11 +166,28 @@ def qdq(
     return _run(x.contiguous(), out, None if noise is None else noise.contiguous(), axis, *arguments)
 
 
-def _run(x, out, noise, axis, square, block, mode, mbits, bias, emax, elem_max, global_scale):
-    """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1."""
+def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
+    """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1;
+    with the Hadamard transform of seed ``rotation`` around it when that is not −1."""
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
     draws = None if noise is None else noise.data_ptr()
-    pointers = (x.data_ptr(), out.data_ptr(), draws, outer, length, inner)
+    workspace = signs = None
+    if rotation >= 0:
+        from qlab.scaling import _cached_hadamard_signs
+
+        padded = -(-length // block) * block
+        workspace = torch.empty(2 * outer * padded * inner, dtype=torch.float32)
+        signs = (ctypes.c_float * 16)(*_cached_hadamard_signs(rotation))
+    pointers = (
+        x.data_ptr(),
+        out.data_ptr(),
+        draws,
+        None if workspace is None else workspace.data_ptr(),
+        signs,
+        outer,
+        length,
+        inner,
+    )
     threads = torch.get_num_threads()
     if mode < 0:
         _library().qlab_nvfp4_qdq(*pointers, int(square), int(global_scale), threads)
@@ -184,6 +202,7 @@ def _qdq_op(
     noise: torch.Tensor | None,
     axis: int,
     square: bool,
+    rotation: int,
     block: int,
     mode: int,
     mbits: int,
@@ -193,10 +212,10 @@ def _qdq_op(
     global_scale: bool,
 ) -> torch.Tensor:
     x, noise = x.contiguous(), None if noise is None else noise.contiguous()
-    arguments = (square, block, mode, mbits, bias, emax, elem_max, global_scale)
+    arguments = (square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale)
     return _run(x, torch.empty_like(x), noise, axis, *arguments)
 
 
 @_qdq_op.register_fake
-def _(x, noise, axis, square, block, mode, mbits, bias, emax, elem_max, global_scale):
+def _(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
