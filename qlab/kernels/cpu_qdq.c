@@ -278,35 +278,45 @@ static void qdq_blocks(const float *x, float *out, const float *noise, int64_t o
 static void hadamard(const float *src, float *dst, int64_t outer, int64_t src_length, int64_t dst_length,
                      int64_t inner, const float *signs, int inverse, int threads) {
     int64_t length = src_length > dst_length ? src_length : dst_length, chunks = length / 16;
-    int64_t tiles = (inner + TILE - 1) / TILE;
+    /* Work items of 16 positions × up to TILE lanes. Blocks down a non-last axis: the lanes are columns
+       (stride 1) and the positions rows (stride inner). Along the last axis: the lanes are a row's
+       consecutive chunks (stride 16) and the positions the 16 elements of a chunk (stride 1), so the
+       butterflies run across chunks, vectorized, either way. */
+    int64_t lane_count = inner == 1 ? chunks : inner;
+    int64_t lane_stride = inner == 1 ? 16 : 1, slabs = inner == 1 ? 1 : chunks;
+    int64_t tiles = (lane_count + TILE - 1) / TILE;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < outer * chunks * tiles; k++) {
-        int64_t tile = k % tiles, chunk = (k / tiles) % chunks, o = k / (tiles * chunks);
-        int64_t col = tile * TILE, cols = inner - col < TILE ? inner - col : TILE;
+    for (int64_t k = 0; k < outer * slabs * tiles; k++) {
+        int64_t tile = k % tiles, slab = (k / tiles) % slabs, o = k / (tiles * slabs);
+        int64_t lane = tile * TILE, lanes = lane_count - lane < TILE ? lane_count - lane : TILE;
+        /* element (i, j) of this item: position p = first + i + (inner == 1 ? 16 · j : 0) along the axis */
+        int64_t first = inner == 1 ? lane * 16 : slab * 16;
+        int64_t column = inner == 1 ? 0 : lane;
         float v[16][TILE];
         for (int i = 0; i < 16; i++) {
-            int64_t position = chunk * 16 + i;
-            const float *from = src + (o * src_length + position) * inner + col;
             float sign = inverse ? 1.0f : signs[i];
-            if (position < src_length)
-                for (int64_t j = 0; j < cols; j++) v[i][j] = from[j] * 0.25f * sign;
-            else
-                for (int64_t j = 0; j < cols; j++) v[i][j] = 0.0f * 0.25f * sign;
+            const float *from = src + (o * src_length + first + i) * inner + column;
+            for (int64_t j = 0; j < lanes; j++) {
+                int64_t position = first + i + (inner == 1 ? 16 * j : 0);
+                float value = position < src_length ? from[j * lane_stride] : 0.0f;
+                v[i][j] = value * 0.25f * sign;
+            }
         }
         for (int stride = 8; stride >= 1; stride /= 2)
             for (int i = 0; i < 16; i++)
                 if (!(i & stride))
-                    for (int64_t j = 0; j < cols; j++) {
-                        float first = v[i][j], second = v[i + stride][j];
-                        v[i][j] = first + second;
-                        v[i + stride][j] = first - second;
+                    for (int64_t j = 0; j < lanes; j++) {
+                        float a = v[i][j], b = v[i + stride][j];
+                        v[i][j] = a + b;
+                        v[i + stride][j] = a - b;
                     }
         for (int i = 0; i < 16; i++) {
-            int64_t position = chunk * 16 + i;
-            if (position >= dst_length) continue;
-            float *to = dst + (o * dst_length + position) * inner + col;
             float sign = inverse ? signs[i] : 1.0f;
-            for (int64_t j = 0; j < cols; j++) to[j] = v[i][j] * sign;
+            float *to = dst + (o * dst_length + first + i) * inner + column;
+            for (int64_t j = 0; j < lanes; j++) {
+                int64_t position = first + i + (inner == 1 ? 16 * j : 0);
+                if (position < dst_length) to[j * lane_stride] = v[i][j] * sign;
+            }
         }
     }
 }
@@ -331,8 +341,8 @@ static void nvfp4_tensor_scale(const float *source, int64_t n, recipe_t *r, int 
 }
 
 /* qdq_blocks, with the Hadamard transform around it when `signs` is given: x rotated into the first
-   half of `workspace` (2 · outer · padded · inner floats, padded = length rounded up to whole blocks),
-   quantized into its second half, rotated back into out. The NVFP4 tensor amax is the rotated one's. */
+   half of `workspace` (outer · padded · inner floats, padded = length rounded up to whole blocks;
+   twice that when padded > length), quantized into its second half (or out), rotated back into out. The NVFP4 tensor amax is the rotated one's. */
 static void qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs, int64_t outer,
                 int64_t length, int64_t inner, int64_t block, recipe_t *r, int threads) {
     int64_t padded = (length + block - 1) / block * block;
@@ -342,7 +352,9 @@ static void qdq(const float *x, float *out, const float *noise, float *workspace
     if (signs) {
         hadamard(x, workspace, outer, length, padded, inner, signs, 0, threads);
         source = workspace;
-        target = workspace + outer * padded * inner;
+        /* whole blocks: quantized straight into out and rotated back there (each work item of the
+           transform reads its slab whole before writing it) */
+        target = padded == length ? out : workspace + outer * padded * inner;
         quantized_length = padded;
     }
     if (r->recipe == RECIPE_NVFP4 && r->global_scale)

@@ -176,7 +176,8 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
         from qlab.scaling import _cached_hadamard_signs
 
         padded = -(-length // block) * block
-        workspace = torch.empty(2 * outer * padded * inner, dtype=torch.float32)
+        halves = 1 if padded == length else 2  # whole blocks are quantized into out itself
+        workspace = torch.empty(halves * outer * padded * inner, dtype=torch.float32)
         signs = (ctypes.c_float * 16)(*_cached_hadamard_signs(rotation))
     pointers = (
         x.data_ptr(),
