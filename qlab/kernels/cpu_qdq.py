@@ -109,11 +109,11 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
 
     if isinstance(spec, NVFP4Spec):
-        layout = spec.convention == "nvidia"
+        known_recipe = spec.convention == "nvidia"
     else:
-        layout = isinstance(spec, MXSpec)
+        known_recipe = isinstance(spec, MXSpec)
     return (
-        layout
+        known_recipe
         and (spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec)))
         and (not spec.block_2d or (x.dim() == 2 and spec.rounding == "rne" and not spec.hadamard))
         and x.device.type == "cpu"
