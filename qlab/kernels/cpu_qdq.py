@@ -33,6 +33,9 @@ from pathlib import Path
 import torch
 
 from qlab import paths
+from qlab.formats import get_format
+from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
+from qlab.scaling import _cached_hadamard_signs
 
 SOURCE = Path(__file__).with_name("cpu_qdq.c")
 FLAGS = (
@@ -106,8 +109,6 @@ def available() -> bool:
 
 def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
     """Whether ``qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``."""
-    from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
-
     if isinstance(spec, NVFP4Spec):
         known_recipe = spec.convention == "nvidia"
     else:
@@ -137,25 +138,21 @@ def qdq(
     reference rounds), written into ``out`` if given (a tensor of x's shape and ``dtype`` that does not
     overlap x). Stochastic rounding takes its draws from ``noise`` (float32,
     ``qlab.quantize.noise_shape(x, spec, axis)``, checked by the caller)."""
-    from qlab.formats import get_format
-    from qlab.quantize import MXSpec
-
-    if isinstance(spec, MXSpec):
-        fmt = get_format(spec.element)
-        arguments = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
-    else:  # NVFP4: the kernel knows its formats; only the global scale varies
-        arguments = (spec.block_size, -1, 0, 0, 0, 0.0, spec.global_scale)
-    square = spec.block_2d
-    if square:
-        axis = 0  # a 2-D tile is the same square of x whichever of its two axes the scales run along
-    rotation = spec.hadamard_seed if spec.hadamard else -1
-    arguments = (square, rotation, *arguments)
     if (spec.rounding == "stochastic") != (noise is not None):
         raise ValueError(f"noise must be given exactly when the spec rounds stochastically, got {spec!r}")
     x = x.float()  # the reference's first step too
     if dtype != torch.float32:
         result = qdq(x, spec, axis, noise=noise)  # the float32 result, then one rounding
         return result.to(dtype) if out is None else out.copy_(result)
+    if isinstance(spec, MXSpec):
+        fmt = get_format(spec.element)
+        recipe = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
+    else:  # NVFP4: the kernel knows its formats; only the global scale varies
+        recipe = (spec.block_size, -1, 0, 0, 0, 0.0, spec.global_scale)
+    if spec.block_2d:
+        axis = 0  # a 2-D tile is the same square of x whichever of its two axes the scales run along
+    rotation = spec.hadamard_seed if spec.hadamard else -1
+    arguments = (spec.block_2d, rotation, *recipe)
     if torch.compiler.is_compiling():
         result = _qdq_op(x, noise, axis, *arguments)  # opaque to inductor
         return result if out is None else out.copy_(result)
@@ -173,8 +170,6 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
     draws = None if noise is None else noise.data_ptr()
     workspace = signs = None
     if rotation >= 0:
-        from qlab.scaling import _cached_hadamard_signs
-
         padded = -(-length // block) * block
         halves = 1 if padded == length else 2  # whole blocks are quantized into out itself
         workspace = torch.empty(halves * outer * padded * inner, dtype=torch.float32)
