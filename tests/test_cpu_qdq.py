@@ -147,6 +147,56 @@ def test_qdq_with_a_generator_consumes_the_same_stream_as_eager():
             assert_same_bits(kernel, eager)
 
 
+# stochastic_noise's draws come from MT19937 run in C on the generator's state; the reference is
+# torch's own Tensor.random_ (formats.torch_stochastic_noise). Counts cross the engine's 624-word state
+# regenerations (a count of 2n draws takes n words) from several starting offsets in the state.
+NOISE_COUNTS = (1, 2, 3, 623, 1246, 1247, 1248, 1249, 1250, 2497, 100_001, 0, 5)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 311, 622, 623, 624, 625])
+def test_noise_drawn_in_c_equals_torch_random_and_leaves_the_same_generator_state(offset):
+    assert cpu_qdq.draws_like_torch()  # else formats.stochastic_noise would quietly take torch's path
+    ours, theirs = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for generator in (ours, theirs):
+        torch.empty(offset, dtype=torch.int32).random_(generator=generator)
+    for count in NOISE_COUNTS:
+        assert torch.equal(
+            cpu_qdq.stochastic_noise(count, ours), formats.torch_stochastic_noise((count,), theirs)
+        )
+        assert torch.equal(ours.get_state(), theirs.get_state())
+    assert torch.equal(torch.rand(7, generator=ours), torch.rand(7, generator=theirs))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), counts=st.lists(st.integers(0, 3000), min_size=1, max_size=6))
+def test_noise_streams_match_torch_for_any_seed_and_sequence_of_counts(seed, counts):
+    ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for count in counts:
+        assert torch.equal(
+            formats.stochastic_noise((count,), ours), formats.torch_stochastic_noise((count,), theirs)
+        )
+
+
+def test_noise_keeps_the_default_generator_and_its_cached_normal_sample():
+    ours, theirs = [], []
+    for draws, noise in ((ours, formats.stochastic_noise), (theirs, formats.torch_stochastic_noise)):
+        torch.manual_seed(11)
+        torch.randn(3, dtype=torch.float64)  # leaves a cached second Box-Muller sample in the generator
+        draws += [noise((2, 999), None), torch.randn(3, dtype=torch.float64), torch.rand(4)]
+    for got, expected in zip(ours, theirs):
+        assert torch.equal(got, expected)
+
+
+def test_noise_falls_back_to_torch_where_the_c_generator_does_not_match(monkeypatch):
+    def refuse(count, generator):
+        raise AssertionError("the C generator ran though draws_like_torch said no")
+
+    monkeypatch.setattr(cpu_qdq, "draws_like_torch", lambda: False)
+    monkeypatch.setattr(cpu_qdq, "stochastic_noise", refuse)
+    got = formats.stochastic_noise((33,), torch.Generator().manual_seed(2))
+    assert torch.equal(got, formats.torch_stochastic_noise((33,), torch.Generator().manual_seed(2)))
+
+
 # NVFP4's global scale comes from the whole tensor's amax: the cases where TE's formula is clamped
 NVFP4_TENSORS = {
     "all zeros": torch.zeros(4, 32),

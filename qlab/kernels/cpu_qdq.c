@@ -378,3 +378,66 @@ void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, float *works
                   .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
     qdq(x, out, noise, workspace, signs, outer, length, inner, 16, &r, threads);
 }
+
+/* Stochastic rounding's uniform draws (qlab.formats.stochastic_noise) straight from the state of a
+   torch CPU generator, as Tensor.random_ on int32 would draw them: `words` = ceil(count / 2) outputs
+   of PyTorch's MT19937 (at::mt19937), each reduced mod 2^31; word i gives draw i = (word & 0x7FFF) · 2^-15
+   and draw words + i = ((word >> 15) & 0x7FFF) · 2^-15 (the last high half is dropped for an odd count).
+   `state` is the bytes of Generator.get_state(): the engine's `left` (int32) at byte 8, `next` (uint64)
+   at 16 and its 624 words (as uint64) from 24; they are advanced in place. The Python side checks on
+   first use that this gives random_'s numbers and leaves the generator where random_ leaves it. */
+#define MT_N 624
+#define MT_M 397
+
+static inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7FFFFFFFu)) >> 1) ^ ((0u - (v & 1u)) & 0x9908B0DFu);
+}
+
+static void mt_next_state(uint32_t *restrict mt) {
+    for (int i = 0; i < MT_N - MT_M; ++i) mt[i] = mt[i + MT_M] ^ mt_twist(mt[i], mt[i + 1]);
+    for (int i = MT_N - MT_M; i < MT_N - 1; ++i) mt[i] = mt[i + MT_M - MT_N] ^ mt_twist(mt[i], mt[i + 1]);
+    mt[MT_N - 1] = mt[MT_M - 1] ^ mt_twist(mt[MT_N - 1], mt[0]);
+}
+
+void qlab_stochastic_noise(uint8_t *state, float *restrict out, int64_t count) {
+    int32_t left;
+    uint64_t next, word;
+    uint32_t mt[MT_N], tempered[MT_N];
+    memcpy(&left, state + 8, 4);
+    memcpy(&next, state + 16, 8);
+    for (int i = 0; i < MT_N; ++i) {
+        memcpy(&word, state + 24 + 8 * i, 8);
+        mt[i] = (uint32_t)word;
+    }
+    const int64_t words = (count + 1) / 2, highs = count - words;
+    const float step = 1.0f / 32768.0f;
+    for (int64_t done = 0; done < words;) {
+        if (left == 1) { /* random_'s next call regenerates the state and takes its first word */
+            mt_next_state(mt);
+            left = MT_N + 1;
+            next = 0;
+        }
+        int64_t n = words - done < left - 1 ? words - done : left - 1;
+        const uint32_t *source = mt + next;
+        for (int64_t j = 0; j < n; ++j) {
+            uint32_t y = source[j];
+            y ^= y >> 11;
+            y ^= (y << 7) & 0x9D2C5680u;
+            y ^= (y << 15) & 0xEFC60000u;
+            y ^= y >> 18;
+            tempered[j] = y; /* random_ keeps it mod 2^31, which changes none of the 30 bits used */
+        }
+        for (int64_t j = 0; j < n; ++j) out[done + j] = (float)(tempered[j] & 0x7FFF) * step;
+        int64_t n_high = highs - done < n ? highs - done : n;
+        for (int64_t j = 0; j < n_high; ++j) out[words + done + j] = (float)((tempered[j] >> 15) & 0x7FFF) * step;
+        next += n;
+        left -= (int32_t)n;
+        done += n;
+    }
+    memcpy(state + 8, &left, 4);
+    memcpy(state + 16, &next, 8);
+    for (int i = 0; i < MT_N; ++i) {
+        word = mt[i];
+        memcpy(state + 24 + 8 * i, &word, 8);
+    }
+}

@@ -97,7 +97,10 @@ def _library():
     library.qlab_mx_qdq.argtypes = [*buffers, i64, i64, i64, i64, c_int, c_int, c_int, c_int, c_int,
                                     ctypes.c_float, c_int]  # fmt: skip
     library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
-    library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = None
+    library.qlab_stochastic_noise.argtypes = [pointer, pointer, i64]
+    library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = library.qlab_stochastic_noise.restype = (
+        None
+    )
     return library
 
 
@@ -190,6 +193,39 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
     else:
         _library().qlab_mx_qdq(*pointers, block, int(square), mode, mbits, bias, emax, elem_max, threads)
     return out
+
+
+GENERATOR_STATE_BYTES = 5056  # sizeof(at::CPUGeneratorImplState), the layout qlab_stochastic_noise reads
+
+
+def stochastic_noise(count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """``qlab.formats.stochastic_noise``'s ``count`` draws from the CPU ``generator`` (None: torch's
+    default), the same float32 numbers and the same generator state after, in one pass of MT19937 in C
+    where torch's random_ plus the five ops that split its integers take six (``draws_like_torch``
+    says where this holds)."""
+    generator = torch.default_generator if generator is None else generator
+    state = generator.get_state()
+    out = torch.empty(count, dtype=torch.float32)
+    _library().qlab_stochastic_noise(state.data_ptr(), out.data_ptr(), count)
+    generator.set_state(state)
+    return out
+
+
+@functools.cache
+def draws_like_torch() -> bool:
+    """Whether ``stochastic_noise`` gives this torch's numbers: checked once, on counts that cross the
+    engine's 624-word state boundaries, against random_ and the generator's state after."""
+    if not available():
+        return False
+    from qlab.formats import torch_stochastic_noise
+
+    ours, theirs = torch.Generator().manual_seed(20261125), torch.Generator().manual_seed(20261125)
+    if ours.get_state().numel() != GENERATOR_STATE_BYTES:
+        return False
+    for count in (1, 2, 3, 1246, 1247, 1248, 1249, 5001, 1):
+        if not torch.equal(stochastic_noise(count, ours), torch_stochastic_noise((count,), theirs)):
+            return False
+    return torch.equal(ours.get_state(), theirs.get_state())
 
 
 @torch.library.custom_op("qlab::block_qdq_cpu", mutates_args=())
