@@ -270,65 +270,149 @@ static void qdq_blocks(const float *x, float *out, const float *noise, int64_t o
     }
 }
 
-/* The seeded randomized Hadamard transform of qlab.scaling.hadamard_transform along `length`, in
-   chunks of 16, in its float32 order: × 1/4 first, the signs (before the four butterfly stages, or
-   after them for the inverse), then stages of strides 8, 4, 2, 1. src has src_length positions along
-   the axis, dst dst_length: the forward transform zero-pads src to dst_length (the reference pads to
-   whole blocks first), the inverse drops dst's padding. */
-static void hadamard(const float *src, float *dst, int64_t outer, int64_t src_length, int64_t dst_length,
-                     int64_t inner, const float *signs, int inverse, int threads) {
-    int64_t length = src_length > dst_length ? src_length : dst_length, chunks = length / 16;
-    /* Work items of 16 positions × up to TILE lanes. Blocks down a non-last axis: the lanes are columns
-       (stride 1) and the positions rows (stride inner). Along the last axis: the lanes are a row's
-       consecutive chunks (stride 16) and the positions the 16 elements of a chunk (stride 1), so the
-       butterflies run across chunks, vectorized, either way. */
-    int64_t lane_count = inner == 1 ? chunks : inner;
-    int64_t lane_stride = inner == 1 ? 16 : 1, slabs = inner == 1 ? 1 : chunks;
-    int64_t tiles = (lane_count + TILE - 1) / TILE;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t k = 0; k < outer * slabs * tiles; k++) {
-        int64_t tile = k % tiles, slab = (k / tiles) % slabs, o = k / (tiles * slabs);
-        int64_t lane = tile * TILE, lanes = lane_count - lane < TILE ? lane_count - lane : TILE;
-        /* element (i, j) of this item: position p = first + i + (inner == 1 ? 16 · j : 0) along the axis */
-        int64_t first = inner == 1 ? lane * 16 : slab * 16;
-        int64_t column = inner == 1 ? 0 : lane;
-        float v[16][TILE];
-        for (int i = 0; i < 16; i++) {
-            float sign = inverse ? 1.0f : signs[i];
-            const float *from = src + (o * src_length + first + i) * inner + column;
-            for (int64_t j = 0; j < lanes; j++) {
-                int64_t position = first + i + (inner == 1 ? 16 * j : 0);
-                float value = position < src_length ? from[j * lane_stride] : 0.0f;
-                v[i][j] = value * 0.25f * sign;
-            }
-        }
-        for (int stride = 8; stride >= 1; stride /= 2)
+/* The seeded randomized Hadamard transform of qlab.scaling.hadamard_transform, in its float32 order
+   (x 1/4 first, the signs before the four butterfly stages, or after them for the inverse, stages of
+   strides 8, 4, 2, 1), of v[p][j]: `positions` (a multiple of 16) along the axis times `lanes`,
+   row-major with row stride `stride`. The lanes are independent, so every loop runs across them. */
+#define HADAMARD_BUFFER 8192 /* floats in a work item: 32 KiB, so it stays in the L1/L2 cache */
+static inline void rotate(float *v, int64_t positions, int64_t lanes, int64_t stride, const float *signs,
+                          int inverse) {
+    for (int64_t p = 0; p < positions; p++) {
+        float sign = inverse ? 1.0f : signs[p % 16];
+        float *row = v + p * stride;
+        for (int64_t j = 0; j < lanes; j++) row[j] = row[j] * 0.25f * sign;
+    }
+    for (int64_t chunk = 0; chunk < positions; chunk += 16)
+        for (int step = 8; step >= 1; step /= 2)
             for (int i = 0; i < 16; i++)
-                if (!(i & stride))
+                if (!(i & step)) {
+                    float *a = v + (chunk + i) * stride, *b = v + (chunk + i + step) * stride;
                     for (int64_t j = 0; j < lanes; j++) {
-                        float a = v[i][j], b = v[i + stride][j];
-                        v[i][j] = a + b;
-                        v[i + stride][j] = a - b;
+                        float sum = a[j] + b[j], difference = a[j] - b[j];
+                        a[j] = sum;
+                        b[j] = difference;
                     }
-        for (int i = 0; i < 16; i++) {
-            float sign = inverse ? signs[i] : 1.0f;
-            float *to = dst + (o * dst_length + first + i) * inner + column;
+                }
+    if (inverse)
+        for (int64_t p = 0; p < positions; p++) {
+            float *row = v + p * stride;
+            for (int64_t j = 0; j < lanes; j++) row[j] *= signs[p % 16];
+        }
+}
+
+/* How many of an item's lanes hold a position before the axis' end, at position offset p: positions
+   run first + p + j · lane_step (lane_step 0: all lanes, or none, share one position). */
+static inline int64_t lanes_in_axis(int64_t first, int64_t p, int64_t lane_step, int64_t lanes, int64_t length) {
+    int64_t left = length - first - p;
+    if (left <= 0) return 0;
+    if (lane_step == 0) return lanes;
+    int64_t n = (left + lane_step - 1) / lane_step;
+    return n < lanes ? n : lanes;
+}
+
+/* One work item of hadamard_qdq; lane_stride is a literal 1 for columns, so those loops copy rows. */
+static inline __attribute__((always_inline)) void hadamard_item(
+    const float *restrict x, float *restrict out, const float *restrict noise, const float *signs, float *restrict v,
+    int64_t length, int64_t first, int64_t lane_step, int64_t position_stride, int64_t lane_stride, int64_t lanes,
+    const recipe_t *r, uint32_t *tensor_amax) {
+    const int64_t block = r->block;
+    uint32_t block_amax[TILE];
+    float inverse[TILE], multiplier[TILE];
+    for (int64_t p = 0; p < block; p++) {
+        int64_t valid = lanes_in_axis(first, p, lane_step, lanes, length);
+        const float *from = x + p * position_stride;
+        float *row = v + p * lanes;
+        for (int64_t j = 0; j < valid; j++) row[j] = from[j * lane_stride];
+        for (int64_t j = valid; j < lanes; j++) row[j] = 0.0f; /* the reference's zero padding */
+    }
+    rotate(v, block, lanes, lanes, signs, 0);
+    for (int64_t j = 0; j < lanes; j++) block_amax[j] = 0;
+    for (int64_t p = 0; p < block; p++)
+        for (int64_t j = 0; j < lanes; j++) {
+            uint32_t a = bits_of(v[p * lanes + j]) & 0x7FFFFFFFu;
+            block_amax[j] = a > block_amax[j] ? a : block_amax[j];
+        }
+    if (tensor_amax) {
+        for (int64_t j = 0; j < lanes; j++) *tensor_amax = block_amax[j] > *tensor_amax ? block_amax[j] : *tensor_amax;
+        return;
+    }
+    block_factors(block_amax, inverse, multiplier, lanes, r);
+    const int mbits = r->mbits, min_field = r->min_field;
+    const float elem_max = r->elem_max;
+    for (int64_t p = 0; p < block; p++) {
+        float *row = v + p * lanes;
+        if (noise) {
+            const float *draws = noise + p * position_stride; /* the padded layout: same strides as x's */
             for (int64_t j = 0; j < lanes; j++) {
-                int64_t position = first + i + (inner == 1 ? 16 * j : 0);
-                if (position < dst_length) to[j * lane_stride] = v[i][j] * sign;
+                float scaled = row[j] * inverse[j];
+                scaled = scaled == scaled ? scaled : 0.0f;
+                row[j] = round_stochastic(scaled, draws[j * lane_stride], mbits, min_field, elem_max) * multiplier[j];
+            }
+        } else {
+            for (int64_t j = 0; j < lanes; j++) {
+                float scaled = row[j] * inverse[j];
+                scaled = scaled == scaled ? scaled : 0.0f;
+                row[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
             }
         }
+    }
+    rotate(v, block, lanes, lanes, signs, 1);
+    for (int64_t p = 0; p < block; p++) {
+        int64_t valid = lanes_in_axis(first, p, lane_step, lanes, length);
+        float *to = out + p * position_stride;
+        const float *row = v + p * lanes;
+        for (int64_t j = 0; j < valid; j++) to[j * lane_stride] = row[j];
     }
 }
 
-/* NVFP4's global factors from the tensor amax A of `source` (n elements): S_enc, S_dec and the rest. */
-static void nvfp4_tensor_scale(const float *source, int64_t n, recipe_t *r, int threads) {
+/* qdq with the Hadamard transform around it, fused per work item: one block along the axis times up
+   to `lanes_per_item` lanes is read into a local buffer v[p][j] (zero past the axis' end: the
+   reference pads to whole blocks first), rotated, quantized there, rotated back and written to out,
+   so the rotated tensor never goes through memory. Along the last axis (inner == 1) the lanes are a
+   row's consecutive blocks: element (p, j) sits at position first + j·block + p; otherwise the lanes
+   are columns and the positions rows. With `amax`, only the rotated tensor's amax (bits) is taken,
+   for NVFP4's global scale, and nothing is written. */
+static void hadamard_qdq(const float *x, float *out, const float *noise, const float *signs, int64_t outer,
+                         int64_t length, int64_t inner, const recipe_t *r, int threads, uint32_t *amax) {
+    const int64_t block = r->block, blocks = (length + block - 1) / block, padded = blocks * block;
+    const int along_rows = inner == 1;
+    int64_t lanes_per_item = HADAMARD_BUFFER / block < TILE ? HADAMARD_BUFFER / block : TILE;
+    const int64_t lane_count = along_rows ? blocks : inner, slabs = along_rows ? 1 : blocks;
+    const int64_t tiles = (lane_count + lanes_per_item - 1) / lanes_per_item;
+    uint32_t tensor_amax = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : tensor_amax)
+    for (int64_t k = 0; k < outer * slabs * tiles; k++) {
+        int64_t tile = k % tiles, slab = (k / tiles) % slabs, o = k / (tiles * slabs);
+        int64_t lane = tile * lanes_per_item;
+        int64_t lanes = lane_count - lane < lanes_per_item ? lane_count - lane : lanes_per_item;
+        float v[HADAMARD_BUFFER];
+        uint32_t *item_amax = amax ? &tensor_amax : NULL;
+        if (along_rows) { /* (p, j) at position lane · block + j · block + p of row o */
+            int64_t first = lane * block, offset = o * length + first;
+            hadamard_item(x + offset, out + offset, noise ? noise + o * padded + first : NULL, signs, v, length,
+                          first, block, 1, block, lanes, r, item_amax);
+        } else { /* (p, j) at row slab · block + p, column lane + j */
+            int64_t first = slab * block, offset = (o * length + first) * inner + lane;
+            const float *draws = noise ? noise + (o * padded + first) * inner + lane : NULL;
+            hadamard_item(x + offset, out + offset, draws, signs, v, length, first, 0, inner, 1, lanes, r, item_amax);
+        }
+    }
+    if (amax) *amax = tensor_amax;
+}
+
+/* The bits of max |x| over n elements. */
+static uint32_t tensor_amax_bits(const float *x, int64_t n, int threads) {
     uint32_t amax = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(max : amax)
     for (int64_t i = 0; i < n; i++) {
-        uint32_t a = bits_of(source[i]) & 0x7FFFFFFFu;
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
         amax = a > amax ? a : amax;
     }
+    return amax;
+}
+
+/* NVFP4's global factors from the tensor amax A (its bits): S_enc, S_dec and the rest. */
+static void nvfp4_tensor_scale(uint32_t amax, recipe_t *r) {
     float tensor_amax = float_of(amax), encode = 1.0f;
     if (amax < 0x7F800000u && amax > 0) {
         encode = 2688.0f / tensor_amax;
@@ -340,43 +424,37 @@ static void nvfp4_tensor_scale(const float *source, int64_t n, recipe_t *r, int 
     r->usual = amax < 0x7F800000u && encode < FLOAT32_MAX;
 }
 
-/* qdq_blocks, with the Hadamard transform around it when `signs` is given: x rotated into the first
-   half of `workspace` (outer · padded · inner floats, padded = length rounded up to whole blocks;
-   twice that when padded > length), quantized into its second half (or out), rotated back into out. The NVFP4 tensor amax is the rotated one's. */
-static void qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs, int64_t outer,
-                int64_t length, int64_t inner, int64_t block, recipe_t *r, int threads) {
-    int64_t padded = (length + block - 1) / block * block;
-    const float *source = x;
-    float *target = out;
-    int64_t quantized_length = length;
-    if (signs) {
-        hadamard(x, workspace, outer, length, padded, inner, signs, 0, threads);
-        source = workspace;
-        /* whole blocks: quantized straight into out and rotated back there (each work item of the
-           transform reads its slab whole before writing it) */
-        target = padded == length ? out : workspace + outer * padded * inner;
-        quantized_length = padded;
+/* qdq_blocks, or hadamard_qdq when `signs` is given (NVFP4's tensor amax then the rotated one's). */
+static void qdq(const float *x, float *out, const float *noise, const float *signs, int64_t outer, int64_t length,
+                int64_t inner, int64_t block, recipe_t *r, int threads) {
+    if (r->recipe == RECIPE_NVFP4 && r->global_scale) {
+        uint32_t amax;
+        if (signs)
+            hadamard_qdq(x, out, noise, signs, outer, length, inner, r, threads, &amax);
+        else
+            amax = tensor_amax_bits(x, outer * length * inner, threads);
+        nvfp4_tensor_scale(amax, r);
     }
-    if (r->recipe == RECIPE_NVFP4 && r->global_scale)
-        nvfp4_tensor_scale(source, outer * quantized_length * inner, r, threads);
-    qdq_blocks(source, target, noise, outer, quantized_length, inner, block, r, threads);
-    if (signs) hadamard(target, out, outer, padded, length, inner, signs, 1, threads);
+    if (signs)
+        hadamard_qdq(x, out, noise, signs, outer, length, inner, r, threads, NULL);
+    else
+        qdq_blocks(x, out, noise, outer, length, inner, block, r, threads);
 }
 
-void qlab_mx_qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs, int64_t outer,
+void qlab_mx_qdq(const float *x, float *out, const float *noise, const float *signs, int64_t outer,
                  int64_t length, int64_t inner, int64_t block, int square, int mode, int mbits, int bias, int emax,
                  float elem_max, int threads) {
     recipe_t r = {.recipe = RECIPE_MX, .block = (int)block, .square = square, .mbits = mbits,
                   .min_field = 128 - bias, .elem_max = elem_max, .mode = mode, .emax = emax};
-    qdq(x, out, noise, workspace, signs, outer, length, inner, block, &r, threads);
+    qdq(x, out, noise, signs, outer, length, inner, block, &r, threads);
 }
 
-void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, float *workspace, const float *signs,
+void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, const float *signs,
                     int64_t outer, int64_t length, int64_t inner, int square, int global_scale, int threads) {
     recipe_t r = {.recipe = RECIPE_NVFP4, .block = 16, .square = square, .mbits = 1, .min_field = 127,
                   .elem_max = 6.0f, /* E2M1: 1 mantissa bit, bias 1 */
                   .global_scale = global_scale, .encode_over_6 = (float)(1.0 / 6.0)};
-    qdq(x, out, noise, workspace, signs, outer, length, inner, 16, &r, threads);
+    qdq(x, out, noise, signs, outer, length, inner, 16, &r, threads);
 }
 
 /* Stochastic rounding's uniform draws (qlab.formats.stochastic_noise) straight from the state of a

@@ -93,7 +93,7 @@ def _library():
     except (OSError, subprocess.SubprocessError):
         return None
     pointer, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    buffers = [pointer] * 5  # x, out, noise, workspace, Hadamard signs
+    buffers = [pointer] * 4  # x, out, noise, Hadamard signs
     library.qlab_mx_qdq.argtypes = [*buffers, i64, i64, i64, i64, c_int, c_int, c_int, c_int, c_int,
                                     ctypes.c_float, c_int]  # fmt: skip
     library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
@@ -171,22 +171,8 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
     with the Hadamard transform of seed ``rotation`` around it when that is not −1."""
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
     draws = None if noise is None else noise.data_ptr()
-    workspace = signs = None
-    if rotation >= 0:
-        padded = -(-length // block) * block
-        halves = 1 if padded == length else 2  # whole blocks are quantized into out itself
-        workspace = torch.empty(halves * outer * padded * inner, dtype=torch.float32)
-        signs = (ctypes.c_float * 16)(*_cached_hadamard_signs(rotation))
-    pointers = (
-        x.data_ptr(),
-        out.data_ptr(),
-        draws,
-        None if workspace is None else workspace.data_ptr(),
-        signs,
-        outer,
-        length,
-        inner,
-    )
+    signs = None if rotation < 0 else (ctypes.c_float * 16)(*_cached_hadamard_signs(rotation))
+    pointers = (x.data_ptr(), out.data_ptr(), draws, signs, outer, length, inner)
     threads = torch.get_num_threads()
     if mode < 0:
         _library().qlab_nvfp4_qdq(*pointers, int(square), int(global_scale), threads)
