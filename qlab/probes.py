@@ -30,6 +30,7 @@ from torch import nn
 
 from qlab import checks
 from qlab import quantize as Q
+from qlab.kernels import cpu_qdq
 
 # A module called with keyword tensors only gets its grad_input from a tap (``_keyword_input_tap``);
 # torch warns that its full backward hook then sees no input gradients, which is expected here.
@@ -580,7 +581,9 @@ class _StatsQueue:
     ``_stats_vector``. Every record is copied, even a tensor recorded twice (a gradient as ``grad_flow``,
     then as ``param_grad``): autograd's version counter cannot prove it unchanged in between, as
     GradScaler's unscale_ kernel rewrites gradients in place without moving it. Empty tensors and
-    tensors of 2²⁰ elements or more are reduced at once."""
+    tensors of 2²⁰ elements or more are reduced at once, and so is every float32 CPU tensor where the C
+    kernel is built (``qlab.kernels.cpu_qdq.tensor_stats``: two passes over the tensor in place, no
+    copy and no dispatch per statistic)."""
 
     def __init__(self, outliers: bool):
         self.outliers = outliers
@@ -596,6 +599,8 @@ class _StatsQueue:
             return [_stats_vector(tensor, self.outliers)]
         channels = tensor.shape[-1] if tensor.dim() else 1
         x = tensor.detach().reshape(numel // channels, channels)
+        if tensor.dtype == torch.float32 and tensor.device.type == "cpu" and cpu_qdq.available():
+            return [cpu_qdq.tensor_stats(x, self.outliers)]  # read in place, now: nothing to stage
         if numel >= _BATCH_MAX_NUMEL:
             return [_stats_rows_fast(x[None], self.outliers)[0]]
         key = (numel // channels, channels, tensor.dtype, tensor.device)

@@ -307,7 +307,7 @@ def test_inside_torch_compile_it_is_one_opaque_op_with_the_same_bits():
 def test_a_failed_build_leaves_qdq_on_its_other_paths(monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(cpu_qdq, "SOURCE", broken)
+    monkeypatch.setattr(cpu_qdq, "SOURCES", (broken,))
     monkeypatch.setattr(paths, "KERNEL_CACHE_DIR", tmp_path / "cache")
     cpu_qdq._library.cache_clear()
     try:
@@ -325,3 +325,58 @@ def test_the_library_is_built_once_per_source_and_machine(monkeypatch, tmp_path)
     stamp = first.stat().st_mtime_ns
     assert cpu_qdq._build(compiler) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no staging directory left behind
+
+
+# tensor_stats: a probe's statistics of a float32 CPU tensor in C, against qlab.probes._stats_rows in
+# float64 torch ops. The selections (min, max, amax, smallest non-zero |x|, zero count, channel top and
+# lower median) must match exactly; the four float64 sums (mean, variance, Σx², Σ|x|) are accumulated in
+# another order, so they agree to float64 rounding: relative 1e-12 of Σ|x|-sized quantities.
+def _stats_table():
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(300, 257, generator=generator) * torch.logspace(-3, 3, 257)  # 2 threads, odd channels
+    return {
+        "gaussian 64x64": torch.randn(64, 64, generator=generator),
+        "wide and skewed, 77k elements": wide + 5.0,
+        "even channel count (lower median)": torch.rand(33, 8, generator=generator) * torch.arange(8.0),
+        "one element": torch.tensor([[-2.5]]),
+        "all zeros": torch.zeros(8, 4),
+        "signed zeros and subnormals": torch.tensor([[0.0, -0.0, 1e-45, -1e-40], [3e-39, 0.0, -1.0, 2.0]]),
+        "an inf": torch.tensor([[1.0, math.inf], [-3.0, 0.5]]),
+        "a minus inf": torch.tensor([[1.0, -math.inf], [-3.0, 0.0]]),
+        "a NaN": torch.tensor([[1.0, math.nan, 0.0], [-3.0, 0.5, 0.0]]),
+        "float32 max": torch.tensor([[FLOAT32_MAX, -FLOAT32_MAX], [1.0, 0.0]]),
+    }
+
+
+STATS_TABLE = _stats_table()
+
+
+@pytest.mark.parametrize("outliers", [True, False])
+@pytest.mark.parametrize("case", STATS_TABLE)
+def test_tensor_stats_match_the_float64_torch_reference(case, outliers):
+    from qlab.probes import _stats_rows
+
+    x = STATS_TABLE[case]
+    got, expected = cpu_qdq.tensor_stats(x, outliers), _stats_rows(x[None], outliers)[0]
+    exact = [0, 1, 6, 7, 8, 9, 10]  # min, max, amax, smallest non-zero |x|, zeros, channel top, median
+    torch.testing.assert_close(got[exact], expected[exact], rtol=0, atol=0, equal_nan=True)
+    finite = x.double().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    l1, squares, n = finite.abs().sum().item(), (finite * finite).sum().item(), x.numel()
+    bounds = {2: l1 / n, 3: squares / n, 4: squares, 5: l1}  # mean, variance, Σx², Σ|x|
+    for index, size in bounds.items():
+        want, have = expected[index].item(), got[index].item()
+        if math.isfinite(want):
+            assert abs(have - want) <= 1e-12 * size, (index, have, want)
+        else:  # inf or NaN: the same
+            assert (math.isnan(have) and math.isnan(want)) or have == want, (index, have, want)
+
+
+def test_tensor_stats_reads_non_contiguous_tensors_and_refuses_other_dtypes():
+    from qlab.probes import _stats_rows
+
+    x = torch.randn(40, 30).t()  # a transposed view
+    torch.testing.assert_close(
+        cpu_qdq.tensor_stats(x, True), _stats_rows(x[None], True)[0], rtol=1e-12, atol=1e-12
+    )
+    with pytest.raises(ValueError, match="float32"):
+        cpu_qdq.tensor_stats(x.double(), True)

@@ -8,7 +8,11 @@ matrix (RNE), float32 (or bf16/fp16, widened first) in and out. It gives
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
 
-The C file is built with the system's C compiler on first use (under a second) into
+Beside it, the same library gives stochastic rounding's draws (``stochastic_noise``: the generator's
+own MT19937, the numbers ``Tensor.random_`` gives) and a probe's statistics of a float32 tensor
+(``tensor_stats``, from ``cpu_stats.c``).
+
+The C files are built with the system's C compiler on first use (under a second) into
 ``paths.KERNEL_CACHE_DIR``, one library per source, compiler flags and CPU model, because it is built
 for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
 is built and qdq takes its other paths, which give the same bits.
@@ -37,7 +41,7 @@ from qlab.formats import get_format
 from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
 from qlab.scaling import _cached_hadamard_signs
 
-SOURCE = Path(__file__).with_name("cpu_qdq.c")
+SOURCES = (Path(__file__).with_name("cpu_qdq.c"), Path(__file__).with_name("cpu_stats.c"))  # one library
 FLAGS = (
     "-O3",
     "-march=native",
@@ -67,7 +71,7 @@ def _cpu_model() -> str:
 def _build(compiler: str) -> Path:
     """The shared library for this source, these flags and this CPU; built (atomically) if missing."""
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_model()]).encode()
+        "\0".join([*(source.read_text() for source in SOURCES), compiler, *FLAGS, _cpu_model()]).encode()
     ).hexdigest()[:16]
     library = paths.KERNEL_CACHE_DIR / f"cpu_qdq-{key}.so"
     if library.exists():
@@ -76,7 +80,10 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as staging:
         built = Path(staging) / library.name
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, timeout=120
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)],
+            check=True,
+            capture_output=True,
+            timeout=120,
         )
         os.replace(built, library)  # a concurrent build of the same key writes the same bytes
     return library
@@ -98,9 +105,9 @@ def _library():
                                     ctypes.c_float, c_int]  # fmt: skip
     library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
     library.qlab_stochastic_noise.argtypes = [pointer, pointer, i64]
-    library.qlab_mx_qdq.restype = library.qlab_nvfp4_qdq.restype = library.qlab_stochastic_noise.restype = (
-        None
-    )
+    library.qlab_tensor_stats.argtypes = [pointer, i64, i64, c_int, pointer, pointer, c_int]
+    for function in ("qlab_mx_qdq", "qlab_nvfp4_qdq", "qlab_stochastic_noise", "qlab_tensor_stats"):
+        getattr(library, function).restype = None
     return library
 
 
@@ -212,6 +219,24 @@ def draws_like_torch() -> bool:
         if not torch.equal(stochastic_noise(count, ours), torch_stochastic_noise((count,), theirs)):
             return False
     return torch.equal(ours.get_state(), theirs.get_state())
+
+
+def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
+    """``qlab.probes._stats_rows`` of one non-empty float32 CPU tensor viewed as (rows, channels), as a
+    float64 vector of 11, read in place in two passes (``cpu_stats.c``): min, max and the counts exact,
+    the float64 sums in another order than torch's."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.numel() == 0:
+        raise ValueError(
+            f"x must be a non-empty 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+    x = x.contiguous()
+    threads = torch.get_num_threads()
+    result = torch.empty(11, dtype=torch.float64)
+    scratch = torch.empty(threads * x.shape[1] if outliers else 1, dtype=torch.int32)
+    _library().qlab_tensor_stats(
+        x.data_ptr(), x.shape[0], x.shape[1], int(outliers), result.data_ptr(), scratch.data_ptr(), threads
+    )
+    return result
 
 
 @torch.library.custom_op("qlab::block_qdq_cpu", mutates_args=())
