@@ -199,19 +199,47 @@ static void qdq_row_blocks(const float *restrict x, float *restrict out, const f
     }
 }
 
-/* Blocks of `rows` rows (stride `inner`) times `cols` columns starting at x. */
-static void qdq_column_blocks(const float *restrict x, float *restrict out, const float *restrict noise,
-                              int64_t rows, int64_t inner, int64_t cols, const recipe_t *r) {
-    uint32_t amax[TILE];
-    float inverse[TILE], multiplier[TILE];
+/* amax[j] = the largest |x| bits of column j over `rows` rows of stride `stride`, for `cols` columns. */
+static inline void column_amax(const float *restrict x, int64_t rows, int64_t stride, int64_t cols,
+                               uint32_t *restrict amax) {
     for (int64_t j = 0; j < cols; j++) amax[j] = 0;
     for (int64_t i = 0; i < rows; i++) {
-        const float *row = x + i * inner;
+        const float *row = x + i * stride;
         for (int64_t j = 0; j < cols; j++) {
             uint32_t a = bits_of(row[j]) & 0x7FFFFFFFu;
             amax[j] = a > amax[j] ? a : amax[j];
         }
     }
+}
+
+/* n lanes of one row quantized with lane j's factors, and its draw noise[j · noise_stride] when
+   rounding stochastically (the NaN guard as in qdq_elements). x may be out (in place). */
+static inline __attribute__((always_inline)) void quantize_lanes(const float *x, float *out, const float *noise,
+                                                                 int64_t noise_stride, int64_t n, const float *inverse,
+                                                                 const float *multiplier, const recipe_t *r) {
+    const int mbits = r->mbits, min_field = r->min_field;
+    const float elem_max = r->elem_max;
+    if (noise) {
+        for (int64_t j = 0; j < n; j++) {
+            float scaled = x[j] * inverse[j];
+            scaled = scaled == scaled ? scaled : 0.0f;
+            out[j] = round_stochastic(scaled, noise[j * noise_stride], mbits, min_field, elem_max) * multiplier[j];
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            float scaled = x[j] * inverse[j];
+            scaled = scaled == scaled ? scaled : 0.0f;
+            out[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
+        }
+    }
+}
+
+/* Blocks of `rows` rows (stride `inner`) times `cols` columns starting at x. */
+static void qdq_column_blocks(const float *restrict x, float *restrict out, const float *restrict noise,
+                              int64_t rows, int64_t inner, int64_t cols, const recipe_t *r) {
+    uint32_t amax[TILE];
+    float inverse[TILE], multiplier[TILE];
+    column_amax(x, rows, inner, cols, amax);
     if (r->square) /* TILE is a multiple of the block: a tile never straddles two calls */
         for (int64_t g = 0; g < cols; g += r->block) {
             int64_t end = g + r->block < cols ? g + r->block : cols;
@@ -220,26 +248,8 @@ static void qdq_column_blocks(const float *restrict x, float *restrict out, cons
             for (int64_t j = g; j < end; j++) amax[j] = tile_amax;
         }
     block_factors(amax, inverse, multiplier, cols, r);
-    const int mbits = r->mbits, min_field = r->min_field;
-    const float elem_max = r->elem_max;
-    for (int64_t i = 0; i < rows; i++) {
-        const float *row = x + i * inner;
-        float *row_out = out + i * inner;
-        if (noise) {
-            const float *row_noise = noise + i * inner;
-            for (int64_t j = 0; j < cols; j++) {
-                float scaled = row[j] * inverse[j];
-                scaled = scaled == scaled ? scaled : 0.0f;
-                row_out[j] = round_stochastic(scaled, row_noise[j], mbits, min_field, elem_max) * multiplier[j];
-            }
-        } else {
-            for (int64_t j = 0; j < cols; j++) {
-                float scaled = row[j] * inverse[j];
-                scaled = scaled == scaled ? scaled : 0.0f;
-                row_out[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
-            }
-        }
-    }
+    for (int64_t i = 0; i < rows; i++)
+        quantize_lanes(x + i * inner, out + i * inner, noise ? noise + i * inner : NULL, 1, cols, inverse, multiplier, r);
 }
 
 /* noise: NULL (RNE) or one uniform draw per element of the reference's layout, which pads `length`
@@ -326,36 +336,15 @@ static inline __attribute__((always_inline)) void hadamard_item(
         for (int64_t j = valid; j < lanes; j++) row[j] = 0.0f; /* the reference's zero padding */
     }
     rotate(v, block, lanes, lanes, signs, 0);
-    for (int64_t j = 0; j < lanes; j++) block_amax[j] = 0;
-    for (int64_t p = 0; p < block; p++)
-        for (int64_t j = 0; j < lanes; j++) {
-            uint32_t a = bits_of(v[p * lanes + j]) & 0x7FFFFFFFu;
-            block_amax[j] = a > block_amax[j] ? a : block_amax[j];
-        }
+    column_amax(v, block, lanes, lanes, block_amax);
     if (tensor_amax) {
         for (int64_t j = 0; j < lanes; j++) *tensor_amax = block_amax[j] > *tensor_amax ? block_amax[j] : *tensor_amax;
         return;
     }
     block_factors(block_amax, inverse, multiplier, lanes, r);
-    const int mbits = r->mbits, min_field = r->min_field;
-    const float elem_max = r->elem_max;
-    for (int64_t p = 0; p < block; p++) {
-        float *row = v + p * lanes;
-        if (noise) {
-            const float *draws = noise + p * position_stride; /* the padded layout: same strides as x's */
-            for (int64_t j = 0; j < lanes; j++) {
-                float scaled = row[j] * inverse[j];
-                scaled = scaled == scaled ? scaled : 0.0f;
-                row[j] = round_stochastic(scaled, draws[j * lane_stride], mbits, min_field, elem_max) * multiplier[j];
-            }
-        } else {
-            for (int64_t j = 0; j < lanes; j++) {
-                float scaled = row[j] * inverse[j];
-                scaled = scaled == scaled ? scaled : 0.0f;
-                row[j] = round_rne(scaled, mbits, min_field, elem_max) * multiplier[j];
-            }
-        }
-    }
+    for (int64_t p = 0; p < block; p++) /* the noise's padded layout has x's strides */
+        quantize_lanes(v + p * lanes, v + p * lanes, noise ? noise + p * position_stride : NULL, lane_stride, lanes,
+                       inverse, multiplier, r);
     rotate(v, block, lanes, lanes, signs, 1);
     for (int64_t p = 0; p < block; p++) {
         int64_t valid = lanes_in_axis(first, p, lane_step, lanes, length);

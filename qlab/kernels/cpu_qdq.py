@@ -13,7 +13,7 @@ own MT19937, the numbers ``Tensor.random_`` gives) and a probe's statistics of a
 (``tensor_stats``, from ``cpu_stats.c``).
 
 The C files are built with the system's C compiler on first use (under a second) into
-``paths.KERNEL_CACHE_DIR``, one library per source, compiler flags and CPU model, because it is built
+``paths.KERNEL_CACHE_DIR``, one library per set of sources, compiler flags and CPU model, because it is built
 for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
 is built and qdq takes its other paths, which give the same bits.
 
@@ -69,7 +69,7 @@ def _cpu_model() -> str:
 
 
 def _build(compiler: str) -> Path:
-    """The shared library for this source, these flags and this CPU; built (atomically) if missing."""
+    """The shared library for these sources, these flags and this CPU; built (atomically) if missing."""
     key = hashlib.sha256(
         "\0".join([*(source.read_text() for source in SOURCES), compiler, *FLAGS, _cpu_model()]).encode()
     ).hexdigest()[:16]
