@@ -129,6 +129,36 @@ def test_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spr
     assert_kernel_matches(x, spec, axis_pick % x.dim(), seed)
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=repr)
+def test_special_values_in_whole_blocks_along_either_axis(spec):
+    """Rows of 128: whole blocks for every spec, which the kernel's vector paths take (16 blocks reduced
+    at once, the Hadamard transform in registers along a row, and down 16 columns at a time)."""
+    x = special_tensor(width=128)
+    for axis, operand in ((1, x), (0, torch.cat([x, -x]).T.contiguous()[:, :16])):
+        assert_kernel_matches(operand, spec, axis)
+
+
+HADAMARD_SPECS = [spec for spec in SPECS if spec.hadamard]
+
+
+@pytest.mark.parametrize("spec", HADAMARD_SPECS, ids=repr)
+@pytest.mark.parametrize(
+    "shape, axis",
+    [
+        ((3, 16 * 300), 1),  # two work items per row, the second of 44 blocks: partial groups of 16
+        ((5, 16 * 21 + 16), 1),  # 22 blocks of 16 (and 11 of 32): a group of 16 plus the rest
+        ((48, 96), 0),  # six groups of 16 columns, whole blocks down the axis
+        ((40, 37), 0),  # 37 columns: not whole groups of 16, the loops over lanes instead
+        ((2, 64, 80), 1),  # columns of a 3-D tensor, blocks down its middle axis
+    ],
+)
+def test_hadamard_vector_paths_and_their_edges(spec, shape, axis):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(12)) * torch.exp2(
+        torch.randint(-30, 30, shape, generator=torch.Generator().manual_seed(13)).float()
+    )
+    assert_kernel_matches(x, spec, axis, seed=3)
+
+
 @pytest.mark.parametrize(
     "spec", ["mxfp8", "nvfp4", NVFP4Spec(rounding="stochastic"), NVFP4Spec(hadamard=True)], ids=str
 )

@@ -30,6 +30,9 @@
 
 enum { MODE_FLOOR = 0, MODE_CEIL = 1, MODE_EVEN = 2, MODE_RCEIL = 3 };
 enum { RECIPE_MX = 0, RECIPE_NVFP4 = 1 };
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 1024 /* floats: 4 KiB */
+#endif
 #define TILE 256 /* blocks handled together: along a row, or columns when blocks run down a non-last axis */
 #define FLOAT32_MAX 3.4028234663852886e38f
 #define NAN_BITS 0x7FC00000u
@@ -174,29 +177,111 @@ static inline uint32_t block_amax(const float *restrict x, int64_t n) {
     return amax;
 }
 
+/* GCC's vector extensions (no intrinsics: any target GCC builds for) for the reductions and the
+   Hadamard transform along a row, where autovectorized loops would reduce one block at a time or go
+   through memory; other compilers take the plain loops. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define GCC_VECTORS 1
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline f32x16 load16(const float *p) {
+    f32x16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store16(float *p, f32x16 v) { memcpy(p, &v, sizeof v); }
+
+static inline u32x16 vector_max(u32x16 a, u32x16 b) {
+    u32x16 greater = (u32x16)(a > b);
+    return (a & greater) | (b & ~greater);
+}
+
+/* The largest of the 16 lanes, by the same butterfly pattern: after the four steps every lane holds it. */
+static inline uint32_t lanes_max(u32x16 v) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int step = 8; step >= 1; step /= 2) v = vector_max(v, __builtin_shuffle(v, lane ^ step));
+    return v[0];
+}
+
+/* The 16 lanes of each of w[0..15] reduced at once: lane j of the result is the largest of w[j]'s
+   lanes. Four levels, each halving the vectors: a pair's lanes are split in two halves by two
+   two-vector shuffles, whose lane-wise max keeps half of each vector's candidates; the last level
+   leaves the maxima in bit-reversed order, which one shuffle undoes. */
+static inline u32x16 vectors_max(u32x16 *w) {
+    const i32x16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                 lo2 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                 lo3 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                 lo4 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+                 reversed = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    const i32x16 lows[4] = {lo1, lo2, lo3, lo4};
+    const int halves[4] = {8, 4, 2, 1}; /* the high half's shuffle is the low one's plus this */
+    int count = 16;
+    for (int level = 0; level < 4; level++, count /= 2)
+        for (int k = 0; k < count / 2; k++)
+            w[k] = vector_max(__builtin_shuffle(w[2 * k], w[2 * k + 1], lows[level]),
+                              __builtin_shuffle(w[2 * k], w[2 * k + 1], lows[level] + halves[level]));
+    return __builtin_shuffle(w[0], reversed);
+}
+
+#else
+#define GCC_VECTORS 0
+#endif
+
+/* amax and qdq of `count` whole blocks of `block` elements along a row; inlined where `block` is a
+   constant, so that each block's loops are unrolled and no loop counter spills to the stack. The amax
+   loop prefetches the blocks PREFETCH_AHEAD floats ahead: the hardware prefetcher alone leaves this
+   first read of each cache line waiting (a prefetch never faults, even past the end of x). */
+static inline __attribute__((always_inline)) void row_amax(const float *restrict x, int64_t count, int64_t block,
+                                                          uint32_t *restrict amax) {
+    for (int64_t j = 0; j < count; j++) {
+        for (int64_t line = 0; line < block; line += 16) __builtin_prefetch(x + j * block + line + PREFETCH_AHEAD, 0, 3);
+        amax[j] = block_amax(x + j * block, block);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_qdq(const float *restrict x, float *restrict out,
+                                                         const float *restrict noise, int64_t count, int64_t block,
+                                                         const float *inverse, const float *multiplier,
+                                                         const recipe_t *r) {
+    for (int64_t j = 0; j < count; j++)
+        qdq_elements(x + j * block, out + j * block, noise ? noise + j * block : NULL, block, inverse[j],
+                     multiplier[j], r);
+}
+
+/* row_qdq with a constant trip count for the usual blocks of 16 and 32. */
+static inline __attribute__((always_inline)) void row_qdq_blocks(const float *restrict x, float *restrict out,
+                                                                const float *restrict noise, int64_t count,
+                                                                int64_t block, const float *inverse,
+                                                                const float *multiplier, const recipe_t *r) {
+    if (block == 16)
+        row_qdq(x, out, noise, count, 16, inverse, multiplier, r);
+    else if (block == 32)
+        row_qdq(x, out, noise, count, 32, inverse, multiplier, r);
+    else
+        row_qdq(x, out, noise, count, block, inverse, multiplier, r);
+}
+
 /* Up to TILE consecutive blocks of one row, the last of which may be partial (`length` elements in all). */
 static void qdq_row_blocks(const float *restrict x, float *restrict out, const float *restrict noise, int64_t length,
                            int64_t block, const recipe_t *r) {
     uint32_t amax[TILE];
     float inverse[TILE], multiplier[TILE];
-    int64_t count = (length + block - 1) / block;
-    for (int64_t j = 0; j < count; j++) {
-        int64_t n = length - j * block < block ? length - j * block : block;
-        /* constant trip counts for the usual blocks, which the compiler unrolls */
-        amax[j] = n == 32 ? block_amax(x + j * block, 32)
-                          : (n == 16 ? block_amax(x + j * block, 16) : block_amax(x + j * block, n));
-    }
+    int64_t whole = length / block, count = (length + block - 1) / block, tail = length - whole * block;
+    if (block == 32) /* the usual blocks get constant trip counts */
+        row_amax(x, whole, 32, amax);
+    else if (block == 16)
+        row_amax(x, whole, 16, amax);
+    else
+        row_amax(x, whole, block, amax);
+    if (tail) amax[whole] = block_amax(x + whole * block, tail);
     block_factors(amax, inverse, multiplier, count, r);
-    for (int64_t j = 0; j < count; j++) {
-        int64_t n = length - j * block < block ? length - j * block : block;
-        const float *draws = noise ? noise + j * block : NULL;
-        if (n == 32)
-            qdq_elements(x + j * block, out + j * block, draws, 32, inverse[j], multiplier[j], r);
-        else if (n == 16)
-            qdq_elements(x + j * block, out + j * block, draws, 16, inverse[j], multiplier[j], r);
-        else
-            qdq_elements(x + j * block, out + j * block, draws, n, inverse[j], multiplier[j], r);
-    }
+    row_qdq_blocks(x, out, noise, whole, block, inverse, multiplier, r);
+    if (tail)
+        qdq_elements(x + whole * block, out + whole * block, noise ? noise + whole * block : NULL, tail,
+                     inverse[whole], multiplier[whole], r);
 }
 
 /* amax[j] = the largest |x| bits of column j over `rows` rows of stride `stride`, for `cols` columns. */
@@ -354,6 +439,114 @@ static inline __attribute__((always_inline)) void hadamard_item(
     }
 }
 
+#if GCC_VECTORS
+/* Along a row the 16 positions of a transform are 16 consecutive floats: one vector, whose butterfly
+   stages are lane shuffles. Stage `step` pairs lane i with u[i] = v[i ^ step]: the lower lane gets
+   a + b = v + u, the upper a - b = u - v, computed as u + (-v) (IEEE subtraction is that addition;
+   addition commutes), so one shuffle, one sign flip of the upper lanes and one add. NaNs may come out
+   with another sign or payload than rotate()'s, but a NaN makes its block all NaN whatever its bits. */
+static inline f32x16 butterfly(f32x16 v, i32x16 partner, u32x16 upper_sign) {
+    f32x16 u = __builtin_shuffle(v, partner);
+    return u + (f32x16)((u32x16)v ^ upper_sign);
+}
+
+/* rotate()'s butterflies where position i is the vector w[i] (the lanes are independent columns). */
+static inline void rotate_vectors(f32x16 *w) {
+    for (int step = 8; step >= 1; step /= 2)
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            if (!(i & step)) {
+                f32x16 sum = w[i] + w[i + step], difference = w[i] - w[i + step];
+                w[i] = sum;
+                w[i + step] = difference;
+            }
+}
+
+static inline f32x16 hadamard16(f32x16 v) {
+    const i32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int step = 8; step >= 1; step /= 2)
+        v = butterfly(v, lane ^ step, (u32x16)((lane & step) != 0) & 0x80000000u); /* true is all bits set */
+    return v;
+}
+
+/* A row item of hadamard_qdq where every lane is a whole block inside the axis (block a multiple of
+   16): each 16 positions rotated in registers into v, the block amaxes taken, then quantized from v
+   into out and rotated back there. The noise is the row's, laid out as x. */
+static void hadamard_row_item(const float *restrict x, float *restrict out, const float *restrict noise,
+                              const float *signs, float *restrict v, int64_t lanes, const recipe_t *r,
+                              uint32_t *tensor_amax) {
+    const int64_t block = r->block, n = lanes * block;
+    uint32_t amax[TILE];
+    float inverse[TILE], multiplier[TILE];
+    const f32x16 sign = load16(signs);
+    for (int64_t group = 0; group < lanes; group += 16) { /* TILE is a multiple of 16 */
+        u32x16 largest[16] = {{0}};
+        for (int64_t j = 0; j < 16 && group + j < lanes; j++)
+            for (int64_t p = (group + j) * block; p < (group + j + 1) * block; p += 16) {
+                __builtin_prefetch(x + p + PREFETCH_AHEAD, 0, 3);
+                f32x16 rotated = hadamard16(load16(x + p) * 0.25f * sign);
+                if (!tensor_amax) store16(v + p, rotated);
+                largest[j] = vector_max(largest[j], (u32x16)rotated & 0x7FFFFFFFu);
+            }
+        u32x16 maxima = vectors_max(largest);
+        memcpy(amax + group, &maxima, sizeof maxima);
+    }
+    if (tensor_amax) {
+        for (int64_t j = 0; j < lanes; j++) *tensor_amax = amax[j] > *tensor_amax ? amax[j] : *tensor_amax;
+        return;
+    }
+    block_factors(amax, inverse, multiplier, lanes, r);
+    row_qdq_blocks(v, out, noise, lanes, block, inverse, multiplier, r);
+    for (int64_t p = 0; p < n; p += 16) store16(out + p, hadamard16(load16(out + p) * 0.25f * 1.0f) * sign);
+}
+
+/* A column item of hadamard_qdq whose block lies inside the axis and whose lanes (columns, at row
+   stride `stride`) come in whole groups of 16: for each group, the 16 positions of a transform are 16
+   vectors whose butterflies pair whole vectors, so it runs in registers (no shuffles); v holds the
+   group's rotated block (block × 16) between the amax and the quantization. */
+static void hadamard_column_item(const float *restrict x, float *restrict out, const float *restrict noise,
+                                 const float *signs, float *restrict v, int64_t stride, int64_t lanes,
+                                 const recipe_t *r, uint32_t *tensor_amax) {
+    const int64_t block = r->block;
+    uint32_t amax[16];
+    float inverse[16], multiplier[16];
+    for (int64_t c = 0; c < lanes; c += 16) {
+        u32x16 largest = {0};
+        for (int64_t q = 0; q < block; q += 16) {
+            f32x16 w[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {
+                __builtin_prefetch(x + (q + i) * stride + c + 32, 0, 3); /* two groups ahead, as the row streams */
+                w[i] = load16(x + (q + i) * stride + c) * 0.25f * signs[i];
+            }
+            rotate_vectors(w);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) {
+                largest = vector_max(largest, (u32x16)w[i] & 0x7FFFFFFFu);
+                store16(v + (q + i) * 16, w[i]);
+            }
+        }
+        if (tensor_amax) {
+            uint32_t group_amax = lanes_max(largest);
+            *tensor_amax = group_amax > *tensor_amax ? group_amax : *tensor_amax;
+            continue;
+        }
+        memcpy(amax, &largest, sizeof amax);
+        block_factors(amax, inverse, multiplier, 16, r);
+        for (int64_t p = 0; p < block; p++)
+            quantize_lanes(v + p * 16, v + p * 16, noise ? noise + p * stride + c : NULL, 1, 16, inverse, multiplier, r);
+        for (int64_t q = 0; q < block; q += 16) {
+            f32x16 w[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) w[i] = load16(v + (q + i) * 16) * 0.25f * 1.0f;
+            rotate_vectors(w);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) store16(out + (q + i) * stride + c, w[i] * signs[i]);
+        }
+    }
+}
+#endif
+
 /* qdq with the Hadamard transform around it, fused per work item: one block along the axis times up
    to `lanes_per_item` lanes is read into a local buffer v[p][j] (zero past the axis' end: the
    reference pads to whole blocks first), rotated, quantized there, rotated back and written to out,
@@ -376,10 +569,22 @@ static void hadamard_qdq(const float *x, float *out, const float *noise, const f
         int64_t lanes = lane_count - lane < lanes_per_item ? lane_count - lane : lanes_per_item;
         float v[HADAMARD_BUFFER];
         uint32_t *item_amax = amax ? &tensor_amax : NULL;
-        if (along_rows) { /* (p, j) at position lane · block + j · block + p of row o */
+        if (along_rows && GCC_VECTORS && block % 16 == 0 && length % block == 0) {
+#if GCC_VECTORS
+            int64_t offset = o * length + lane * block;
+            hadamard_row_item(x + offset, out + offset, noise ? noise + o * padded + lane * block : NULL, signs, v,
+                              lanes, r, item_amax);
+#endif
+        } else if (along_rows) { /* (p, j) at position lane · block + j · block + p of row o */
             int64_t first = lane * block, offset = o * length + first;
             hadamard_item(x + offset, out + offset, noise ? noise + o * padded + first : NULL, signs, v, length,
                           first, block, 1, block, lanes, r, item_amax);
+        } else if (GCC_VECTORS && block == 16 && slab * block + block <= length && lanes % 16 == 0) {
+#if GCC_VECTORS
+            int64_t offset = (o * length + slab * block) * inner + lane;
+            const float *draws = noise ? noise + (o * padded + slab * block) * inner + lane : NULL;
+            hadamard_column_item(x + offset, out + offset, draws, signs, v, inner, lanes, r, item_amax);
+#endif
         } else { /* (p, j) at row slab · block + p, column lane + j */
             int64_t first = slab * block, offset = (o * length + first) * inner + lane;
             const float *draws = noise ? noise + (o * padded + first) * inner + lane : NULL;
@@ -392,10 +597,14 @@ static void hadamard_qdq(const float *x, float *out, const float *noise, const f
 /* The bits of max |x| over n elements. */
 static uint32_t tensor_amax_bits(const float *x, int64_t n, int threads) {
     uint32_t amax = 0;
+    int64_t chunks = (n + 1023) / 1024;
 #pragma omp parallel for num_threads(threads) schedule(static) reduction(max : amax)
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
-        amax = a > amax ? a : amax;
+    for (int64_t c = 0; c < chunks; c++) { /* chunks of 4 KiB, each prefetched a chunk ahead */
+        const float *chunk = x + c * 1024;
+        int64_t n_chunk = n - c * 1024 < 1024 ? n - c * 1024 : 1024;
+        for (int64_t line = 0; line < 1024; line += 16) __builtin_prefetch(chunk + PREFETCH_AHEAD + line, 0, 3);
+        uint32_t chunk_amax = n_chunk == 1024 ? block_amax(chunk, 1024) : block_amax(chunk, n_chunk);
+        amax = chunk_amax > amax ? chunk_amax : amax;
     }
     return amax;
 }

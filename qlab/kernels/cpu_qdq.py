@@ -204,12 +204,16 @@ def stochastic_noise(count: int, generator: torch.Generator | None) -> torch.Ten
     return out
 
 
-@functools.cache
 def draws_like_torch() -> bool:
-    """Whether ``stochastic_noise`` gives this torch's numbers: checked once, on counts that cross the
-    engine's 624-word state boundaries, against random_ and the generator's state after."""
-    if not available():
-        return False
+    """Whether ``stochastic_noise`` can run and gives this torch's numbers (the comparison made once;
+    the kernel's availability asked each time, as QLAB_COMPILE may change)."""
+    return available() and _draws_match_torch()
+
+
+@functools.cache
+def _draws_match_torch() -> bool:
+    """The C draws against random_, on counts that cross the engine's 624-word state boundaries, and
+    the generator's state after."""
     from qlab.formats import torch_stochastic_noise
 
     ours, theirs = torch.Generator().manual_seed(20261125), torch.Generator().manual_seed(20261125)
