@@ -41,7 +41,7 @@ from functools import cache
 
 import torch
 
-from qlab import checks
+from qlab import checks, ops
 
 ROUNDING_MODES = ("rne", "away", "toward_zero", "stochastic")
 
@@ -376,15 +376,22 @@ def register_noise_source(generator_for: Callable[[torch.device], torch.Generato
     return key
 
 
-@torch.library.custom_op("qlab::stochastic_noise", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
-def _noise_op(after: torch.Tensor, counts: list[int], source: int) -> list[torch.Tensor]:
+def _noise_kernel(after: torch.Tensor, counts: list[int], source: int) -> list[torch.Tensor]:
     generator = _NOISE_SOURCES[source]()(after.device)
     return [stochastic_noise((count,), generator, after.device) for count in counts]
 
 
-@_noise_op.register_fake
-def _(after, counts, source):
+def _noise_fake(after, counts, source):
     return [after.new_empty(count, dtype=torch.float32) for count in counts]
+
+
+_noise_op = ops.define(
+    "stochastic_noise",
+    "(Tensor after, int[] counts, int source) -> Tensor[]",
+    _noise_kernel,
+    _noise_fake,
+    tags=(torch.Tag.nondeterministic_seeded,),
+)
 
 
 def drawn_noise(source: int, shapes: list, after: torch.Tensor) -> list[torch.Tensor]:

@@ -50,7 +50,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from qlab import checks, kernels
+from qlab import checks, kernels, ops
 from qlab import quantize as Q
 from qlab.formats import drawn_noise, register_noise_source
 from qlab.kernels import fp8_gemm
@@ -125,16 +125,18 @@ def _wgrad_into(out: torch.Tensor, dy, x, accumulate: bool) -> torch.Tensor:
         return torch.mm(dy.T.to(dtype), x.to(dtype), out=out)
 
 
-@torch.library.custom_op("qlab::bias_grad", mutates_args=())
-def _bias_grad(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _bias_grad_kernel(dy: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Σ over tokens of dy (N, M) in the compute dtype, as ``dtype``: ATen's summation order, kept
     opaque to torch.compile (whose own reduction order would change the last bits)."""
     return dy.to(_compute_dtype(dy)).sum(0).to(dtype)
 
 
-@_bias_grad.register_fake
-def _(dy, dtype):
-    return dy.new_empty(dy.shape[1], dtype=dtype)
+_bias_grad = ops.define(
+    "bias_grad",
+    "(Tensor dy, ScalarType dtype) -> Tensor",
+    _bias_grad_kernel,
+    lambda dy, dtype: dy.new_empty(dy.shape[1], dtype=dtype),
+)
 
 
 def _as_tensor(operand, like: torch.Tensor) -> torch.Tensor:

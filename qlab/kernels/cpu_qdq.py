@@ -17,7 +17,7 @@ The C files are built with the system's C compiler on first use (under a second)
 for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
 is built and qdq takes its other paths, which give the same bits.
 
-``qlab::block_qdq_cpu`` is a torch custom op: inside ``torch.compile`` it is one opaque call, so inductor
+``qlab::block_qdq_cpu`` is a torch op (qlab.ops): inside ``torch.compile`` it is one opaque call, so inductor
 writes its input out once instead of fusing the producer into (and recomputing it for) every read.
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from qlab import paths
+from qlab import ops, paths
 from qlab.formats import get_format
 from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
 from qlab.scaling import _cached_hadamard_signs
@@ -243,26 +243,21 @@ def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
     return result
 
 
-@torch.library.custom_op("qlab::block_qdq_cpu", mutates_args=())
-def _qdq_op(
-    x: torch.Tensor,
-    noise: torch.Tensor | None,
-    axis: int,
-    square: bool,
-    rotation: int,
-    block: int,
-    mode: int,
-    mbits: int,
-    bias: int,
-    emax: int,
-    elem_max: float,
-    global_scale: bool,
-) -> torch.Tensor:
+def _qdq_kernel(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
     x, noise = x.contiguous(), None if noise is None else noise.contiguous()
     arguments = (square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale)
     return _run(x, torch.empty_like(x), noise, axis, *arguments)
 
 
-@_qdq_op.register_fake
-def _(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
+def _qdq_fake(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_qdq_op = ops.define(
+    "block_qdq_cpu",
+    "(Tensor x, Tensor? noise, int axis, bool square, int rotation, int block, int mode, int mbits, int bias, "
+    "int emax, float elem_max, bool global_scale) -> Tensor",
+    _qdq_kernel,
+    _qdq_fake,
+    dispatch_key="CPU",
+)
