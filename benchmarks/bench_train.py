@@ -13,7 +13,9 @@ dequantize → FP32 GEMM), so a ratio is the emulation's cost, not a low-precisi
 
 --llama adds a quantized Hugging Face Llama (2 layers, hidden 256, intermediate 1024, 512 tokens a
 step) under bf16 autocast with mxfp8, forward+backward+AdamW, against the same model unquantized,
-both compiled. Compilation time is reported apart (first step).
+both compiled: the two are built first, then timed in five alternating rounds of --steps steps
+each, and the ratio is the median (with its range) of the rounds' ratios, so that a change in the
+machine's load reaches both sides of a ratio. Compilation time is reported apart (first step).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def seconds_per_step(config: TrainConfig, steps: int) -> tuple[float, float]:
     return (times.iloc[-2] - times.iloc[WARMUP - 1]) / steps, times.iloc[0]
 
 
-def llama_step_seconds(recipe: str | None, steps: int, device: torch.device) -> tuple[float, float]:
-    """(seconds per compiled AdamW step of a tiny Llama under bf16 autocast, first-step seconds)."""
+def llama_stepper(recipe: str | None, device: torch.device):
+    """(one compiled AdamW step of a tiny Llama under bf16 autocast, as a function, warmed up; the
+    seconds of its first step, which compiles)."""
     import transformers
 
     from qlab.nn import quantize_model
@@ -67,9 +70,8 @@ def llama_step_seconds(recipe: str | None, steps: int, device: torch.device) -> 
     compiled = torch.compile(model, dynamic=False, options=COMPILE_OPTIONS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(0)).to(device)
-    times = []
-    for _ in range(WARMUP + steps):
-        start = time.perf_counter()
+
+    def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = compiled(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -77,8 +79,17 @@ def llama_step_seconds(recipe: str | None, steps: int, device: torch.device) -> 
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sum(times[WARMUP:]) / steps, times[0]
+
+    first = seconds_per_call(step, 1)
+    seconds_per_call(step, WARMUP - 1)
+    return step, first
+
+
+def seconds_per_call(function, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    return (time.perf_counter() - start) / calls
 
 
 def main() -> None:
@@ -126,13 +137,19 @@ def main() -> None:
             first = first_steps[recipe]
             print(f"| {recipe} | {median_and_range(ratios[recipe])} | {first:.1f} |", flush=True)
         print()
-    if args.llama:
-        plain, plain_first = llama_step_seconds(None, args.steps, device)
-        quantized, first = llama_step_seconds("mxfp8", args.steps, device)
+    if args.llama:  # both models built first, then timed in alternation: the ratio of each round
+        plain, plain_first = llama_stepper(None, device)
+        quantized, first = llama_stepper("mxfp8", device)
+        rounds = [
+            (seconds_per_call(plain, args.steps), seconds_per_call(quantized, args.steps)) for _ in range(5)
+        ]
+        plain_ms = median_and_range([1e3 * p for p, _ in rounds])
+        quantized_ms = median_and_range([1e3 * q for _, q in rounds])
+        ratio = median_and_range([q / p for p, q in rounds])
         print("| Llama (2 × 256, 512 tokens), bf16 autocast, compiled | step (ms) | ratio | first step (s) |")
         print("|---|---:|---:|---:|")
-        print(f"| unquantized | {plain * 1e3:.0f} | 1.00 | {plain_first:.1f} |")
-        print(f"| mxfp8 | {quantized * 1e3:.0f} | {quantized / plain:.2f} | {first:.1f} |")
+        print(f"| unquantized | {plain_ms} | 1.00 | {plain_first:.1f} |")
+        print(f"| mxfp8 | {quantized_ms} | {ratio} | {first:.1f} |")
 
 
 if __name__ == "__main__":

@@ -334,6 +334,17 @@ def test_inside_torch_compile_it_is_one_opaque_op_with_the_same_bits():
     assert sum(counters["graph_break"].values()) == 0
 
 
+def test_compiled_kernel_writes_into_out_whether_contiguous_or_not():
+    torch._dynamo.reset()
+    x = torch.randn(64, 96) * 100
+    expected = reference(x, "mxfp8", 1)
+    spec = Q.get_spec("mxfp8")
+    write = torch.compile(lambda t, o: cpu_qdq.qdq(t, spec, 1, out=o), fullgraph=True, backend="inductor")
+    for out in (torch.full((64, 96), 7.0), torch.full((96, 64), 7.0).T):
+        write(x, out)
+        assert_same_bits(out, expected)
+
+
 def test_a_failed_build_leaves_qdq_on_its_other_paths(monkeypatch, tmp_path):
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")

@@ -255,8 +255,8 @@ def _qdq_fake(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
 
 _qdq_op = ops.define(
     "block_qdq_cpu",
-    "(Tensor x, Tensor? noise, int axis, bool square, int rotation, int block, int mode, int mbits, int bias, "
-    "int emax, float elem_max, bool global_scale) -> Tensor",
+    "(Tensor x, Tensor? noise, int axis, bool square, int rotation, int block, int mode, int mbits, "
+    "int bias, int emax, float elem_max, bool global_scale) -> Tensor",
     _qdq_kernel,
     _qdq_fake,
     dispatch_key="CPU",
