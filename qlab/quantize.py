@@ -39,6 +39,7 @@ which): the same bits, near the speed of a memory copy. ``QLAB_COMPILE=0`` turns
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -827,6 +828,8 @@ def noise_shape(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, blocked: b
     spec = get_spec(spec)
     axis = axis % x.dim()
     meta = torch.empty(x.shape, device="meta")
+    if spec.hadamard:  # the transform keeps the shape; on meta tensors its ops run Python reference
+        spec = dataclasses.replace(spec, hadamard=False)  # kernels, ~25 ms a call
     if not blocked and _inplace_applies(x, spec, axis):
         return _inplace_layout(meta, spec, axis).shape
     return to_layout(meta, spec, axis).shape

@@ -1306,6 +1306,22 @@ def test_stochastic_rounding_differs_across_seeds():
     assert not torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [NVFP4Spec(hadamard=True), MXSpec("e2m1", hadamard=True), MXSpec("e2m3", block_size=128, hadamard=True)],
+    ids=repr,
+)
+def test_noise_shape_of_a_rotated_spec_is_its_layout_shape(spec):
+    """noise_shape skips the Hadamard transform (it keeps shapes): the shape of the layouts qdq and
+    quantize actually build, rotation included, along each axis and with a partial block."""
+    x = torch.randn(3, 40, 48)
+    for axis in range(3):
+        inplace = Q._inplace_applies(x, spec, axis)
+        layout = Q._inplace_layout(x, spec, axis) if inplace else Q.to_layout(x, spec, axis)
+        assert Q.noise_shape(x, spec, axis) == layout.shape
+        assert Q.noise_shape(x, spec, axis, blocked=True) == Q.to_layout(x, spec, axis).shape
+
+
 def test_qdq_writes_into_out_with_the_same_bits():
     """qdq(out=y) returns y holding qdq(x)'s bits, in float32 and into a bfloat16 result (the compiled
     path's out= is checked in test_compiled_path_is_bit_identical_to_eager)."""
