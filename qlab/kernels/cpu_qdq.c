@@ -552,7 +552,9 @@ static void hadamard_column_item(const float *restrict x, float *restrict out, c
    reference pads to whole blocks first), rotated, quantized there, rotated back and written to out,
    so the rotated tensor never goes through memory. Along the last axis (inner == 1) the lanes are a
    row's consecutive blocks: element (p, j) sits at position first + j·block + p; otherwise the lanes
-   are columns and the positions rows. With `amax`, only the rotated tensor's amax (bits) is taken,
+   are columns and the positions rows. Where GCC builds the file, an item of whole blocks takes the
+   register paths instead: hadamard_row_item along a row, hadamard_column_item for NVFP4's blocks of 16
+   down 16 columns at a time (same bits). With `amax`, only the rotated tensor's amax (bits) is taken,
    for NVFP4's global scale, and nothing is written. */
 static void hadamard_qdq(const float *x, float *out, const float *noise, const float *signs, int64_t outer,
                          int64_t length, int64_t inner, const recipe_t *r, int threads, uint32_t *amax) {
