@@ -16,7 +16,7 @@ from test_quantize import mixed_magnitudes, torchao_mx_reference
 from qlab import formats, paths
 from qlab import quantize as Q
 from qlab.kernels import cpu_qdq
-from qlab.quantize import MXSpec, NVFP4Spec
+from qlab.quantize import MXSpec, NVFP4Spec, TensorwiseSpec
 
 pytestmark = pytest.mark.skipif(not cpu_qdq.available(), reason="no C compiler to build the kernel")
 
@@ -178,6 +178,50 @@ def test_qdq_with_a_generator_consumes_the_same_stream_as_eager():
             assert_same_bits(kernel, eager)
 
 
+# FP8 current scaling per tensor: one scale for the whole tensor, so each special case is a tensor
+FP8_SPECS = [
+    TensorwiseSpec("e4m3"),
+    TensorwiseSpec("e5m2"),
+    TensorwiseSpec("e4m3", convention="torchao"),
+    TensorwiseSpec("e5m2", convention="torchao"),
+    TensorwiseSpec("e4m3", pow2=True),
+    TensorwiseSpec("e5m2", eps=1e-3),
+    TensorwiseSpec("e4m3", eps=1e30),  # eps above every amax: the scale is fmt_max / eps
+]
+FP8_TENSORS = {
+    **{name: special_tensor()[i : i + 1] for i, name in enumerate(SPECIAL_BLOCKS)},
+    "all zeros (scale 1)": torch.zeros(3, 40),
+    "amax a float32 subnormal (the scale overflows)": torch.tensor([[2.0**-149, -(2.0**-149)]]),
+    "amax 1e-37": torch.tensor([[1e-37, -3e-38, 0.0, 5e-45]]),
+    "amax near the float32 max": torch.tensor([[FLOAT32_MAX, -1e38, 1.0, 2.0**-100]]),
+    "inf and NaN together": torch.tensor([[math.inf, math.nan, -2.0, 0.5]]),
+    "-NaN only": torch.tensor([[-math.nan, 1.0]]),
+    "mixed magnitudes": mixed_magnitudes((16, 64), 16, -30, 30, seed=4),
+}
+
+
+@pytest.mark.parametrize("case", FP8_TENSORS)
+@pytest.mark.parametrize("spec", FP8_SPECS, ids=repr)
+def test_fp8_per_tensor_matches_the_reference_bit_for_bit(spec, case):
+    """The eager reference casts through torch's own float8 dtypes: NaN comes back with their bits."""
+    x = FP8_TENSORS[case]
+    for axis, operand in ((1, x), (0, x.T.contiguous())):
+        assert_kernel_matches(operand, spec, axis)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 300), min_size=1, max_size=3),
+    spec=st.sampled_from(FP8_SPECS),
+    exponent_spread=st.integers(0, 60),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fp8_per_tensor_random_tensors_match_the_reference(shape, spec, exponent_spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
+    assert_kernel_matches(torch.randn(shape, generator=g) * torch.exp2(spread), spec, 0)
+
+
 # stochastic_noise's draws come from MT19937 run in C on the generator's state; the reference is
 # torch's own Tensor.random_ (formats.torch_stochastic_noise). Counts cross the engine's 624-word state
 # regenerations (a count of 2n draws takes n words) from several starting offsets in the state.
@@ -252,13 +296,16 @@ def test_nvfp4_global_scale_edge_cases(case):
 
 def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch):
     calls = []
-    run = cpu_qdq._run
+    run, run_fp8 = cpu_qdq._run, cpu_qdq._run_fp8
     monkeypatch.setattr(cpu_qdq, "_run", lambda *args: calls.append(1) or run(*args))
+    monkeypatch.setattr(cpu_qdq, "_run_fp8", lambda *args: calls.append(1) or run_fp8(*args))
     x = torch.randn(8, 64)
     seeded = {"generator": torch.Generator().manual_seed(4)}
     for spec, kwargs in (
         ("mxfp8", {}),
         ("mxfp4", {}),
+        ("fp8_e4m3", {}),
+        ("fp8_e5m2", {"dtype": torch.bfloat16}),
         (MXSpec("e4m3", mode="rceil"), {"dtype": torch.float32}),
         ("nvfp4", {}),
         (MXSpec("e2m1", rounding="stochastic"), seeded),
@@ -277,6 +324,8 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         assert_same_bits(got, Q.qdq(x, spec, 0, fast=False, **kwargs))
     covered = {
         "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
+        "FP8 per row": (x, "fp8_e4m3_rowwise", {}),
+        "FP8 1×128 tiles": (x, "fp8_blockwise", {}),
         "2-D blocks with Hadamard": (x, NVFP4Spec(block_2d=True, hadamard=True), {}),
         "2-D blocks of a 3-D tensor": (x.reshape(2, 4, 64), MXSpec("e4m3", block_2d=True), {}),
         "2-D blocks, stochastic": (x, NVFP4Spec(block_2d=True, rounding="stochastic"), {}),
@@ -292,7 +341,7 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_2d"])
+@pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2"])
 def test_16_bit_inputs_and_results_match_the_reference(spec, dtype):
     x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(2)) * 50).to(dtype)
     for axis in (0, 1):

@@ -657,6 +657,41 @@ void qlab_nvfp4_qdq(const float *x, float *out, const float *noise, const float 
     qdq(x, out, noise, signs, outer, length, inner, 16, &r, threads);
 }
 
+/* FP8 current scaling per tensor (qlab.quantize.TensorwiseSpec, granularity "tensor", RNE; TE's
+   formula as qlab.scaling.fp8_current_scale computes it): with A the tensor amax,
+     scale = fl(fmt_max / max(A, eps)), the float32 max where that overflows, 1 where A is not finite
+             or max(A, eps) is 0; with pow2 its mantissa bits zeroed;
+     out   = round(x · scale) · fl(1/scale)  (NVIDIA: cuBLAS and TE multiply by scale_inv), or
+             round(x · scale) / scale (torchao's convention),
+   the rounding RNE to the element format, saturating at ±fmt_max (inf included). A NaN stays NaN with
+   the bits torch's own float8 cast gives it back (sign, all-ones exponent, all-ones mantissa field:
+   0x7FF00000 for E4M3), which the eager reference goes through. Two passes: the amax, then elements. */
+void qlab_fp8_tensor_qdq(const float *x, float *out, int64_t n, int mbits, int bias, float fmt_max, float eps,
+                         int pow2, int divide, int threads) {
+    uint32_t amax_bits = tensor_amax_bits(x, n, threads);
+    float amax = float_of(amax_bits), floored = amax < eps ? eps : amax, scale = 1.0f;
+    if (amax_bits < 0x7F800000u && floored > 0.0f) {
+        scale = fmt_max / floored;
+        scale = scale < FLOAT32_MAX ? scale : FLOAT32_MAX;
+    }
+    if (pow2) scale = float_of(bits_of(scale) & 0x7F800000u);
+    const float inverse = 1.0f / scale;
+    const int min_field = 128 - bias;
+    const uint32_t nan_bits = 0x7F800000u | (((1u << mbits) - 1) << (23 - mbits));
+    int64_t chunks = (n + 1023) / 1024;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t start = c * 1024, end = n - start < 1024 ? n : start + 1024;
+        for (int64_t i = start; i < end; i++) {
+            float scaled = x[i] * scale;
+            float rounded = round_rne(scaled, mbits, min_field, fmt_max);
+            uint32_t nan = (bits_of(scaled) & 0x80000000u) | nan_bits;
+            rounded = scaled == scaled ? rounded : float_of(nan);
+            out[i] = divide ? rounded / scale : rounded * inverse;
+        }
+    }
+}
+
 /* Stochastic rounding's uniform draws (qlab.formats.stochastic_noise) straight from the state of a
    torch CPU generator, as Tensor.random_ on int32 would draw them: `words` = ceil(count / 2) outputs
    of PyTorch's MT19937 (at::mt19937), each reduced mod 2^31; word i gives draw i = (word & 0x7FFF) · 2^-15

@@ -1,9 +1,11 @@
-"""MX and NVFP4 qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per block.
+"""MX, NVFP4 and per-tensor FP8 qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per
+block (FP8: one for the amax, one for the elements).
 
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
 noise), 1-D blocks along any axis with or without the seeded Hadamard transform, or 2-D tiles of a
-matrix (RNE), float32 (or bf16/fp16, widened first) in and out. It gives
+matrix (RNE); and FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE, either
+convention, pow2 and eps); float32 (or bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
@@ -17,8 +19,9 @@ The C files are built with the system's C compiler on first use (under a second)
 for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
 is built and qdq takes its other paths, which give the same bits.
 
-``qlab::block_qdq_cpu`` is a torch op (qlab.ops): inside ``torch.compile`` it is one opaque call, so inductor
-writes its input out once instead of fusing the producer into (and recomputing it for) every read.
+``qlab::block_qdq_cpu`` and ``qlab::fp8_tensor_qdq_cpu`` are torch ops (qlab.ops): inside
+``torch.compile`` each is one opaque call, so inductor writes its input out once instead of fusing the
+producer into (and recomputing it for) every read.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 
 from qlab import ops, paths
 from qlab.formats import get_format
-from qlab.quantize import MXSpec, NVFP4Spec, draws_float32_noise
+from qlab.quantize import MXSpec, NVFP4Spec, TensorwiseSpec, draws_float32_noise
 from qlab.scaling import _cached_hadamard_signs
 
 SOURCES = (Path(__file__).with_name("cpu_qdq.c"), Path(__file__).with_name("cpu_stats.c"))  # one library
@@ -55,6 +58,7 @@ FLAGS = (
 if platform.machine() in ("x86_64", "AMD64"):
     FLAGS += ("-mprefer-vector-width=512",)  # gcc's default of 256 bits halves AVX-512's work per instruction
 MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}  # the enum in cpu_qdq.c
+FP8_ELEMENTS = ("e4m3", "e5m2")  # the formats whose NaN the kernel writes as torch's float8 cast does
 FLOATING = (torch.float32, torch.bfloat16, torch.float16)  # 16-bit x is widened first, as the reference does
 
 
@@ -104,9 +108,12 @@ def _library():
     library.qlab_mx_qdq.argtypes = [*buffers, i64, i64, i64, i64, c_int, c_int, c_int, c_int, c_int,
                                     ctypes.c_float, c_int]  # fmt: skip
     library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
+    library.qlab_fp8_tensor_qdq.argtypes = [pointer, pointer, i64, c_int, c_int, ctypes.c_float,
+                                            ctypes.c_float, c_int, c_int, c_int]  # fmt: skip
     library.qlab_stochastic_noise.argtypes = [pointer, pointer, i64]
     library.qlab_tensor_stats.argtypes = [pointer, i64, i64, c_int, pointer, pointer, c_int]
-    for function in ("qlab_mx_qdq", "qlab_nvfp4_qdq", "qlab_stochastic_noise", "qlab_tensor_stats"):
+    for function in ("qlab_mx_qdq", "qlab_nvfp4_qdq", "qlab_fp8_tensor_qdq", "qlab_stochastic_noise",
+                     "qlab_tensor_stats"):  # fmt: skip
         getattr(library, function).restype = None
     return library
 
@@ -118,15 +125,24 @@ def available() -> bool:
 
 
 def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
-    """Whether ``qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``."""
-    if isinstance(spec, NVFP4Spec):
+    """Whether ``qdq(x, spec, axis)`` gives ``qlab.quantize.qdq(x, spec, axis, dtype=dtype)`` (with
+    no fixed scale: delayed scaling's is the caller's to refuse)."""
+    if isinstance(spec, TensorwiseSpec):
+        known_recipe = (
+            spec.granularity == "tensor" and spec.element in FP8_ELEMENTS and spec.rounding == "rne"
+        )
+    elif isinstance(spec, NVFP4Spec):
         known_recipe = spec.convention == "nvidia"
     else:
         known_recipe = isinstance(spec, MXSpec)
     return (
         known_recipe
         and (spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec)))
-        and (not spec.block_2d or (x.dim() == 2 and spec.rounding == "rne" and not spec.hadamard))
+        and (
+            spec.block_size is None
+            or not spec.block_2d
+            or (x.dim() == 2 and spec.rounding == "rne" and not spec.hadamard)
+        )
         and x.device.type == "cpu"
         and x.dtype in FLOATING
         and dtype in FLOATING
@@ -154,6 +170,8 @@ def qdq(
     if dtype != torch.float32:
         result = qdq(x, spec, axis, noise=noise)  # the float32 result, then one rounding
         return result.to(dtype) if out is None else out.copy_(result)
+    if isinstance(spec, TensorwiseSpec):
+        return _fp8_tensor_qdq(x, spec, out)
     if isinstance(spec, MXSpec):
         fmt = get_format(spec.element)
         recipe = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
@@ -185,6 +203,28 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
         _library().qlab_nvfp4_qdq(*pointers, int(square), int(global_scale), threads)
     else:
         _library().qlab_mx_qdq(*pointers, block, int(square), mode, mbits, bias, emax, elem_max, threads)
+    return out
+
+
+def _fp8_tensor_qdq(x: torch.Tensor, spec, out: torch.Tensor | None) -> torch.Tensor:
+    """FP8 current scaling per tensor (qlab_fp8_tensor_qdq) of float32 x, into ``out`` if given."""
+    fmt = get_format(spec.element)
+    arguments = (fmt.mantissa_bits, fmt.bias, fmt.max, spec.eps, spec.pow2, spec.convention == "torchao")
+    if torch.compiler.is_compiling():
+        result = _fp8_op(x, *arguments)  # opaque to inductor
+        return result if out is None else out.copy_(result)
+    if out is not None and not out.is_contiguous():
+        return out.copy_(_fp8_tensor_qdq(x, spec, None))
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _run_fp8(x.contiguous(), out, *arguments)
+
+
+def _run_fp8(x, out, mbits, bias, fmt_max, eps, pow2, divide):
+    _library().qlab_fp8_tensor_qdq(
+        x.data_ptr(), out.data_ptr(), x.numel(), mbits, bias, fmt_max, eps, int(pow2), int(divide),
+        torch.get_num_threads(),
+    )  # fmt: skip
     return out
 
 
@@ -259,5 +299,19 @@ _qdq_op = ops.define(
     "int bias, int emax, float elem_max, bool global_scale) -> Tensor",
     _qdq_kernel,
     _qdq_fake,
+    dispatch_key="CPU",
+)
+
+
+def _fp8_kernel(x, mbits, bias, fmt_max, eps, pow2, divide):
+    return _run_fp8(x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format), mbits, bias,
+                    fmt_max, eps, pow2, divide)  # fmt: skip
+
+
+_fp8_op = ops.define(
+    "fp8_tensor_qdq_cpu",
+    "(Tensor x, int mbits, int bias, float fmt_max, float eps, bool pow2, bool divide) -> Tensor",
+    _fp8_kernel,
+    lambda x, *arguments: torch.empty_like(x, memory_format=torch.contiguous_format),
     dispatch_key="CPU",
 )
