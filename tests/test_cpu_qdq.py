@@ -16,7 +16,7 @@ from test_quantize import mixed_magnitudes, torchao_mx_reference
 from qlab import formats, paths
 from qlab import quantize as Q
 from qlab.kernels import cpu_qdq
-from qlab.quantize import MXSpec, NVFP4Spec, TensorwiseSpec
+from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec
 
 pytestmark = pytest.mark.skipif(not cpu_qdq.available(), reason="no C compiler to build the kernel")
 
@@ -86,6 +86,13 @@ SPECIAL_BLOCKS = {
 }
 
 
+def spread_tensor(shape, exponent_spread, seed):
+    """Normal numbers times 2^k, k uniform in ±exponent_spread per element."""
+    g = torch.Generator().manual_seed(seed)
+    spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
+    return torch.randn(shape, generator=g) * torch.exp2(spread)
+
+
 def special_tensor(width=40):
     """One row per special block: the values first, then small numbers, padded to ``width``."""
     rows = []
@@ -121,9 +128,7 @@ def test_matches_torchao_reference(element, mode):
     seed=st.integers(0, 2**31 - 1),
 )
 def test_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spread, seed):
-    g = torch.Generator().manual_seed(seed)
-    spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
-    x = torch.randn(shape, generator=g) * torch.exp2(spread)
+    x = spread_tensor(shape, exponent_spread, seed)
     if spec.block_2d:  # 2-D tiles: the kernel covers matrices (weights)
         x = x.reshape(shape[0], -1)
     assert_kernel_matches(x, spec, axis_pick % x.dim(), seed)
@@ -209,17 +214,54 @@ def test_fp8_per_tensor_matches_the_reference_bit_for_bit(spec, case):
         assert_kernel_matches(operand, spec, axis)
 
 
-@settings(max_examples=40, deadline=None)
+# Symmetric integers, per tensor or per line along the axis (per token / per output channel). Inf and
+# NaN are refused by the spec before any kernel runs.
+INT_SPECS = [IntSpec(8), IntSpec(8, granularity="axis"), IntSpec(4, granularity="axis"), IntSpec(16)]
+INT_TENSORS = {
+    "zeros and signed zeros (scale 1)": torch.tensor([[0.0, -0.0, 0.0]]),
+    "amax a float32 subnormal (scale 1)": torch.tensor([[2.0**-149, 0.0, -(2.0**-149)]]),
+    "ties at scale 1: 127, then halves": torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, -126.5]]),
+    "float32 max": torch.tensor([[FLOAT32_MAX, -FLOAT32_MAX, 1e38, 1.0]]),
+    "small values round to zero (and to +0)": torch.tensor([[1000.0, -1.0, 1e-3, -1e-3, 3.9]]),
+    "mixed magnitudes": mixed_magnitudes((16, 64), 16, -30, 30, seed=5),
+    "rows of different magnitudes": torch.randn(6, 50, generator=torch.Generator().manual_seed(6))
+    * torch.tensor([[1e-30], [1e-5], [1.0], [1e5], [1e30], [0.0]]),
+}
+
+
+@pytest.mark.parametrize("case", INT_TENSORS)
+@pytest.mark.parametrize("spec", INT_SPECS, ids=repr)
+def test_symmetric_int_matches_the_reference_bit_for_bit(spec, case):
+    x = INT_TENSORS[case]
+    for axis, operand in (
+        (1, x),
+        (0, x.T.contiguous()),
+        (1, x.reshape(1, *x.shape).transpose(0, 1).contiguous()),
+    ):
+        assert_kernel_matches(operand, spec, axis)
+
+
+@pytest.mark.parametrize("spec", INT_SPECS, ids=repr)
+def test_symmetric_int_takes_inf_and_nan_as_the_traced_reference_does(spec):
+    """Eagerly the spec refuses them; compiled code does not check, so the kernel must give what the
+    reference's own ops give there (scale 1 for a non-finite amax, ±inf clamped, NaN kept)."""
+    x = torch.tensor([[math.inf, -2.0, 0.5, 3.0], [-math.inf, 1.0, 0.25, -7.0], [math.nan, 1.0, 2.0, 3.0]])
+    for axis, operand in ((1, x), (0, x.T.contiguous())):
+        expected = Q._qdq_any_layout(operand, spec, axis, None, None, torch.float32)
+        assert_same_bits(cpu_qdq.qdq(operand, spec, axis), expected)
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     shape=st.lists(st.integers(1, 300), min_size=1, max_size=3),
-    spec=st.sampled_from(FP8_SPECS),
+    axis_pick=st.integers(0, 2),
+    spec=st.sampled_from(FP8_SPECS + INT_SPECS),
     exponent_spread=st.integers(0, 60),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_fp8_per_tensor_random_tensors_match_the_reference(shape, spec, exponent_spread, seed):
-    g = torch.Generator().manual_seed(seed)
-    spread = torch.randint(-exponent_spread, exponent_spread + 1, shape, generator=g).float()
-    assert_kernel_matches(torch.randn(shape, generator=g) * torch.exp2(spread), spec, 0)
+def test_fp8_and_int_random_tensors_match_the_reference(shape, axis_pick, spec, exponent_spread, seed):
+    x = spread_tensor(shape, exponent_spread, seed)
+    assert_kernel_matches(x, spec, axis_pick % len(shape))
 
 
 # stochastic_noise's draws come from MT19937 run in C on the generator's state; the reference is
@@ -296,9 +338,9 @@ def test_nvfp4_global_scale_edge_cases(case):
 
 def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch):
     calls = []
-    run, run_fp8 = cpu_qdq._run, cpu_qdq._run_fp8
-    monkeypatch.setattr(cpu_qdq, "_run", lambda *args: calls.append(1) or run(*args))
-    monkeypatch.setattr(cpu_qdq, "_run_fp8", lambda *args: calls.append(1) or run_fp8(*args))
+    for runner in ("_run", "_run_fp8", "_run_int"):  # every entry into the C library's qdq functions
+        run = getattr(cpu_qdq, runner)
+        monkeypatch.setattr(cpu_qdq, runner, lambda *args, run=run: calls.append(1) or run(*args))
     x = torch.randn(8, 64)
     seeded = {"generator": torch.Generator().manual_seed(4)}
     for spec, kwargs in (
@@ -306,6 +348,8 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         ("mxfp4", {}),
         ("fp8_e4m3", {}),
         ("fp8_e5m2", {"dtype": torch.bfloat16}),
+        ("int8", {}),
+        ("int8_rowwise", {}),
         (MXSpec("e4m3", mode="rceil"), {"dtype": torch.float32}),
         ("nvfp4", {}),
         (MXSpec("e2m1", rounding="stochastic"), seeded),
@@ -325,6 +369,7 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
     covered = {
         "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
         "FP8 per row": (x, "fp8_e4m3_rowwise", {}),
+        "asymmetric integers": (x, "uint8_asymmetric", {}),
         "FP8 1×128 tiles": (x, "fp8_blockwise", {}),
         "2-D blocks with Hadamard": (x, NVFP4Spec(block_2d=True, hadamard=True), {}),
         "2-D blocks of a 3-D tensor": (x.reshape(2, 4, 64), MXSpec("e4m3", block_2d=True), {}),
@@ -341,7 +386,9 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize(
+    "spec", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_2d", "fp8_e4m3", "fp8_e5m2", "int8_rowwise"]
+)
 def test_16_bit_inputs_and_results_match_the_reference(spec, dtype):
     x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(2)) * 50).to(dtype)
     for axis in (0, 1):

@@ -692,6 +692,60 @@ void qlab_fp8_tensor_qdq(const float *x, float *out, int64_t n, int mbits, int b
     }
 }
 
+/* Symmetric integer qdq (qlab.quantize.IntSpec, symmetric, RNE; qlab.scaling.int_symmetric_scale):
+   scale = fl(amax / qmax), 1 where amax is not finite or the quotient is 0;
+   out   = (round(clamp(x / scale, qmin, qmax)) + 0) · scale, RNE, -0 made +0 as integers have none
+   (the add-and-subtract rounding below never gives -0); a NaN stays NaN (clamp and round keep it).
+   The spec refuses inf and NaN eagerly; compiled code does not look, and gets the traced reference's
+   values: scale 1 for a non-finite amax, ±inf clamped to qmax and qmin. One amax per tensor, or per line along `length` of the
+   (outer, length, inner) view: a row of length elements (inner == 1) or a column of `length` rows. */
+static inline float int_scale(uint32_t amax_bits, float qmax) {
+    float scale = float_of(amax_bits) / qmax;
+    return amax_bits < 0x7F800000u && scale > 0.0f ? scale : 1.0f;
+}
+
+static inline float int_qdq_element(float x, float scale, float qmin, float qmax) {
+    float v = x / scale;
+    v = v < qmin ? qmin : v; /* comparisons leave a NaN as it is */
+    v = v > qmax ? qmax : v;
+    return ((v + 12582912.0f) - 12582912.0f) * scale; /* 1.5 · 2^23: RNE to an integer for |v| < 2^22 */
+}
+
+void qlab_int_qdq(const float *x, float *out, int64_t outer, int64_t length, int64_t inner, int per_tensor,
+                  float qmin, float qmax, int threads) {
+    if (per_tensor) {
+        int64_t n = outer * length * inner, chunks = (n + 1023) / 1024;
+        const float scale = int_scale(tensor_amax_bits(x, n, threads), qmax);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t i = c * 1024; i < n && i < (c + 1) * 1024; i++) out[i] = int_qdq_element(x[i], scale, qmin, qmax);
+        return;
+    }
+    if (inner == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t row = 0; row < outer; row++) {
+            const float *line = x + row * length;
+            const float scale = int_scale(block_amax(line, length), qmax);
+            for (int64_t i = 0; i < length; i++) out[row * length + i] = int_qdq_element(line[i], scale, qmin, qmax);
+        }
+        return;
+    }
+    int64_t tiles = (inner + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t k = 0; k < outer * tiles; k++) { /* TILE columns down the whole axis */
+        int64_t o = k / tiles, col = (k % tiles) * TILE, cols = inner - col < TILE ? inner - col : TILE;
+        const float *from = x + o * length * inner + col;
+        float *to = out + o * length * inner + col;
+        uint32_t amax[TILE];
+        float scale[TILE];
+        column_amax(from, length, inner, cols, amax);
+        for (int64_t j = 0; j < cols; j++) scale[j] = int_scale(amax[j], qmax);
+        for (int64_t i = 0; i < length; i++)
+            for (int64_t j = 0; j < cols; j++)
+                to[i * inner + j] = int_qdq_element(from[i * inner + j], scale[j], qmin, qmax);
+    }
+}
+
 /* Stochastic rounding's uniform draws (qlab.formats.stochastic_noise) straight from the state of a
    torch CPU generator, as Tensor.random_ on int32 would draw them: `words` = ceil(count / 2) outputs
    of PyTorch's MT19937 (at::mt19937), each reduced mod 2^31; word i gives draw i = (word & 0x7FFF) · 2^-15

@@ -41,7 +41,7 @@ import torch
 
 from qlab import ops, paths
 from qlab.formats import get_format
-from qlab.quantize import MXSpec, NVFP4Spec, TensorwiseSpec, draws_float32_noise
+from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec, draws_float32_noise
 from qlab.scaling import _cached_hadamard_signs
 
 SOURCES = (Path(__file__).with_name("cpu_qdq.c"), Path(__file__).with_name("cpu_stats.c"))  # one library
@@ -108,12 +108,29 @@ def _library():
     library.qlab_mx_qdq.argtypes = [*buffers, i64, i64, i64, i64, c_int, c_int, c_int, c_int, c_int,
                                     ctypes.c_float, c_int]  # fmt: skip
     library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
+    library.qlab_int_qdq.argtypes = [
+        pointer,
+        pointer,
+        i64,
+        i64,
+        i64,
+        c_int,
+        ctypes.c_float,
+        ctypes.c_float,
+        c_int,
+    ]
     library.qlab_fp8_tensor_qdq.argtypes = [pointer, pointer, i64, c_int, c_int, ctypes.c_float,
                                             ctypes.c_float, c_int, c_int, c_int]  # fmt: skip
     library.qlab_stochastic_noise.argtypes = [pointer, pointer, i64]
     library.qlab_tensor_stats.argtypes = [pointer, i64, i64, c_int, pointer, pointer, c_int]
-    for function in ("qlab_mx_qdq", "qlab_nvfp4_qdq", "qlab_fp8_tensor_qdq", "qlab_stochastic_noise",
-                     "qlab_tensor_stats"):  # fmt: skip
+    functions = (
+        "qlab_mx_qdq",
+        "qlab_nvfp4_qdq",
+        "qlab_fp8_tensor_qdq",
+        "qlab_int_qdq",
+        "qlab_stochastic_noise",
+    )
+    for function in (*functions, "qlab_tensor_stats"):
         getattr(library, function).restype = None
     return library
 
@@ -131,6 +148,8 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
         known_recipe = (
             spec.granularity == "tensor" and spec.element in FP8_ELEMENTS and spec.rounding == "rne"
         )
+    elif isinstance(spec, IntSpec):
+        known_recipe = spec.symmetric and spec.granularity in ("tensor", "axis") and spec.rounding == "rne"
     elif isinstance(spec, NVFP4Spec):
         known_recipe = spec.convention == "nvidia"
     else:
@@ -172,6 +191,8 @@ def qdq(
         return result.to(dtype) if out is None else out.copy_(result)
     if isinstance(spec, TensorwiseSpec):
         return _fp8_tensor_qdq(x, spec, out)
+    if isinstance(spec, IntSpec):
+        return _int_qdq(x, spec, axis, out)
     if isinstance(spec, MXSpec):
         fmt = get_format(spec.element)
         recipe = (spec.block_size, MODES[spec.mode], fmt.mantissa_bits, fmt.bias, fmt.emax, fmt.max, False)
@@ -210,14 +231,20 @@ def _fp8_tensor_qdq(x: torch.Tensor, spec, out: torch.Tensor | None) -> torch.Te
     """FP8 current scaling per tensor (qlab_fp8_tensor_qdq) of float32 x, into ``out`` if given."""
     fmt = get_format(spec.element)
     arguments = (fmt.mantissa_bits, fmt.bias, fmt.max, spec.eps, spec.pow2, spec.convention == "torchao")
+    return _into(x, out, _fp8_op, _run_fp8, arguments)
+
+
+def _into(x, out, op, run, arguments):
+    """``run(x, out, *arguments)`` for contiguous x and out (a new one if None); inside torch.compile
+    the opaque ``op(x, *arguments)`` instead."""
     if torch.compiler.is_compiling():
-        result = _fp8_op(x, *arguments)  # opaque to inductor
+        result = op(x, *arguments)
         return result if out is None else out.copy_(result)
     if out is not None and not out.is_contiguous():
-        return out.copy_(_fp8_tensor_qdq(x, spec, None))
+        return out.copy_(_into(x, None, op, run, arguments))
     if out is None:
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return _run_fp8(x.contiguous(), out, *arguments)
+    return run(x.contiguous(), out, *arguments)
 
 
 def _run_fp8(x, out, mbits, bias, fmt_max, eps, pow2, divide):
@@ -225,6 +252,29 @@ def _run_fp8(x, out, mbits, bias, fmt_max, eps, pow2, divide):
         x.data_ptr(), out.data_ptr(), x.numel(), mbits, bias, fmt_max, eps, int(pow2), int(divide),
         torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def _int_qdq(x: torch.Tensor, spec, axis: int, out: torch.Tensor | None) -> torch.Tensor:
+    """Symmetric integer qdq (qlab_int_qdq) of float32 x, per tensor or per line along ``axis``."""
+    fmt = get_format(spec.element)
+    arguments = (axis, spec.granularity == "tensor", float(fmt.min), float(fmt.max))
+    return _into(x, out, _int_op, _run_int, arguments)
+
+
+def _run_int(x, out, axis, per_tensor, qmin, qmax):
+    outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
+    _library().qlab_int_qdq(
+        x.data_ptr(),
+        out.data_ptr(),
+        outer,
+        length,
+        inner,
+        int(per_tensor),
+        qmin,
+        qmax,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -303,15 +353,23 @@ _qdq_op = ops.define(
 )
 
 
-def _fp8_kernel(x, mbits, bias, fmt_max, eps, pow2, divide):
-    return _run_fp8(x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format), mbits, bias,
-                    fmt_max, eps, pow2, divide)  # fmt: skip
+def _define_qdq_op(name: str, schema: str, run):
+    """An op running ``run(x, a new contiguous tensor, *arguments)``: opaque to torch.compile."""
+
+    def kernel(x, *arguments):
+        return run(x.contiguous(), torch.empty_like(x, memory_format=torch.contiguous_format), *arguments)
+
+    def fake(x, *arguments):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    return ops.define(name, schema, kernel, fake, dispatch_key="CPU")
 
 
-_fp8_op = ops.define(
+_fp8_op = _define_qdq_op(
     "fp8_tensor_qdq_cpu",
     "(Tensor x, int mbits, int bias, float fmt_max, float eps, bool pow2, bool divide) -> Tensor",
-    _fp8_kernel,
-    lambda x, *arguments: torch.empty_like(x, memory_format=torch.contiguous_format),
-    dispatch_key="CPU",
+    _run_fp8,
+)
+_int_op = _define_qdq_op(
+    "int_qdq_cpu", "(Tensor x, int axis, bool per_tensor, float qmin, float qmax) -> Tensor", _run_int
 )
