@@ -1,4 +1,6 @@
 /* Block quantize-dequantize on the CPU, one pass per block; the reference is qlab.quantize.qdq.
+   (Near the end, two per-tensor or per-line recipes in two passes: FP8 current scaling,
+   qlab_fp8_tensor_qdq, and symmetric integers, qlab_int_qdq.)
 
    x is float32, contiguous, viewed as (outer, length, inner); blocks of `block` elements run along
    `length` (the scale axis), so inner == 1 is the last axis. With `square`, a block × block tile of
