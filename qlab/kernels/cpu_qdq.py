@@ -1,11 +1,12 @@
-"""MX, NVFP4 and per-tensor FP8 qdq on the CPU through a small C kernel (``cpu_qdq.c``), one pass per
-block (FP8: one for the amax, one for the elements).
+"""MX, NVFP4, per-tensor FP8 and symmetric INT qdq on the CPU through a small C kernel (``cpu_qdq.c``),
+one pass per block (FP8 and INT: one for the amaxes, one for the elements).
 
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
 noise), 1-D blocks along any axis with or without the seeded Hadamard transform, or 2-D tiles of a
-matrix (RNE); and FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE, either
-convention, pow2 and eps); float32 (or bf16/fp16, widened first) in and out. It gives
+matrix (RNE); FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE, either
+convention, pow2 and eps); symmetric integers per tensor or per line along the axis (``IntSpec``, RNE);
+float32 (or bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
@@ -19,9 +20,9 @@ The C files are built with the system's C compiler on first use (under a second)
 for the machine it runs on (-march=native). Without a compiler, or with ``QLAB_COMPILE=0``, nothing
 is built and qdq takes its other paths, which give the same bits.
 
-``qlab::block_qdq_cpu`` and ``qlab::fp8_tensor_qdq_cpu`` are torch ops (qlab.ops): inside
-``torch.compile`` each is one opaque call, so inductor writes its input out once instead of fusing the
-producer into (and recomputing it for) every read.
+``qlab::block_qdq_cpu``, ``qlab::fp8_tensor_qdq_cpu`` and ``qlab::int_qdq_cpu`` are torch ops
+(qlab.ops): inside ``torch.compile`` each is one opaque call, so inductor writes its input out once
+instead of fusing the producer into (and recomputing it for) every read.
 """
 
 from __future__ import annotations
@@ -108,29 +109,15 @@ def _library():
     library.qlab_mx_qdq.argtypes = [*buffers, i64, i64, i64, i64, c_int, c_int, c_int, c_int, c_int,
                                     ctypes.c_float, c_int]  # fmt: skip
     library.qlab_nvfp4_qdq.argtypes = [*buffers, i64, i64, i64, c_int, c_int, c_int]
-    library.qlab_int_qdq.argtypes = [
-        pointer,
-        pointer,
-        i64,
-        i64,
-        i64,
-        c_int,
-        ctypes.c_float,
-        ctypes.c_float,
-        c_int,
-    ]
+    library.qlab_int_qdq.argtypes = [pointer, pointer, i64, i64, i64, c_int, ctypes.c_float, ctypes.c_float,
+                                     c_int]  # fmt: skip
     library.qlab_fp8_tensor_qdq.argtypes = [pointer, pointer, i64, c_int, c_int, ctypes.c_float,
                                             ctypes.c_float, c_int, c_int, c_int]  # fmt: skip
     library.qlab_stochastic_noise.argtypes = [pointer, pointer, i64]
     library.qlab_tensor_stats.argtypes = [pointer, i64, i64, c_int, pointer, pointer, c_int]
-    functions = (
-        "qlab_mx_qdq",
-        "qlab_nvfp4_qdq",
-        "qlab_fp8_tensor_qdq",
-        "qlab_int_qdq",
-        "qlab_stochastic_noise",
-    )
-    for function in (*functions, "qlab_tensor_stats"):
+    functions = ("qlab_mx_qdq", "qlab_nvfp4_qdq", "qlab_fp8_tensor_qdq", "qlab_int_qdq",
+                 "qlab_stochastic_noise", "qlab_tensor_stats")  # fmt: skip
+    for function in functions:
         getattr(library, function).restype = None
     return library
 
