@@ -1,8 +1,9 @@
 """qlab.kernels.cpu_qdq: the C qdq kernel gives the eager reference's bits (qlab.quantize.qdq with
 fast=False, itself pinned to torchao and TransformerEngine's formulas in test_quantize.py) for every
 MX element format and scale mode and for NVFP4 with and without its global scale, with RNE or
-stochastic rounding, 2-D tiles, and the Hadamard transform, and torchao's own bits for MX; along any
-axis, with partial blocks and special values. qdq dispatches to it only where
+stochastic rounding, 2-D tiles, and the Hadamard transform, and torchao's own bits for MX; for FP8
+current scaling per tensor and symmetric integers; along any axis, with partial blocks and special
+values. qdq dispatches to it only where
 it covers the spec; a failed build leaves qdq working."""
 
 import math
@@ -158,10 +159,7 @@ HADAMARD_SPECS = [spec for spec in SPECS if spec.hadamard]
     ],
 )
 def test_hadamard_vector_paths_and_their_edges(spec, shape, axis):
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(12)) * torch.exp2(
-        torch.randint(-30, 30, shape, generator=torch.Generator().manual_seed(13)).float()
-    )
-    assert_kernel_matches(x, spec, axis, seed=3)
+    assert_kernel_matches(spread_tensor(shape, 30, seed=12), spec, axis, seed=3)
 
 
 @pytest.mark.parametrize(
