@@ -188,21 +188,14 @@ def qdq(
     if spec.block_2d:
         axis = 0  # a 2-D tile is the same square of x whichever of its two axes the scales run along
     rotation = spec.hadamard_seed if spec.hadamard else -1
-    arguments = (spec.block_2d, rotation, *recipe)
-    if torch.compiler.is_compiling():
-        result = _qdq_op(x, noise, axis, *arguments)  # opaque to inductor
-        return result if out is None else out.copy_(result)
-    if out is not None and not out.is_contiguous():
-        return out.copy_(qdq(x, spec, axis, noise=noise))
-    if out is None:
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return _run(x.contiguous(), out, None if noise is None else noise.contiguous(), axis, *arguments)
+    return _into(x, out, _qdq_op, _run, (noise, axis, spec.block_2d, rotation, *recipe))
 
 
 def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
     """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1;
     with the Hadamard transform of seed ``rotation`` around it when that is not −1."""
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
+    noise = None if noise is None else noise.contiguous()  # held here: the C call reads its memory
     draws = None if noise is None else noise.data_ptr()
     signs = None if rotation < 0 else (ctypes.c_float * 16)(*_cached_hadamard_signs(rotation))
     pointers = (x.data_ptr(), out.data_ptr(), draws, signs, outer, length, inner)
@@ -320,26 +313,6 @@ def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
     return result
 
 
-def _qdq_kernel(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
-    x, noise = x.contiguous(), None if noise is None else noise.contiguous()
-    arguments = (square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale)
-    return _run(x, torch.empty_like(x), noise, axis, *arguments)
-
-
-def _qdq_fake(x, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-_qdq_op = ops.define(
-    "block_qdq_cpu",
-    "(Tensor x, Tensor? noise, int axis, bool square, int rotation, int block, int mode, int mbits, "
-    "int bias, int emax, float elem_max, bool global_scale) -> Tensor",
-    _qdq_kernel,
-    _qdq_fake,
-    dispatch_key="CPU",
-)
-
-
 def _define_qdq_op(name: str, schema: str, run):
     """An op running ``run(x, a new contiguous tensor, *arguments)``: opaque to torch.compile."""
 
@@ -352,6 +325,12 @@ def _define_qdq_op(name: str, schema: str, run):
     return ops.define(name, schema, kernel, fake, dispatch_key="CPU")
 
 
+_qdq_op = _define_qdq_op(
+    "block_qdq_cpu",
+    "(Tensor x, Tensor? noise, int axis, bool square, int rotation, int block, int mode, int mbits, "
+    "int bias, int emax, float elem_max, bool global_scale) -> Tensor",
+    _run,
+)
 _fp8_op = _define_qdq_op(
     "fp8_tensor_qdq_cpu",
     "(Tensor x, int mbits, int bias, float fmt_max, float eps, bool pow2, bool divide) -> Tensor",
