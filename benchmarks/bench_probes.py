@@ -1,20 +1,26 @@
 """Step-time overhead of qlab.probes on notebook 01's model, CPU, ratios in one run.
 
-    python benchmarks/bench_probes.py [--steps 200] [--repeats 3] [--threads auto]
+    python benchmarks/bench_probes.py [--steps 300] [--repeats 3] [--threads auto]
 
 Training step: forward, backward, AdamW on qlab.seed_model.SeedTransformer (the seed's quantized
 linears, width 64, 2 blocks, 16 sequences × 32 tokens). Compared: no probes; a ProbeSet on every
 module with parameters, all roles and all statistics recorded every step; the same sampling every
-100 steps; and every step with fewer roles or statistics (what a researcher can afford every step).
-Each configuration warms up past its first sampled step (which compiles the fused statistics
-kernel), then times --steps steps (two sampled steps for every=100) and reads the records (the one
-host transfer); repeats are interleaved, and the table gives the median overhead and range.
+100 steps; every step with fewer roles or statistics; notebook 01's own probe (one module, role
+"probe", l2); and the hooks alone (no statistics).
+
+Every configuration has its own model, optimizer and probes, and they take their steps in turn, one
+step each per round: a slow phase of a shared VM (the unprobed step swings between 9 and 16 ms here
+within minutes) then slows them all alike, where timing each configuration's steps as a block let it
+land on one. A configuration's cost per step is its median step plus, amortized over its steps,
+reading the records once at the end (``to_frame()``: where the statistics reach the host as a frame).
+A repeat is a fresh set of models; the table gives the median overhead over repeats and its range.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -27,13 +33,19 @@ from timing import add_thread_argument, machine, median_and_range, set_threads  
 from qlab.probes import ProbeSet  # noqa: E402
 from qlab.seed_model import SeedTransformer, permutation_task_batch  # noqa: E402
 
-# (label, ProbeSet keyword arguments)
+# (label, ProbeSet keyword arguments); None: the unprobed baseline
 CONFIGS = (
+    ("no probes", None),
     ("all roles, all stats, every step", {"every": 1}),
     ("all roles, all stats, every 100 steps", {"every": 100}),
     ("param_grad only, all stats, every step", {"every": 1, "roles": ("param_grad",)}),
     ("output only, all stats, every step", {"every": 1, "roles": ("output",)}),
     ("all roles, amax and l2, every step", {"every": 1, "stats": ("amax", "l2")}),
+    ("all roles, hooks alone (no stats), every step", {"every": 1, "stats": ()}),
+    (
+        "notebook 01's probe (blocks.0.fc1, probe, l2), every step",
+        {"every": 1, "modules": ["blocks.0.fc1"], "roles": ("probe",), "stats": ("l2",)},
+    ),
 )
 
 
@@ -41,9 +53,12 @@ def make_model():
     return SeedTransformer(mode="corrected", seed=0)
 
 
-def mean_step_seconds(model, steps, probes=None, warmup=5):
+def make_step(options):
+    """A training step of a fresh model with these probes (None: unprobed), and the probes."""
+    model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids, targets = permutation_task_batch(16, 32, 32, torch.Generator().manual_seed(1))
+    probes = ProbeSet(model, **options).attach() if options is not None else None
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -54,40 +69,54 @@ def mean_step_seconds(model, steps, probes=None, warmup=5):
         if probes is not None:
             probes.step()
 
-    for _ in range(warmup):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if probes is not None:
-        len(probes.records)  # the statistics reach the host here
-    return (time.perf_counter() - start) / steps
+    return step, probes
+
+
+def seconds_per_step(steps: int, warmup: int = 5) -> dict[str, float]:
+    """Each configuration's median step plus its amortized read, in seconds; steps taken in turn."""
+    runs = {label: make_step(options) for label, options in CONFIGS}
+    times = {label: [] for label in runs}
+    for round_ in range(warmup + steps):  # the warm-up compiles nothing now, but touches every page
+        for label, (step, _) in runs.items():
+            start = time.perf_counter()
+            step()
+            if round_ >= warmup:
+                times[label].append(time.perf_counter() - start)
+    result = {}
+    for label, (_, probes) in runs.items():
+        read = 0.0
+        if probes is not None:
+            start = time.perf_counter()
+            probes.to_frame()
+            read = (time.perf_counter() - start) / (warmup + steps)
+        result[label] = statistics.median(times[label]) + read
+        if probes is not None:
+            probes.detach()
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     add_thread_argument(parser)
     args = parser.parse_args()
     set_threads(args.threads)
-    baselines, overheads = [], {label: [] for label, _ in CONFIGS}
+    baselines, overheads = [], {label: [] for label, options in CONFIGS if options is not None}
     for _ in range(args.repeats):
-        baseline = mean_step_seconds(make_model(), args.steps)
+        seconds = seconds_per_step(args.steps)
+        baseline = seconds["no probes"]
         baselines.append(baseline * 1e3)
-        for label, options in CONFIGS:
-            model = make_model()
-            with ProbeSet(model, **options) as probes:
-                seconds = mean_step_seconds(model, args.steps, probes, warmup=options["every"] + 5)
-            overheads[label].append(100 * (seconds / baseline - 1))
+        for label in overheads:
+            overheads[label].append(100 * (seconds[label] / baseline - 1))
     print(
-        f"machine: {machine()}; baseline step {median_and_range(baselines)} ms, "
-        f"{args.steps} steps, {args.repeats} interleaved repeats\n"
+        f"machine: {machine()}; unprobed step {median_and_range(baselines)} ms, "
+        f"{args.steps} steps taken in turn, {args.repeats} repeats\n"
     )
     print("| probes | overhead, % of the unprobed step: median (min–max) |")
     print("|---|---:|")
-    for label, _ in CONFIGS:
-        print(f"| {label} | {median_and_range(overheads[label])} |")
+    for label, values in overheads.items():
+        print(f"| {label} | {median_and_range(values)} |")
 
 
 if __name__ == "__main__":

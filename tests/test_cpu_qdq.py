@@ -480,6 +480,15 @@ def _stats_table():
         "a minus inf": torch.tensor([[1.0, -math.inf], [-3.0, 0.0]]),
         "a NaN": torch.tensor([[1.0, math.nan, 0.0], [-3.0, 0.5, 0.0]]),
         "float32 max": torch.tensor([[FLOAT32_MAX, -FLOAT32_MAX], [1.0, 0.0]]),
+        "+inf and -inf (sum NaN, squares inf)": torch.tensor([[math.inf, 1.0], [-math.inf, 2.0]]),
+        "inf beside NaN": torch.tensor([[math.nan, math.inf, -1.0]]),
+        "inf as the only non-zero": torch.tensor([[0.0, -math.inf, 0.0]]),
+        "negative zero alone": torch.tensor([[-0.0]]),
+        # the kernel reads blocks of 2048: an inf in the middle block of three, a partial last block
+        "an inf in one block of three": torch.randn(97, 64, generator=generator).index_put_(
+            (torch.tensor(40), torch.tensor(3)), torch.tensor(math.inf)
+        ),
+        "many equal channel maxima (median ties)": torch.randint(-3, 4, (50, 31), generator=generator) * 1.0,
     }
 
 
@@ -504,6 +513,60 @@ def test_tensor_stats_match_the_float64_torch_reference(case, outliers):
             assert abs(have - want) <= 1e-12 * size, (index, have, want)
         else:  # inf or NaN: the same
             assert (math.isnan(have) and math.isnan(want)) or have == want, (index, have, want)
+
+
+def _float64_variance(x: torch.Tensor) -> float:
+    wide = x.double()
+    return ((wide - wide.mean()) ** 2).mean().item()
+
+
+@pytest.mark.parametrize("threads_from", [1, 2**30], ids=["two threads", "one thread"])
+@pytest.mark.parametrize("numel", [2048, 2049, 3 * 2048 + 5, 70001])
+def test_tensor_stats_variance_is_two_pass_exact_across_blocks_and_threads(numel, threads_from, monkeypatch):
+    """The kernel merges blocks of 2048 (and the threads' parts) by Chan et al.'s formula. On data far
+    off zero — mean 10⁴, spread 10⁻² (κ = mean²/variance ≈ 10¹²), the case where E[x²] − E[x]² loses
+    every digit even in float64 — the variance must still match a float64 two-pass variance to 1e-9 of
+    itself (a float64 sum of n terms drifts by ≈ n·2⁻⁵³ relative; the bound leaves room for that)."""
+    monkeypatch.setattr(cpu_qdq, "STATS_THREADS_MIN_NUMEL", threads_from)
+    generator = torch.Generator().manual_seed(numel)
+    drift = torch.linspace(-1.0, 1.0, numel) * 0.05  # the block means differ: the merge term matters
+    x = (1e4 + drift + 0.01 * torch.randn(numel, generator=generator)).reshape(1, numel)
+    got = cpu_qdq.tensor_stats(x, outliers=False)
+    want = _float64_variance(x)
+    assert abs(got[3].item() - want) <= 1e-9 * want, (got[3].item(), want)
+    squares = (x.double() ** 2).sum().item()  # Σx² from M2 + n·mean²: two non-negative terms, no cancellation
+    assert abs(got[4].item() - squares) <= 1e-13 * squares
+    assert got[2].item() == pytest.approx(x.double().mean().item(), rel=1e-14)
+
+
+@pytest.mark.parametrize("threads_from", [1, 2**30], ids=["two threads", "one thread"])
+def test_tensor_stats_selections_are_exact_when_threads_split_the_tensor(threads_from, monkeypatch):
+    """With two threads each takes half the blocks: their minima, maxima, counts and channel maxima are
+    merged; all must equal the reference exactly, an element of the second half carrying each extreme."""
+    from qlab.probes import _stats_rows
+
+    monkeypatch.setattr(cpu_qdq, "STATS_THREADS_MIN_NUMEL", threads_from)
+    x = torch.randn(300, 37, generator=torch.Generator().manual_seed(5))
+    x[290, 3], x[280, 4], x[295, 5], x[299, 36] = -50.0, 60.0, 1e-30, 0.0
+    got, want = cpu_qdq.tensor_stats(x, True), _stats_rows(x[None], True)[0]
+    exact = [0, 1, 6, 7, 8, 9, 10]
+    torch.testing.assert_close(got[exact], want[exact], rtol=0, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    channels=st.integers(1, 200),
+    rows=st.integers(1, 5),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tensor_stats_lower_median_of_channel_maxima_is_torchs(channels, rows, levels, seed):
+    """The channel maxima's lower median comes from a quickselect, not a sort: against torch.median on
+    channel counts from 1 to 200 with few distinct values (ties everywhere, the partition's hard case)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, channels), generator=generator).float() * 0.5
+    channel_amax = x.abs().amax(0)
+    assert cpu_qdq.tensor_stats(x, True)[10].item() == channel_amax.median().item()
 
 
 def test_tensor_stats_reads_non_contiguous_tensors_and_refuses_other_dtypes():

@@ -114,7 +114,7 @@ def _library():
     library.qlab_fp8_tensor_qdq.argtypes = [pointer, pointer, i64, c_int, c_int, ctypes.c_float,
                                             ctypes.c_float, c_int, c_int, c_int]  # fmt: skip
     library.qlab_stochastic_noise.argtypes = [pointer, pointer, i64]
-    library.qlab_tensor_stats.argtypes = [pointer, i64, i64, c_int, pointer, pointer, c_int]
+    library.qlab_tensor_stats.argtypes = [pointer, i64, i64, c_int, pointer, c_int]
     functions = ("qlab_mx_qdq", "qlab_nvfp4_qdq", "qlab_fp8_tensor_qdq", "qlab_int_qdq",
                  "qlab_stochastic_noise", "qlab_tensor_stats")  # fmt: skip
     for function in functions:
@@ -297,20 +297,29 @@ def _draws_match_torch() -> bool:
 
 def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
     """``qlab.probes._stats_rows`` of one non-empty float32 CPU tensor viewed as (rows, channels), as a
-    float64 vector of 11, read in place in two passes (``cpu_stats.c``): min, max and the counts exact,
+    float64 vector of 11, read in place in one pass (``cpu_stats.c``): min, max and the counts exact,
     the float64 sums in another order than torch's."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.numel() == 0:
         raise ValueError(
             f"x must be a non-empty 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
-    x = x.contiguous()
-    threads = torch.get_num_threads()
-    result = torch.empty(11, dtype=torch.float64)
-    scratch = torch.empty(threads * x.shape[1] if outliers else 1, dtype=torch.int32)
-    _library().qlab_tensor_stats(
-        x.data_ptr(), x.shape[0], x.shape[1], int(outliers), result.data_ptr(), scratch.data_ptr(), threads
-    )
-    return result
+    out = torch.empty(11, dtype=torch.float64)
+    tensor_stats_at(x, x.shape[1], outliers, out.data_ptr())
+    return out
+
+
+STATS_THREADS_MIN_NUMEL = 65536  # below this a thread team costs more than a tensor's statistics
+
+
+def tensor_stats_at(x: torch.Tensor, channels: int, outliers: bool, address: int) -> None:
+    """``tensor_stats`` of x (non-empty float32 on the CPU, viewed as (numel / channels, channels)) written
+    to the 11 float64 at ``address``, unchecked: a probe's per-record path (``qlab.probes``), where a
+    checked call's Python costs as much as the statistics of a small tensor."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    numel = x.numel()
+    threads = torch.get_num_threads() if numel >= STATS_THREADS_MIN_NUMEL else 1
+    _library().qlab_tensor_stats(x.data_ptr(), numel // channels, channels, outliers, address, threads)
 
 
 def _define_qdq_op(name: str, schema: str, run):

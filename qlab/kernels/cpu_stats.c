@@ -1,10 +1,14 @@
-/* The statistics a probe records (qlab.probes._stats_rows) of one float32 tensor, in two passes over
-   it and without a copy; the reference is _stats_rows in float64 torch ops.
+/* The statistics a probe records (qlab.probes._stats_rows) of one float32 tensor, in one pass over it
+   and without a copy; the reference is _stats_rows in float64 torch ops.
 
    x is contiguous, (rows, channels). result receives 11 float64 values:
-     min, max, mean, variance (two-pass: Σ(x − mean)² / n, never E[x²] − E[x]²), Σx², Σ|x|, amax,
-     the smallest non-zero |x| (inf if there is none), the number of exact zeros, and with `outliers`
-     the largest and the lower median of the channels' amax (else the smallest non-zero |x| twice).
+     min, max, mean, variance (Σ(x − mean)² / n, never E[x²] − E[x]²), Σx², Σ|x|, amax, the smallest
+     non-zero |x| (inf if there is none), the number of exact zeros, and with `outliers` the largest
+     and the lower median of the channels' amax (else the smallest non-zero |x| twice).
+   One pass: x is read in blocks of BLOCK floats (8 KiB, in L1). Each block gives its 32-bit statistics
+   and its float64 sums, then its own two-pass Σ(x − block mean)² from L1; the blocks' (count, mean,
+   M2) are merged by Chan, Golub and LeVeque's formula, which is as exact as a two-pass variance over
+   the whole tensor and reads memory once.
    NaN: min, max, mean, the variance, the sums, amax and the channel statistics are NaN when any element
    is, as torch's reductions propagate it; the smallest non-zero |x| and the zero count skip NaNs.
    Sums are float64 in a different order from torch's, so they agree to float64 rounding, not bits. */
@@ -16,6 +20,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#define BLOCK 2048
+#define LANES 32 /* float64 partial sums per accumulator: the adds pipeline instead of waiting on one */
 
 static inline uint32_t magnitude_bits(float value) {
     uint32_t bits;
@@ -29,115 +36,186 @@ static inline float float_from_bits(uint32_t bits) {
     return value;
 }
 
-static int compare_bits(const void *a, const void *b) {
-    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
-    return (x > y) - (x < y);
+/* The k-th smallest of a[0..n) (0-based), by quickselect with a median-of-three pivot; reorders a. */
+static uint32_t select_kth(uint32_t *a, int64_t n, int64_t k) {
+    int64_t low = 0, high = n - 1;
+    while (high > low) {
+        int64_t middle = low + (high - low) / 2;
+        uint32_t x = a[low], y = a[middle], z = a[high]; /* the median of three as the pivot */
+        uint32_t pivot = x < y ? (y < z ? y : (x < z ? z : x)) : (x < z ? x : (y < z ? z : y));
+        int64_t i = low, j = high;
+        while (i <= j) { /* Hoare's partition: a[low..j] ≤ pivot ≤ a[i..high] */
+            while (a[i] < pivot) i++;
+            while (a[j] > pivot) j--;
+            if (i <= j) {
+                uint32_t swap = a[i];
+                a[i++] = a[j];
+                a[j--] = swap;
+            }
+        }
+        if (k <= j) high = j;
+        else if (k >= i) low = i;
+        else return a[k]; /* between the two parts: equal to the pivot */
+    }
+    return a[k];
 }
 
-/* Over the n floats of x, in float64: with centered == 0, out = (Σx, Σx², Σ|x|); else out[1] =
-   Σ(x − mean)². LANES partial sums per thread, so the additions pipeline instead of waiting on one
-   accumulator (a float64 add's latency is four of its throughput). */
-#define LANES 32
-static void float_sums(const float *x, int64_t n, double mean, int centered, double *out, int threads) {
-    double total = 0.0, total_squares = 0.0, total_l1 = 0.0;
-#pragma omp parallel num_threads(threads) reduction(+ : total, total_squares, total_l1)
-    {
-        double sum[LANES] = {0}, squares[LANES] = {0}, l1[LANES] = {0};
-        int64_t chunks = n / LANES;
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            const float *chunk = x + c * LANES;
-            if (centered)
-                for (int k = 0; k < LANES; k++) {
-                    double deviation = (double)chunk[k] - mean;
-                    squares[k] += deviation * deviation;
-                }
-            else
-                for (int k = 0; k < LANES; k++) {
-                    double wide = (double)chunk[k];
-                    sum[k] += wide;
-                    squares[k] += wide * wide;
-                    l1[k] += fabs(wide);
-                }
-        }
+/* What one thread gathers over its blocks. */
+typedef struct {
+    float low, high;
+    uint32_t amax, smallest; /* the bits of |x|, order-preserving; smallest = inf's bits: none yet */
+    int64_t zeros, count;
+    double sum, squares, l1, mean, m2; /* mean and m2: the running (Chan) merge of the blocks */
+} Partial;
+
+static void partial_init(Partial *p) {
+    p->low = INFINITY;
+    p->high = -INFINITY;
+    p->amax = 0;
+    p->smallest = 0x7F800000u;
+    p->zeros = p->count = 0;
+    p->sum = p->squares = p->l1 = p->mean = p->m2 = 0.0;
+}
+
+/* Fold (count, mean, m2) of a part into p: Chan et al., "Updating formulae and a pairwise algorithm
+   for computing sample variances" (1979). */
+static void merge_moments(Partial *p, int64_t count, double mean, double m2) {
+    if (count == 0) return;
+    if (p->count == 0) {
+        p->count = count, p->mean = mean, p->m2 = m2;
+        return;
+    }
+    double total = (double)(p->count + count), delta = mean - p->mean;
+    p->mean += delta * ((double)count / total);
+    p->m2 += m2 + delta * delta * ((double)p->count * (double)count / total);
+    p->count += count;
+}
+
+/* The n ≤ BLOCK floats at x into p. */
+static void add_block(const float *x, int64_t n, Partial *p) {
+    float low = p->low, high = p->high;
+    uint32_t amax = p->amax, below = p->smallest - 1u;
+    int32_t zeros = 0;
+#pragma omp simd reduction(min : low, below) reduction(max : high, amax) reduction(+ : zeros)
+    for (int64_t i = 0; i < n; i++) { /* the 32-bit statistics, 16 lanes at a time */
+        float value = x[i];
+        uint32_t bits = magnitude_bits(value);
+        low = value < low ? value : low;
+        high = value > high ? value : high;
+        amax = bits > amax ? bits : amax; /* a NaN's bits lie above inf's: amax tells whether there is one */
+        /* bits − 1 wraps a zero to the top and puts a NaN above inf: the smallest non-zero non-NaN |x| */
+        below = bits - 1u < below ? bits - 1u : below;
+        zeros += bits == 0;
+    }
+    p->low = low, p->high = high, p->amax = amax, p->zeros += zeros;
+    p->smallest = (below < 0x7F7FFFFFu ? below : 0x7F7FFFFFu) + 1u; /* inf's bits: none */
+
+    /* Σx and Σ|x|, then Σ(x − block mean)² from L1; Σx² = M2 + n·mean², two non-negative terms */
+    double sum[LANES] = {0}, l1[LANES] = {0}, m2[LANES] = {0};
+    int64_t whole = n / LANES * LANES;
+    for (int64_t c = 0; c < whole; c += LANES)
         for (int k = 0; k < LANES; k++) {
-            total += sum[k];
-            total_squares += squares[k];
-            total_l1 += l1[k];
+            double wide = (double)x[c + k];
+            sum[k] += wide;
+            l1[k] += fabs(wide);
         }
+    double block_sum = 0.0, block_l1 = 0.0, block_m2 = 0.0;
+    for (int k = 0; k < LANES; k++) block_sum += sum[k], block_l1 += l1[k];
+    for (int64_t i = whole; i < n; i++) block_sum += (double)x[i], block_l1 += fabs((double)x[i]);
+    double mean = block_sum / (double)n;
+    for (int64_t c = 0; c < whole; c += LANES)
+        for (int k = 0; k < LANES; k++) {
+            double deviation = (double)x[c + k] - mean;
+            m2[k] = fma(deviation, deviation, m2[k]); /* one rounding, one instruction */
+        }
+    for (int k = 0; k < LANES; k++) block_m2 += m2[k];
+    for (int64_t i = whole; i < n; i++) {
+        double deviation = (double)x[i] - mean;
+        block_m2 += deviation * deviation;
     }
-    for (int64_t i = n / LANES * LANES; i < n; i++) { /* the tail */
-        double wide = (double)x[i], deviation = wide - mean;
-        total += wide;
-        total_squares += centered ? deviation * deviation : wide * wide;
-        total_l1 += fabs(wide);
+    double block_squares = block_m2 + (double)n * mean * mean;
+    if (!isfinite(mean)) { /* an inf or NaN: Σx² directly, as torch sums it (+inf and −inf give inf) */
+        block_squares = 0.0;
+        for (int64_t i = 0; i < n; i++) block_squares += (double)x[i] * (double)x[i];
     }
-    out[0] = total;
-    out[1] = total_squares;
-    out[2] = total_l1;
+    p->sum += block_sum, p->l1 += block_l1, p->squares += block_squares;
+    merge_moments(p, n, mean, block_m2);
 }
 
-/* channel_amax: `threads` · channels scratch uint32 (one row of channel maxima per thread). */
-void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outliers, double *result,
-                       uint32_t *channel_amax, int threads) {
-    const int64_t n = rows * channels;
-    if (n < 65536) threads = 1; /* a thread team costs more than a small tensor's reduction */
-    float low = INFINITY, high = -INFINITY;
-    uint32_t amax = 0, smallest = 0x7F800000u; /* the bits of |x|, order-preserving; inf: none yet */
-    int64_t zeros = 0, nans = 0;
-    if (outliers) memset(channel_amax, 0, sizeof(uint32_t) * threads * channels);
+/* channel_amax[j] = max over the elements start ≤ i < end of channel j = i mod channels of |x_i|'s bits. */
+static void add_channel_amax(const float *x, int64_t start, int64_t end, int64_t channels, uint32_t *channel_amax) {
+    int64_t column = start % channels;
+    for (int64_t i = start; i < end; column = 0) {
+        int64_t stop = i + (channels - column) < end ? i + (channels - column) : end;
+        uint32_t *slot = channel_amax + column - i; /* slot[k]: the channel of element k */
+        for (int64_t k = i; k < stop; k++) {
+            uint32_t bits = magnitude_bits(x[k]);
+            slot[k] = bits > slot[k] ? bits : slot[k];
+        }
+        i = stop;
+    }
+}
+
+void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outliers, double *result, int threads) {
+    const int64_t n = rows * channels, blocks = (n + BLOCK - 1) / BLOCK;
+    if (threads > blocks) threads = (int)blocks;
+    Partial parts[threads];
+    /* the channel maxima, a row per thread: on the stack when small (a call costs ~1 µs less) */
+    const int64_t scratch = outliers ? threads * channels : 0;
+    uint32_t small[scratch <= 4096 ? scratch + 1 : 1];
+    uint32_t *channel_amax = scratch <= 4096 ? small : malloc((size_t)scratch * sizeof(uint32_t));
+    if (channel_amax == NULL) { /* no memory for the channel maxima: NaN, never a wrong number */
+        for (int k = 0; k < 11; k++) result[k] = (double)NAN;
+        return;
+    }
+    if (outliers) memset(channel_amax, 0, (size_t)scratch * sizeof(uint32_t));
 #pragma omp parallel num_threads(threads)
     {
         int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        uint32_t *mine = channel_amax + thread * channels;
-#pragma omp for schedule(static) reduction(min : low, smallest) reduction(max : high, amax) reduction(+ : zeros, nans)
-        for (int64_t i = 0; i < rows; i++) {
-            const float *row = x + i * channels;
-#pragma omp simd reduction(min : low, smallest) reduction(max : high, amax) reduction(+ : zeros, nans)
-            for (int64_t j = 0; j < channels; j++) { /* the 32-bit statistics, 16 lanes at a time */
-                float value = row[j];
-                uint32_t bits = magnitude_bits(value);
-                low = value < low ? value : low;
-                high = value > high ? value : high;
-                amax = bits > amax ? bits : amax;
-                uint32_t nonzero = bits == 0 || bits > 0x7F800000u ? 0x7F800000u : bits; /* zeros and NaNs skipped */
-                smallest = nonzero < smallest ? nonzero : smallest;
-                zeros += bits == 0;
-                nans += bits > 0x7F800000u;
-            }
-            if (outliers)
-                for (int64_t j = 0; j < channels; j++) {
-                    uint32_t bits = magnitude_bits(row[j]);
-                    mine[j] = bits > mine[j] ? bits : mine[j];
-                }
+        Partial *mine = &parts[thread];
+        partial_init(mine);
+        int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads; /* in order */
+        for (int64_t b = first; b < last; b++) {
+            int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
+            add_block(x + start, end - start, mine);
+            if (outliers) add_channel_amax(x, start, end, channels, channel_amax + (int64_t)thread * channels);
         }
     }
-    double sums[3];
-    float_sums(x, n, 0.0, 0, sums, threads); /* Σx, Σx², Σ|x| */
-    double mean = sums[0] / (double)n, squares = sums[1], l1 = sums[2], centered[3];
-    float_sums(x, n, mean, 1, centered, threads); /* Σ(x − mean)² */
+    Partial *all = &parts[0];
+    for (int t = 1; t < threads; t++) {
+        Partial *p = &parts[t];
+        all->low = p->low < all->low ? p->low : all->low;
+        all->high = p->high > all->high ? p->high : all->high;
+        all->amax = p->amax > all->amax ? p->amax : all->amax;
+        all->smallest = p->smallest < all->smallest ? p->smallest : all->smallest;
+        all->zeros += p->zeros;
+        all->sum += p->sum, all->squares += p->squares, all->l1 += p->l1;
+        merge_moments(all, p->count, p->mean, p->m2);
+    }
     double nan = (double)NAN;
-    result[0] = nans ? nan : (double)low;
-    result[1] = nans ? nan : (double)high;
-    result[2] = mean;
-    result[3] = centered[1] / (double)n;
-    result[4] = squares;
-    result[5] = l1;
-    result[6] = (double)float_from_bits(amax); /* NaN bits lie above inf's */
-    result[7] = (double)float_from_bits(smallest);
-    result[8] = (double)zeros;
+    int any_nan = all->amax > 0x7F800000u;
+    result[0] = any_nan ? nan : (double)all->low;
+    result[1] = any_nan ? nan : (double)all->high;
+    result[2] = all->sum / (double)n; /* from the sum, as torch's mean: inf, −inf or NaN where it is */
+    result[3] = all->m2 / (double)n;
+    result[4] = all->squares;
+    result[5] = all->l1;
+    result[6] = (double)float_from_bits(all->amax); /* NaN bits lie above inf's */
+    result[7] = (double)float_from_bits(all->smallest);
+    result[8] = (double)all->zeros;
     result[9] = result[10] = result[7];
     if (outliers) {
         for (int t = 1; t < threads; t++)
-            for (int64_t j = 0; j < channels; j++)
-                channel_amax[j] = channel_amax[t * channels + j] > channel_amax[j] ? channel_amax[t * channels + j]
-                                                                                   : channel_amax[j];
-        qsort(channel_amax, (size_t)channels, sizeof(uint32_t), compare_bits);
-        int any_nan = channel_amax[channels - 1] > 0x7F800000u;
-        result[9] = any_nan ? nan : (double)float_from_bits(channel_amax[channels - 1]);
-        result[10] = any_nan ? nan : (double)float_from_bits(channel_amax[(channels - 1) / 2]); /* torch's lower median */
+            for (int64_t j = 0; j < channels; j++) {
+                uint32_t theirs = channel_amax[(int64_t)t * channels + j];
+                channel_amax[j] = theirs > channel_amax[j] ? theirs : channel_amax[j];
+            }
+        /* the top channel's amax is the tensor's; the median is torch's lower one */
+        result[9] = any_nan ? nan : result[6];
+        result[10] = any_nan ? nan : (double)float_from_bits(select_kth(channel_amax, channels, (channels - 1) / 2));
+        if (channel_amax != small) free(channel_amax);
     }
 }
