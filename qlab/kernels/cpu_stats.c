@@ -22,7 +22,7 @@
 #endif
 
 #define BLOCK 2048
-#define LANES 32 /* float64 partial sums per accumulator: the adds pipeline instead of waiting on one */
+#define LANES 16 /* float64 partial sums per accumulator: the adds pipeline instead of waiting on one */
 
 static inline uint32_t magnitude_bits(float value) {
     uint32_t bits;
@@ -91,38 +91,54 @@ static void merge_moments(Partial *p, int64_t count, double mean, double m2) {
     p->count += count;
 }
 
-/* The n ≤ BLOCK floats at x into p. */
+/* The n ≤ BLOCK floats at x into p: one loop for the 32-bit statistics and Σx, Σ|x| (LANES floats a
+   step), then Σ(x − block mean)² from L1. */
 static void add_block(const float *x, int64_t n, Partial *p) {
-    float low = p->low, high = p->high;
-    uint32_t amax = p->amax, below = p->smallest - 1u;
-    int32_t zeros = 0;
-#pragma omp simd reduction(min : low, below) reduction(max : high, amax) reduction(+ : zeros)
-    for (int64_t i = 0; i < n; i++) { /* the 32-bit statistics, 16 lanes at a time */
-        float value = x[i];
-        uint32_t bits = magnitude_bits(value);
-        low = value < low ? value : low;
-        high = value > high ? value : high;
-        amax = bits > amax ? bits : amax; /* a NaN's bits lie above inf's: amax tells whether there is one */
-        /* bits − 1 wraps a zero to the top and puts a NaN above inf: the smallest non-zero non-NaN |x| */
-        below = bits - 1u < below ? bits - 1u : below;
-        zeros += bits == 0;
+    float low[LANES], high[LANES];
+    uint32_t amax[LANES], below[LANES]; /* bits − 1 wraps a zero to the top and puts a NaN above inf */
+    int32_t zeros[LANES];
+    double sum[LANES], l1[LANES], m2[LANES];
+    for (int k = 0; k < LANES; k++) {
+        low[k] = p->low, high[k] = p->high, amax[k] = p->amax, below[k] = p->smallest - 1u, zeros[k] = 0;
+        sum[k] = l1[k] = m2[k] = 0.0;
     }
-    p->low = low, p->high = high, p->amax = amax, p->zeros += zeros;
-    p->smallest = (below < 0x7F7FFFFFu ? below : 0x7F7FFFFFu) + 1u; /* inf's bits: none */
-
-    /* Σx and Σ|x|, then Σ(x − block mean)² from L1; Σx² = M2 + n·mean², two non-negative terms */
-    double sum[LANES] = {0}, l1[LANES] = {0}, m2[LANES] = {0};
     int64_t whole = n / LANES * LANES;
     for (int64_t c = 0; c < whole; c += LANES)
         for (int k = 0; k < LANES; k++) {
-            double wide = (double)x[c + k];
+            float value = x[c + k];
+            uint32_t bits = magnitude_bits(value);
+            low[k] = value < low[k] ? value : low[k];
+            high[k] = value > high[k] ? value : high[k];
+            amax[k] = bits > amax[k] ? bits : amax[k]; /* a NaN's bits lie above inf's: amax tells */
+            below[k] = bits - 1u < below[k] ? bits - 1u : below[k];
+            zeros[k] += bits == 0;
+            double wide = (double)value;
             sum[k] += wide;
             l1[k] += fabs(wide);
         }
+    for (int64_t i = whole; i < n; i++) { /* the tail, into lane 0 */
+        float value = x[i];
+        uint32_t bits = magnitude_bits(value);
+        low[0] = value < low[0] ? value : low[0];
+        high[0] = value > high[0] ? value : high[0];
+        amax[0] = bits > amax[0] ? bits : amax[0];
+        below[0] = bits - 1u < below[0] ? bits - 1u : below[0];
+        zeros[0] += bits == 0;
+        sum[0] += (double)value;
+        l1[0] += fabs((double)value);
+    }
     double block_sum = 0.0, block_l1 = 0.0, block_m2 = 0.0;
-    for (int k = 0; k < LANES; k++) block_sum += sum[k], block_l1 += l1[k];
-    for (int64_t i = whole; i < n; i++) block_sum += (double)x[i], block_l1 += fabs((double)x[i]);
-    double mean = block_sum / (double)n;
+    for (int k = 0; k < LANES; k++) {
+        p->low = low[k] < p->low ? low[k] : p->low;
+        p->high = high[k] > p->high ? high[k] : p->high;
+        p->amax = amax[k] > p->amax ? amax[k] : p->amax;
+        below[0] = below[k] < below[0] ? below[k] : below[0];
+        p->zeros += zeros[k];
+        block_sum += sum[k], block_l1 += l1[k];
+    }
+    p->smallest = below[0] + 1u; /* below starts at inf's bits − 1: zeros and NaNs never come under it */
+
+    double mean = block_sum / (double)n; /* the second pass reads the block from L1 */
     for (int64_t c = 0; c < whole; c += LANES)
         for (int k = 0; k < LANES; k++) {
             double deviation = (double)x[c + k] - mean;
@@ -131,8 +147,9 @@ static void add_block(const float *x, int64_t n, Partial *p) {
     for (int k = 0; k < LANES; k++) block_m2 += m2[k];
     for (int64_t i = whole; i < n; i++) {
         double deviation = (double)x[i] - mean;
-        block_m2 += deviation * deviation;
+        block_m2 = fma(deviation, deviation, block_m2);
     }
+    /* Σx² = M2 + n·mean²: two non-negative terms, no cancellation */
     double block_squares = block_m2 + (double)n * mean * mean;
     if (!isfinite(mean)) { /* an inf or NaN: Σx² directly, as torch sums it (+inf and −inf give inf) */
         block_squares = 0.0;
