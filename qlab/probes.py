@@ -671,8 +671,8 @@ class _StatsQueue:
     then as ``param_grad``): autograd's version counter cannot prove it unchanged in between, as
     GradScaler's unscale_ kernel rewrites gradients in place without moving it. Empty tensors and
     tensors of 2²⁰ elements or more are reduced at once, and so is every float32 CPU tensor where the C
-    kernel is built (``qlab.kernels.cpu_qdq.tensor_stats``: two passes over the tensor in place, no
-    copy and no dispatch per statistic)."""
+    kernel is built (``qlab.kernels.cpu_qdq.tensor_stats_at``: one pass over the tensor in place, no
+    copy and no dispatch per statistic, the results written into a row of ``table``)."""
 
     def __init__(self, outliers: bool):
         self.outliers = outliers
@@ -733,8 +733,8 @@ class _StatsQueue:
         self.bytes = 0
 
     def take_table(self) -> np.ndarray:
-        """The C kernel's rows so far as Python floats (a cell's row number indexes them); the table
-        is reused from row 0 on."""
+        """A copy of the C kernel's rows so far, (rows, 11) float64 (a record's row number indexes it);
+        the table is reused from row 0 on."""
         rows, self.table_rows = self.table[: self.table_rows].numpy().copy(), 0
         return rows
 
