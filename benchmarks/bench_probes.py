@@ -8,8 +8,9 @@ module with parameters, all roles and all statistics recorded every step; the sa
 100 steps; every step with fewer roles or statistics; notebook 01's own probe (one module, role
 "probe", l2); and the hooks alone (no statistics).
 
-Every configuration has its own model, optimizer and probes, and they take their steps in turn, one
-step each per round: a slow phase of a shared VM (the unprobed step swings between 9 and 16 ms here
+Every configuration has its own model, optimizer and probes (only its own set active during its
+step: ``probe()`` records into every active set), and they take their steps in turn, one step each
+per round: a slow phase of a shared VM (the unprobed step swings between 9 and 16 ms here
 within minutes) then slows them all alike, where timing each configuration's steps as a block let it
 land on one. A configuration's cost per step is its median step plus, amortized over its steps,
 reading the records once at the end (``to_frame()``: where the statistics reach the host as a frame).
@@ -30,6 +31,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import add_thread_argument, machine, median_and_range, set_threads  # noqa: E402
 
+from qlab import probes as qlab_probes  # noqa: E402
 from qlab.probes import ProbeSet  # noqa: E402
 from qlab.seed_model import SeedTransformer, permutation_task_batch  # noqa: E402
 
@@ -61,6 +63,9 @@ def make_step(options):
     probes = ProbeSet(model, **options).attach() if options is not None else None
 
     def step():
+        # probe() records into every active set: only this configuration's may be active in its step,
+        # or each model's backward would record its probe() calls into all the others' sets too
+        qlab_probes._ACTIVE[:] = [probes] if probes is not None else []
         optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
         if probes is not None:
@@ -74,7 +79,7 @@ def make_step(options):
 
 def seconds_per_step(steps: int, warmup: int = 5) -> dict[str, float]:
     """Each configuration's median step plus its amortized read, in seconds; steps taken in turn."""
-    runs = {label: make_step(options) for label, options in CONFIGS}
+    runs = {label: make_step(options) for label, options in CONFIGS}  # each attaches its own set
     times = {label: [] for label in runs}
     for round_ in range(warmup + steps):  # the warm-up compiles nothing now, but touches every page
         for label, (step, _) in runs.items():
@@ -91,6 +96,7 @@ def seconds_per_step(steps: int, warmup: int = 5) -> dict[str, float]:
             read = (time.perf_counter() - start) / (warmup + steps)
         result[label] = statistics.median(times[label]) + read
         if probes is not None:
+            qlab_probes._ACTIVE[:] = [probes]
             probes.detach()
     return result
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import threading
 
 import numpy as np
 import pandas as pd
@@ -314,12 +315,14 @@ def _rank() -> int:
 
 
 def probe(tensor: torch.Tensor, name: str) -> None:
-    """Record ``tensor`` under ``name`` (role "probe") in every active ProbeSet; a no-op when none is."""
+    """Record ``tensor`` under ``name`` (role "probe") in every active ProbeSet whose roles include
+    "probe"; a no-op when there is none."""
     checks.tensor("tensor", tensor)
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {checks.shown(name)}")
     for probes in _ACTIVE:
-        probes._record(name, "probe", tensor)
+        if "probe" in probes.roles:
+            probes._record(name, "probe", tensor)
 
 
 class ProbeSet:
@@ -483,16 +486,16 @@ class ProbeSet:
                 self._record_first(
                     name, "input", first if first is not None else _first_tensor(kwargs.values())
                 )
-            if isinstance(output, (tuple, list)):
-                output = _first_tensor(output)
-            if not isinstance(output, torch.Tensor):
-                return
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
             if "output" in self.roles:
-                self._record(name, "output", output)
-            if "grad_output" in self.roles and output.requires_grad:
-                # the gradient with respect to this output, from all its consumers, after the module's
-                # own backward pre-hooks (they act on the wrapper torch puts around it after this hook)
-                output.register_hook(self._gradient_recorder(name, "grad_output"))
+                self._record_first(name, "output", outputs)
+            if "grad_output" in self.roles:  # the first output that takes a gradient, as a full backward
+                # hook's first non-None grad_output: from all its consumers, after the module's own
+                # backward pre-hooks (they act on the wrapper torch puts around it after this hook)
+                for value in outputs:
+                    if isinstance(value, torch.Tensor) and value.requires_grad:
+                        value.register_hook(self._gradient_recorder(name, "grad_output"))
+                        break
 
         return hook
 
@@ -679,6 +682,7 @@ class _StatsQueue:
         self.in_c = cpu_qdq.available()  # asked again at every flush (QLAB_COMPILE may change)
         self.table = torch.empty((256, 11), dtype=torch.float64)  # the C kernel's results, a row a record
         self.table_rows, self.table_capacity, self.table_address = 0, len(self.table), self.table.data_ptr()
+        self.lock = threading.Lock()
         # (rows, channels, dtype, device) → a (capacity, rows, channels) buffer, and its rows unbound once
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.slots: dict[tuple, tuple] = {}
@@ -713,14 +717,17 @@ class _StatsQueue:
         return cell
 
     def _add_in_c(self, tensor: torch.Tensor) -> int:
-        """Read the tensor in place, now, into the next row of the table (nothing staged); its row."""
-        row = self.table_rows
-        if row == self.table_capacity:
-            self.table = torch.cat([self.table, torch.empty_like(self.table)])
-            self.table_capacity, self.table_address = len(self.table), self.table.data_ptr()
-        shape, address = tensor.shape, self.table_address + 88 * row  # 11 float64 a row
-        cpu_qdq.tensor_stats_at(tensor, shape[-1] if shape else 1, self.outliers, address)
-        self.table_rows = row + 1
+        """Read the tensor in place, now, into the next row of the table (nothing staged); its row. The
+        lock: the C call lets go of the GIL, and a second recording thread must neither take the same
+        row nor move the table while the first writes into it."""
+        with self.lock:
+            row = self.table_rows
+            if row == self.table_capacity:
+                self.table = torch.cat([self.table, torch.empty_like(self.table)])
+                self.table_capacity, self.table_address = len(self.table), self.table.data_ptr()
+            shape, address = tensor.shape, self.table_address + 88 * row  # 11 float64 a row
+            cpu_qdq.tensor_stats_at(tensor, shape[-1] if shape else 1, self.outliers, address)
+            self.table_rows = row + 1
         return row
 
     def flush(self) -> None:
@@ -735,7 +742,8 @@ class _StatsQueue:
     def take_table(self) -> np.ndarray:
         """A copy of the C kernel's rows so far, (rows, 11) float64 (a record's row number indexes it);
         the table is reused from row 0 on."""
-        rows, self.table_rows = self.table[: self.table_rows].numpy().copy(), 0
+        with self.lock:
+            rows, self.table_rows = self.table[: self.table_rows].numpy().copy(), 0
         return rows
 
     def release(self) -> None:

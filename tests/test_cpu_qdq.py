@@ -7,6 +7,7 @@ values. qdq dispatches to it only where
 it covers the spec; a failed build leaves qdq working."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -118,6 +119,34 @@ def test_matches_torchao_reference(element, mode):
     x = mixed_magnitudes((16, 128), 32, -20, 20, seed=3)
     expected = torchao_mx_reference(x, element, mode)[2]
     assert_same_bits(cpu_qdq.qdq(x, MXSpec(element, mode=mode), 1), expected)
+
+
+def test_tensor_stats_are_whole_when_openmp_gives_fewer_threads_than_asked(tmp_path):
+    """OMP_THREAD_LIMIT=1 (or a call from inside another parallel region) gives the kernel one thread
+    when it asks for four: the blocks must be split among the threads it got, not the ones it asked
+    for, or a part of the tensor goes unread and unset parts get merged. Run in a fresh process, as
+    the limit is read when OpenMP starts."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from qlab.kernels import cpu_qdq\n"
+        "from qlab.probes import _stats_rows\n"
+        "x = torch.randn(512, 256, generator=torch.Generator().manual_seed(0))\n"
+        "out = torch.empty(11, dtype=torch.float64)\n"
+        "cpu_qdq._library().qlab_tensor_stats(x.data_ptr(), 512, 256, 1, out.data_ptr(), 4)\n"
+        "want = _stats_rows(x[None], True)[0]\n"
+        "exact = [0, 1, 6, 7, 8, 9, 10]\n"
+        "assert torch.equal(out[exact], want[exact]), (out, want)\n"
+        "torch.testing.assert_close(out, want, rtol=1e-12, atol=0)\n"
+        "print('whole')\n"
+    )
+    environment = {**os.environ, "OMP_THREAD_LIMIT": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and "whole" in done.stdout, done.stderr[-2000:]
 
 
 @settings(max_examples=60, deadline=None)
@@ -520,9 +549,20 @@ def _float64_variance(x: torch.Tensor) -> float:
     return ((wide - wide.mean()) ** 2).mean().item()
 
 
+@pytest.fixture
+def two_torch_threads():
+    """tensor_stats asks OpenMP for torch.get_num_threads() threads: two, whatever the machine's default."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("threads_from", [1, 2**30], ids=["two threads", "one thread"])
 @pytest.mark.parametrize("numel", [2048, 2049, 3 * 2048 + 5, 70001])
-def test_tensor_stats_variance_is_two_pass_exact_across_blocks_and_threads(numel, threads_from, monkeypatch):
+def test_tensor_stats_variance_is_two_pass_exact_across_blocks_and_threads(
+    numel, threads_from, monkeypatch, two_torch_threads
+):
     """The kernel merges blocks of 2048 (and the threads' parts) by Chan et al.'s formula. On data far
     off zero — mean 10⁴, spread 10⁻² (κ = mean²/variance ≈ 10¹²), the case where E[x²] − E[x]² loses
     every digit even in float64 — the variance must still match a float64 two-pass variance to 1e-9 of
@@ -540,7 +580,9 @@ def test_tensor_stats_variance_is_two_pass_exact_across_blocks_and_threads(numel
 
 
 @pytest.mark.parametrize("threads_from", [1, 2**30], ids=["two threads", "one thread"])
-def test_tensor_stats_selections_are_exact_when_threads_split_the_tensor(threads_from, monkeypatch):
+def test_tensor_stats_selections_are_exact_when_threads_split_the_tensor(
+    threads_from, monkeypatch, two_torch_threads
+):
     """With two threads each takes half the blocks: their minima, maxima, counts and channel maxima are
     merged; all must equal the reference exactly, an element of the second half carrying each extreme."""
     from qlab.probes import _stats_rows

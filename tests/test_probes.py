@@ -572,3 +572,83 @@ def test_reading_records_leaves_the_garbage_collector_as_it_was(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_values_stay_with_their_records_across_kernel_rows_device_vectors_and_what_ifs():
+    """Records of three kinds interleaved: float32 tensors (a row of the C kernel's table), bf16 and
+    empty tensors (vectors of the batched torch reduction) and what-if rows for the names matching
+    "w*": each statistic must be its own tensor's, in recording order, across two reads."""
+    generator = torch.Generator().manual_seed(9)
+    tensors = {
+        "a": torch.randn(3, 5, generator=generator),
+        "w1": torch.randn(4, 32, generator=generator) * 100,
+        "b16": torch.randn(6, 8, generator=generator).bfloat16(),
+        "empty": torch.empty(0, 4),
+        "c": torch.randn(2, 7, generator=generator) - 3,
+        "w2": torch.randn(2, 32, generator=generator) * 1e-3,
+        "d": torch.randn(5, generator=generator),
+    }
+    probes = ProbeSet(small_model(), stats=("amax", "l2", "mean"), what_if={"m": ("mxfp8", ["w*"])})
+    frames = []
+    with probes:
+        for name, x in list(tensors.items())[:4]:
+            probe(x, name)
+        frames.append(probes.to_frame())
+        for name, x in list(tensors.items())[4:]:
+            probe(x, name)
+    frame = probes.to_frame()
+    assert frame.iloc[: len(frames[0])].equals(frames[0])  # a second read appends, keeps the first
+    assert frame.module.drop_duplicates().tolist() == list(tensors)
+    values = frame.set_index(["module", "stat"]).value
+    for name, x in tensors.items():
+        if x.numel() == 0:
+            assert all(math.isnan(values[name, stat]) for stat in ("amax", "l2", "mean"))
+            continue
+        x64 = x.double()
+        assert values[name, "amax"] == x64.abs().max().item(), name
+        assert values[name, "l2"] == pytest.approx(torch.linalg.vector_norm(x64).item(), rel=1e-12), name
+        assert values[name, "mean"] == pytest.approx(x64.mean().item(), rel=1e-12), name
+        assert ("m/sqnr_db" in frame[frame.module == name].stat.values) == name.startswith("w"), name
+    for name in ("w1", "w2"):
+        assert values[name, "m/sqnr_db"] == pytest.approx(
+            Q.sqnr_db(tensors[name], Q.qdq(tensors[name], "mxfp8"))
+        )
+
+
+def test_probe_records_only_into_sets_that_ask_for_the_probe_role():
+    with (
+        ProbeSet(small_model(), roles=("param_grad",), stats=("l1",)) as without,
+        ProbeSet(small_model(), roles=("probe",), stats=("l1",)) as with_probe,
+    ):
+        probe(torch.ones(3), "inside backward")
+    assert without.to_frame().empty
+    assert with_probe.to_frame().value.tolist() == [3.0]
+
+
+class _TwoOutputs(nn.Module):
+    """Returns (a detached summary, the activation): the first output takes no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y.detach().sum(), y
+
+
+def test_grad_output_of_a_tuple_output_is_its_first_output_that_takes_a_gradient():
+    """A full backward hook's first non-None grad_output: here the second output's gradient."""
+    module = _TwoOutputs()
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    reference = []
+    handle = module.register_full_backward_hook(
+        lambda _, gi, go: reference.append(next(g for g in go if g is not None).clone())
+    )
+    module(x)[1].pow(3).sum().backward()
+    handle.remove()
+    with ProbeSet(module, modules=[_TwoOutputs], roles=("grad_output",), stats=("l2",)) as probes:
+        module(x)[1].pow(3).sum().backward()
+    got = probes.to_frame().value.tolist()
+    assert got == pytest.approx([torch.linalg.vector_norm(reference[0].double()).item()], rel=1e-12)

@@ -162,20 +162,22 @@ static void add_block(const float *x, int64_t n, Partial *p) {
 /* channel_amax[j] = max over the elements start ≤ i < end of channel j = i mod channels of |x_i|'s bits. */
 static void add_channel_amax(const float *x, int64_t start, int64_t end, int64_t channels, uint32_t *channel_amax) {
     int64_t column = start % channels;
-    for (int64_t i = start; i < end; column = 0) {
-        int64_t stop = i + (channels - column) < end ? i + (channels - column) : end;
-        uint32_t *slot = channel_amax + column - i; /* slot[k]: the channel of element k */
-        for (int64_t k = i; k < stop; k++) {
-            uint32_t bits = magnitude_bits(x[k]);
+    for (int64_t i = start; i < end; column = 0) { /* a row's stretch at a time: its channels in order */
+        int64_t count = channels - column < end - i ? channels - column : end - i;
+        const float *row = x + i;
+        uint32_t *slot = channel_amax + column;
+        for (int64_t k = 0; k < count; k++) {
+            uint32_t bits = magnitude_bits(row[k]);
             slot[k] = bits > slot[k] ? bits : slot[k];
         }
-        i = stop;
+        i += count;
     }
 }
 
 void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outliers, double *result, int threads) {
     const int64_t n = rows * channels, blocks = (n + BLOCK - 1) / BLOCK;
     if (threads > blocks) threads = (int)blocks;
+    if (threads < 1) threads = 1;
     Partial parts[threads];
     /* the channel maxima, a row per thread: on the stack when small (a call costs ~1 µs less) */
     const int64_t scratch = outliers ? threads * channels : 0;
@@ -186,15 +188,17 @@ void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outli
         return;
     }
     if (outliers) memset(channel_amax, 0, (size_t)scratch * sizeof(uint32_t));
+    int team = 1; /* the threads OpenMP gives, which may be fewer than asked (OMP_THREAD_LIMIT, nesting) */
 #pragma omp parallel num_threads(threads)
     {
-        int thread = 0;
+        int thread = 0, size = 1;
 #ifdef _OPENMP
-        thread = omp_get_thread_num();
+        thread = omp_get_thread_num(), size = omp_get_num_threads();
 #endif
+        if (thread == 0) team = size; /* read after the region's closing barrier */
         Partial *mine = &parts[thread];
         partial_init(mine);
-        int64_t first = blocks * thread / threads, last = blocks * (thread + 1) / threads; /* in order */
+        int64_t first = blocks * thread / size, last = blocks * (thread + 1) / size; /* in order */
         for (int64_t b = first; b < last; b++) {
             int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
             add_block(x + start, end - start, mine);
@@ -202,7 +206,7 @@ void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outli
         }
     }
     Partial *all = &parts[0];
-    for (int t = 1; t < threads; t++) {
+    for (int t = 1; t < team; t++) {
         Partial *p = &parts[t];
         all->low = p->low < all->low ? p->low : all->low;
         all->high = p->high > all->high ? p->high : all->high;
@@ -225,7 +229,7 @@ void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outli
     result[8] = (double)all->zeros;
     result[9] = result[10] = result[7];
     if (outliers) {
-        for (int t = 1; t < threads; t++)
+        for (int t = 1; t < team; t++)
             for (int64_t j = 0; j < channels; j++) {
                 uint32_t theirs = channel_amax[(int64_t)t * channels + j];
                 channel_amax[j] = theirs > channel_amax[j] ? theirs : channel_amax[j];
