@@ -62,7 +62,8 @@ def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
     """
     stats = checks.names("stats", stats, STATS)
     checks.tensor("tensor", tensor, real=True)
-    return _stats_from_vector(_stats_vector(tensor, "outlier_ratio" in stats).tolist(), tensor.numel(), stats)
+    vector = _stats_vector(tensor, "outlier_ratio" in stats).cpu().numpy()
+    return dict(zip(stats, _stats_table(vector[None], np.array([tensor.numel()]), stats)[0].tolist()))
 
 
 def _stats_vector(tensor: torch.Tensor, outliers: bool) -> torch.Tensor:
@@ -135,30 +136,11 @@ def _stats_rows_fast(batch: torch.Tensor, outliers: bool) -> torch.Tensor:
     return _stats_rows(batch, outliers)
 
 
-def _stats_from_vector(values: list[float], numel: int, stats) -> dict[str, float]:
-    if numel == 0:
-        return {name: math.nan for name in stats}
-    low, high, mean, variance, squares, l1, amax, smallest, zeros, top_channel, median_channel = values
-    named = {
-        "min": low,
-        "max": high,
-        "mean": mean,
-        "std": math.sqrt(variance),
-        "l1": l1,
-        "l2": math.sqrt(squares),
-        "amax": amax,
-        "dynamic_range": math.log2(amax) - math.log2(smallest)
-        if math.isfinite(smallest) and amax > 0
-        else math.nan,
-        "zero_fraction": zeros / numel,
-        "outlier_ratio": _ratio(top_channel, median_channel),
-    }
-    return {name: named[name] for name in stats}
-
-
 def _stats_table(vectors: np.ndarray, numels: np.ndarray, stats) -> np.ndarray:
-    """``_stats_from_vector`` of many vectors at once: vectors (R, 11), numels (R,) → (R, len(stats)),
-    the same values (numpy's sqrt and division round as Python's; log2 is Python's own)."""
+    """The named statistics (``stats``, of STATS) of R tensors from their ``_stats_vector``s: vectors
+    (R, 11) float64, numels (R,) → (R, len(stats)); a tensor of no elements gets NaN throughout. std and
+    l2 are square roots, dynamic_range log2(amax) − log2(smallest non-zero |x|) (Python's log2), NaN
+    where there is no non-zero element, outlier_ratio the top over the median channel amax."""
     low, high, mean, variance, squares, l1, amax, smallest, zeros, top, median = vectors.T
     with np.errstate(all="ignore"):
         named = {
@@ -183,12 +165,6 @@ def _stats_table(vectors: np.ndarray, numels: np.ndarray, stats) -> np.ndarray:
     table = np.stack([named[name] for name in stats], axis=1) if stats else np.empty((len(vectors), 0))
     table[numels == 0] = math.nan
     return table
-
-
-def _ratio(top: float, median: float) -> float:
-    if median > 0:
-        return top / median
-    return math.inf if top > 0 else math.nan
 
 
 def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict[str, float]:
