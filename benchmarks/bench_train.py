@@ -40,10 +40,17 @@ WARMUP = 3
 CURRENT_SCALING = ("fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4")
 
 
-def seconds_per_step(config: TrainConfig, steps: int) -> tuple[float, float]:
+def seconds_per_step(config: TrainConfig, steps: int, compile_times_to: str | None = None):
     """(seconds per step after the warm-up, seconds of the first step), from the run's own cumulative
-    step times (the last step, which also evaluates, is left out)."""
+    step times (the last step, which also evaluates, is left out). With ``compile_times_to``, Dynamo's
+    per-phase compile times of this run go to ``<compile_times_to>/<recipe>.txt``."""
+    compile_times = torch._dynamo.utils.compilation_time_metrics
+    compile_times.clear()
     times = train(config.replace(steps=WARMUP + steps + 1, eval_every=10**6)).metrics.time_s
+    if compile_times_to and config.compile:
+        os.makedirs(compile_times_to, exist_ok=True)
+        with open(os.path.join(compile_times_to, f"{config.recipe}.txt"), "w") as file:
+            file.write(torch._dynamo.utils.compile_times(repr="str", aggregate=True) + "\n")
     return (times.iloc[-2] - times.iloc[WARMUP - 1]) / steps, times.iloc[0]
 
 
@@ -101,6 +108,7 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "fp32"))
     parser.add_argument("--llama", action="store_true")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--compile-times", metavar="DIR", help="Dynamo's compile-time table per recipe, here")
     add_thread_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -119,11 +127,15 @@ def main() -> None:
         ratios = {recipe: [] for recipe in recipes}
         fp32_seconds, first_steps = [], {}
         for repeat in range(args.repeats):  # each measurement printed as taken: a cut-off run keeps them
-            fp32, first_steps["fp32"] = seconds_per_step(base.replace(compile=compiled), args.steps)
+            fp32, first_steps["fp32"] = seconds_per_step(
+                base.replace(compile=compiled), args.steps, args.compile_times
+            )
             fp32_seconds.append(fp32)
             print(f"# {mode} repeat {repeat}: fp32 {fp32 * 1e3:.1f} ms", flush=True)
             for recipe in recipes:
-                seconds, first = seconds_per_step(base.replace(recipe=recipe, compile=compiled), args.steps)
+                config = base.replace(recipe=recipe, compile=compiled)
+                times_to = args.compile_times if repeat == 0 else None
+                seconds, first = seconds_per_step(config, args.steps, times_to)
                 ratios[recipe].append(seconds / fp32)
                 first_steps.setdefault(recipe, first)  # the first repeat's: compilation, not its cache
                 ratio = seconds / fp32

@@ -2,14 +2,15 @@
 # The README's GPU numbers in one go, on a lent GPU machine whose python3 already holds torch, Triton and
 # transformers (nothing is installed; qlab runs from the checkout):
 #
-#   bash benchmarks/gpu_session.sh OUTDIR [tests] [train] [eager] [llama] [kernels] [linear]   (default: tests train llama)
+#   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [fp8err] [kernels] [linear]
+#   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
 # so a part cut off keeps what it printed and the next part still runs. No part is a pass/fail gate.
 set -u
 out=${1:?usage: gpu_session.sh OUTDIR [parts...]}
 shift
-parts=${*:-tests train llama}
+parts=${*:-tests train llama compile_tests}
 mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
 py=${PYTHON:-python3}
@@ -42,17 +43,21 @@ nvidia-smi -L
 $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 for part in $parts; do
     case $part in
-    tests)  # the GPU-relevant tests: Triton kernels on the GPU, FP8 tensor cores, compiled vs eager bits on CUDA
-        run_part tests 150 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py
+    tests)  # the GPU-relevant tests: Triton kernels on the GPU, FP8 tensor cores
+        run_part tests 150 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py ;;
+    compile_tests)  # compiled against eager bits on CUDA
         run_part compile_tests 150 $py -m pytest -q -p no:cacheprovider tests/test_compile.py -k cuda ;;
     train)  # compiled CharGPT steps against compiled FP32
         run_part train 420 $py benchmarks/bench_train.py --device cuda --modes compiled --steps 20 \
-            --repeats "${TRAIN_REPEATS:-2}" --recipes "${TRAIN_RECIPES:-fp8_tensorwise,int8_per_token,mxfp8,mxfp4,nvfp4}" ;;
+            --repeats "${TRAIN_REPEATS:-2}" --recipes "${TRAIN_RECIPES:-fp8_tensorwise,int8_per_token,mxfp8,mxfp4,nvfp4}" \
+            --compile-times "${COMPILE_TIMES_DIR:-$out/compile_times}" ;;
     eager)
         run_part eager 300 $py benchmarks/bench_train.py --device cuda --modes eager --steps 20 --repeats 2 ;;
     llama)  # the tiny Hugging Face Llama, bf16 autocast, mxfp8 against unquantized, both compiled
         run_part llama 300 $py benchmarks/bench_train.py --device cuda --modes "" --steps 20 --repeats 1 \
             --recipes mxfp8 --llama ;;
+    fp8err)  # the FP8 tensor-core GEMM's error against the exact product (the bound tests/test_fp8_gemm.py uses)
+        run_part fp8err 60 $py benchmarks/measure_fp8_gemm_error.py --device cuda ;;
     kernels)
         run_part kernels 240 $py benchmarks/bench_kernels_gpu.py ;;
     linear)
