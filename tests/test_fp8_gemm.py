@@ -6,8 +6,12 @@ exact, so the tests bound the difference by the classical error bound of a float
 (Higham, Accuracy and Stability of Numerical Algorithms, §3.1): |fl(Σ aᵢbᵢ) − Σ aᵢbᵢ| ≤ γ_K Σ|aᵢbᵢ|
 with γ_K = K·u/(1 − K·u) ≈ K·u, u = 2⁻²⁴ for a float32 accumulator, plus a few u for scaling each
 product or the sum by the reciprocal scales. PyTorch's CPU _scaled_mm accumulates in float32. On a
-GPU Hopper's FP8 tensor cores keep about 14 bits of the running sum between promotions (DeepSeek-V3
-technical report, §3.3.2), so u = 2⁻¹³ there.
+GPU, Hopper's FP8 tensor cores add runs of products keeping about 14 bits (DeepSeek-V3 technical
+report, §3.3.2) before the float32 accumulator takes the partial sum, which adds an error relative to
+Σ|aᵢbᵢ| that does not grow with K. Measured on an H200 (benchmarks/measure_fp8_gemm_error.py, torch
+2.11.0+cu130, 2026-11-26; e4m3 × e4m3, 256 × 256 outputs, K from 64 to 16384, Gaussian and all-positive
+operands): at most 1.25e-3·Σ|aᵢbᵢ| (2⁻⁹·⁶, K = 256, all positive), 0.65e-3 at K = 16384. The tests allow
+TENSOR_CORE_ERROR = 2⁻⁸·Σ|aᵢbᵢ| on CUDA on top of the float32 bound: about 3× the largest measured.
 """
 
 import pytest
@@ -20,7 +24,8 @@ from qlab.nn import QuantLinear, check_gemm
 from qlab.recipe import Recipe, get_recipe
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-UNIT_ROUNDOFF = 2.0**-13 if DEVICE == "cuda" else 2.0**-24
+UNIT_ROUNDOFF = 2.0**-24  # float32's
+TENSOR_CORE_ERROR = 2.0**-8 if DEVICE == "cuda" else 0.0  # measured, see the module docstring
 TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -35,9 +40,9 @@ def _exact_operand(q: Q.QTensor) -> torch.Tensor:
 
 
 def _bound(a: torch.Tensor, b: torch.Tensor, slack: int = 3) -> torch.Tensor:
-    """(K + slack)·u·Σ|a||b| elementwise for a (M, K)·(N, K)ᵀ product."""
+    """((K + slack)·u + TENSOR_CORE_ERROR)·Σ|a||b| elementwise for a (M, K)·(N, K)ᵀ product."""
     k = a.shape[1]
-    return (k + slack) * UNIT_ROUNDOFF * (a.abs() @ b.abs().T)
+    return ((k + slack) * UNIT_ROUNDOFF + TENSOR_CORE_ERROR) * (a.abs() @ b.abs().T)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "axis"])
@@ -239,7 +244,7 @@ def test_main_grad_fusion_and_delayed_wgrad_on_tensor_cores():
     x1, dy1 = _inputs(1)
     magnitude = (dy0.abs().T @ x0.abs() + dy1.abs().T @ x1.abs()).double().cpu()
     limit = (
-        8 * (32 + 3) * UNIT_ROUNDOFF * magnitude
+        8 * ((32 + 3) * UNIT_ROUNDOFF + TENSOR_CORE_ERROR) * magnitude
         + 2 * UNIT_ROUNDOFF * emulated.weight.main_grad.abs().double().cpu()
     )
     assert bool(
