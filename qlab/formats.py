@@ -366,18 +366,22 @@ _NOISE_SOURCES: dict[int, weakref.WeakMethod] = {}
 _NOISE_KEYS = itertools.count()
 
 
-def register_noise_source(generator_for: Callable[[torch.device], torch.Generator]) -> int:
+def register_noise_source(generator_for: Callable[[torch.device], torch.Generator]) -> torch.Tensor:
     """A key under which ``drawn_noise`` finds the generator ``generator_for(device)`` returns.
     ``generator_for`` is a bound method (e.g. a layer's per-device generators), held weakly: the
-    entry goes when its object is garbage-collected."""
+    entry goes when its object is garbage-collected.
+
+    The key is a 0-d int64 CPU tensor, not an int: torch.compile specializes on a module's integer
+    attributes, so with int keys each layer of a model's repeated blocks would compile its own copy of
+    the block; a tensor is a graph input, and the blocks share one compiled graph."""
     key = next(_NOISE_KEYS)
     _NOISE_SOURCES[key] = weakref.WeakMethod(generator_for)
     weakref.finalize(generator_for.__self__, _NOISE_SOURCES.pop, key, None)
-    return key
+    return torch.tensor(key, dtype=torch.int64)
 
 
-def _noise_kernel(after: torch.Tensor, counts: list[int], source: int) -> list[torch.Tensor]:
-    generator = _NOISE_SOURCES[source]()(after.device)
+def _noise_kernel(after: torch.Tensor, counts: list[int], source: torch.Tensor) -> list[torch.Tensor]:
+    generator = _NOISE_SOURCES[int(source)]()(after.device)
     return [stochastic_noise((count,), generator, after.device) for count in counts]
 
 
@@ -387,16 +391,16 @@ def _noise_fake(after, counts, source):
 
 _noise_op = ops.define(
     "stochastic_noise",
-    "(Tensor after, int[] counts, int source) -> Tensor[]",
+    "(Tensor after, int[] counts, Tensor source) -> Tensor[]",
     _noise_kernel,
     _noise_fake,
     tags=(torch.Tag.nondeterministic_seeded,),
 )
 
 
-def drawn_noise(source: int, shapes: list, after: torch.Tensor) -> list[torch.Tensor]:
-    """``stochastic_noise`` for each shape, in order, from the generator registered under ``source``,
-    on ``after``'s device and after ``after`` is computed.
+def drawn_noise(source: torch.Tensor, shapes: list, after: torch.Tensor) -> list[torch.Tensor]:
+    """``stochastic_noise`` for each shape, in order, from the generator registered under ``source``
+    (the key ``register_noise_source`` returned), on ``after``'s device and after ``after`` is computed.
 
     Eager code draws exactly these numbers from the generator; compiled code calls the same op,
     which PyTorch neither deduplicates nor reorders against its input (it is tagged

@@ -145,6 +145,21 @@ def test_noise_source_draws_what_the_generator_would():
         assert torch.equal(noise, formats.stochastic_noise(shape, generator))
 
 
+def test_layers_of_one_recipe_share_one_compiled_graph():
+    """Each layer draws its stochastic-rounding noise through its own key, a tensor: one compiled graph
+    serves every layer of a recipe, as it must for a model's repeated blocks (an int key was a
+    constant of the graph, and each layer recompiled), and each layer still draws its own stream."""
+    layers = [QuantLinear(32, 32, recipe="nvfp4", seed=seed) for seed in (1, 2, 3)]
+    twins = copy.deepcopy(layers)  # the same seeds: the same streams, drawn eagerly
+    compiled = torch.compile(lambda layer, x: layer(x), backend="aot_eager", fullgraph=True)
+    for step in range(2):
+        for layer, twin in zip(layers, twins):
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+            for a, b in zip(layer_step(layer, x, compiled), layer_step(twin, x, lambda layer, x: layer(x))):
+                assert torch.equal(a, b)
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_a_copied_layer_draws_from_its_own_generators():
     layer = QuantLinear(32, 32, recipe="nvfp4", seed=1)
     x = torch.randn(16, 32)
@@ -248,8 +263,9 @@ def test_quantized_models_compile_whole(name, recipe, autocast):
 
 
 def test_training_compiled_tracks_eager_training(monkeypatch):
-    """TrainConfig(compile=True) trains through torch.compile (here its aot_eager backend: inductor's
-    bits are pinned layer by layer above) and follows the eager run."""
+    """TrainConfig(compile=True) compiles CharGPT's blocks, one graph for all of them (here with
+    torch.compile's aot_eager backend: inductor's bits are pinned layer by layer above), follows the
+    eager run, and leaves the model it returns eager."""
     from qlab.train import loop
 
     compile_calls, compile = [], torch.compile
@@ -262,7 +278,7 @@ def test_training_compiled_tracks_eager_training(monkeypatch):
     config = TrainConfig(
         recipe="mxfp4",
         context=16,
-        layers=1,
+        layers=2,
         width=32,
         batch_size=4,
         steps=3,
@@ -272,10 +288,14 @@ def test_training_compiled_tracks_eager_training(monkeypatch):
         progress=False,
     )
     eager = train(config).metrics
-    compiled = train(config.replace(compile=True)).metrics
+    dynamo.utils.counters.clear()
+    result = train(config.replace(compile=True))
+    compiled = result.metrics
     assert (eager.train_loss - compiled.train_loss).abs().max() < 1e-4
     assert abs(eager.val_loss.iloc[-1] - compiled.val_loss.iloc[-1]) < 1e-4
-    assert compile_calls == [{"dynamic": False, "options": Q.COMPILE_OPTIONS}]
+    assert compile_calls == [{"dynamic": False, "options": Q.COMPILE_OPTIONS}] * 2  # one per block
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the second block reuses the first's
+    assert all(type(block).__name__ == "Block" for block in result.model.blocks)
 
 
 def test_compiled_training_refuses_a_lowered_matmul_precision():

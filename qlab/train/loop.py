@@ -677,9 +677,16 @@ def _save_outputs(run: _Run, row: dict, stop: Divergence) -> None:
 
 
 def _compiled(model: nn.Module) -> nn.Module:
-    """``torch.compile(model)`` for the training steps: QuantLinear gives the same bits as eagerly
+    """The model for the training steps, compiled: QuantLinear gives the same bits as eagerly
     (tests/test_compile.py). Its float32 GEMMs need "highest" matmul precision, PyTorch's default, which
-    compiled code cannot switch on by itself."""
+    compiled code cannot switch on by itself.
+
+    A model with repeated ``blocks`` (CharGPT) gets its blocks compiled, one graph that every block
+    shares, and the rest eager: a copy of the model object that shares every parameter, buffer and
+    module with it, so the model itself stays eager (evaluation, fidelity, what ``train`` returns).
+    Compiling the whole model generated and compiled one graph of all the blocks: 4-6× the first step
+    (mxfp8 18 s against 3 s, nvfp4 21 s against 5 s on the 2-core AMD VM; on an H200's host, mxfp8's whole
+    model took 62 s and nvfp4's did not finish in 230 s), for a step 1-6 % faster."""
     precision = torch.get_float32_matmul_precision()
     if precision != "highest":
         raise ValueError(
@@ -689,7 +696,13 @@ def _compiled(model: nn.Module) -> nn.Module:
     # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile limit and quietly run
     # the rest eagerly; COMPILE_OPTIONS keeps each quantizer's element loop in one fused pass
     torch._dynamo.reset()
-    return torch.compile(model, dynamic=False, options=COMPILE_OPTIONS)
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        return torch.compile(model, dynamic=False, options=COMPILE_OPTIONS)
+    step_model = copy.copy(model)  # its own module table below; the same parameters and submodules
+    compiled = nn.ModuleList(torch.compile(block, dynamic=False, options=COMPILE_OPTIONS) for block in blocks)
+    step_model._modules = {**model._modules, "blocks": compiled}
+    return step_model
 
 
 def _progress(config: TrainConfig, rank: int, start: int):
