@@ -63,7 +63,7 @@ eval_every: int = 25  # steps between validation measurements
 eval_batches: int = 8  # fixed validation batches (of batch_size sequences)
 fidelity_every: int = 50  # steps between gradient-fidelity measurements (0 turns them off)
 gemm: str = "auto"  # FP8 GEMMs: "auto" (FP8 tensor cores on a CUDA GPU that has them) or "emulated"
-compiled: bool = False  # torch.compile the training steps: pays on a GPU at scale; here each recipe's compile takes 20-160 s
+compiled: bool = False  # torch.compile the blocks: not at these sizes (300 mxfp8 steps: 6.6 s eager, 9.1 s compiled on 2 cores)
 
 # %%
 import numpy as np
