@@ -151,20 +151,22 @@ def _stats_table(vectors: np.ndarray, numels: np.ndarray, stats) -> np.ndarray:
             "l1": l1,
             "l2": np.sqrt(squares),
             "amax": amax,
-            "dynamic_range": np.array(
-                [
-                    math.log2(a) - math.log2(b) if math.isfinite(b) and a > 0 else math.nan
-                    for a, b in zip(amax.tolist(), smallest.tolist())
-                ]
-            )
-            if "dynamic_range" in stats
-            else None,
+            "dynamic_range": _log2_ratio(amax, smallest) if "dynamic_range" in stats else None,
             "zero_fraction": zeros / numels,
             "outlier_ratio": np.where(median > 0, top / median, np.where(top > 0, math.inf, math.nan)),
         }
     table = np.stack([named[name] for name in stats], axis=1) if stats else np.empty((len(vectors), 0))
     table[numels == 0] = math.nan
     return table
+
+
+def _log2_ratio(amax: np.ndarray, smallest: np.ndarray) -> np.ndarray:
+    """log2(amax) − log2(smallest) elementwise by Python's math.log2 (the platform's log2, whose bits
+    NumPy's own need not give), NaN where smallest is not finite or amax not positive."""
+    defined = np.isfinite(smallest) & (amax > 0)
+    top = np.array(list(map(math.log2, np.where(defined, amax, 1.0).tolist())))
+    bottom = np.array(list(map(math.log2, np.where(defined, smallest, 1.0).tolist())))
+    return np.where(defined, top - bottom, math.nan)
 
 
 def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict[str, float]:
@@ -366,6 +368,7 @@ class ProbeSet:
         self.current_step = 0
         self._blocks: list[pd.DataFrame] = []  # the records read so far, in recording order
         self._pending: list[tuple] = []  # statistics still on the device: moved when records are read
+        self._pending_off_table = 0  # pending records that are not a row of the C kernel's table
         self._queue = _StatsQueue("outlier_ratio" in stats)
         self._handles: list = []
         self.selected = self._select(modules) if model is not None else {}
@@ -533,11 +536,15 @@ class ProbeSet:
             return
         where = (self.current_step, _rank(), name, role)
         if self.stats:  # fused reductions, left on the device until the records are read
-            self._pending.append((where, tensor.numel(), self._queue.add(tensor)))
-            if self._queue.bytes > _BATCH_MAX_BYTES:
-                self._queue.flush()
+            cell = self._queue.add(tensor)
+            self._pending.append((where, tensor.numel(), cell))
+            if type(cell) is not int:  # staged, not read by the C kernel into its table
+                self._pending_off_table += 1
+                if self._queue.bytes > _BATCH_MAX_BYTES:
+                    self._queue.flush()
         if not (self.what_if or self.histograms):
             return
+        self._pending_off_table += 1  # overcounts where a pattern skips the tensor: only a fast path lost
         for label, (spec, patterns) in self.what_if.items():
             if patterns is not None and not any(checks.matches(name, p) for p in patterns):
                 continue
@@ -564,6 +571,7 @@ class ProbeSet:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
+        self._only_table_rows, self._pending_off_table = self._pending_off_table == 0, 0
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -574,38 +582,44 @@ class ProbeSet:
 
     def _collect_pending(self, pending: list[tuple]) -> None:
         table = self._queue.take_table()  # the C kernel's rows, for records that hold a row number
+        if self._only_table_rows:  # the usual case on a CPU: one block, nothing to sort out
+            wheres, numels, rows = zip(*pending)
+            self._blocks.append(self._stats_block(wheres, numels, table[list(rows)]))
+            return
         on_device = [cell[0] for _, numel, cell in pending if numel is not None and not isinstance(cell, int)]
         host = iter(_to_host(on_device))
-        start = 0  # records of statistics run from start to the next what-if or histogram record
-        for index, (where, numel, cell) in enumerate([*pending, (None, None, None)]):
-            if numel is not None:
-                continue
+        # runs of statistics records lie between the what-if and histogram records (numel None)
+        others = [index for index, (_, numel, _) in enumerate(pending) if numel is None]
+        start = 0
+        for index in [*others, len(pending)]:
             if index > start:
-                run = pending[start:index]
-                vectors = np.empty((len(run), 11))
-                in_table = [i for i, entry in enumerate(run) if isinstance(entry[2], int)]
-                vectors[in_table] = table[[run[i][2] for i in in_table]]
-                for i, entry in enumerate(run):
-                    if not isinstance(entry[2], int):
-                        vectors[i] = next(host)
-                self._blocks.append(self._stats_block(run, vectors))
-            if cell is not None:
+                wheres, numels, cells = zip(*pending[start:index])
+                if all(type(cell) is int for cell in cells):  # every tensor read by the C kernel
+                    vectors = table[list(cells)]
+                else:
+                    vectors = np.empty((len(cells), 11))
+                    for i, cell in enumerate(cells):
+                        vectors[i] = table[cell] if type(cell) is int else next(host)
+                self._blocks.append(self._stats_block(wheres, numels, vectors))
+            if index < len(pending):
+                where, _, cell = pending[index]
                 records = [(*where, stat, value) for stat, value in cell.items()]
                 self._blocks.append(pd.DataFrame(records, columns=RECORD_COLUMNS))
             start = index + 1
 
-    def _stats_block(self, run: list[tuple], vectors: np.ndarray) -> pd.DataFrame:
-        """The frame of a run of statistics records (where, numel, _) whose vectors are (len(run), 11)."""
-        values = _stats_table(vectors, np.array([numel for _, numel, _ in run]), self.stats)
+    def _stats_block(self, wheres: tuple, numels: tuple, vectors: np.ndarray) -> pd.DataFrame:
+        """The frame of a run of statistics records: their (step, rank, module, role), their element
+        counts and their vectors (len(run), 11)."""
+        values = _stats_table(vectors, np.array(numels), self.stats)
         count = len(self.stats)
-        columns = dict(zip(RECORD_COLUMNS, zip(*[where for where, _, _ in run])))
+        steps, ranks, modules, roles = zip(*wheres)
         return pd.DataFrame(
             {
-                "step": np.repeat(np.array(columns["step"], dtype=np.int64), count),
-                "rank": np.repeat(np.array(columns["rank"], dtype=np.int64), count),
-                "module": np.repeat(np.array(columns["module"], dtype=object), count),
-                "role": np.repeat(np.array(columns["role"], dtype=object), count),
-                "stat": np.tile(np.array(self.stats, dtype=object), len(run)),
+                "step": np.repeat(np.array(steps, dtype=np.int64), count),
+                "rank": np.repeat(np.array(ranks, dtype=np.int64), count),
+                "module": np.repeat(np.array(modules, dtype=object), count),
+                "role": np.repeat(np.array(roles, dtype=object), count),
+                "stat": np.tile(np.array(self.stats, dtype=object), len(wheres)),
                 "value": values.ravel(),
             }
         )

@@ -574,9 +574,24 @@ def test_tensor_stats_variance_is_two_pass_exact_across_blocks_and_threads(
     got = cpu_qdq.tensor_stats(x, outliers=False)
     want = _float64_variance(x)
     assert abs(got[3].item() - want) <= 1e-9 * want, (got[3].item(), want)
-    squares = (x.double() ** 2).sum().item()  # Σx² from M2 + n·mean²: two non-negative terms, no cancellation
+    squares = (x.double() ** 2).sum().item()  # Σx², a float64 sum of non-negative terms
     assert abs(got[4].item() - squares) <= 1e-13 * squares
     assert got[2].item() == pytest.approx(x.double().mean().item(), rel=1e-14)
+
+
+@pytest.mark.parametrize("offset", [0.0, 0.99, 1.01, 3.0, 100.0], ids=lambda o: f"mean {o} sd")
+def test_tensor_stats_variance_is_exact_on_either_side_of_the_one_pass_switch(offset, two_torch_threads):
+    """A block whose |mean| is at most its standard deviation takes M2 = Σx² − mean·Σx (one bit lost to
+    cancellation at most); any other block a second pass, Σ(x − mean)². On both sides of that switch,
+    and for a tensor whose blocks take different paths, the variance must match float64's two-pass one
+    to 1e-12 of itself (the one-pass error is about 2⁻⁴⁴ of M2)."""
+    generator = torch.Generator().manual_seed(7)
+    x = offset + torch.randn(40, 1024, generator=generator)  # 20 blocks of 2048
+    mixed = torch.cat([x[:20], 3.0 + 1e-3 * x[20:]])  # the last 10 blocks sit 3000 sd off zero
+    for tensor in (x, mixed):
+        got = cpu_qdq.tensor_stats(tensor, outliers=False)[3].item()
+        want = _float64_variance(tensor)
+        assert abs(got - want) <= 1e-12 * want, (got, want)
 
 
 @pytest.mark.parametrize("threads_from", [1, 2**30], ids=["two threads", "one thread"])

@@ -308,7 +308,7 @@ def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
     return out
 
 
-STATS_THREADS_MIN_NUMEL = 65536  # below this a thread team costs more than a tensor's statistics
+STATS_THREADS_MIN_NUMEL = 16384  # below this a thread team costs more than it saves (4096 in a tight loop)
 
 
 def tensor_stats_at(x: torch.Tensor, channels: int, outliers: bool, address: int) -> None:

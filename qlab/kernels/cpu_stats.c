@@ -2,13 +2,15 @@
    and without a copy; the reference is _stats_rows in float64 torch ops.
 
    x is contiguous, (rows, channels). result receives 11 float64 values:
-     min, max, mean, variance (Σ(x − mean)² / n, never E[x²] − E[x]²), Σx², Σ|x|, amax, the smallest
-     non-zero |x| (inf if there is none), the number of exact zeros, and with `outliers` the largest
-     and the lower median of the channels' amax (else the smallest non-zero |x| twice).
+     min, max, mean, variance (Σ(x − mean)² / n), Σx², Σ|x|, amax, the smallest non-zero |x| (inf if
+     there is none), the number of exact zeros, and with `outliers` the largest and the lower median of
+     the channels' amax (else the smallest non-zero |x| twice).
    One pass: x is read in blocks of BLOCK floats (8 KiB, in L1). Each block gives its 32-bit statistics
-   and its float64 sums, then its own two-pass Σ(x − block mean)² from L1; the blocks' (count, mean,
-   M2) are merged by Chan, Golub and LeVeque's formula, which is as exact as a two-pass variance over
-   the whole tensor and reads memory once.
+   and its float64 Σx, Σ|x| and Σx² in one loop, and its M2 = Σ(x − block mean)²: Σx² − mean·Σx where
+   that loses at most one bit to cancellation (the block's |mean| at most its standard deviation), else
+   a second pass over the block from L1. The blocks' (count, mean, M2) are merged by Chan, Golub and
+   LeVeque's formula: E[x²] − E[x]² is never taken over data far off zero, the variance is as exact as
+   a two-pass one over the whole tensor (to a few units of 2⁻⁵³·Σx²), and memory is read once.
    NaN: min, max, mean, the variance, the sums, amax and the channel statistics are NaN when any element
    is, as torch's reductions propagate it; the smallest non-zero |x| and the zero count skip NaNs.
    Sums are float64 in a different order from torch's, so they agree to float64 rounding, not bits. */
@@ -91,16 +93,16 @@ static void merge_moments(Partial *p, int64_t count, double mean, double m2) {
     p->count += count;
 }
 
-/* The n ≤ BLOCK floats at x into p: one loop for the 32-bit statistics and Σx, Σ|x| (LANES floats a
-   step), then Σ(x − block mean)² from L1. */
+/* The n ≤ BLOCK floats at x into p: one loop for the 32-bit statistics and Σx, Σ|x|, Σx² (LANES
+   floats a step), then the block's M2. */
 static void add_block(const float *x, int64_t n, Partial *p) {
     float low[LANES], high[LANES];
     uint32_t amax[LANES], below[LANES]; /* bits − 1 wraps a zero to the top and puts a NaN above inf */
     int32_t zeros[LANES];
-    double sum[LANES], l1[LANES], m2[LANES];
+    double sum[LANES], l1[LANES], squares[LANES];
     for (int k = 0; k < LANES; k++) {
         low[k] = p->low, high[k] = p->high, amax[k] = p->amax, below[k] = p->smallest - 1u, zeros[k] = 0;
-        sum[k] = l1[k] = m2[k] = 0.0;
+        sum[k] = l1[k] = squares[k] = 0.0;
     }
     int64_t whole = n / LANES * LANES;
     for (int64_t c = 0; c < whole; c += LANES)
@@ -115,6 +117,7 @@ static void add_block(const float *x, int64_t n, Partial *p) {
             double wide = (double)value;
             sum[k] += wide;
             l1[k] += fabs(wide);
+            squares[k] = fma(wide, wide, squares[k]);
         }
     for (int64_t i = whole; i < n; i++) { /* the tail, into lane 0 */
         float value = x[i];
@@ -126,34 +129,39 @@ static void add_block(const float *x, int64_t n, Partial *p) {
         zeros[0] += bits == 0;
         sum[0] += (double)value;
         l1[0] += fabs((double)value);
+        squares[0] = fma((double)value, (double)value, squares[0]);
     }
-    double block_sum = 0.0, block_l1 = 0.0, block_m2 = 0.0;
+    double block_sum = 0.0, block_l1 = 0.0, block_squares = 0.0, block_m2 = 0.0;
     for (int k = 0; k < LANES; k++) {
         p->low = low[k] < p->low ? low[k] : p->low;
         p->high = high[k] > p->high ? high[k] : p->high;
         p->amax = amax[k] > p->amax ? amax[k] : p->amax;
         below[0] = below[k] < below[0] ? below[k] : below[0];
         p->zeros += zeros[k];
-        block_sum += sum[k], block_l1 += l1[k];
+        block_sum += sum[k], block_l1 += l1[k], block_squares += squares[k];
     }
     p->smallest = below[0] + 1u; /* below starts at inf's bits − 1: zeros and NaNs never come under it */
 
-    double mean = block_sum / (double)n; /* the second pass reads the block from L1 */
-    for (int64_t c = 0; c < whole; c += LANES)
-        for (int k = 0; k < LANES; k++) {
-            double deviation = (double)x[c + k] - mean;
-            m2[k] = fma(deviation, deviation, m2[k]); /* one rounding, one instruction */
+    double mean = block_sum / (double)n;
+    /* M2 = Σx² − mean·Σx where that cancels at most one bit (n·mean² ≤ M2, i.e. |mean| ≤ the block's
+       standard deviation: activations, gradients and weights nearly always): its error is that of the
+       two sums, about 2⁻⁴⁵·Σx² (128 terms a lane) ≤ 2⁻⁴⁴·M2. Else (and for an inf or NaN, where the
+       comparison fails) a second pass from L1, Σ(x − mean)², as exact however far the data sit from 0 */
+    block_m2 = block_squares - block_sum * mean;
+    if (!(block_sum * mean <= block_m2)) {
+        double two_pass[LANES];
+        for (int k = 0; k < LANES; k++) two_pass[k] = 0.0;
+        for (int64_t c = 0; c < whole; c += LANES)
+            for (int k = 0; k < LANES; k++) {
+                double deviation = (double)x[c + k] - mean;
+                two_pass[k] = fma(deviation, deviation, two_pass[k]); /* one rounding, one instruction */
+            }
+        block_m2 = 0.0;
+        for (int k = 0; k < LANES; k++) block_m2 += two_pass[k];
+        for (int64_t i = whole; i < n; i++) {
+            double deviation = (double)x[i] - mean;
+            block_m2 = fma(deviation, deviation, block_m2);
         }
-    for (int k = 0; k < LANES; k++) block_m2 += m2[k];
-    for (int64_t i = whole; i < n; i++) {
-        double deviation = (double)x[i] - mean;
-        block_m2 = fma(deviation, deviation, block_m2);
-    }
-    /* Σx² = M2 + n·mean²: two non-negative terms, no cancellation */
-    double block_squares = block_m2 + (double)n * mean * mean;
-    if (!isfinite(mean)) { /* an inf or NaN: Σx² directly, as torch sums it (+inf and −inf give inf) */
-        block_squares = 0.0;
-        for (int64_t i = 0; i < n; i++) block_squares += (double)x[i] * (double)x[i];
     }
     p->sum += block_sum, p->l1 += block_l1, p->squares += block_squares;
     merge_moments(p, n, mean, block_m2);
