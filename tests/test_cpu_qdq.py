@@ -594,17 +594,20 @@ def test_tensor_stats_variance_is_exact_on_either_side_of_the_one_pass_switch(of
         assert abs(got - want) <= 1e-12 * want, (got, want)
 
 
+@pytest.mark.parametrize("channels", [37, 48], ids=["37 channels", "48 channels (kept in the main loop)"])
 @pytest.mark.parametrize("threads_from", [1, 2**30], ids=["two threads", "one thread"])
 def test_tensor_stats_selections_are_exact_when_threads_split_the_tensor(
-    threads_from, monkeypatch, two_torch_threads
+    threads_from, channels, monkeypatch, two_torch_threads
 ):
     """With two threads each takes half the blocks: their minima, maxima, counts and channel maxima are
-    merged; all must equal the reference exactly, an element of the second half carrying each extreme."""
+    merged; all must equal the reference exactly, an element of the second half carrying each extreme.
+    A channel count that is a multiple of 16 has its channel maxima taken in the statistics' own loop."""
     from qlab.probes import _stats_rows
 
     monkeypatch.setattr(cpu_qdq, "STATS_THREADS_MIN_NUMEL", threads_from)
-    x = torch.randn(300, 37, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(300, channels, generator=torch.Generator().manual_seed(5))
     x[290, 3], x[280, 4], x[295, 5], x[299, 36] = -50.0, 60.0, 1e-30, 0.0
+    x[:, 20] *= 1e-3  # the lower median channel's amax is another channel's than the top's
     got, want = cpu_qdq.tensor_stats(x, True), _stats_rows(x[None], True)[0]
     exact = [0, 1, 6, 7, 8, 9, 10]
     torch.testing.assert_close(got[exact], want[exact], rtol=0, atol=0)

@@ -94,8 +94,12 @@ static void merge_moments(Partial *p, int64_t count, double mean, double m2) {
 }
 
 /* The n ≤ BLOCK floats at x into p: one loop for the 32-bit statistics and Σx, Σ|x|, Σx² (LANES
-   floats a step), then the block's M2. */
-static void add_block(const float *x, int64_t n, Partial *p) {
+   floats a step), then the block's M2. With channel_amax (channels a multiple of LANES, x starting at
+   channel `column`, a multiple of LANES too), the same loop keeps each channel's largest |x| bits:
+   every step of LANES floats lies within one row, at channels column.. column + LANES − 1. */
+static inline __attribute__((always_inline)) void add_block(const float *x, int64_t n, Partial *p,
+                                                            uint32_t *channel_amax, int64_t channels,
+                                                            int64_t column, const int fused) {
     float low[LANES], high[LANES];
     uint32_t amax[LANES], below[LANES]; /* bits − 1 wraps a zero to the top and puts a NaN above inf */
     int32_t zeros[LANES];
@@ -105,7 +109,9 @@ static void add_block(const float *x, int64_t n, Partial *p) {
         sum[k] = l1[k] = squares[k] = 0.0;
     }
     int64_t whole = n / LANES * LANES;
-    for (int64_t c = 0; c < whole; c += LANES)
+    for (int64_t c = 0; c < whole; c += LANES) {
+        uint32_t slot[LANES];
+        if (fused) memcpy(slot, channel_amax + column, sizeof slot);
         for (int k = 0; k < LANES; k++) {
             float value = x[c + k];
             uint32_t bits = magnitude_bits(value);
@@ -118,8 +124,14 @@ static void add_block(const float *x, int64_t n, Partial *p) {
             sum[k] += wide;
             l1[k] += fabs(wide);
             squares[k] = fma(wide, wide, squares[k]);
+            if (fused) slot[k] = bits > slot[k] ? bits : slot[k];
         }
-    for (int64_t i = whole; i < n; i++) { /* the tail, into lane 0 */
+        if (fused) {
+            memcpy(channel_amax + column, slot, sizeof slot);
+            column = column + LANES == channels ? 0 : column + LANES;
+        }
+    }
+    for (int64_t i = whole; i < n; i++) { /* the tail, into lane 0 (none when fused: n is a multiple of LANES) */
         float value = x[i];
         uint32_t bits = magnitude_bits(value);
         low[0] = value < low[0] ? value : low[0];
@@ -196,6 +208,7 @@ void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outli
         return;
     }
     if (outliers) memset(channel_amax, 0, (size_t)scratch * sizeof(uint32_t));
+    const int fused = outliers && channels % LANES == 0; /* channel maxima in add_block's own loop */
     int team = 1; /* the threads OpenMP gives, which may be fewer than asked (OMP_THREAD_LIMIT, nesting) */
 #pragma omp parallel num_threads(threads)
     {
@@ -209,8 +222,12 @@ void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outli
         int64_t first = blocks * thread / size, last = blocks * (thread + 1) / size; /* in order */
         for (int64_t b = first; b < last; b++) {
             int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
-            add_block(x + start, end - start, mine);
-            if (outliers) add_channel_amax(x, start, end, channels, channel_amax + (int64_t)thread * channels);
+            uint32_t *mine_amax = outliers ? channel_amax + (int64_t)thread * channels : NULL;
+            if (fused) add_block(x + start, end - start, mine, mine_amax, channels, start % channels, 1);
+            else {
+                add_block(x + start, end - start, mine, NULL, channels, 0, 0);
+                if (outliers) add_channel_amax(x, start, end, channels, mine_amax);
+            }
         }
     }
     Partial *all = &parts[0];
