@@ -43,7 +43,7 @@ class TrainConfig:
     gemm: str = (
         "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
     )
-    compile: bool = False  # torch.compile the model for the training steps (benchmarks/bench_train.py)
+    compile: bool = False  # torch.compile the training steps (CharGPT: its blocks, one shared graph)
     ablate: list[str] = field(
         default_factory=list
     )  # recipe ingredients switched off (qlab.ablation.INGREDIENTS)
