@@ -127,14 +127,12 @@ def main() -> None:
         ratios = {recipe: [] for recipe in recipes}
         fp32_seconds, first_steps = [], {}
         for repeat in range(args.repeats):  # each measurement printed as taken: a cut-off run keeps them
-            fp32, first_steps["fp32"] = seconds_per_step(
-                base.replace(compile=compiled), args.steps, args.compile_times
-            )
+            times_to = args.compile_times if repeat == 0 else None  # the cold compile, not the cache's
+            fp32, first_steps["fp32"] = seconds_per_step(base.replace(compile=compiled), args.steps, times_to)
             fp32_seconds.append(fp32)
             print(f"# {mode} repeat {repeat}: fp32 {fp32 * 1e3:.1f} ms", flush=True)
             for recipe in recipes:
                 config = base.replace(recipe=recipe, compile=compiled)
-                times_to = args.compile_times if repeat == 0 else None
                 seconds, first = seconds_per_step(config, args.steps, times_to)
                 ratios[recipe].append(seconds / fp32)
                 first_steps.setdefault(recipe, first)  # the first repeat's: compilation, not its cache

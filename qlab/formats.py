@@ -377,7 +377,7 @@ def register_noise_source(generator_for: Callable[[torch.device], torch.Generato
     key = next(_NOISE_KEYS)
     _NOISE_SOURCES[key] = weakref.WeakMethod(generator_for)
     weakref.finalize(generator_for.__self__, _NOISE_SOURCES.pop, key, None)
-    return torch.tensor(key, dtype=torch.int64)
+    return torch.tensor(key, dtype=torch.int64, device="cpu")  # whatever the default device is
 
 
 def _noise_kernel(after: torch.Tensor, counts: list[int], source: torch.Tensor) -> list[torch.Tensor]:

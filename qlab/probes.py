@@ -368,7 +368,6 @@ class ProbeSet:
         self.current_step = 0
         self._blocks: list[pd.DataFrame] = []  # the records read so far, in recording order
         self._pending: list[tuple] = []  # statistics still on the device: moved when records are read
-        self._pending_off_table = 0  # pending records that are not a row of the C kernel's table
         self._queue = _StatsQueue("outlier_ratio" in stats)
         self._handles: list = []
         self.selected = self._select(modules) if model is not None else {}
@@ -538,13 +537,10 @@ class ProbeSet:
         if self.stats:  # fused reductions, left on the device until the records are read
             cell = self._queue.add(tensor)
             self._pending.append((where, tensor.numel(), cell))
-            if type(cell) is not int:  # staged, not read by the C kernel into its table
-                self._pending_off_table += 1
-                if self._queue.bytes > _BATCH_MAX_BYTES:
-                    self._queue.flush()
+            if type(cell) is not int and self._queue.bytes > _BATCH_MAX_BYTES:  # staged, not in C's table
+                self._queue.flush()
         if not (self.what_if or self.histograms):
             return
-        self._pending_off_table += 1  # overcounts where a pattern skips the tensor: only a fast path lost
         for label, (spec, patterns) in self.what_if.items():
             if patterns is not None and not any(checks.matches(name, p) for p in patterns):
                 continue
@@ -571,7 +567,6 @@ class ProbeSet:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        self._only_table_rows, self._pending_off_table = self._pending_off_table == 0, 0
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -582,7 +577,7 @@ class ProbeSet:
 
     def _collect_pending(self, pending: list[tuple]) -> None:
         table = self._queue.take_table()  # the C kernel's rows, for records that hold a row number
-        if self._only_table_rows:  # the usual case on a CPU: one block, nothing to sort out
+        if all(type(cell) is int for _, _, cell in pending):  # on a CPU, usually: one block from the table
             wheres, numels, rows = zip(*pending)
             self._blocks.append(self._stats_block(wheres, numels, table[list(rows)]))
             return

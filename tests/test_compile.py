@@ -160,6 +160,16 @@ def test_layers_of_one_recipe_share_one_compiled_graph():
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_the_noise_key_is_a_cpu_tensor_whatever_the_default_device():
+    """The key is read back by int() in every draw: on a GPU that would synchronize, on meta it raises."""
+    layer = QuantLinear(8, 8, recipe="nvfp4", seed=3)
+    with torch.device("meta"):
+        key = formats.register_noise_source(layer._generator)
+    assert key.device.type == "cpu" and key.dtype == torch.int64 and key.dim() == 0
+    drawn = formats.drawn_noise(key, [(4,)], torch.zeros(1))[0]
+    assert torch.equal(drawn, formats.stochastic_noise((4,), torch.Generator().manual_seed(3)))
+
+
 def test_a_copied_layer_draws_from_its_own_generators():
     layer = QuantLinear(32, 32, recipe="nvfp4", seed=1)
     x = torch.randn(16, 32)

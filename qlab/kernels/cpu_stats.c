@@ -10,7 +10,7 @@
    that loses at most one bit to cancellation (the block's |mean| at most its standard deviation), else
    a second pass over the block from L1. The blocks' (count, mean, M2) are merged by Chan, Golub and
    LeVeque's formula: E[x²] − E[x]² is never taken over data far off zero, the variance is as exact as
-   a two-pass one over the whole tensor (to a few units of 2⁻⁵³·Σx²), and memory is read once.
+   a two-pass one over the whole tensor (to about 2⁻⁴⁵·Σx²), and memory is read once.
    NaN: min, max, mean, the variance, the sums, amax and the channel statistics are NaN when any element
    is, as torch's reductions propagate it; the smallest non-zero |x| and the zero count skip NaNs.
    Sums are float64 in a different order from torch's, so they agree to float64 rounding, not bits. */

@@ -43,7 +43,7 @@ class TrainConfig:
     gemm: str = (
         "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
     )
-    compile: bool = False  # torch.compile the training steps (CharGPT: its blocks, one shared graph)
+    compile: bool = False  # torch.compile the steps: CharGPT's blocks (one shared graph), under DDP the model
     ablate: list[str] = field(
         default_factory=list
     )  # recipe ingredients switched off (qlab.ablation.INGREDIENTS)
