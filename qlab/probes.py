@@ -51,7 +51,9 @@ _ACTIVE: list[ProbeSet] = []
 
 
 def tensor_stats(tensor: torch.Tensor, stats=STATS) -> dict[str, float]:
-    """Statistics of a floating-point tensor; sums in float64 (std two-pass), min/max/amax exact.
+    """Statistics of a floating-point tensor; sums in float64, min/max/amax exact. std never comes
+    from E[x²] − E[x]² over data far off zero: two-pass in torch, and in the CPU kernel each block's
+    Σ(x − mean)² in one pass only where at most one bit cancels (else two), blocks merged by Chan et al.
 
     std is the population standard deviation; dynamic_range is log2(amax) − log2(smallest non-zero
     |x|) in binades (NaN when every element is zero); zero_fraction counts exact zeros;
