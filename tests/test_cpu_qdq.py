@@ -518,6 +518,9 @@ def _stats_table():
             (torch.tensor(40), torch.tensor(3)), torch.tensor(math.inf)
         ),
         "many equal channel maxima (median ties)": torch.randint(-3, 4, (50, 31), generator=generator) * 1.0,
+        # two threads × 5008 channel slots: the channel maxima go to the heap, not the stack
+        "5000 channels, 40k elements": torch.randn(8, 5000, generator=generator)
+        * torch.logspace(-2, 2, 5000),
     }
 
 
@@ -526,7 +529,7 @@ STATS_TABLE = _stats_table()
 
 @pytest.mark.parametrize("outliers", [True, False])
 @pytest.mark.parametrize("case", STATS_TABLE)
-def test_tensor_stats_match_the_float64_torch_reference(case, outliers):
+def test_tensor_stats_match_the_float64_torch_reference(case, outliers, two_torch_threads):
     from qlab.probes import _stats_rows
 
     x = STATS_TABLE[case]
