@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--compile-times", metavar="DIR", help="Dynamo's compile-time table per recipe, here")
     add_thread_argument(parser)
     args = parser.parse_args()
+    if args.compile_times and os.path.exists(args.compile_times) and not os.path.isdir(args.compile_times):
+        parser.error(f"--compile-times must name a folder, got the file {args.compile_times!r}")
     warnings.filterwarnings("ignore")
     threads = set_threads(args.threads)
     device = resolve_device(args.device)

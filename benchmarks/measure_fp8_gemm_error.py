@@ -56,7 +56,8 @@ def relative_error(k: int, kind: str, elements: tuple, granularity: str, device:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=default)
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"machine: {machine(device)}\n")
