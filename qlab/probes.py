@@ -367,7 +367,9 @@ class ProbeSet:
         self.every, self.start, self.end = every, start, end
         self.ranks = ranks
         self.histograms = checks.boolean("histograms", histograms)
-        self.current_step = 0
+        self._step = 0
+        self._rank = _rank()  # this step's rank and sampling(), for the per-record path (_sync_hooks)
+        self._sampled = self.sampling()
         self._blocks: list[pd.DataFrame] = []  # the records read so far, in recording order
         self._pending: list[tuple] = []  # statistics still on the device: moved when records are read
         self._queue = _StatsQueue("outlier_ratio" in stats)
@@ -415,6 +417,16 @@ class ProbeSet:
         self._sync_hooks()
         return self
 
+    @property
+    def current_step(self) -> int:
+        """The step records are made for (``step()`` advances it; a resumed run may set it)."""
+        return self._step
+
+    @current_step.setter
+    def current_step(self, step: int) -> None:
+        self._step = checks.integer("current_step", step, low=0)
+        self._sync_hooks()
+
     def detach(self) -> None:
         self._queue.release()
         self._remove_hooks()
@@ -422,7 +434,11 @@ class ProbeSet:
             _ACTIVE.remove(self)
 
     def _sync_hooks(self) -> None:
-        if self.attached and self.sampling():
+        """Install or remove the hooks for the current step, and note whether it is sampled and the
+        rank (read once a step: a record costs a few microseconds, and these add a third to it)."""
+        self._rank = _rank()
+        self._sampled = self.sampling()
+        if self.attached and self._sampled:
             if not self._handles:
                 self._install_hooks()
         else:
@@ -486,19 +502,35 @@ class ProbeSet:
         backward hook gives, even where the tensor feeds other modules too (a residual stream)."""
 
         def pre_hook(module, inputs, kwargs):
-            if not self.sampling():
+            if not self._sampled:
                 return None
             positional = _first_tensor(inputs) is not None
             for index, value in enumerate(inputs if positional else kwargs.values()):
                 if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
                     tapped = value.view_as(value)
-                    tapped.register_hook(self._gradient_recorder(name, "grad_input"))
+                    self._on_tap_gradient(tapped, name)
                     if positional:
                         return (*inputs[:index], tapped, *inputs[index + 1 :]), kwargs
                     return inputs, {**kwargs, list(kwargs)[index]: tapped}
             return None
 
         return pre_hook
+
+    def _on_tap_gradient(self, tapped: torch.Tensor, name: str) -> None:
+        """Record the tap's gradient as ``grad_input``: a pre-hook on the tap's own view node, which runs
+        whenever the gradient goes on to the module's input and costs half a tensor hook (a tensor hook
+        while Dynamo traces, as it follows tensor hooks and not nodes). A module's output keeps its
+        tensor hook: ``torch.autograd.grad(loss, output)`` fires that without running the node."""
+        if torch.compiler.is_compiling():
+            tapped.register_hook(self._gradient_recorder(name, "grad_input"))
+            return
+
+        def hook(grad_outputs):
+            grad = grad_outputs[0]
+            if grad is not None and self.attached:  # a hook left on a node of a forward before detaching
+                self._record(name, "grad_input", grad)
+
+        tapped.grad_fn.register_prehook(hook)
 
     def _gradient_recorder(self, name, role):
         def hook(grad):
@@ -533,9 +565,9 @@ class ProbeSet:
             self._record(name, role, value)
 
     def _record(self, name: str, role: str, tensor: torch.Tensor) -> None:
-        if not self.sampling() or not tensor.is_floating_point():
+        if not self._sampled or not tensor.is_floating_point():
             return
-        where = (self.current_step, _rank(), name, role)
+        where = (self._step, self._rank, name, role)
         if self.stats:  # fused reductions, left on the device until the records are read
             cell = self._queue.add(tensor)
             self._pending.append((where, tensor.numel(), cell))
@@ -614,9 +646,9 @@ class ProbeSet:
             {
                 "step": np.repeat(np.array(steps, dtype=np.int64), count),
                 "rank": np.repeat(np.array(ranks, dtype=np.int64), count),
-                "module": np.repeat(np.array(modules, dtype=object), count),
-                "role": np.repeat(np.array(roles, dtype=object), count),
-                "stat": np.tile(np.array(self.stats, dtype=object), len(wheres)),
+                "module": _string_column(modules, count),
+                "role": _string_column(roles, count),
+                "stat": _string_column(self.stats, 1, len(wheres)),
                 "value": values.ravel(),
             }
         )
@@ -631,7 +663,7 @@ class ProbeSet:
     def step(self) -> None:
         """Advance to the next step (call once per optimizer step, after its backward)."""
         self._queue.flush()
-        self.current_step += 1
+        self._step += 1
         self._sync_hooks()
 
     def to_frame(self) -> pd.DataFrame:
@@ -651,6 +683,14 @@ class ProbeSet:
         return save_csv(self.to_frame(), name)
 
 
+def _string_column(values, repeats: int, tiles: int = 1):
+    """Strings as a frame column: each of ``values`` ``repeats`` times, the whole ``tiles`` times, in the
+    dtype pandas gives a column of str (object; pandas 3's str). Built from the distinct values, so
+    pandas checks a few strings, not every row (which took half of ``to_frame``)."""
+    codes, distinct = pd.factorize(np.array(values, dtype=object))
+    return pd.Series(distinct).array.take(np.tile(np.repeat(codes, repeats), tiles))
+
+
 class _StatsQueue:
     """Tensors recorded in a step, waiting for one fused reduction per shape (a compiled call costs
     40–100 µs of dispatch on a CPU, more than the reduction of a small tensor). ``add`` copies the
@@ -661,12 +701,12 @@ class _StatsQueue:
     then as ``param_grad``): autograd's version counter cannot prove it unchanged in between, as
     GradScaler's unscale_ kernel rewrites gradients in place without moving it. Empty tensors and
     tensors of 2²⁰ elements or more are reduced at once, and so is every float32 CPU tensor where the C
-    kernel is built (``qlab.kernels.cpu_qdq.tensor_stats_at``: one pass over the tensor in place, no
+    kernel is built (``qlab.kernels.cpu_qdq.tensor_stats_function``: one pass over the tensor in place, no
     copy and no dispatch per statistic, the results written into a row of ``table``)."""
 
     def __init__(self, outliers: bool):
         self.outliers = outliers
-        self.in_c = cpu_qdq.available()  # asked again at every flush (QLAB_COMPILE may change)
+        self._read_settings()
         self.table = torch.empty((256, 11), dtype=torch.float64)  # the C kernel's results, a row a record
         self.table_rows, self.table_capacity, self.table_address = 0, len(self.table), self.table.data_ptr()
         self.lock = threading.Lock()
@@ -676,12 +716,19 @@ class _StatsQueue:
         self.cells: dict[tuple, list] = {}  # the same keys → cells of the tensors staged this step
         self.bytes = 0
 
+    def _read_settings(self) -> None:
+        """Whether the C kernel runs, and on how many threads: asked again at every flush (QLAB_COMPILE
+        or torch's thread count may change between steps), not at every record."""
+        self.in_c = cpu_qdq.available()
+        self.stats_in_c = cpu_qdq.tensor_stats_function() if self.in_c else None
+        self.threads, self.threads_from = torch.get_num_threads(), cpu_qdq.STATS_THREADS_MIN_NUMEL
+
     def add(self, tensor: torch.Tensor) -> list | int:
         """A cell that ``flush`` fills with the tensor's statistics vector, or the row of ``table`` the C
         kernel wrote them to."""
-        if self.in_c and tensor.dtype is torch.float32 and tensor.is_cpu and tensor.numel():
-            return self._add_in_c(tensor)
         numel = tensor.numel()
+        if self.in_c and tensor.dtype is torch.float32 and tensor.is_cpu and numel:
+            return self._add_in_c(tensor, numel)
         if numel == 0:
             return [_stats_vector(tensor, self.outliers)]
         channels = tensor.shape[-1] if tensor.dim() else 1
@@ -703,22 +750,27 @@ class _StatsQueue:
         self.bytes += numel * tensor.element_size()
         return cell
 
-    def _add_in_c(self, tensor: torch.Tensor) -> int:
+    def _add_in_c(self, tensor: torch.Tensor, numel: int) -> int:
         """Read the tensor in place, now, into the next row of the table (nothing staged); its row. The
         lock: the C call lets go of the GIL, and a second recording thread must neither take the same
         row nor move the table while the first writes into it."""
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        shape = tensor.shape
+        channels = shape[-1] if shape else 1
+        threads = self.threads if numel >= self.threads_from else 1
         with self.lock:
             row = self.table_rows
             if row == self.table_capacity:
                 self.table = torch.cat([self.table, torch.empty_like(self.table)])
                 self.table_capacity, self.table_address = len(self.table), self.table.data_ptr()
-            shape, address = tensor.shape, self.table_address + 88 * row  # 11 float64 a row
-            cpu_qdq.tensor_stats_at(tensor, shape[-1] if shape else 1, self.outliers, address)
+            address = self.table_address + 88 * row  # 11 float64 a row
+            self.stats_in_c(tensor.data_ptr(), numel // channels, channels, self.outliers, address, threads)
             self.table_rows = row + 1
         return row
 
     def flush(self) -> None:
-        self.in_c = cpu_qdq.available()
+        self._read_settings()
         for key, cells in self.cells.items():
             vectors = _stats_rows_fast(self.buffers[key][: len(cells)], self.outliers)
             for cell, vector in zip(cells, vectors):

@@ -5,6 +5,7 @@
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -100,6 +101,52 @@ def test_sampling_every_n_steps_between_start_and_end():
             probe(torch.ones(1), "x")
             probes.step()
     assert sorted(probes.to_frame().step.tolist()) == [2, 5, 8]
+
+
+def test_setting_the_step_counter_moves_sampling_with_it():
+    """A resumed run sets ``current_step`` (qlab.train does); which steps record follows the new value
+    at once, hooks included, and a step that is not an int ≥ 0 is refused by name."""
+    model = small_model()
+    probes = ProbeSet(model, roles=("output",), stats=("amax",), every=5, start=5)
+    with probes:
+        model(torch.ones(1, 8))  # step 0 lies before start: no hooks, no records
+        assert not model[0]._forward_hooks
+        probes.current_step = 10
+        assert model[0]._forward_hooks
+        model(torch.ones(1, 8))
+        probes.current_step = 11
+        probe(torch.ones(1), "x")
+        model(torch.ones(1, 8))
+    assert set(probes.to_frame().step) == {10}
+    for bad in (-1, 2.5, "3"):
+        with pytest.raises((TypeError, ValueError), match="current_step"):
+            probes.current_step = bad
+
+
+def test_grad_input_is_recorded_when_autograd_grad_asks_for_the_input_only():
+    """The tap's gradient is read by a hook on its own node, which runs whenever the gradient goes on
+    to the input: ``torch.autograd.grad(loss, x)`` records grad_input as ``backward()`` does."""
+    model = small_model()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    with ProbeSet(model, modules=["0"], roles=("grad_input",), stats=("l2",)) as probes:
+        (grad_x,) = torch.autograd.grad(model(x).square().sum(), x)
+    got = probes.to_frame().value.tolist()
+    assert got == pytest.approx([torch.linalg.vector_norm(grad_x.double()).item()], rel=1e-12)
+
+
+def test_string_columns_have_the_dtype_pandas_gives_strings():
+    """module, role and stat are built from their distinct values; the frame must hold what a frame
+    built from plain Python strings holds, dtype included (object, or pandas 3's str)."""
+    model = small_model()
+    with ProbeSet(model, modules=["0", "2"], roles=("input", "output"), stats=("amax", "l1")) as probes:
+        model(torch.randn(2, 8, generator=torch.Generator().manual_seed(5)))
+    frame = probes.to_frame()
+    rows = frame.values.tolist()
+    plain = pd.DataFrame(rows, columns=frame.columns)
+    pd.testing.assert_frame_equal(frame, plain)
+    assert [row[2:5] for row in rows[:4]] == [
+        ["0", "input", "amax"], ["0", "input", "l1"], ["0", "output", "amax"], ["0", "output", "l1"]
+    ]  # fmt: skip
 
 
 def test_audit_explains_grad_scaler_accumulation_and_clipping():

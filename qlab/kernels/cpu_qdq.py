@@ -313,13 +313,21 @@ STATS_THREADS_MIN_NUMEL = 16384  # below this a thread team costs more than it s
 
 def tensor_stats_at(x: torch.Tensor, channels: int, outliers: bool, address: int) -> None:
     """``tensor_stats`` of x (non-empty float32 on the CPU, viewed as (numel / channels, channels)) written
-    to the 11 float64 at ``address``, unchecked: a probe's per-record path (``qlab.probes``), where a
-    checked call's Python costs as much as the statistics of a small tensor."""
+    to the 11 float64 at ``address``, unchecked."""
     if not x.is_contiguous():
         x = x.contiguous()
     numel = x.numel()
     threads = torch.get_num_threads() if numel >= STATS_THREADS_MIN_NUMEL else 1
     _library().qlab_tensor_stats(x.data_ptr(), numel // channels, channels, outliers, address, threads)
+
+
+def tensor_stats_function():
+    """The C function behind ``tensor_stats_at``, unchecked and with no Python around it:
+    ``function(x.data_ptr(), rows, channels, outliers, address, threads)`` for a contiguous x. A probe's
+    per-record path (``qlab.probes``) calls it directly, as each Python layer costs about as much as
+    the statistics of a small tensor. None where the library is not built."""
+    library = _library()
+    return library.qlab_tensor_stats if library is not None else None
 
 
 def _define_qdq_op(name: str, schema: str, run):

@@ -197,6 +197,22 @@ static void add_channel_amax(const float *x, int64_t start, int64_t end, int64_t
     }
 }
 
+/* Thread `thread` of `size`'s share of the blocks (a contiguous run of them, in order) into `mine`,
+   and with `outliers` its channel maxima into its own row `mine_amax`. */
+static void add_share(const float *x, int64_t n, int64_t blocks, int64_t channels, int outliers, int fused,
+                      Partial *mine, uint32_t *mine_amax, int thread, int size) {
+    partial_init(mine);
+    int64_t first = blocks * thread / size, last = blocks * (thread + 1) / size;
+    for (int64_t b = first; b < last; b++) {
+        int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
+        if (fused) add_block(x + start, end - start, mine, mine_amax, channels, start % channels, 1);
+        else {
+            add_block(x + start, end - start, mine, NULL, channels, 0, 0);
+            if (outliers) add_channel_amax(x, start, end, channels, mine_amax);
+        }
+    }
+}
+
 void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outliers, double *result, int threads) {
     const int64_t n = rows * channels, blocks = (n + BLOCK - 1) / BLOCK;
     if (threads > blocks) threads = (int)blocks;
@@ -217,24 +233,18 @@ void qlab_tensor_stats(const float *x, int64_t rows, int64_t channels, int outli
     if (outliers) memset(channel_amax, 0, (size_t)scratch * sizeof(uint32_t));
     const int fused = outliers && channels % LANES == 0; /* channel maxima in add_block's own loop */
     int team = 1; /* the threads OpenMP gives, which may be fewer than asked (OMP_THREAD_LIMIT, nesting) */
+    if (threads == 1) /* no parallel region: entering one costs ~0.3 µs, a small tensor's whole call */
+        add_share(x, n, blocks, channels, outliers, fused, parts, outliers ? channel_amax : NULL, 0, 1);
+    else {
 #pragma omp parallel num_threads(threads)
-    {
-        int thread = 0, size = 1;
+        {
+            int thread = 0, size = 1;
 #ifdef _OPENMP
-        thread = omp_get_thread_num(), size = omp_get_num_threads();
+            thread = omp_get_thread_num(), size = omp_get_num_threads();
 #endif
-        if (thread == 0) team = size; /* read after the region's closing barrier */
-        Partial *mine = &parts[thread];
-        partial_init(mine);
-        int64_t first = blocks * thread / size, last = blocks * (thread + 1) / size; /* in order */
-        for (int64_t b = first; b < last; b++) {
-            int64_t start = b * BLOCK, end = start + BLOCK < n ? start + BLOCK : n;
+            if (thread == 0) team = size; /* read after the region's closing barrier */
             uint32_t *mine_amax = outliers ? channel_amax + (int64_t)thread * stride : NULL;
-            if (fused) add_block(x + start, end - start, mine, mine_amax, channels, start % channels, 1);
-            else {
-                add_block(x + start, end - start, mine, NULL, channels, 0, 0);
-                if (outliers) add_channel_amax(x, start, end, channels, mine_amax);
-            }
+            add_share(x, n, blocks, channels, outliers, fused, &parts[thread], mine_amax, thread, size);
         }
     }
     Partial *all = &parts[0];
