@@ -4,7 +4,9 @@
 
 For each recipe, a 4096×4096 float32 tensor is quantized and dequantized by
 - qlab's fast path writing into a preallocated tensor (``qdq(x, out=y)``), against
-  ``torch.add(x, 0, out=y)``: one read and one write of the tensor, the memory-bound floor. The fast
+  ``torch.add(x, 0, out=y)``: one read and one write of the tensor, the memory-bound floor (a format
+  scaled by the whole tensor's amax, NVFP4 or FP8 per tensor, must read x twice: the header gives
+  ``torch.aminmax(x)`` then that add, its floor, as a ratio too). The fast
   path is the C kernel ``qlab.kernels.cpu_qdq`` where it covers the recipe (MX, NVFP4 1×16), else
   qdq's torch.compile path; for the C kernel's rows the compiled path is timed too (kernel off);
 - the same path returning a fresh tensor (``qdq(x)``), against ``torch.add(x, 0)``, which pays the
@@ -119,9 +121,14 @@ def main() -> None:
 
     floor = median_seconds(lambda: torch.add(x, 0, out=y), args.repeats)
     fresh_floor = median_seconds(lambda: torch.add(x, 0), args.repeats)
+    # NVFP4's (and FP8 per tensor's) scale needs the whole tensor's amax before any element is written:
+    # a second read of x, which no single-pass floor includes
+    two_reads = median_seconds(lambda: (torch.aminmax(x), torch.add(x, 0, out=y)), args.repeats)
     print(
         f"machine: {machine()}; qdq of a {args.size}×{args.size} float32 tensor; "
-        f"torch.add(x, 0, out=y) {floor * 1e3:.1f} ms, torch.add(x, 0) {fresh_floor * 1e3:.1f} ms\n"
+        f"torch.add(x, 0, out=y) {floor * 1e3:.1f} ms, torch.add(x, 0) {fresh_floor * 1e3:.1f} ms; "
+        f"aminmax(x) then add(out=y), the floor of a format scaled by the tensor's amax, "
+        f"{two_reads * 1e3:.1f} ms = {two_reads / floor:.2f} × add(out=y)\n"
     )
     print(
         "| recipe | fast path | out=y (ms) | / add(out=y) | compiled path, out=y / add | fresh (ms) "

@@ -315,7 +315,8 @@ class ProbeSet:
     set can ask MXFP8 of some layers and NVFP4 of others); block_stats: add ``block_stats`` rows
     ("<label>/block/<stat>") for MX and NVFP4 what-ifs; sampling: steps start ≤ s < end with
     (s − start) % every == 0; ranks: record only on these torch.distributed ranks (records carry the
-    rank either way); histograms: add log2_histogram counts per tensor.
+    rank either way; it is read at ``attach()``, ``step()`` and ``record_param_grads()``, so make or
+    attach the set after ``init_process_group``); histograms: add log2_histogram counts per tensor.
     """
 
     def __init__(
@@ -368,8 +369,7 @@ class ProbeSet:
         self.ranks = ranks
         self.histograms = checks.boolean("histograms", histograms)
         self._step = 0
-        self._rank = _rank()  # this step's rank and sampling(), for the per-record path (_sync_hooks)
-        self._sampled = self.sampling()
+        self._read_rank_and_sampling()
         self._blocks: list[pd.DataFrame] = []  # the records read so far, in recording order
         self._pending: list[tuple] = []  # statistics still on the device: moved when records are read
         self._queue = _StatsQueue("outlier_ratio" in stats)
@@ -434,10 +434,8 @@ class ProbeSet:
             _ACTIVE.remove(self)
 
     def _sync_hooks(self) -> None:
-        """Install or remove the hooks for the current step, and note whether it is sampled and the
-        rank (read once a step: a record costs a few microseconds, and these add a third to it)."""
-        self._rank = _rank()
-        self._sampled = self.sampling()
+        """Install or remove the hooks for the current step (and read the rank and sampling)."""
+        self._read_rank_and_sampling()
         if self.attached and self._sampled:
             if not self._handles:
                 self._install_hooks()
@@ -459,6 +457,13 @@ class ProbeSet:
                 for param_name, param in module.named_parameters(recurse=False):
                     if param.requires_grad:
                         self._handles.append(param.register_hook(self._grad_hook(f"{name}.{param_name}")))
+
+    def _read_rank_and_sampling(self) -> None:
+        """Note the rank and whether the current step is sampled, for the per-record path: read at
+        ``attach()``, ``step()``, setting ``current_step`` and ``record_param_grads()``, not at every
+        record (a record costs a few microseconds, and these added a third to it)."""
+        self._rank = _rank()
+        self._sampled = self.sampling()
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -524,6 +529,8 @@ class ProbeSet:
         if torch.compiler.is_compiling():
             tapped.register_hook(self._gradient_recorder(name, "grad_input"))
             return
+        if tapped.grad_fn is None:  # made with gradients off (no_grad, reentrant checkpointing's first
+            return  # forward): no gradient will reach it, as a tensor hook on it would never fire
 
         def hook(grad_outputs):
             grad = grad_outputs[0]
@@ -655,6 +662,7 @@ class ProbeSet:
 
     def record_param_grads(self, role: str = "param_grad") -> None:
         """Record ``param.grad`` of every selected module's parameters (after accumulation/unscaling)."""
+        self._read_rank_and_sampling()  # torch.distributed may have started since the last step
         for name, module in self.selected.items():
             for param_name, param in module.named_parameters(recurse=False):
                 if param.grad is not None:

@@ -134,6 +134,53 @@ def test_grad_input_is_recorded_when_autograd_grad_asks_for_the_input_only():
     assert got == pytest.approx([torch.linalg.vector_norm(grad_x.double()).item()], rel=1e-12)
 
 
+def test_a_forward_without_gradients_taps_nothing_and_reentrant_checkpointing_records_grad_input():
+    """Under no_grad the input's tap has no node: the forward must run and record no grad_input. With
+    reentrant checkpointing (a first forward under no_grad, then a recomputation with gradients) the
+    recomputation's tap records the gradient into the module, as torch's full backward hook sees it."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = small_model()
+    with ProbeSet(model, modules=["0"], roles=("grad_input",), stats=("l2",)) as probes:
+        with torch.no_grad():
+            model(torch.randn(2, 8, requires_grad=True))
+    assert probes.to_frame().empty
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.a, self.b, self.c = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            return self.c(checkpoint(self.b, self.a(x), use_reentrant=True))
+
+    net = Checkpointed()
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(6))
+    seen = []
+    handle = net.b.register_full_backward_hook(lambda _, gi, go: seen.append(gi[0].clone()))
+    net(x).square().sum().backward()
+    handle.remove()
+    with ProbeSet(net, modules=["b"], roles=("grad_input",), stats=("l2",)) as probes:
+        net(x).square().sum().backward()
+    got = probes.to_frame().value.tolist()
+    assert got == pytest.approx([torch.linalg.vector_norm(seen[0].double()).item()], rel=1e-12)
+
+
+def test_param_grads_carry_the_rank_when_distributed_starts_after_the_set(monkeypatch):
+    """The rank is read once a step for the hooks' records, and again by record_param_grads: a set made
+    before torch.distributed started still files param_grad under the rank it has by then."""
+    from qlab import probes as probes_module
+
+    model = small_model()
+    model(torch.randn(2, 8)).sum().backward()
+    probes = ProbeSet(model, modules=["0"], roles=("param_grad",), stats=("l2",), ranks=[1])
+    monkeypatch.setattr(probes_module, "_rank", lambda: 1)  # as if init_process_group ran just now
+    probes.record_param_grads()
+    frame = probes.to_frame()
+    assert len(frame) == 2 and set(frame["rank"]) == {1}
+
+
 def test_string_columns_have_the_dtype_pandas_gives_strings():
     """module, role and stat are built from their distinct values; the frame must hold what a frame
     built from plain Python strings holds, dtype included (object, or pandas 3's str)."""
