@@ -1,7 +1,5 @@
-"""qlab.probes: statistics against direct computation, hook hygiene, probe(), the gradient audit.
-
-(Issue 5 groundwork: notebook 01 is still to come.)
-"""
+"""qlab.probes: statistics against direct computation, hook hygiene, probe(), the gradient audit, and
+the recorded gradients against torch's own full backward hooks."""
 
 import math
 
