@@ -663,6 +663,8 @@ class ProbeSet:
     def record_param_grads(self, role: str = "param_grad") -> None:
         """Record ``param.grad`` of every selected module's parameters (after accumulation/unscaling)."""
         self._read_rank_and_sampling()  # torch.distributed may have started since the last step
+        if not self._sampled:  # nothing would be recorded: skip walking every module's parameters
+            return
         for name, module in self.selected.items():
             for param_name, param in module.named_parameters(recurse=False):
                 if param.grad is not None:
