@@ -295,6 +295,9 @@ def _draws_match_torch() -> bool:
     return torch.equal(ours.get_state(), theirs.get_state())
 
 
+STATS_THREADS_MIN_NUMEL = 16384  # below this a thread team costs more than it saves (4096 in a tight loop)
+
+
 def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
     """``qlab.probes._stats_rows`` of one non-empty float32 CPU tensor viewed as (rows, channels), as a
     float64 vector of 11, read in place in one pass (``cpu_stats.c``): min, max and the counts exact,
@@ -303,26 +306,15 @@ def tensor_stats(x: torch.Tensor, outliers: bool) -> torch.Tensor:
         raise ValueError(
             f"x must be a non-empty 2-D float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}"
         )
+    x = x.contiguous()
     out = torch.empty(11, dtype=torch.float64)
-    tensor_stats_at(x, x.shape[1], outliers, out.data_ptr())
+    threads = torch.get_num_threads() if x.numel() >= STATS_THREADS_MIN_NUMEL else 1
+    _library().qlab_tensor_stats(x.data_ptr(), x.shape[0], x.shape[1], outliers, out.data_ptr(), threads)
     return out
 
 
-STATS_THREADS_MIN_NUMEL = 16384  # below this a thread team costs more than it saves (4096 in a tight loop)
-
-
-def tensor_stats_at(x: torch.Tensor, channels: int, outliers: bool, address: int) -> None:
-    """``tensor_stats`` of x (non-empty float32 on the CPU, viewed as (numel / channels, channels)) written
-    to the 11 float64 at ``address``, unchecked."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    numel = x.numel()
-    threads = torch.get_num_threads() if numel >= STATS_THREADS_MIN_NUMEL else 1
-    _library().qlab_tensor_stats(x.data_ptr(), numel // channels, channels, outliers, address, threads)
-
-
 def tensor_stats_function():
-    """The C function behind ``tensor_stats_at``, unchecked and with no Python around it:
+    """The C function behind ``tensor_stats``, unchecked and with no Python around it:
     ``function(x.data_ptr(), rows, channels, outliers, address, threads)`` for a contiguous x. A probe's
     per-record path (``qlab.probes``) calls it directly, as each Python layer costs about as much as
     the statistics of a small tensor. None where the library is not built."""
