@@ -60,6 +60,7 @@ if platform.machine() in ("x86_64", "AMD64"):
     FLAGS += ("-mprefer-vector-width=512",)  # gcc's default of 256 bits halves AVX-512's work per instruction
 MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}  # the enum in cpu_qdq.c
 FP8_ELEMENTS = ("e4m3", "e5m2")  # the formats whose NaN the kernel writes as torch's float8 cast does
+SQUARE_BLOCK_LIMIT = 256  # 2-D tiles up to the narrowest column item of cpu_qdq.c's qdq_blocks
 FLOATING = (torch.float32, torch.bfloat16, torch.float16)  # 16-bit x is widened first, as the reference does
 
 
@@ -147,7 +148,12 @@ def covers(x: torch.Tensor, spec, dtype: torch.dtype) -> bool:
         and (
             spec.block_size is None
             or not spec.block_2d
-            or (x.dim() == 2 and spec.rounding == "rne" and not spec.hadamard)
+            or (
+                x.dim() == 2
+                and spec.rounding == "rne"
+                and not spec.hadamard
+                and spec.block_size <= SQUARE_BLOCK_LIMIT
+            )
         )
         and x.device.type == "cpu"
         and x.dtype in FLOATING
