@@ -17,8 +17,9 @@ For each recipe, a 4096×4096 float32 tensor is quantized and dequantized by
   ``hp_tensor_to_float8_dynamic`` + ``to_original_precision`` (FP8 tensorwise).
 Compilation happens in the warm-up and is reported apart. Every block format has a row
 (torchao's column where torchao has the recipe; bits compared in torchao's scale convention).
-Prints a markdown table of medians of --repeats runs after one warm-up, and ratios. torchao is a
-test/benchmark-only dependency (``pip install -e .[dev]``).
+Prints a markdown table of medians of --repeats runs after one warm-up, and ratios: each ratio to an
+add is the median of --repeats rounds that time the row and its add back to back (timing.paired_ratio).
+torchao is a test/benchmark-only dependency (``pip install -e .[dev]``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_thread_argument, machine, median_seconds, set_threads  # noqa: E402
+from timing import add_thread_argument, machine, median_seconds, paired_ratio, set_threads  # noqa: E402
 
 from qlab import quantize as Q  # noqa: E402
 from qlab.kernels import cpu_qdq  # noqa: E402
@@ -119,16 +120,23 @@ def main() -> None:
     y = torch.empty_like(x)
     reference = torchao_recipes()
 
-    floor = median_seconds(lambda: torch.add(x, 0, out=y), args.repeats)
-    fresh_floor = median_seconds(lambda: torch.add(x, 0), args.repeats)
+    def add_into():
+        torch.add(x, 0, out=y)
+
+    def add_fresh():
+        torch.add(x, 0)
+
+    floor = median_seconds(add_into, args.repeats)
+    fresh_floor = median_seconds(add_fresh, args.repeats)
     # NVFP4's (and FP8 per tensor's) scale needs the whole tensor's amax before any element is written:
     # a second read of x, which no single-pass floor includes
-    two_reads = median_seconds(lambda: (torch.aminmax(x), torch.add(x, 0, out=y)), args.repeats)
+    two_reads, two_reads_ratio = paired_ratio(lambda: (torch.aminmax(x), add_into()), add_into, args.repeats)
     print(
         f"machine: {machine()}; qdq of a {args.size}×{args.size} float32 tensor; "
         f"torch.add(x, 0, out=y) {floor * 1e3:.1f} ms, torch.add(x, 0) {fresh_floor * 1e3:.1f} ms; "
         f"aminmax(x) then add(out=y), the floor of a format scaled by the tensor's amax, "
-        f"{two_reads * 1e3:.1f} ms = {two_reads / floor:.2f} × add(out=y)\n"
+        f"{two_reads * 1e3:.1f} ms = {two_reads_ratio:.2f} × add(out=y); every ratio is the median of "
+        f"{args.repeats} rounds' ratios, each round timing the row and its add back to back\n"
     )
     print(
         "| recipe | fast path | out=y (ms) | / add(out=y) | compiled path, out=y / add | fresh (ms) "
@@ -141,15 +149,15 @@ def main() -> None:
         fast = Q.qdq(x, name, fast=True)
         first_call = time.perf_counter() - start
         Q.qdq(x, name, fast=True, out=y)  # compiles the out= variant
-        into = median_seconds(lambda: Q.qdq(x, name, fast=True, out=y), args.repeats)
-        compiled = median_seconds(lambda: Q.qdq(x, name, fast=True), args.repeats)
+        into, into_ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True, out=y), add_into, args.repeats)
+        compiled, compiled_ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True), add_fresh, args.repeats)
         eager = median_seconds(lambda: Q.qdq(x, name, fast=False), args.repeats)
         path, inductor = "compiled", "—"
         if cpu_qdq.covers(x, Q.get_spec(name), x.dtype):
             with without_cpu_kernel():
                 Q.qdq(x, name, fast=True, out=y)  # compiles it
-                seconds = median_seconds(lambda: Q.qdq(x, name, fast=True, out=y), args.repeats)
-            path, inductor = "C kernel", f"{seconds / floor:.2f}"
+                _, ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True, out=y), add_into, args.repeats)
+            path, inductor = "C kernel", f"{ratio:.2f}"
         theirs, same = "—", "—"
         if name in reference:
             seconds = median_seconds(lambda: reference[name](x), args.repeats)
@@ -160,8 +168,8 @@ def main() -> None:
         else:
             theirs = "— | —"
         print(
-            f"| {label} | {path} | {into * 1e3:.1f} | {into / floor:.2f} | {inductor} | "
-            f"{compiled * 1e3:.1f} | {compiled / fresh_floor:.2f} | {eager * 1e3:.1f} | {theirs} | "
+            f"| {label} | {path} | {into * 1e3:.1f} | {into_ratio:.2f} | {inductor} | "
+            f"{compiled * 1e3:.1f} | {compiled_ratio:.2f} | {eager * 1e3:.1f} | {theirs} | "
             f"{first_call:.1f} | {same} |",
             flush=True,
         )

@@ -1,7 +1,7 @@
 """Training-step time of every recipe relative to FP32, eager and compiled, in one run.
 
     python benchmarks/bench_train.py [--modes eager,compiled] [--steps 10] [--repeats 3] [--threads auto]
-                                     [--recipes fp8_tensorwise,...] [--llama] [--device auto]
+                                     [--recipes fp8_tensorwise,...] [--llama] [--profile] [--device auto]
 
 CharGPT rows: the default model (5 blocks, width 128, context 128, about 1.0M parameters, head kept
 in high precision), batch --batch-size × 128 tokens, through ``qlab.train.train``. Each repeat runs
@@ -10,6 +10,12 @@ the ratio is taken against the FP32 run of the same repeat and mode, and the tab
 ratio over repeats with its range. "compiled" is ``TrainConfig(compile=True)`` (compiled against
 compiled FP32), "eager" the default (against eager FP32). Quantization is emulated (quantize →
 dequantize → FP32 GEMM), so a ratio is the emulation's cost, not a low-precision speed-up.
+
+--profile (CUDA only) says where a compiled CharGPT step's time goes on the GPU: for FP32 and each
+recipe, the wall time of a step (the forward, backward and AdamW step; no clipping and no loss read
+back, so a little under a ``train`` step), the summed time of the kernels the GPU ran in it ("GPU
+busy", from torch.profiler) and their number. Where wall time far exceeds GPU-busy time, the step is
+bound by the host (Python and kernel launches), not by the quantizers' arithmetic.
 
 --llama adds a quantized Hugging Face Llama (2 layers, hidden 256, intermediate 1024, 512 tokens a
 step) under bf16 autocast with mxfp8, forward+backward+AdamW, against the same model unquantized,
@@ -34,7 +40,7 @@ from timing import add_thread_argument, machine, median_and_range, set_threads  
 from qlab.quantize import COMPILE_OPTIONS  # noqa: E402
 from qlab.train import TrainConfig, train  # noqa: E402
 from qlab.train.config import RECIPES  # noqa: E402
-from qlab.train.loop import resolve_device  # noqa: E402
+from qlab.train.loop import Batches, build_model, compiled_step_model, make_optimizer, resolve_device  # noqa: E402
 
 WARMUP = 3
 CURRENT_SCALING = ("fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4")
@@ -52,6 +58,38 @@ def seconds_per_step(config: TrainConfig, steps: int, compile_times_to: str | No
         with open(os.path.join(compile_times_to, f"{config.recipe}.txt"), "w") as file:
             file.write(torch._dynamo.utils.compile_times(repr="str", aggregate=True) + "\n")
     return (times.iloc[-2] - times.iloc[WARMUP - 1]) / steps, times.iloc[0]
+
+
+def profile_compiled_step(config: TrainConfig, steps: int) -> tuple[float, float, float]:
+    """(wall seconds, GPU-busy seconds, kernels) per compiled training step of ``config`` on CUDA: the
+    model built and compiled as ``train`` builds it, one fixed batch, 3 warm-up steps; wall time is the
+    middle of three runs of ``steps`` steps, GPU-busy time (the kernels' summed durations) and the
+    kernel count come from torch.profiler over 5 more steps."""
+    device = torch.device(config.device)
+    batches = Batches(config)
+    model = build_model(config, len(batches.vocabulary)).to(device).train()
+    step_model = compiled_step_model(model)
+    optimizer = make_optimizer(config, model)
+    inputs, targets = (t.to(device) for t in batches.train(0, 0, 0))
+
+    def step():
+        logits = step_model(inputs).float()
+        torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(WARMUP):
+        step()
+    torch.cuda.synchronize()
+    walls = sorted(seconds_per_call(step, steps, synchronize=True) for _ in range(3))
+    profiled = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(profiled):
+            step()
+        torch.cuda.synchronize()
+    kernels = [event for event in profiler.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(event.device_time_total for event in kernels) * 1e-6  # µs → s
+    return walls[1], busy / profiled, len(kernels) / profiled
 
 
 def llama_stepper(recipe: str | None, device: torch.device):
@@ -92,10 +130,12 @@ def llama_stepper(recipe: str | None, device: torch.device):
     return step, first
 
 
-def seconds_per_call(function, calls: int) -> float:
+def seconds_per_call(function, calls: int, synchronize: bool = False) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         function()
+    if synchronize:
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / calls
 
 
@@ -107,6 +147,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--recipes", default=",".join(r for r in RECIPES if r != "fp32"))
     parser.add_argument("--llama", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="wall against GPU-busy time (CUDA only)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile-times", metavar="DIR", help="Dynamo's compile-time table per recipe, here")
     add_thread_argument(parser)
@@ -124,6 +165,18 @@ def main() -> None:
         f"machine: {machine(device)} ({threads} threads chosen); default CharGPT, batch {args.batch_size} × "
         f"{base.context} tokens, {args.steps} timed steps, {args.repeats} repeats\n"
     )
+    if args.profile:
+        if device.type != "cuda":
+            parser.error(f"--profile reads the GPU's kernel times: it needs a CUDA device, got {device}")
+        print("| recipe, compiled | wall step (ms) | / FP32 | GPU busy (ms) | / FP32 | kernels a step |")
+        print("|---|---:|---:|---:|---:|---:|")
+        fp32 = None
+        for recipe in ["fp32", *recipes]:
+            wall, busy, kernels = profile_compiled_step(base.replace(recipe=recipe, compile=True), args.steps)
+            fp32 = fp32 or (wall, busy)
+            times = f"{wall * 1e3:.2f} | {wall / fp32[0]:.2f} | {busy * 1e3:.2f} | {busy / fp32[1]:.2f}"
+            print(f"| {recipe} | {times} | {kernels:.0f} |", flush=True)
+        return
     for mode in filter(None, args.modes.split(",")):  # --modes "" with --llama: the Llama rows only
         compiled = mode == "compiled"
         ratios = {recipe: [] for recipe in recipes}

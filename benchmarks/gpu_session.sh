@@ -2,7 +2,8 @@
 # The README's GPU numbers in one go, on a lent GPU machine whose python3 already holds torch, Triton and
 # transformers (nothing is installed; qlab runs from the checkout):
 #
-#   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [fp8err] [kernels] [linear]
+#   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [profile] [fp8err]
+#                                         [kernels] [linear]
 #   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
@@ -56,6 +57,10 @@ for part in $parts; do
     llama)  # the tiny Hugging Face Llama, bf16 autocast, mxfp8 against unquantized, both compiled
         run_part llama 300 $py benchmarks/bench_train.py --device cuda --modes "" --steps 20 --repeats 1 \
             --recipes mxfp8 --llama ;;
+    profile)  # wall against GPU-busy time and kernels of the compiled CharGPT steps, batch 16 and 128
+        run_part profile 360 bash -c "$py benchmarks/bench_train.py --device cuda --profile --steps 10 \
+            --recipes fp8_tensorwise,mxfp8,nvfp4 && $py benchmarks/bench_train.py --device cuda --profile \
+            --steps 10 --batch-size 128 --recipes mxfp8,nvfp4" ;;
     fp8err)  # the FP8 tensor-core GEMM's error against the exact product (the bound tests/test_fp8_gemm.py uses)
         run_part fp8err 90 $py benchmarks/measure_fp8_gemm_error.py --device cuda ;;
     kernels)

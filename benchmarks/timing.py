@@ -75,6 +75,27 @@ def all_seconds(fn, repeats: int, *, synchronize: bool = False) -> list[float]:
     return times
 
 
+def paired_ratio(fn, baseline, repeats: int, calls: int = 5) -> tuple[float, float]:
+    """(median seconds of a call of ``fn``, median over ``repeats`` rounds of fn's time / baseline's in
+    that round), after one warm-up call of each. Each round times ``calls`` calls of each back to back,
+    in alternating order, so a change in the machine's load between rounds reaches both sides of its
+    ratio (on the 2-core VM the same kernel read 1.1× and 1.3× a floor timed minutes apart)."""
+    fn()
+    baseline()
+    seconds, ratios = [], []
+    for round_ in range(repeats):
+        pair = {}
+        for name in ("fn", "baseline") if round_ % 2 == 0 else ("baseline", "fn"):
+            function = fn if name == "fn" else baseline
+            start = time.perf_counter()
+            for _ in range(calls):
+                function()
+            pair[name] = (time.perf_counter() - start) / calls
+        seconds.append(pair["fn"])
+        ratios.append(pair["fn"] / pair["baseline"])
+    return statistics.median(seconds), statistics.median(ratios)
+
+
 def median_and_range(values) -> str:
     """ "1.23 (1.10–1.40)": the median and the smallest and largest value."""
     values = sorted(values)

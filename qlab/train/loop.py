@@ -567,7 +567,7 @@ def _start(config: TrainConfig, probes) -> _Run:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    step_model = _compiled(model) if config.compile else model  # evaluation and fidelity stay eager
+    step_model = compiled_step_model(model) if config.compile else model  # evaluation, fidelity: eager
     probe_set = probes(trained) if probes is not None else None
     if probe_set is not None:
         probe_set.current_step = start
@@ -676,7 +676,7 @@ def _save_outputs(run: _Run, row: dict, stop: Divergence) -> None:
             write_csv(pd.DataFrame(run.fidelity), run.out_dir / "fidelity.csv")
 
 
-def _compiled(model: nn.Module) -> nn.Module:
+def compiled_step_model(model: nn.Module) -> nn.Module:
     """The model for the training steps, compiled: QuantLinear gives the same bits as eagerly
     (tests/test_compile.py). Its float32 GEMMs need "highest" matmul precision, PyTorch's default, which
     compiled code cannot switch on by itself.
