@@ -492,21 +492,27 @@ static void hadamard_row_item(const float *restrict x, float *restrict out, cons
     uint32_t amax[TILE];
     float inverse[TILE], multiplier[TILE];
     const f32x16 sign = load16(signs);
+    if (tensor_amax) { /* the rotated tensor's amax alone: one running maximum, no block bookkeeping */
+        u32x16 largest = {0};
+        for (int64_t p = 0; p < n; p += 16) {
+            __builtin_prefetch(x + p + PREFETCH_AHEAD, 0, 3);
+            largest = vector_max(largest, (u32x16)hadamard16(load16(x + p) * 0.25f * sign) & 0x7FFFFFFFu);
+        }
+        uint32_t item_amax = lanes_max(largest);
+        *tensor_amax = item_amax > *tensor_amax ? item_amax : *tensor_amax;
+        return;
+    }
     for (int64_t group = 0; group < lanes; group += 16) { /* TILE is a multiple of 16 */
         u32x16 largest[16] = {{0}};
         for (int64_t j = 0; j < 16 && group + j < lanes; j++)
             for (int64_t p = (group + j) * block; p < (group + j + 1) * block; p += 16) {
                 __builtin_prefetch(x + p + PREFETCH_AHEAD, 0, 3);
                 f32x16 rotated = hadamard16(load16(x + p) * 0.25f * sign);
-                if (!tensor_amax) store16(v + p, rotated);
+                store16(v + p, rotated);
                 largest[j] = vector_max(largest[j], (u32x16)rotated & 0x7FFFFFFFu);
             }
         u32x16 maxima = vectors_max(largest);
         memcpy(amax + group, &maxima, sizeof maxima);
-    }
-    if (tensor_amax) {
-        for (int64_t j = 0; j < lanes; j++) *tensor_amax = amax[j] > *tensor_amax ? amax[j] : *tensor_amax;
-        return;
     }
     block_factors(amax, inverse, multiplier, lanes, r);
     row_qdq_blocks(v, out, noise, lanes, block, inverse, multiplier, r);
