@@ -40,7 +40,14 @@ from timing import add_thread_argument, machine, median_and_range, set_threads  
 from qlab.quantize import COMPILE_OPTIONS  # noqa: E402
 from qlab.train import TrainConfig, train  # noqa: E402
 from qlab.train.config import RECIPES  # noqa: E402
-from qlab.train.loop import Batches, build_model, compiled_step_model, make_optimizer, resolve_device  # noqa: E402
+from qlab.train.loop import (  # noqa: E402
+    Batches,
+    autocast_for,
+    build_model,
+    compiled_step_model,
+    make_optimizer,
+    resolve_device,
+)
 
 WARMUP = 3
 CURRENT_SCALING = ("fp8_tensorwise", "int8_per_token", "mxfp8", "mxfp4", "nvfp4")
@@ -62,19 +69,22 @@ def seconds_per_step(config: TrainConfig, steps: int, compile_times_to: str | No
 
 def profile_compiled_step(config: TrainConfig, steps: int) -> tuple[float, float, float]:
     """(wall seconds, GPU-busy seconds, kernels) per compiled training step of ``config`` on CUDA: the
-    model built and compiled as ``train`` builds it, one fixed batch, 3 warm-up steps; wall time is the
-    middle of three runs of ``steps`` steps, GPU-busy time (the kernels' summed durations) and the
-    kernel count come from torch.profiler over 5 more steps."""
+    model built and compiled as ``train`` builds it, under its autocast (no GradScaler), one fixed
+    batch, 3 warm-up steps; wall time is the middle of three runs of ``steps`` steps, GPU-busy time
+    (the kernels' summed durations, memcpy and memset included) and the kernel count come from
+    torch.profiler over 5 more steps."""
     device = torch.device(config.device)
     batches = Batches(config)
     model = build_model(config, len(batches.vocabulary)).to(device).train()
     step_model = compiled_step_model(model)
     optimizer = make_optimizer(config, model)
+    autocast = autocast_for(config, device)  # bf16's forward, as train runs it
     inputs, targets = (t.to(device) for t in batches.train(0, 0, 0))
 
     def step():
-        logits = step_model(inputs).float()
-        torch.nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten()).backward()
+        with autocast():
+            logits = step_model(inputs)
+        torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten()).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -165,7 +175,7 @@ def main() -> None:
         f"machine: {machine(device)} ({threads} threads chosen); default CharGPT, batch {args.batch_size} × "
         f"{base.context} tokens, {args.steps} timed steps, {args.repeats} repeats\n"
     )
-    if args.profile:
+    if args.profile:  # --modes, --repeats and --llama do not apply
         if device.type != "cuda":
             parser.error(f"--profile reads the GPU's kernel times: it needs a CUDA device, got {device}")
         print("| recipe, compiled | wall step (ms) | / FP32 | GPU busy (ms) | / FP32 | kernels a step |")

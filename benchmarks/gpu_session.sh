@@ -59,7 +59,7 @@ for part in $parts; do
             --recipes mxfp8 --llama ;;
     profile)  # wall against GPU-busy time and kernels of the compiled CharGPT steps, batch 16 and 128
         run_part profile 360 bash -c "$py benchmarks/bench_train.py --device cuda --profile --steps 10 \
-            --recipes fp8_tensorwise,mxfp8,nvfp4 && $py benchmarks/bench_train.py --device cuda --profile \
+            --recipes fp8_tensorwise,mxfp8,nvfp4; $py benchmarks/bench_train.py --device cuda --profile \
             --steps 10 --batch-size 128 --recipes mxfp8,nvfp4" ;;
     fp8err)  # the FP8 tensor-core GEMM's error against the exact product (the bound tests/test_fp8_gemm.py uses)
         run_part fp8err 90 $py benchmarks/measure_fp8_gemm_error.py --device cuda ;;

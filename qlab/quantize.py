@@ -32,9 +32,10 @@ rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused lo
 memory passes), compiled lazily per (spec, dtype, shape) (up to 8 shapes per spec; more run
 eagerly) and skipped silently if compilation is unavailable; it is bit-identical to eager (tested).
 MX and NVFP4 (NVIDIA's convention) specs on CPU tensors (RNE or stochastic rounding, 1-D blocks with
-or without the Hadamard transform, 2-D tiles of a matrix) go instead, at any size, eagerly and inside
-``torch.compile``, through the C kernel ``qlab.kernels.cpu_qdq`` (``cpu_qdq.covers`` says exactly
-which): the same bits, near the speed of a memory copy. ``QLAB_COMPILE=0`` turns both off.
+or without the Hadamard transform, 2-D tiles of a matrix up to 256 × 256) go instead, at any size,
+eagerly and inside ``torch.compile``, through the C kernel ``qlab.kernels.cpu_qdq``
+(``cpu_qdq.covers`` says exactly which): the same bits, near the speed of a memory copy.
+``QLAB_COMPILE=0`` turns both off.
 """
 
 from __future__ import annotations

@@ -191,23 +191,30 @@ def test_hadamard_vector_paths_and_their_edges(spec, shape, axis):
     assert_kernel_matches(spread_tensor(shape, 30, seed=12), spec, axis, seed=3)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 16])
 @pytest.mark.parametrize(
     "spec", ["mxfp8", "nvfp4", NVFP4Spec(rounding="stochastic"), NVFP4Spec(hadamard=True)], ids=str
 )
-def test_wide_non_last_axis_spans_several_column_tiles(spec):
-    """Blocks down axis 1 of (2, 70, 600): with two threads, work items of 256 columns (a partial one
-    last) and a partial block (whose stochastic draws sit in the reference's zero-padded layout)."""
-    x = torch.randn(2, 70, 600, generator=torch.Generator().manual_seed(5)) * 1e3
-    assert_kernel_matches(x, spec, 1)
+def test_wide_non_last_axis_spans_several_column_tiles(spec, threads):
+    """Blocks down axis 1 of (2, 40, 4200): more columns than the kernel's widest work item (4096), so
+    at least two items whatever the threads (more, narrower ones for more threads), and a partial
+    block (whose stochastic draws sit in the reference's zero-padded layout)."""
+    x = torch.randn(2, 40, 4200, generator=torch.Generator().manual_seed(5)) * 1e3
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_kernel_matches(x, spec, 1)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 16])
 @pytest.mark.parametrize("block_size", [7, 16, 24, 32, 48, 256])
 @pytest.mark.parametrize("shape", [(100, 600), (40, 5000), (600, 100), (16, 4096)])
 def test_2d_tiles_of_any_block_size_never_straddle_two_work_items(shape, block_size, threads):
-    """The kernel cuts the columns into work items 256 to 4096 wide (wider where there are enough
-    items for the threads); an item must hold whole tiles. Before, with 256-column items, tiles of 7,
-    24, 48 and 256 columns straddled two items, and each half took its own scale (wrong bits)."""
+    """The kernel cuts the columns into work items about 256 to 4096 wide (wider where there are
+    enough items for the threads); an item must hold whole tiles. Before, with 256-column items,
+    tiles of 7, 24 and 48 columns straddled two items, and each half took its own scale (wrong bits)."""
     x = spread_tensor(shape, 20, seed=block_size)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -220,12 +227,13 @@ def test_2d_tiles_of_any_block_size_never_straddle_two_work_items(shape, block_s
         torch.set_num_threads(before)
 
 
-def test_2d_tiles_wider_than_the_kernel_covers_take_the_reference_path():
+def test_2d_tiles_wider_than_the_kernel_takes_are_left_to_the_reference_or_refused():
     x = torch.randn(8, 600)
     assert cpu_qdq.covers(x, MXSpec("e4m3", block_size=cpu_qdq.SQUARE_BLOCK_LIMIT, block_2d=True), x.dtype)
-    assert not cpu_qdq.covers(x, MXSpec("e4m3", block_size=300, block_2d=True), x.dtype)
-    spec = MXSpec("e4m3", block_size=300, block_2d=True)
-    assert_same_bits(Q.qdq(x, spec, 1), reference(x, spec, 1))
+    too_wide = MXSpec("e4m3", block_size=cpu_qdq.SQUARE_BLOCK_LIMIT + 1, block_2d=True)
+    assert not cpu_qdq.covers(x, too_wide, x.dtype)
+    with pytest.raises(ValueError, match=r"at most 256 × 256, got 257 × 257"):
+        cpu_qdq.qdq(x, too_wide, 1)  # a caller that skips covers() gets an error, not a crash
 
 
 def test_qdq_with_a_generator_consumes_the_same_stream_as_eager():

@@ -36,14 +36,15 @@ enum { RECIPE_MX = 0, RECIPE_NVFP4 = 1 };
 #define PREFETCH_AHEAD 1024 /* floats: 4 KiB */
 #endif
 #define TILE 256 /* blocks handled together along a row; columns in the Hadamard and integer paths */
-/* Columns handled together when blocks run down a non-last axis: up to a 4096-float row segment,
-   which streams each of the block's rows (4096², two threads: NVFP4 16×16 tiles 8-14 % and MXFP8
-   blocks down axis 0 8-9 % faster than with 256 columns, whose short strided segments the quantizing
-   pass re-read after they had left the L1 cache), halved down to 256 while that leaves fewer than 4
-   work items a thread, then cut to whole square tiles. */
+/* Columns handled together when blocks run down a non-last axis: items up to a 4096-float row
+   segment, which streams each of the block's rows (4096², two threads: NVFP4 16×16 tiles and MXFP8
+   blocks down axis 0 4-14 % faster than with 256 columns, whose short strided segments the
+   quantizing pass re-read after they had left the L1 cache); more, narrower items (down to about
+   256 columns) while there are fewer than 4 a thread, all of one width, whole square tiles. */
 #ifndef COLUMN_TILE
 #define COLUMN_TILE 4096
 #endif
+_Static_assert(COLUMN_TILE >= 256, "qlab.kernels.cpu_qdq.SQUARE_BLOCK_LIMIT (256) tiles must fit an item");
 #define FLOAT32_MAX 3.4028234663852886e38f
 #define NAN_BITS 0x7FC00000u
 
@@ -363,10 +364,13 @@ static void qdq_blocks(const float *x, float *out, const float *noise, int64_t o
         }
         return;
     }
-    int64_t width = COLUMN_TILE;
-    while (width > 256 && outer * blocks * ((inner + width - 1) / width) < 4 * (int64_t)threads) width /= 2;
-    if (r->square) width -= width % block; /* whole tiles in an item (the caller keeps block ≤ 256) */
-    int64_t tiles = (inner + width - 1) / width;
+    /* widths are multiples of `unit` up to `widest`; ceil(inner / tiles) ≤ widest, so the rounded
+       width is too (the caller keeps a square block ≤ 256) */
+    const int64_t unit = r->square ? block : 16, widest = COLUMN_TILE - COLUMN_TILE % unit;
+    int64_t tiles = (inner + widest - 1) / widest;
+    while (outer * blocks * tiles < 4 * (int64_t)threads && inner / (2 * tiles) >= 256) tiles *= 2;
+    const int64_t width = ((inner + tiles - 1) / tiles + unit - 1) / unit * unit;
+    tiles = (inner + width - 1) / width;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t k = 0; k < outer * blocks * tiles; k++) {
         int64_t tile = k % tiles, b = (k / tiles) % blocks, o = k / (tiles * blocks);

@@ -4,7 +4,7 @@ one pass per block (FP8 and INT: one for the amaxes, one for the elements).
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
 noise), 1-D blocks along any axis with or without the seeded Hadamard transform, or 2-D tiles of a
-matrix (RNE); FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE, either
+matrix (RNE, up to 256 × 256); FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE, either
 convention, pow2 and eps); symmetric integers per tensor or per line along the axis (``IntSpec``, RNE);
 float32 (or bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
@@ -200,6 +200,11 @@ def qdq(
 def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, elem_max, global_scale):
     """Call the C function: MX for mode ≥ 0, NVFP4 (NVIDIA's convention, blocks of 16) for mode −1;
     with the Hadamard transform of seed ``rotation`` around it when that is not −1."""
+    if square and block > SQUARE_BLOCK_LIMIT:  # the op is public: a caller may skip covers()
+        raise ValueError(
+            f"the C kernel takes 2-D tiles of at most {SQUARE_BLOCK_LIMIT} × {SQUARE_BLOCK_LIMIT}, got "
+            f"{block} × {block}: qlab.quantize.qdq runs larger ones on its reference path"
+        )
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
     noise = None if noise is None else noise.contiguous()  # held here: the C call reads its memory
     draws = None if noise is None else noise.data_ptr()

@@ -523,6 +523,15 @@ class _Run:
     fidelity_inputs: list | None
 
 
+def autocast_for(config: TrainConfig, device: torch.device):
+    """The context-manager factory a training forward runs under: torch.autocast to bf16 for the bf16
+    recipe, to ``config.autocast``'s dtype where set, else a null context."""
+    name = "bf16" if config.recipe == "bf16" else config.autocast
+    if not name:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[name])
+
+
 def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW (or SGD) with weight decay on the matrices only; ``learning_rate`` sets the lr each step."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -542,12 +551,7 @@ def _start(config: TrainConfig, probes) -> _Run:
     batches = Batches(config)
     vocab_size = len(batches.vocabulary) if batches.vocabulary is not None else None
     model = build_model(config, vocab_size, rank).to(device)
-    autocast_name = "bf16" if config.recipe == "bf16" else config.autocast
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[autocast_name]))
-        if autocast_name
-        else contextlib.nullcontext
-    )
+    autocast = autocast_for(config, device)
     optimizer = make_optimizer(config, model)
     scaler = torch.amp.GradScaler(device.type, enabled=config.grad_scaler)
     out_dir = Path(config.out_dir) if config.out_dir else None
