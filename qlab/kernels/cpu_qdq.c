@@ -44,7 +44,7 @@ enum { RECIPE_MX = 0, RECIPE_NVFP4 = 1 };
 #ifndef COLUMN_TILE
 #define COLUMN_TILE 4096
 #endif
-_Static_assert(COLUMN_TILE >= 256, "qlab.kernels.cpu_qdq.SQUARE_BLOCK_LIMIT (256) tiles must fit an item");
+_Static_assert(COLUMN_TILE >= 256, "an item must hold a 2-D tile of cpu_qdq.SQUARE_BLOCK_LIMIT (256) columns");
 #define FLOAT32_MAX 3.4028234663852886e38f
 #define NAN_BITS 0x7FC00000u
 

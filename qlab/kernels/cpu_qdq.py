@@ -4,9 +4,9 @@ one pass per block (FP8 and INT: one for the amaxes, one for the elements).
 What it covers: ``MXSpec`` (every element format and scale mode) and ``NVFP4Spec`` in NVIDIA's
 convention (with or without the global scale), with RNE or stochastic rounding (from pre-drawn float32
 noise), 1-D blocks along any axis with or without the seeded Hadamard transform, or 2-D tiles of a
-matrix (RNE, up to 256 × 256); FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE, either
-convention, pow2 and eps); symmetric integers per tensor or per line along the axis (``IntSpec``, RNE);
-float32 (or bf16/fp16, widened first) in and out. It gives
+matrix (RNE, up to 256 × 256); FP8 current scaling per tensor (``TensorwiseSpec``, E4M3 or E5M2, RNE,
+either convention, pow2 and eps); symmetric integers per tensor or per line along the axis
+(``IntSpec``, RNE); float32 (or bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
 memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
 Benchmarks).
@@ -60,7 +60,7 @@ if platform.machine() in ("x86_64", "AMD64"):
     FLAGS += ("-mprefer-vector-width=512",)  # gcc's default of 256 bits halves AVX-512's work per instruction
 MODES = {"floor": 0, "ceil": 1, "even": 2, "rceil": 3}  # the enum in cpu_qdq.c
 FP8_ELEMENTS = ("e4m3", "e5m2")  # the formats whose NaN the kernel writes as torch's float8 cast does
-SQUARE_BLOCK_LIMIT = 256  # 2-D tiles up to the narrowest column item of cpu_qdq.c's qdq_blocks
+SQUARE_BLOCK_LIMIT = 256  # 2-D tiles the kernel takes (tested up to here); larger: the reference path
 FLOATING = (torch.float32, torch.bfloat16, torch.float16)  # 16-bit x is widened first, as the reference does
 
 
