@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py [--modes eager,compiled] [--steps 10] [--repeats 3] [--threads auto]
                                      [--recipes fp8_tensorwise,...] [--llama] [--profile] [--device auto]
+                                     [--compile-mode reduce-overhead]
 
 CharGPT rows: the default model (5 blocks, width 128, context 128, about 1.0M parameters, head kept
 in high precision), batch --batch-size × 128 tokens, through ``qlab.train.train``. Each repeat runs
@@ -10,6 +11,8 @@ the ratio is taken against the FP32 run of the same repeat and mode, and the tab
 ratio over repeats with its range. "compiled" is ``TrainConfig(compile=True)`` (compiled against
 compiled FP32), "eager" the default (against eager FP32). Quantization is emulated (quantize →
 dequantize → FP32 GEMM), so a ratio is the emulation's cost, not a low-precision speed-up.
+--compile-mode reduce-overhead compiles FP32 and every recipe with CUDA graphs on a GPU
+(``TrainConfig.compile_mode``; the compiled rows and --profile).
 
 --profile (CUDA only) says where a compiled CharGPT step's time goes on the GPU: for FP32 and each
 recipe, the wall time of a step (the forward, backward and AdamW step; no clipping and no loss read
@@ -39,7 +42,7 @@ from timing import add_thread_argument, machine, median_and_range, set_threads  
 
 from qlab.quantize import COMPILE_OPTIONS  # noqa: E402
 from qlab.train import TrainConfig, train  # noqa: E402
-from qlab.train.config import RECIPES  # noqa: E402
+from qlab.train.config import COMPILE_MODES, RECIPES  # noqa: E402
 from qlab.train.loop import (  # noqa: E402
     Batches,
     autocast_for,
@@ -76,12 +79,14 @@ def profile_compiled_step(config: TrainConfig, steps: int) -> tuple[float, float
     device = torch.device(config.device)
     batches = Batches(config)
     model = build_model(config, len(batches.vocabulary)).to(device).train()
-    step_model = compiled_step_model(model)
+    step_model = compiled_step_model(model, config.compile_mode)
     optimizer = make_optimizer(config, model)
     autocast = autocast_for(config, device)  # bf16's forward, as train runs it
     inputs, targets = (t.to(device) for t in batches.train(0, 0, 0))
 
     def step():
+        if config.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # as train does
         with autocast():
             logits = step_model(inputs)
         torch.nn.functional.cross_entropy(logits.float().flatten(0, -2), targets.flatten()).backward()
@@ -160,6 +165,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="wall against GPU-busy time (CUDA only)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--compile-times", metavar="DIR", help="Dynamo's compile-time table per recipe, here")
+    parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     add_thread_argument(parser)
     args = parser.parse_args()
     if args.compile_times and os.path.exists(args.compile_times) and not os.path.isdir(args.compile_times):
@@ -178,26 +184,29 @@ def main() -> None:
     if args.profile:  # --modes, --repeats and --llama do not apply
         if device.type != "cuda":
             parser.error(f"--profile reads the GPU's kernel times: it needs a CUDA device, got {device}")
+        print(f"compile_mode {args.compile_mode}\n")
         print("| recipe, compiled | wall step (ms) | / FP32 | GPU busy (ms) | / FP32 | kernels a step |")
         print("|---|---:|---:|---:|---:|---:|")
         fp32 = None
         for recipe in ["fp32", *recipes]:
-            wall, busy, kernels = profile_compiled_step(base.replace(recipe=recipe, compile=True), args.steps)
+            config = base.replace(recipe=recipe, compile=True, compile_mode=args.compile_mode)
+            wall, busy, kernels = profile_compiled_step(config, args.steps)
             fp32 = fp32 or (wall, busy)
             times = f"{wall * 1e3:.2f} | {wall / fp32[0]:.2f} | {busy * 1e3:.2f} | {busy / fp32[1]:.2f}"
             print(f"| {recipe} | {times} | {kernels:.0f} |", flush=True)
         return
     for mode in filter(None, args.modes.split(",")):  # --modes "" with --llama: the Llama rows only
         compiled = mode == "compiled"
+        modes = {"compile": compiled, "compile_mode": args.compile_mode if compiled else "default"}
         ratios = {recipe: [] for recipe in recipes}
         fp32_seconds, first_steps = [], {}
         for repeat in range(args.repeats):  # each measurement printed as taken: a cut-off run keeps them
             times_to = args.compile_times if repeat == 0 else None  # the cold compile, not the cache's
-            fp32, first_steps["fp32"] = seconds_per_step(base.replace(compile=compiled), args.steps, times_to)
+            fp32, first_steps["fp32"] = seconds_per_step(base.replace(**modes), args.steps, times_to)
             fp32_seconds.append(fp32)
             print(f"# {mode} repeat {repeat}: fp32 {fp32 * 1e3:.1f} ms", flush=True)
             for recipe in recipes:
-                config = base.replace(recipe=recipe, compile=compiled)
+                config = base.replace(recipe=recipe, **modes)
                 seconds, first = seconds_per_step(config, args.steps, times_to)
                 ratios[recipe].append(seconds / fp32)
                 first_steps.setdefault(recipe, first)  # the first repeat's: compilation, not its cache
@@ -205,7 +214,7 @@ def main() -> None:
                 print(f"# {mode} repeat {repeat}: {recipe} {seconds * 1e3:.1f} ms, {ratio:.2f}", flush=True)
         print()
         fp32_ms = median_and_range([1e3 * s for s in fp32_seconds])
-        print(f"{mode}: FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
+        print(f"{mode} ({modes['compile_mode']}): FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
         print(f"| recipe | {mode} step / FP32 {mode} | first step (s) |")
         print("|---|---:|---:|")
         for recipe in recipes:

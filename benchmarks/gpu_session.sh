@@ -3,7 +3,7 @@
 # transformers (nothing is installed; qlab runs from the checkout):
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [profile] [fp8err]
-#                                         [kernels] [linear]
+#                                         [kernels] [linear] [cudagraphs]
 #   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
@@ -61,6 +61,11 @@ for part in $parts; do
         run_part profile 360 bash -c "$py benchmarks/bench_train.py --device cuda --profile --steps 10 \
             --recipes fp8_tensorwise,mxfp8,nvfp4; $py benchmarks/bench_train.py --device cuda --profile \
             --steps 10 --batch-size 128 --recipes mxfp8,nvfp4" ;;
+    cudagraphs)  # TrainConfig(compile_mode="reduce-overhead"): its tests, then the profile and the steps
+        run_part cudagraphs 480 bash -c "$py -m pytest -q -p no:cacheprovider tests/test_compile.py -k cudagraph; \
+            $py benchmarks/bench_train.py --device cuda --profile --steps 10 --compile-mode reduce-overhead \
+            --recipes fp8_tensorwise,mxfp8,nvfp4; $py benchmarks/bench_train.py --device cuda --modes compiled \
+            --steps 20 --repeats 2 --compile-mode reduce-overhead" ;;
     fp8err)  # the FP8 tensor-core GEMM's error against the exact product (the bound tests/test_fp8_gemm.py uses)
         run_part fp8err 90 $py benchmarks/measure_fp8_gemm_error.py --device cuda ;;
     kernels)

@@ -389,12 +389,16 @@ def _noise_fake(after, counts, source):
     return [after.new_empty(count, dtype=torch.float32) for count in counts]
 
 
+# CUDA graphs replay what they recorded: a draw inside one would repeat its numbers at every replay.
+# Tagged cudagraph_unsafe (where this torch has the tag), it runs between inductor's graph partitions.
+NOISE_STAYS_OUT_OF_CUDA_GRAPHS = hasattr(torch.Tag, "cudagraph_unsafe")
 _noise_op = ops.define(
     "stochastic_noise",
     "(Tensor after, int[] counts, Tensor source) -> Tensor[]",
     _noise_kernel,
     _noise_fake,
-    tags=(torch.Tag.nondeterministic_seeded,),
+    tags=(torch.Tag.nondeterministic_seeded,)
+    + ((torch.Tag.cudagraph_unsafe,) if NOISE_STAYS_OUT_OF_CUDA_GRAPHS else ()),
 )
 
 

@@ -1075,6 +1075,18 @@ CASES = [
     ("config task", lambda: C.TrainConfig(task="mnist"), ValueError, "task"),
     ("config recipe", lambda: C.TrainConfig(recipe="fp4"), ValueError, "recipe"),
     ("config compile str", lambda: C.TrainConfig(compile="yes"), TypeError, "compile"),
+    (
+        "config compile_mode",
+        lambda: C.TrainConfig(compile=True, compile_mode="max-autotune"),
+        ValueError,
+        "expected one of: default, reduce-overhead",
+    ),
+    (
+        "config compile_mode without compile",
+        lambda: C.TrainConfig(compile_mode="reduce-overhead"),
+        ValueError,
+        "compile=True",
+    ),
     ("config ablate unknown", lambda: C.TrainConfig(recipe="nvfp4", ablate=["sr"]), ValueError, "ablate"),
     ("config ablate on fp32", lambda: C.TrainConfig(ablate=["hadamard"]), ValueError, "ablate"),
     (

@@ -320,3 +320,102 @@ def test_compiled_training_refuses_a_lowered_matmul_precision():
             )
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+# --- CUDA graphs (TrainConfig.compile_mode="reduce-overhead") ----------------------------------------
+
+
+def aot_graphs(layer, x):
+    """The forward and backward ATen graphs AOTAutograd hands a compiler for one step of ``layer``:
+    the graphs inductor decides on, node by node, whether CUDA graphs can capture."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    call = torch.compile(lambda layer, x: layer(x), backend=aot_autograd(fw_compiler=keep), fullgraph=True)
+    layer_step(layer, x, call)
+    return graphs
+
+
+@pytest.mark.parametrize("preset, draws", [("mxfp8", False), ("fp8_tensorwise", False), ("nvfp4", True)])
+def test_cudagraph_capture_excludes_exactly_stochastic_roundings_draws(preset, draws):
+    """Inductor's own test of a graph node (``is_cudagraph_unsafe_fx_node``, what decides where it
+    splits a graph for CUDA graphs) finds the noise op, and only it: nvfp4's gradient draws run between
+    the captured partitions (a replay would repeat the recorded numbers), while an RNE recipe's layer
+    is captured whole."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    layer = QuantLinear(64, 64, recipe=get_recipe(preset), seed=2)
+    graphs = aot_graphs(layer, torch.randn(32, 64))
+    assert len(graphs) == 2  # forward, backward
+    unsafe = [node for gm in graphs for node in gm.graph.nodes if is_cudagraph_unsafe_fx_node(node)]
+    noise = torch.ops.qlab.stochastic_noise.default
+    assert [node.target for node in unsafe] == [noise] * len(unsafe)
+    assert bool(unsafe) == draws
+
+
+def test_training_with_cudagraphs_compiles_with_them_and_marks_each_step(monkeypatch):
+    """compile_mode="reduce-overhead" passes inductor's CUDA-graph option beside COMPILE_OPTIONS and
+    tells the CUDA-graph trees where each micro-batch's forward begins; on a CPU it trains as
+    compile_mode="default" does (here with aot_eager; the GPU test below runs inductor)."""
+    from qlab.train import loop
+
+    compile_calls, compile = [], torch.compile
+    marks = []
+
+    def aot_eager(model, **options):
+        compile_calls.append(options)
+        return compile(model, backend="aot_eager", dynamic=options["dynamic"])
+
+    monkeypatch.setattr(loop.torch, "compile", aot_eager)
+    monkeypatch.setattr(loop.torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    config = TrainConfig(
+        recipe="nvfp4", context=16, layers=2, width=32, batch_size=4, grad_accum=2, steps=3,
+        eval_every=3, eval_batches=1, warmup_steps=0, progress=False, compile=True,
+    )  # fmt: skip
+    default = train(config).metrics
+    assert marks == []
+    graphs = train(config.replace(compile_mode="reduce-overhead")).metrics
+    assert (
+        compile_calls[-2:]
+        == [{"dynamic": False, "options": {**Q.COMPILE_OPTIONS, "triton.cudagraphs": True}}] * 2
+    )
+    assert len(marks) == 3 * 2  # before each micro-batch's forward
+    pd_testing = pytest.importorskip("pandas").testing
+    pd_testing.assert_frame_equal(default.drop(columns="time_s"), graphs.drop(columns="time_s"))
+
+
+def test_cudagraphs_need_the_tag_that_keeps_draws_out(monkeypatch):
+    from qlab.train import loop
+
+    monkeypatch.setattr(loop, "NOISE_STAYS_OUT_OF_CUDA_GRAPHS", False)
+    with pytest.raises(ValueError, match="cudagraph_unsafe"):
+        loop.compiled_step_model(CharGPT(32, context=16, layers=1, width=32, heads=4), "reduce-overhead")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_cudagraph_training_on_cuda_replays_what_compiled_training_computes(recipe):
+    """Inductor with CUDA graphs against inductor without, 4 steps on the GPU: the same losses and
+    gradient norms (the graphs replay the same kernels; nvfp4's draws, made between the partitions,
+    advance as they do without graphs), and inductor skipped no graph."""
+    config = TrainConfig(
+        recipe=recipe, context=32, layers=2, width=64, batch_size=8, steps=4, eval_every=4,
+        eval_batches=1, warmup_steps=0, progress=False, compile=True, device="cuda",
+    )  # fmt: skip
+    default = train(config).metrics
+    dynamo.utils.counters.clear()
+    graphs = train(config.replace(compile_mode="reduce-overhead")).metrics
+    assert dict(dynamo.utils.counters["inductor"]).get("cudagraph_skips", 0) == 0
+    for column in ("train_loss", "grad_norm", "val_loss"):
+        torch.testing.assert_close(
+            torch.tensor(graphs[column].to_numpy()),
+            torch.tensor(default[column].to_numpy()),
+            rtol=1e-6,
+            atol=0,
+        )

@@ -28,6 +28,7 @@ RECIPES = BASELINES + tuple(name for name in PRESETS if name != "bf16")
 AUTOCAST_DTYPES = (None, "bf16", "fp16")
 LAYER_NORM_ACC = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "sgd")
+COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that train offers
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
@@ -44,6 +45,9 @@ class TrainConfig:
         "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
     )
     compile: bool = False  # torch.compile the steps: CharGPT's blocks (one shared graph), under DDP the model
+    # with compile: "default", or "reduce-overhead" (CUDA graphs around the compiled code on a GPU; no
+    # change on a CPU): fewer host calls a step, where a small model's GPU step waits on its host
+    compile_mode: str = "default"
     ablate: list[str] = field(
         default_factory=list
     )  # recipe ingredients switched off (qlab.ablation.INGREDIENTS)
@@ -129,6 +133,11 @@ class TrainConfig:
                 f"ablate: recipe {self.recipe!r} does not use {absent}; there is nothing to switch off"
             )
         check_gemm(self.gemm, get_recipe("bf16" if self.recipe in BASELINES else self.recipe))
+        checks.choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(
+                f"compile_mode={self.compile_mode!r} sets how the steps are compiled; it needs compile=True"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}"

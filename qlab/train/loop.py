@@ -33,7 +33,9 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
+from qlab import checks
 from qlab.ablation import without
+from qlab.formats import NOISE_STAYS_OUT_OF_CUDA_GRAPHS
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.numerics import use_stats_layer_norms
 from qlab.probes import gradient_agreement
@@ -43,7 +45,7 @@ from qlab.results import write_csv
 from qlab.session import progress, resolve_device
 from qlab.sparse import TopKLinear, sparsify_model
 from qlab.train import data as D
-from qlab.train.config import BASELINES, LAYER_NORM_ACC, TrainConfig
+from qlab.train.config import BASELINES, COMPILE_MODES, LAYER_NORM_ACC, TrainConfig
 from qlab.train.models import MLP, CharGPT
 
 CHECKPOINT = "checkpoint.pt"
@@ -571,7 +573,9 @@ def _start(config: TrainConfig, probes) -> _Run:
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    step_model = compiled_step_model(model) if config.compile else model  # evaluation, fidelity: eager
+    step_model = model  # evaluation and fidelity run the model eagerly
+    if config.compile:
+        step_model = compiled_step_model(model, config.compile_mode)
     probe_set = probes(trained) if probes is not None else None
     if probe_set is not None:
         probe_set.current_step = start
@@ -603,6 +607,8 @@ def _train_step(run: _Run, step: int) -> tuple[dict, Divergence]:
         inputs, targets = (t.to(run.device) for t in run.batches.train(step, micro, run.rank))
         step_inputs.append(inputs)
         sync = micro == config.grad_accum - 1 or run.world_size == 1
+        if config.compile and config.compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse the last forward's memory
         with contextlib.nullcontext() if sync else run.model.no_sync():
             loss = _loss(run.step_model, inputs, targets, run.autocast)[0] / config.grad_accum
             run.scaler.scale(loss).backward()
@@ -680,10 +686,17 @@ def _save_outputs(run: _Run, row: dict, stop: Divergence) -> None:
             write_csv(pd.DataFrame(run.fidelity), run.out_dir / "fidelity.csv")
 
 
-def compiled_step_model(model: nn.Module) -> nn.Module:
+def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
     """The model for the training steps, compiled: QuantLinear gives the same bits as eagerly
     (tests/test_compile.py). Its float32 GEMMs need "highest" matmul precision, PyTorch's default, which
     compiled code cannot switch on by itself.
+
+    ``mode`` "reduce-overhead" runs the compiled code of a CUDA model as CUDA graphs (inductor's
+    ``triton.cudagraphs``; nothing changes on a CPU): one launch replays a graph's kernels, where a small
+    model's step otherwise waits on the host to launch them one by one. Stochastic rounding's draws stay
+    outside the graphs (``qlab::stochastic_noise`` is tagged cudagraph_unsafe, so inductor runs it
+    between graph partitions: a replay would repeat the recorded draws). Call
+    ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward.
 
     A model with repeated ``blocks`` (CharGPT) gets its blocks compiled, one graph that every block
     shares, and the rest eager: a copy of the model object that shares every parameter, buffer and
@@ -697,14 +710,23 @@ def compiled_step_model(model: nn.Module) -> nn.Module:
             f"compile=True needs torch.set_float32_matmul_precision('highest') (PyTorch's default) for "
             f"QuantLinear's float32 GEMMs; this process set {precision!r}"
         )
+    checks.choice("mode", mode, COMPILE_MODES)
+    options = COMPILE_OPTIONS  # keeps each quantizer's element loop in one fused pass
+    if mode == "reduce-overhead":
+        if not NOISE_STAYS_OUT_OF_CUDA_GRAPHS:
+            raise ValueError(
+                f"compile_mode='reduce-overhead' needs a torch with torch.Tag.cudagraph_unsafe (this is "
+                f"{torch.__version__}): without it CUDA graphs would replay stochastic rounding's draws"
+            )
+        options = {**COMPILE_OPTIONS, "triton.cudagraphs": True}  # torch.compile's mode, with the options
     # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile limit and quietly run
-    # the rest eagerly; COMPILE_OPTIONS keeps each quantizer's element loop in one fused pass
+    # the rest eagerly
     torch._dynamo.reset()
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList):
-        return torch.compile(model, dynamic=False, options=COMPILE_OPTIONS)
+        return torch.compile(model, dynamic=False, options=options)
     step_model = copy.copy(model)  # its own module table below; the same parameters and submodules
-    compiled = nn.ModuleList(torch.compile(block, dynamic=False, options=COMPILE_OPTIONS) for block in blocks)
+    compiled = nn.ModuleList(torch.compile(block, dynamic=False, options=options) for block in blocks)
     step_model._modules = {**model._modules, "blocks": compiled}
     return step_model
 
