@@ -32,6 +32,7 @@ for intN/uintN); ``decode`` turns codes back into float32. ``pack_fp4``/``unpack
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import math
 import weakref
@@ -331,7 +332,8 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     (``torch_stochastic_noise`` in torch ops). On the CPU the C kernel runs the generator's MT19937
     itself, giving the same numbers and leaving the same generator state about 16× faster
     (``qlab.kernels.cpu_qdq.stochastic_noise``), since the draws dominate stochastic rounding's
-    cost. With 15 random bits the
+    cost; on a GPU one Triton kernel (``qlab.kernels.noise_triton``) splits the integers in place of
+    torch's five ops. With 15 random bits the
     probability of rounding up is the exact fraction rounded up to a multiple of 2^-15, so the bias
     is below 2^-15 of a grid step; hardware SR units likewise use a limited number of random bits.
     """
@@ -340,6 +342,12 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     ):
         raise TypeError(f"shape must be a tuple of non-negative ints, got {checks.shown(shape)}")
     checks.generator("generator", generator)
+    if not torch.compiler.is_compiling() and _noise_kernel_runs_on(device):
+        from qlab.kernels.noise_triton import noise_from_bits  # it needs Triton
+
+        count = math.prod(shape)
+        bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
+        return noise_from_bits(bits, count, NOISE_BITS).reshape(shape)
     on_cpu = torch.device(device or "cpu").type == "cpu" and (
         generator is None or generator.device.type == "cpu"
     )
@@ -349,6 +357,16 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
         if cpu_qdq.draws_like_torch():  # the same numbers, several times faster
             return cpu_qdq.stochastic_noise(math.prod(shape), generator).reshape(shape)
     return torch_stochastic_noise(shape, generator, device)
+
+
+def _noise_kernel_runs_on(device) -> bool:
+    """Whether ``stochastic_noise`` splits the integers with the Triton kernel: on CUDA, with Triton."""
+    return torch.device(device or "cpu").type == "cuda" and _triton_installed()
+
+
+@cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def torch_stochastic_noise(shape, generator: torch.Generator | None, device=None) -> torch.Tensor:

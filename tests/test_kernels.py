@@ -6,6 +6,7 @@ multiple of the 16-row tile, a partial last block), both axes and the special va
 (NaN, inf, all zero, float32 subnormals, values that saturate). With CUDA the same tests run on GPU.
 """
 
+import importlib.util
 import os
 
 import pytest
@@ -46,7 +47,8 @@ def test_kernels_read_only_constexpr_globals():
 
     kernel_types = (types.ModuleType, triton.runtime.jit.KernelInterface, tl.constexpr)
     refused = []
-    for name in ("fp8_triton", "mx_triton", "nvfp4_triton", "layernorm_triton", "triton_math"):
+    modules = ("fp8_triton", "mx_triton", "nvfp4_triton", "layernorm_triton", "noise_triton", "triton_math")
+    for name in modules:
         module = importlib.import_module(f"qlab.kernels.{name}")
         for kernel in vars(module).values():
             # JITFunction on a GPU, InterpretedFunction under the interpreter: both keep the Python function
@@ -389,6 +391,44 @@ def test_nvfp4_stochastic_rounding_is_reproducible_and_unbiased():
     gap = above - below
     standard_error = gap / 2 / 1024**0.5
     assert ((first.mean(0) - block[0]).abs() <= 5 * standard_error + gap * 2.0**-15 + 1e-6 * block[0]).all()
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 3, 1023, 1024, 1025, 2047, 2049, 5001])
+def test_noise_kernel_gives_the_draws_of_torch_stochastic_noise(count):
+    """One launch against the five torch ops that define the draws (formats.torch_stochastic_noise):
+    the same float32 bits from the same integers, across block edges and odd counts (the halves meet
+    inside a block), and the generator left in the same state."""
+    from qlab import formats
+    from qlab.kernels.noise_triton import noise_from_bits
+
+    ours = torch.Generator(device=DEVICE).manual_seed(123)
+    theirs = torch.Generator(device=DEVICE).manual_seed(123)
+    bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=DEVICE).random_(generator=ours)
+    drawn = noise_from_bits(bits, count)
+    assert torch.equal(drawn, formats.torch_stochastic_noise((count,), theirs, DEVICE))
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+def test_stochastic_noise_takes_the_kernel_where_it_runs(monkeypatch):
+    """``formats.stochastic_noise`` routes a CUDA device's draws through the kernel (forced here for the
+    test's device) and gives torch's numbers in the asked shape; bits of the wrong kind are refused."""
+    from qlab import formats
+    from qlab.kernels import noise_triton
+    from qlab.kernels.noise_triton import noise_from_bits
+
+    calls = []
+    monkeypatch.setattr(formats, "_noise_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(noise_triton, "noise_from_bits", lambda *a: calls.append(a) or noise_from_bits(*a))
+    drawn = formats.stochastic_noise((3, 5), torch.Generator(device=DEVICE).manual_seed(4), DEVICE)
+    expected = formats.torch_stochastic_noise((3, 5), torch.Generator(device=DEVICE).manual_seed(4), DEVICE)
+    assert drawn.shape == (3, 5) and torch.equal(drawn, expected)
+    assert len(calls) == 1  # the kernel made them
+    monkeypatch.undo()
+    assert formats._noise_kernel_runs_on("cuda") == (importlib.util.find_spec("triton") is not None)
+    assert not formats._noise_kernel_runs_on("cpu")
+    for bits in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="ceil.count/2. = 2"):
+            noise_from_bits(bits.to(DEVICE), 4)
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "axis"])

@@ -1,0 +1,41 @@
+"""Triton kernel: stochastic rounding's draws from a generator's random integers, in one launch.
+
+``qlab.formats.torch_stochastic_noise`` (the definition) turns h = ceil(n/2) random int32 into n float32
+draws with five torch ops (two masks, a shift, a concatenation, a scaling). On a GPU each op is a kernel
+and a host launch, and an nvfp4 model draws 40 times a step. ``noise_from_bits`` writes the same floats in
+one kernel: draw i < h is integer i's low 15 bits, draw h + j integer j's next 15, each times 2^-15 (exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+
+
+@triton.jit
+def _noise_kernel(bits_ptr, out_ptr, count, half, NOISE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < count
+    high = offsets >= half  # the second half of the draws reads the integers' upper bits
+    bits = tl.load(bits_ptr + tl.where(high, offsets - half, offsets), mask=inside, other=0)
+    draws = (bits >> tl.where(high, NOISE_BITS, 0)) & ((1 << NOISE_BITS) - 1)  # the mask drops the sign fill
+    tl.store(out_ptr + offsets, draws.to(tl.float32) * (1.0 / (1 << NOISE_BITS)), mask=inside)
+
+
+def noise_from_bits(bits: torch.Tensor, count: int, noise_bits: int = 15) -> torch.Tensor:
+    """The ``count`` float32 draws ``torch_stochastic_noise`` makes from its ceil(count/2) random int32
+    ``bits`` (1-D, contiguous), as a new 1-D tensor on their device."""
+    half = (count + 1) // 2
+    if bits.dtype != torch.int32 or bits.dim() != 1 or bits.numel() != half or not bits.is_contiguous():
+        raise ValueError(
+            f"bits must be a contiguous 1-D int32 tensor of ceil(count/2) = {half} integers, got "
+            f"{bits.dtype} {tuple(bits.shape)}{'' if bits.is_contiguous() else ' (not contiguous)'}"
+        )
+    out = torch.empty(count, dtype=torch.float32, device=bits.device)
+    if count:
+        grid = (triton.cdiv(count, BLOCK),)
+        _noise_kernel[grid](bits, out, count, half, NOISE_BITS=noise_bits, BLOCK=BLOCK)
+    return out
