@@ -1082,6 +1082,12 @@ CASES = [
         "expected one of: default, reduce-overhead",
     ),
     (
+        "config compile_mode under DDP",
+        lambda: C.TrainConfig(compile=True, compile_mode="reduce-overhead", nproc=2, batch_size=4),
+        ValueError,
+        "nproc=2",
+    ),
+    (
         "config compile_mode without compile",
         lambda: C.TrainConfig(compile_mode="reduce-overhead"),
         ValueError,

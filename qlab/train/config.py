@@ -138,6 +138,11 @@ class TrainConfig:
             raise ValueError(
                 f"compile_mode={self.compile_mode!r} sets how the steps are compiled; it needs compile=True"
             )
+        if self.compile_mode == "reduce-overhead" and self.nproc > 1:
+            raise ValueError(
+                f"compile_mode='reduce-overhead' runs in one process, got nproc={self.nproc}: under DDP the "
+                f"gradient all-reduce runs inside backward, between the CUDA graphs, untested here"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}"
