@@ -221,7 +221,7 @@ def _check_cast_arguments(x, fmt, rounding, generator, saturate=True) -> Format:
         )
     _check_rounding_and_generator(rounding, generator)
     checks.boolean("saturate", saturate)
-    if not fmt.has_nan and torch.isnan(x).any():
+    if not fmt.has_nan and checks.holds_nan(x):
         raise ValueError(f"{fmt.name} has no NaN encoding, but x holds NaN")
     return fmt
 
@@ -504,7 +504,7 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
         if not (torch.all(mantissa == 0.5) and torch.all((exponent >= -126) & (exponent <= 128))):
             raise ValueError("values for e8m0 must be powers of two 2^-127 .. 2^127 (or NaN)")
         return torch.where(nan, fmt.nan_code, exponent - 1 + fmt.bias).to(torch.uint8)
-    if not fmt.has_nan and torch.isnan(values).any():
+    if not fmt.has_nan and checks.holds_nan(values):
         raise ValueError(f"{fmt.name} has no NaN encoding, but values hold NaN")
     # checked in the values' own dtype, so a float64 value off the grid is refused, not rounded
     if not torch.equal(

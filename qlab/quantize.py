@@ -112,7 +112,7 @@ class QuantSpec:
 
     def check_values(self, x: torch.Tensor) -> None:
         element = get_format(self.element)
-        if not element.has_nan and torch.isnan(x).any():
+        if not element.has_nan and checks.holds_nan(x):
             raise ValueError(f"{element.name} has no NaN encoding, but x holds NaN")
 
     def quantize_layout(self, x, generator=None, scale=None, dim: int = -1) -> tuple[dict, torch.Tensor]:
@@ -289,7 +289,7 @@ class IntSpec(QuantSpec):
         return self.symmetric  # the asymmetric grid rounds with round_to_integer's float64 draws
 
     def check_values(self, x):
-        if not torch.isfinite(x).all():
+        if not checks.all_finite(x):
             raise ValueError(f"{self.element} has no inf or NaN encoding, but x holds inf or NaN")
 
     def quantize_layout(self, x, generator=None, scale=None, dim=-1):

@@ -22,6 +22,7 @@ import qlab
 from qlab import (
     ablation,
     advisor,
+    checks,
     formats,
     kernels,
     numerics,
@@ -1302,3 +1303,41 @@ def test_the_default_keep_list_names_the_output_layer_of_either_model():
 def test_a_seed_may_be_a_numpy_integer():
     numpy = pytest.importorskip("numpy")
     assert qnn.QuantLinear(4, 4, seed=numpy.int64(3)).seed == 3
+
+
+# --- the value checks: one reduction instead of an elementwise bool copy ----------------------------------
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_finite_and_nan_checks_agree_with_torchs_elementwise_tests(dtype, threads, monkeypatch):
+    """checks.all_finite / holds_nan (min/max reductions) against torch.isfinite(x).all() and
+    torch.isnan(x).any() with one special value at the start, the middle, the end and inside a vector
+    tail, for lengths around the vector widths and beyond a thread's share; also on a strided view."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n in [*range(1, 70), 4095, 4097, 65553]:
+            for position in sorted({0, n // 2, n - 1, max(0, n - 17)}):
+                for special in (NAN, INF, -INF, None):
+                    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+                    if special is not None:
+                        x[position] = special
+                    assert checks.all_finite(x) == bool(torch.isfinite(x).all()), (n, position, special)
+                    assert checks.holds_nan(x) == bool(torch.isnan(x).any()), (n, position, special)
+    finally:
+        torch.set_num_threads(previous)
+    view = torch.randn(64, 33, dtype=dtype)[:, 1:]
+    assert checks.all_finite(view) and not checks.holds_nan(view)
+    view[5, 7] = NAN
+    assert not checks.all_finite(view) and checks.holds_nan(view)
+    empty = torch.empty(0, 3, dtype=dtype)
+    assert checks.all_finite(empty) and not checks.holds_nan(empty)
+
+
+def test_int8_qdq_refuses_an_inf_at_the_end_of_a_large_tensor():
+    x = torch.randn(2048, 512)
+    x[-1, -1] = INF
+    for spec in ("int8", Q.IntSpec(granularity="axis")):
+        with pytest.raises(ValueError, match="no inf or NaN encoding"):
+            Q.qdq(x, spec)
