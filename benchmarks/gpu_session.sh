@@ -62,10 +62,10 @@ for part in $parts; do
             --recipes fp8_tensorwise,mxfp8,nvfp4; $py benchmarks/bench_train.py --device cuda --profile \
             --steps 10 --batch-size 128 --recipes mxfp8,nvfp4" ;;
     cudagraphs)  # TrainConfig(compile_mode="reduce-overhead"): its tests, then the profile and the steps
-        run_part cudagraphs 480 bash -c "$py -m pytest -q -p no:cacheprovider tests/test_compile.py -k cudagraph; \
+        run_part cudagraphs 540 bash -c "$py -m pytest -q -p no:cacheprovider tests/test_compile.py -k cudagraph; \
             $py benchmarks/bench_train.py --device cuda --profile --steps 10 --compile-mode reduce-overhead \
             --recipes fp8_tensorwise,mxfp8,nvfp4; $py benchmarks/bench_train.py --device cuda --modes compiled \
-            --steps 20 --repeats 2 --compile-mode reduce-overhead" ;;
+            --steps 20 --repeats 1 --compile-mode reduce-overhead --recipes fp8_tensorwise,mxfp8,nvfp4" ;;
     fp8err)  # the FP8 tensor-core GEMM's error against the exact product (the bound tests/test_fp8_gemm.py uses)
         run_part fp8err 90 $py benchmarks/measure_fp8_gemm_error.py --device cuda ;;
     kernels)

@@ -347,7 +347,7 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
 
         count = math.prod(shape)
         bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
-        return noise_from_bits(bits, count, NOISE_BITS).reshape(shape)
+        return noise_from_bits(bits, count).reshape(shape)
     on_cpu = torch.device(device or "cpu").type == "cpu" and (
         generator is None or generator.device.type == "cpu"
     )

@@ -348,7 +348,13 @@ def test_cudagraph_capture_excludes_exactly_stochastic_roundings_draws(preset, d
     splits a graph for CUDA graphs) finds the noise op, and only it: nvfp4's gradient draws run between
     the captured partitions (a replay would repeat the recorded numbers), while an RNE recipe's layer
     is captured whole."""
-    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+    from torch._inductor import utils
+
+    def is_cudagraph_unsafe_fx_node(node):  # inductor's own test where this torch has it (2.13 does)
+        if hasattr(utils, "is_cudagraph_unsafe_fx_node"):
+            return utils.is_cudagraph_unsafe_fx_node(node)
+        target = node.target
+        return isinstance(target, torch._ops.OpOverload) and torch.Tag.cudagraph_unsafe in target.tags
 
     layer = QuantLinear(64, 64, recipe=get_recipe(preset), seed=2)
     graphs = aot_graphs(layer, torch.randn(32, 64))
@@ -360,9 +366,10 @@ def test_cudagraph_capture_excludes_exactly_stochastic_roundings_draws(preset, d
 
 
 def test_training_with_cudagraphs_compiles_with_them_and_marks_each_step(monkeypatch):
-    """compile_mode="reduce-overhead" passes inductor's CUDA-graph option beside COMPILE_OPTIONS and
-    tells the CUDA-graph trees where each micro-batch's forward begins; on a CPU it trains as
-    compile_mode="default" does (here with aot_eager; the GPU test below runs inductor)."""
+    """compile_mode="reduce-overhead" passes inductor's CUDA-graph option (and graph partitioning, which
+    keeps the noise op out) beside COMPILE_OPTIONS, and marks the start of each optimizer step for the
+    CUDA-graph trees: once a step, not once a micro-batch, which would free the gradients the last
+    micro-batch's backward left in .grad (the run on the GPU is the test below)."""
     from qlab.train import loop
 
     compile_calls, compile = [], torch.compile
@@ -378,16 +385,12 @@ def test_training_with_cudagraphs_compiles_with_them_and_marks_each_step(monkeyp
         recipe="nvfp4", context=16, layers=2, width=32, batch_size=4, grad_accum=2, steps=3,
         eval_every=3, eval_batches=1, warmup_steps=0, progress=False, compile=True,
     )  # fmt: skip
-    default = train(config).metrics
+    train(config)
     assert marks == []
-    graphs = train(config.replace(compile_mode="reduce-overhead")).metrics
-    assert (
-        compile_calls[-2:]
-        == [{"dynamic": False, "options": {**Q.COMPILE_OPTIONS, "triton.cudagraphs": True}}] * 2
-    )
-    assert len(marks) == 3 * 2  # before each micro-batch's forward
-    pd_testing = pytest.importorskip("pandas").testing
-    pd_testing.assert_frame_equal(default.drop(columns="time_s"), graphs.drop(columns="time_s"))
+    train(config.replace(compile_mode="reduce-overhead"))
+    options = {**Q.COMPILE_OPTIONS, "triton.cudagraphs": True, "graph_partition": True}
+    assert compile_calls[-2:] == [{"dynamic": False, "options": options}] * 2
+    assert len(marks) == 3  # one a step
 
 
 def test_cudagraphs_need_the_tag_that_keeps_draws_out(monkeypatch):
@@ -401,21 +404,20 @@ def test_cudagraphs_need_the_tag_that_keeps_draws_out(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_cudagraph_training_on_cuda_replays_what_compiled_training_computes(recipe):
-    """Inductor with CUDA graphs against inductor without, 4 steps on the GPU: the same losses and
-    gradient norms (the graphs replay the same kernels; nvfp4's draws, made between the partitions,
-    advance as they do without graphs), and inductor skipped no graph."""
+    """Inductor with CUDA graphs against inductor without, 5 steps of 2 micro-batches on the GPU (step 0
+    warms up, step 1 records, steps 2-4 replay): the same losses and gradient norms (the graphs replay
+    the same kernels; nvfp4's draws, made between the partitions, advance as without graphs; the
+    accumulated .grad survives the second micro-batch), graphs recorded and none skipped."""
     config = TrainConfig(
-        recipe=recipe, context=32, layers=2, width=64, batch_size=8, steps=4, eval_every=4,
+        recipe=recipe, context=32, layers=2, width=64, batch_size=8, grad_accum=2, steps=5, eval_every=5,
         eval_batches=1, warmup_steps=0, progress=False, compile=True, device="cuda",
     )  # fmt: skip
     default = train(config).metrics
     dynamo.utils.counters.clear()
     graphs = train(config.replace(compile_mode="reduce-overhead")).metrics
-    assert dict(dynamo.utils.counters["inductor"]).get("cudagraph_skips", 0) == 0
-    for column in ("train_loss", "grad_norm", "val_loss"):
-        torch.testing.assert_close(
-            torch.tensor(graphs[column].to_numpy()),
-            torch.tensor(default[column].to_numpy()),
-            rtol=1e-6,
-            atol=0,
-        )
+    inductor = dict(dynamo.utils.counters["inductor"])
+    assert inductor.get("cudagraph_skips", 0) == 0, inductor
+    assert inductor.get("cudagraph_recorded_non_static_inputs", 0) > 0, inductor  # counted as it records
+    for column in ("train_loss", "grad_norm", "val_loss"):  # val_loss: NaN between evaluations
+        expected, found = (torch.tensor(frame[column].to_numpy()) for frame in (default, graphs))
+        torch.testing.assert_close(found, expected, rtol=1e-6, atol=0, equal_nan=True, msg=column)

@@ -8,16 +8,20 @@ one kernel: draw i < h is integer i's low 15 bits, draw h + j integer j's next 1
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
+
+from qlab.formats import NOISE_BITS
 
 BLOCK = 1024
 
 
 @triton.jit
 def _noise_kernel(bits_ptr, out_ptr, count, half, NOISE_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit: 2^31 draws and more
     inside = offsets < count
     high = offsets >= half  # the second half of the draws reads the integers' upper bits
     bits = tl.load(bits_ptr + tl.where(high, offsets - half, offsets), mask=inside, other=0)
@@ -25,7 +29,7 @@ def _noise_kernel(bits_ptr, out_ptr, count, half, NOISE_BITS: tl.constexpr, BLOC
     tl.store(out_ptr + offsets, draws.to(tl.float32) * (1.0 / (1 << NOISE_BITS)), mask=inside)
 
 
-def noise_from_bits(bits: torch.Tensor, count: int, noise_bits: int = 15) -> torch.Tensor:
+def noise_from_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     """The ``count`` float32 draws ``torch_stochastic_noise`` makes from its ceil(count/2) random int32
     ``bits`` (1-D, contiguous), as a new 1-D tensor on their device."""
     half = (count + 1) // 2
@@ -36,6 +40,9 @@ def noise_from_bits(bits: torch.Tensor, count: int, noise_bits: int = 15) -> tor
         )
     out = torch.empty(count, dtype=torch.float32, device=bits.device)
     if count:
-        grid = (triton.cdiv(count, BLOCK),)
-        _noise_kernel[grid](bits, out, count, half, NOISE_BITS=noise_bits, BLOCK=BLOCK)
+        # Triton launches on the current device: make it the bits' (a layer on cuda:1 under cuda:0)
+        on_device = torch.cuda.device(bits.device) if bits.is_cuda else contextlib.nullcontext()
+        with on_device:
+            grid = (triton.cdiv(count, BLOCK),)
+            _noise_kernel[grid](bits, out, count, half, NOISE_BITS=NOISE_BITS, BLOCK=BLOCK)
     return out

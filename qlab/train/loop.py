@@ -603,12 +603,14 @@ def _train_step(run: _Run, step: int) -> tuple[dict, Divergence]:
     run.optimizer.zero_grad(set_to_none=True)
     train_loss = torch.zeros((), device=run.device)
     step_inputs = []
+    if config.compile and config.compile_mode == "reduce-overhead":
+        # once a step, after zero_grad: the CUDA graphs may now reuse the last step's memory. Not once a
+        # micro-batch: the next would free the gradients the last one's backward left in .grad
+        torch.compiler.cudagraph_mark_step_begin()
     for micro in range(config.grad_accum):
         inputs, targets = (t.to(run.device) for t in run.batches.train(step, micro, run.rank))
         step_inputs.append(inputs)
         sync = micro == config.grad_accum - 1 or run.world_size == 1
-        if config.compile and config.compile_mode == "reduce-overhead":
-            torch.compiler.cudagraph_mark_step_begin()  # CUDA graphs may reuse the last forward's memory
         with contextlib.nullcontext() if sync else run.model.no_sync():
             loss = _loss(run.step_model, inputs, targets, run.autocast)[0] / config.grad_accum
             run.scaler.scale(loss).backward()
@@ -696,7 +698,7 @@ def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
     model's step otherwise waits on the host to launch them one by one. Stochastic rounding's draws stay
     outside the graphs (``qlab::stochastic_noise`` is tagged cudagraph_unsafe, so inductor runs it
     between graph partitions: a replay would repeat the recorded draws). Call
-    ``torch.compiler.cudagraph_mark_step_begin()`` before each step's forward.
+    ``torch.compiler.cudagraph_mark_step_begin()`` once per optimizer step, after ``zero_grad``.
 
     A model with repeated ``blocks`` (CharGPT) gets its blocks compiled, one graph that every block
     shares, and the rest eager: a copy of the model object that shares every parameter, buffer and
@@ -719,6 +721,10 @@ def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
                 f"{torch.__version__}): without it CUDA graphs would replay stochastic rounding's draws"
             )
         options = {**COMPILE_OPTIONS, "triton.cudagraphs": True}  # torch.compile's mode, with the options
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config, "graph_partition"):  # on by default; without it no graph
+            options["graph_partition"] = True  # holding the noise op or its CPU key would be captured
     # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile limit and quietly run
     # the rest eagerly
     torch._dynamo.reset()
