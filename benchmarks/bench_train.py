@@ -214,7 +214,8 @@ def main() -> None:
                 print(f"# {mode} repeat {repeat}: {recipe} {seconds * 1e3:.1f} ms, {ratio:.2f}", flush=True)
         print()
         fp32_ms = median_and_range([1e3 * s for s in fp32_seconds])
-        print(f"{mode} ({modes['compile_mode']}): FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
+        label = f"{mode} ({args.compile_mode})" if compiled else mode
+        print(f"{label}: FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
         print(f"| recipe | {mode} step / FP32 {mode} | first step (s) |")
         print("|---|---:|---:|")
         for recipe in recipes:
