@@ -418,6 +418,9 @@ def test_cudagraph_training_on_cuda_replays_what_compiled_training_computes(reci
     inductor = dict(dynamo.utils.counters["inductor"])
     assert inductor.get("cudagraph_skips", 0) == 0, inductor
     assert inductor.get("cudagraph_recorded_non_static_inputs", 0) > 0, inductor  # counted as it records
+    # 1e-5: splitting nvfp4's backward around the draws may fuse LayerNorm's reductions in another
+    # order (last bits). Replayed draws, the failure this guards, moved this config's grad_norm by
+    # 1.0e-3 to 2.4e-3 and its train_loss by 6.5e-5 to 1.4e-4 from step 2 on (simulated on the CPU)
     for column in ("train_loss", "grad_norm", "val_loss"):  # val_loss: NaN between evaluations
         expected, found = (torch.tensor(frame[column].to_numpy()) for frame in (default, graphs))
-        torch.testing.assert_close(found, expected, rtol=1e-6, atol=0, equal_nan=True, msg=column)
+        torch.testing.assert_close(found, expected, rtol=1e-5, atol=0, equal_nan=True, msg=column)
