@@ -333,7 +333,7 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     itself, giving the same numbers and leaving the same generator state about 16× faster
     (``qlab.kernels.cpu_qdq.stochastic_noise``), since the draws dominate stochastic rounding's
     cost; on a GPU one Triton kernel (``qlab.kernels.noise_triton``) splits the integers in place of
-    torch's five ops. With 15 random bits the
+    torch's six ops. With 15 random bits the
     probability of rounding up is the exact fraction rounded up to a multiple of 2^-15, so the bias
     is below 2^-15 of a grid step; hardware SR units likewise use a limited number of random bits.
     """

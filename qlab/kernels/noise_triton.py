@@ -1,9 +1,10 @@
 """Triton kernel: stochastic rounding's draws from a generator's random integers, in one launch.
 
 ``qlab.formats.torch_stochastic_noise`` (the definition) turns h = ceil(n/2) random int32 into n float32
-draws with five torch ops (two masks, a shift, a concatenation, a scaling). On a GPU each op is a kernel
-and a host launch, and an nvfp4 model draws 40 times a step. ``noise_from_bits`` writes the same floats in
-one kernel: draw i < h is integer i's low 15 bits, draw h + j integer j's next 15, each times 2^-15 (exact).
+draws with six torch ops (two masks, a shift, a concatenation, a conversion, a scaling). On a GPU each
+op is a kernel and a host launch, and an nvfp4 model draws 40 times a step. ``noise_from_bits`` writes
+the same floats in one kernel: draw i < h is integer i's low 15 bits, draw h + j integer j's next 15,
+each times 2^-15 (exact).
 """
 
 from __future__ import annotations
