@@ -14,13 +14,17 @@ per round: a slow phase of a shared VM (the unprobed step swings between 9 and 1
 within minutes) then slows them all alike, where timing each configuration's steps as a block let it
 land on one. A configuration's cost per step is its median step plus, amortized over its steps,
 reading the records once at the end (``to_frame()``: where the statistics reach the host as a frame).
-A repeat is a fresh set of models; the table gives the median overhead over repeats and its range.
+The "paired" column takes instead, for each round, the configuration's step over the unprobed step of
+the same round (the order shuffled each round), and the median of those ratios: a slow phase of the
+VM then reaches both sides of a ratio. A repeat is a fresh set of models; the table gives the median
+overhead over repeats and its range.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -77,17 +81,24 @@ def make_step(options):
     return step, probes
 
 
-def seconds_per_step(steps: int, warmup: int = 5) -> dict[str, float]:
-    """Each configuration's median step plus its amortized read, in seconds; steps taken in turn."""
+def seconds_per_step(steps: int, warmup: int = 5) -> tuple[dict[str, float], dict[str, float]]:
+    """(each configuration's median step plus its amortized read, in seconds; each configuration's
+    paired overhead: the median over rounds of its step / the unprobed step of the same round, minus 1,
+    plus its amortized read over the unprobed median). Steps taken in turn, in a shuffled order each
+    round, so no configuration always follows the same one."""
     runs = {label: make_step(options) for label, options in CONFIGS}  # each attaches its own set
     times = {label: [] for label in runs}
+    order = random.Random(0)
     for round_ in range(warmup + steps):  # the warm-up compiles nothing now, but touches every page
-        for label, (step, _) in runs.items():
+        labels = list(runs)
+        order.shuffle(labels)
+        for label in labels:
             start = time.perf_counter()
-            step()
+            runs[label][0]()
             if round_ >= warmup:
                 times[label].append(time.perf_counter() - start)
-    result = {}
+    result, paired = {}, {}
+    unprobed = statistics.median(times["no probes"])
     for label, (_, probes) in runs.items():
         read = 0.0
         if probes is not None:
@@ -95,10 +106,12 @@ def seconds_per_step(steps: int, warmup: int = 5) -> dict[str, float]:
             probes.to_frame()
             read = (time.perf_counter() - start) / (warmup + steps)
         result[label] = statistics.median(times[label]) + read
+        ratios = [t / base for t, base in zip(times[label], times["no probes"])]
+        paired[label] = statistics.median(ratios) - 1 + read / unprobed
         if probes is not None:
             qlab_probes._ACTIVE[:] = [probes]
             probes.detach()
-    return result
+    return result, paired
 
 
 def main() -> None:
@@ -109,20 +122,22 @@ def main() -> None:
     args = parser.parse_args()
     set_threads(args.threads)
     baselines, overheads = [], {label: [] for label, options in CONFIGS if options is not None}
+    paired_overheads = {label: [] for label in overheads}
     for _ in range(args.repeats):
-        seconds = seconds_per_step(args.steps)
+        seconds, paired = seconds_per_step(args.steps)
         baseline = seconds["no probes"]
         baselines.append(baseline * 1e3)
         for label in overheads:
             overheads[label].append(100 * (seconds[label] / baseline - 1))
+            paired_overheads[label].append(100 * paired[label])
     print(
         f"machine: {machine()}; unprobed step {median_and_range(baselines)} ms, "
         f"{args.steps} steps taken in turn, {args.repeats} repeats\n"
     )
-    print("| probes | overhead, % of the unprobed step: median (min–max) |")
-    print("|---|---:|")
+    print("| probes | overhead, % of the unprobed step: median (min–max) | paired, % |")
+    print("|---|---:|---:|")
     for label, values in overheads.items():
-        print(f"| {label} | {median_and_range(values)} |")
+        print(f"| {label} | {median_and_range(values)} | {median_and_range(paired_overheads[label])} |")
 
 
 if __name__ == "__main__":
