@@ -342,6 +342,13 @@ def aot_graphs(layer, x):
     return graphs
 
 
+NEEDS_THE_TAG = pytest.mark.skipif(
+    not formats.NOISE_STAYS_OUT_OF_CUDA_GRAPHS,
+    reason="this torch has no Tag.cudagraph_unsafe: compile_mode='reduce-overhead' is refused (tested below)",
+)
+
+
+@NEEDS_THE_TAG
 @pytest.mark.parametrize("preset, draws", [("mxfp8", False), ("fp8_tensorwise", False), ("nvfp4", True)])
 def test_cudagraph_capture_excludes_exactly_stochastic_roundings_draws(preset, draws):
     """Inductor's own test of a graph node (``is_cudagraph_unsafe_fx_node``, what decides where it
@@ -365,6 +372,7 @@ def test_cudagraph_capture_excludes_exactly_stochastic_roundings_draws(preset, d
     assert bool(unsafe) == draws
 
 
+@NEEDS_THE_TAG
 def test_training_with_cudagraphs_compiles_with_them_and_marks_each_step(monkeypatch):
     """compile_mode="reduce-overhead" passes inductor's CUDA-graph option (and graph partitioning, which
     keeps the noise op out) beside COMPILE_OPTIONS, and marks the start of each optimizer step for the
@@ -401,6 +409,7 @@ def test_cudagraphs_need_the_tag_that_keeps_draws_out(monkeypatch):
         loop.compiled_step_model(CharGPT(32, context=16, layers=1, width=32, heads=4), "reduce-overhead")
 
 
+@NEEDS_THE_TAG
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_cudagraph_training_on_cuda_replays_what_compiled_training_computes(recipe):
