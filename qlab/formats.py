@@ -346,8 +346,7 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
         from qlab.kernels.noise_triton import noise_from_bits  # it needs Triton
 
         count = math.prod(shape)
-        bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
-        return noise_from_bits(bits, count).reshape(shape)
+        return noise_from_bits(_random_bits(count, generator, device), count).reshape(shape)
     on_cpu = torch.device(device or "cpu").type == "cpu" and (
         generator is None or generator.device.type == "cpu"
     )
@@ -369,10 +368,16 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _random_bits(count: int, generator, device) -> torch.Tensor:
+    """The ceil(count/2) random int32 that ``count`` draws split: one ``random_`` call, so the torch
+    definition and the Triton kernel consume the generator's stream alike."""
+    return torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
+
+
 def torch_stochastic_noise(shape, generator: torch.Generator | None, device=None) -> torch.Tensor:
     """``stochastic_noise`` in torch ops (its definition), on any device; arguments as checked there."""
     count = math.prod(shape)
-    bits = torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
+    bits = _random_bits(count, generator, device)
     mask = (1 << NOISE_BITS) - 1
     draws = torch.cat([bits & mask, (bits >> NOISE_BITS) & mask])[:count]
     return (draws.float() * 2.0**-NOISE_BITS).reshape(shape)
