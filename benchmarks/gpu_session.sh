@@ -3,7 +3,7 @@
 # transformers (nothing is installed; qlab runs from the checkout):
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [profile] [fp8err]
-#                                         [kernels] [linear] [cudagraphs]
+#                                         [kernels] [linear] [cudagraphs] [runs]
 #   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
@@ -66,6 +66,9 @@ for part in $parts; do
             $py benchmarks/bench_train.py --device cuda --profile --steps 10 --compile-mode reduce-overhead \
             --recipes fp8_tensorwise,mxfp8,nvfp4; $py benchmarks/bench_train.py --device cuda --modes compiled \
             --steps 20 --repeats 1 --compile-mode reduce-overhead --recipes fp8_tensorwise,mxfp8,nvfp4" ;;
+    runs)  # paper-profile CharGPT runs packed 1, 2, 4, 8 per GPU (qlab.runs): runs per hour, GPU busy fraction
+        run_part runs 330 $py benchmarks/bench_runs.py --gpu --runs-per-gpu "${RUNS_PER_GPU:-1,2,4,8}" \
+            --gpu-runs "${GPU_RUNS:-8}" --steps "${GPU_RUN_STEPS:-300}" ;;
     fp8err)  # the FP8 tensor-core GEMM's error against the exact product (the bound tests/test_fp8_gemm.py uses)
         run_part fp8err 90 $py benchmarks/measure_fp8_gemm_error.py --device cuda ;;
     kernels)

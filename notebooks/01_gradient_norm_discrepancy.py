@@ -37,6 +37,8 @@ ddp_steps: int = 5  # steps of the 2-process DDP run
 seeds: int = 5  # seeds per (backward, optimizer) in the seed's own fp16 setting (section 5)
 fp16_steps: int = 300  # training steps per run in section 5
 fp16_bits: int = 6  # grid width in section 5: at 8 bits this model's fp16 forward overflows (see there)
+executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
+max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
 
 # %%
 import inspect
@@ -47,6 +49,7 @@ import torch
 from qlab import seed_model, session, stats
 from qlab.plotting import mean_band, save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
+from qlab.runs import run_many, task
 
 NAME = "01_gradient_norm_discrepancy"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
@@ -115,8 +118,10 @@ settings = {
                       clip_norm=clip_norm),
 }
 runs = {"loss scale": scaled}
-for label, options in session.progress(settings.items(), total=len(settings), desc="settings"):
-    runs[label] = seed_model.train("corrected", "adam", steps, seed=seed, **options)
+setting_runs = run_many([task(seed_model.train, "corrected", "adam", steps, seed=seed, **options)
+                         for options in settings.values()], executor=executor, max_workers=max_workers or None,
+                        desc="settings")
+runs.update(zip(settings, setting_runs))
 ddp = seed_model.ddp_audit(world_size=2, steps=ddp_steps, seed=seed)
 save_csv(ddp, f"{NAME}_ddp")
 rows = [{"setting": label, "median_ratio": run.ratio.median(), "median_clip_coefficient": run.clip_coefficient.median(),
@@ -193,11 +198,12 @@ save_figure(fig, f"{NAME}_as_written")
 OPTIMIZERS = {"Adam ε=1e-8": ("adam", 1e-8), "Adam ε=1e-12": ("adam", 1e-12), "Adam ε=1e-16": ("adam", 1e-16),
               "SGD": ("sgd", 1e-8)}
 grid = [(label, mode, s) for label in OPTIMIZERS for mode in seed_model.MODES for s in range(seeds)]
+fp16_runs = run_many([task(seed_model.train, mode, OPTIMIZERS[label][0], fp16_steps, loss_scale=init_scale,
+                           growth_interval=growth_interval, precision="fp16", eps=OPTIMIZERS[label][1], bits=fp16_bits,
+                           audit=False, seed=run_seed) for label, mode, run_seed in grid],
+                     executor=executor, max_workers=max_workers or None, desc="fp16 runs")
 curves = []
-for label, mode, run_seed in session.progress(grid, desc="fp16 runs"):
-    optimizer, eps = OPTIMIZERS[label]
-    run = seed_model.train(mode, optimizer, fp16_steps, loss_scale=init_scale, growth_interval=growth_interval,
-                           precision="fp16", eps=eps, bits=fp16_bits, audit=False, seed=run_seed)
+for (label, mode, run_seed), run in zip(grid, fp16_runs):
     curves.append(run.assign(optimizer=label, mode=mode, seed=run_seed)[
         ["optimizer", "mode", "seed", "step", "loss", "loss_scale", "zero_grad_fraction"]])
 curves = pd.concat(curves, ignore_index=True)

@@ -43,6 +43,8 @@ chargpt_steps: int = 300  # FP32 CharGPT steps before its LayerNorm inputs are m
 pretrained_models: list[str] = ["smollm2-135m", "minilm-l6"]  # packaged models measured in section 7
 ln_train_seeds: int = 3  # training seeds per LayerNorm variant in section 8
 ln_train_steps: int = 300  # steps per run in section 8
+executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
+max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
 
 # %%
 import math
@@ -56,6 +58,7 @@ from IPython.display import Markdown
 from qlab import models, numerics, session, stats
 from qlab.plotting import delta_band, save_figure, subplots, use_paper_style
 from qlab.results import markdown_table, save_csv, save_metrics
+from qlab.runs import run_many
 
 NAME = "02_welford_vs_naive_variance"
 device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
@@ -456,9 +459,11 @@ TORCH_LN, WELFORD_LN, TEXTBOOK_LN = "torch (fp32 statistics)", "welford (bf16 st
 LN_VARIANTS = {TORCH_LN: ("torch", "fp32"), WELFORD_LN: ("welford", "bf16"), TEXTBOOK_LN: ("textbook", "bf16")}
 ln_runs = [(s, v) for s in range(ln_train_seeds) for v in LN_VARIANTS]
 ln_curves = []
-for ln_seed, variant in session.progress(ln_runs, desc="LayerNorm training runs"):
-    layer_norm, acc = LN_VARIANTS[variant]
-    metrics = train(ln_config.replace(seed=ln_seed, layer_norm=layer_norm, layer_norm_acc=acc)).metrics
+ln_results = run_many([ln_config.replace(seed=s, layer_norm=LN_VARIANTS[v][0], layer_norm_acc=LN_VARIANTS[v][1])
+                       for s, v in ln_runs], executor=executor, max_workers=max_workers or None,
+                      desc="LayerNorm training runs")
+for (ln_seed, variant), result in zip(ln_runs, ln_results):
+    metrics = result.metrics
     ln_curves.append(metrics.dropna(subset=["val_loss"])[["step", "val_loss"]].assign(variant=variant, seed=ln_seed))
 ln_curves = pd.concat(ln_curves, ignore_index=True)
 save_csv(ln_curves, f"{NAME}_ln_training")

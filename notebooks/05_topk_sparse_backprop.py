@@ -51,6 +51,8 @@ text_seeds: int = 3  # Shakespeare runs per k
 timing_tokens: int = 512  # rows of x and dy in the timing
 timing_width: int = 2048  # width of the square Linear layer timed
 timing_repeats: int = 15  # passes timed per point (median and quartiles)
+executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
+max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
 
 # %%
 import numpy as np
@@ -69,6 +71,7 @@ from torch import nn
 from qlab import session, stats
 from qlab.plotting import mean_band, save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
+from qlab.runs import run_many
 from qlab.sparse import BACKWARDS, pass_seconds
 
 
@@ -108,9 +111,11 @@ MODES = ("shared", "row")
 runs = [(seed, None, "dense") for seed in range(seeds)]
 runs += [(seed, k, mode) for seed in range(seeds) for mode in MODES for k in fractions]
 rows = []
-for seed, k, mode in session.progress(runs, desc="digits runs"):
-    config = digits.replace(seed=seed) if k is None else digits.replace(topk=k, topk_mode=mode, seed=seed)
-    last = train(config).metrics.iloc[-1]
+configs = [digits.replace(seed=seed) if k is None else digits.replace(topk=k, topk_mode=mode, seed=seed)
+           for seed, k, mode in runs]
+for (seed, k, mode), result in zip(runs, run_many(configs, executor=executor, max_workers=max_workers or None,
+                                                  desc="digits runs")):
+    last = result.metrics.iloc[-1]
     rows.append({"mode": mode, "k_fraction": 1.0 if k is None else k, "seed": seed,
                  "val_accuracy": last.val_accuracy, "val_loss": last.val_loss})
 accuracy = pd.DataFrame(rows)
@@ -163,9 +168,10 @@ if profile == "paper":
 if smoke:
     text = text.replace(layers=1, width=32, context=32, batch_size=8, eval_batches=1)
 text_rows = []
-for seed, k in session.progress([(s, k) for s in range(text_seeds) for k in [None] + text_fractions],
-                                desc="Shakespeare runs"):
-    result = train(text.replace(topk=k, seed=seed))
+text_points = [(s, k) for s in range(text_seeds) for k in [None] + text_fractions]
+text_results = run_many([text.replace(topk=k, seed=seed) for seed, k in text_points], executor=executor,
+                        max_workers=max_workers or None, desc="Shakespeare runs")
+for (seed, k), result in zip(text_points, text_results):
     text_rows.append({"run": "dense" if k is None else "top-k", "k_fraction": 1.0 if k is None else k, "seed": seed,
                       "val_loss": result.metrics.val_loss.iloc[-1]})
 text_runs = pd.DataFrame(text_rows)

@@ -50,6 +50,8 @@ layers: int = 2  # transformer blocks of CharGPT
 width: int = 64  # embedding width
 context: int = 64  # characters per sequence
 batch_size: int = 16  # sequences per optimizer step
+executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
+max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
 
 # %%
 import numpy as np
@@ -60,6 +62,7 @@ from qlab import ablation, models, session, stats
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
 from qlab.results import save_csv, save_metrics
+from qlab.runs import run_many
 from qlab.train import TrainConfig, train
 from qlab.train.data import shakespeare
 
@@ -228,8 +231,9 @@ def training_config(variant: str, seed: int) -> TrainConfig:
 
 finals, fidelity = [], []
 runs = [(variant, seed) for seed in range(seeds) for variant in ["fp32", *train_variants]]
-for variant, seed in session.progress(runs, desc="training runs"):
-    result = train(training_config(variant, seed))
+results = run_many([training_config(variant, seed) for variant, seed in runs], executor=executor,
+                   max_workers=max_workers or None, desc="training runs")
+for (variant, seed), result in zip(runs, results):
     finals.append(dict(variant=variant, seed=seed, val_loss=result.metrics.val_loss.dropna().iloc[-1]))
     if variant != "fp32":
         fidelity.append(result.fidelity.assign(variant=variant, seed=seed))

@@ -4,7 +4,8 @@
     qlab run NOTEBOOK [-p NAME VALUE ...] [--smoke] [--timeout S] [--output PATH]
     qlab figures [--smoke] [--profile paper]    every notebook, default parameters (paper: the
                                                 training notebooks at paper scale, data/paper/)
-    qlab sweep NOTEBOOK GRID.yaml [-j N] [--smoke]
+                 [--executor E] [--address A]   how their training runs fan out (qlab.runs)
+    qlab sweep NOTEBOOK GRID.yaml [-j N] [--executor serial|processes|ray] [--address A] [--smoke]
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
     qlab advise [--model M] [--recipe R] [--budget F] [--by layers|flops]   keep-in-high-precision advice
@@ -18,6 +19,7 @@ on stderr: bad YAML, an unsafe tag or checkpoint, an unknown key or value).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -57,11 +59,23 @@ def _build_parser() -> argparse.ArgumentParser:
         help="paper: only the notebooks with a profile parameter, at paper scale (a GPU), into data/paper/",
     )
     figures.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+    figures.add_argument(
+        "--executor",
+        choices=("serial", "processes", "ray"),
+        help="how each training notebook's runs fan out (its executor parameter; default: the notebook's)",
+    )
+    figures.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
 
     sw = sub.add_parser("sweep", help="run a notebook over the cartesian product of a YAML grid")
     sw.add_argument("notebook")
     sw.add_argument("grid", help="YAML mapping: parameter -> list of values")
-    sw.add_argument("-j", "--jobs", type=int, default=1, help="worker processes")
+    sw.add_argument("-j", "--jobs", type=int, default=1, help="points at once (worker processes)")
+    sw.add_argument(
+        "--executor",
+        choices=("serial", "processes", "ray"),
+        help="how points fan out (qlab.runs); default: serial, or processes with -j N > 1",
+    )
+    sw.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
     sw.add_argument("--smoke", action="store_true")
     sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
 
@@ -120,12 +134,23 @@ def _cmd_figures(args) -> int:
         chosen = [path for path in chosen if "profile" in notebooks.notebook_parameters(path)]
         parameters = {"profile": args.profile}
         output_dir = paths.RUNS_DIR / ("smoke" if args.smoke else "") / args.profile
+    if args.address is not None:
+        from qlab.runs import check_address
+
+        if args.executor != "ray":
+            raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")
+        os.environ["RAY_ADDRESS"] = check_address(args.address)  # read by the notebooks' run_many
     bar = tqdm(chosen, desc="notebooks", unit="nb")
     for path in bar:
         bar.set_postfix_str(path.stem)
         output = None if output_dir is None else output_dir / f"{path.stem}.ipynb"
+        chosen_parameters = dict(parameters)
+        if args.executor is not None and "executor" in notebooks.notebook_parameters(path):
+            chosen_parameters["executor"] = args.executor
         try:
-            notebooks.run_notebook(path, parameters, smoke=args.smoke, timeout=args.timeout, output=output)
+            notebooks.run_notebook(
+                path, chosen_parameters, smoke=args.smoke, timeout=args.timeout, output=output
+            )
         except NotebookError as err:
             failures.append(str(err))
     for failure in failures:
@@ -135,7 +160,13 @@ def _cmd_figures(args) -> int:
 
 def _cmd_sweep(args) -> int:
     outcomes = sweep.run_sweep(
-        args.notebook, args.grid, jobs=args.jobs, smoke=args.smoke, timeout=args.timeout
+        args.notebook,
+        args.grid,
+        jobs=args.jobs,
+        executor=args.executor,
+        address=args.address,
+        smoke=args.smoke,
+        timeout=args.timeout,
     )
     counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "skipped", "failed")}
     print(f"sweep: {counts['ok']} ran, {counts['skipped']} already complete, {counts['failed']} failed")

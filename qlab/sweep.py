@@ -9,7 +9,6 @@ metrics.json is complete and is skipped by the next invocation; a failing point 
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import itertools
 import json
@@ -114,18 +113,27 @@ def run_sweep(
     grid_file: str | os.PathLike,
     *,
     jobs: int = 1,
+    executor: str | None = None,
+    address: str | None = None,
     smoke: bool = False,
     timeout: int = 1800,
     progress: bool = True,
 ) -> list[PointOutcome]:
-    """Run every point of the grid not yet complete, ``jobs`` at a time; return one outcome per point.
+    """Run every point of the grid not yet complete; return one outcome per point, in grid order.
 
+    ``executor`` (``qlab.runs``): "serial", "processes" or "ray" (``address``: a running cluster's;
+    its nodes must share this file system). None: serial for ``jobs == 1``, else ``jobs`` processes.
     Every parameter name is checked against the notebook before anything runs.
     """
-    from tqdm.auto import tqdm
+    from qlab.runs import EXECUTORS, RunsFailed, check_address, run_many, task
 
     checks.integer("jobs", jobs, low=1)
     checks.integer("timeout", timeout, low=1)
+    if executor is None:
+        executor = "serial" if jobs == 1 else "processes"
+    checks.choice("executor", executor, EXECUTORS)
+    if executor == "ray":
+        address = check_address(address)
     path = resolve_notebook(notebook)
     grid = load_grid(grid_file)
     points = [check_parameters(path, params) for params in grid_points(grid)]
@@ -141,17 +149,17 @@ def run_sweep(
             outcomes.append(PointOutcome(directory.name, "skipped"))
         else:
             directory.mkdir(parents=True, exist_ok=True)
-            pending.append((str(path), params, str(directory), smoke, timeout))
-    bar = tqdm(total=len(pending), desc=f"sweep {path.stem}", disable=not progress)
-    if jobs == 1:
-        for args in pending:
-            outcomes.append(_run_point(*args))
-            bar.update()
-    else:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs) as pool:
-            for future in concurrent.futures.as_completed([pool.submit(_run_point, *a) for a in pending]):
-                outcomes.append(future.result())
-                bar.update()
-    bar.close()
+            pending.append(task(_run_point, str(path), params, str(directory), smoke, timeout))
+    workers = None if jobs == 1 and executor != "serial" else jobs
+    try:
+        done = run_many(pending, executor=executor, max_workers=workers, address=address,
+                        progress=progress, desc=f"sweep {path.stem}")  # fmt: skip
+    except RunsFailed as failed:  # a worker died: its point failed, every finished one is kept
+        reasons = {index: error.strip().splitlines()[-1] for index, _, error in failed.failures}
+        done = [
+            result or PointOutcome(Path(pending[i].args[2]).name, "failed", reasons.get(i, ""))
+            for i, result in enumerate(failed.results)
+        ]
+    outcomes += done
     order = {point_slug(p): i for i, p in enumerate(points)}
     return sorted(outcomes, key=lambda o: order[o.slug])

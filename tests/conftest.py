@@ -1,6 +1,13 @@
 import os
 
-import torch
+# Under pytest-xdist the workers share the cores: each gets its share of torch threads (and so do the
+# notebook kernels and worker processes it starts), since OpenMP threads spinning at a barrier while
+# another process holds their core slow a step by up to 27× (benchmarks/timing.py).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS, which torch reads once)
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 

@@ -11,10 +11,15 @@ TINY_PARAMETERS = """smoke: bool = False  # tiny sizes
 device: str = "auto"  # unused here
 a: int = 1  # a number recorded in the results
 label: str = "x"  # a string recorded in the results
-fail: bool = False  # raise inside the notebook"""
+fail: bool = False  # raise inside the notebook
+pid_dir: str = ""  # when a is 3: write the pid of its runner here, then sleep (a test kills it)"""
 
-TINY_BODY = """import pandas as pd
+TINY_BODY = """import os, pathlib, time
+import pandas as pd
 from qlab.results import save_csv, save_metrics
+if pid_dir and a == 3:
+    pathlib.Path(pid_dir, str(os.getppid())).write_text("")
+    time.sleep(120)
 if fail:
     raise RuntimeError(f"boom at a={a}")
 save_csv(pd.DataFrame({"a": [a], "square": [a * a]}), "tiny")
@@ -167,3 +172,46 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
     table = pd.read_csv(out)
     assert len(table) == 37 and sorted(table["rank"]) == list(range(1, 38))  # MiniLM: 6 × 6 + pooler
     assert table.sort_values("rank").delta.is_monotonic_decreasing
+
+
+@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time on this machine
+def test_sweep_on_a_ray_cluster_keeps_every_point_a_killed_worker_did_not_touch(tiny, tmp_path, capsys):
+    pytest.importorskip("ray", reason="the ray package is not installed: pip install 'qlab[ray]'")
+    import os
+    import signal
+    import threading
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"a: [1, 2, 3]\npid_dir: {pids}\n")
+    root = tmp_path / "runs" / "99_tiny"
+    finished = [root / f"a={a}__pid_dir={str(pids).replace('/', '-')}" / sweep.METRICS_FILE for a in (1, 2)]
+
+    def kill_the_third_point_once_the_others_finished():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if all(path.exists() for path in finished) and any(pids.iterdir()):
+                os.kill(int(next(pids.iterdir()).name), signal.SIGKILL)  # the Ray worker running a=3
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_third_point_once_the_others_finished, daemon=True)
+    killer.start()
+    assert cli.main(["sweep", str(tiny), str(grid), "--executor", "ray"]) == 1
+    killer.join()
+    out = capsys.readouterr()
+    assert "2 ran, 0 already complete, 1 failed" in out.out
+    assert "FAILED a=3__" in out.err and "Ray worker running it died" in out.err
+    for path in finished:
+        assert json.loads(path.read_text())["metrics"]["square"] in (1, 4)
+
+
+def test_sweep_refuses_an_unreachable_ray_address_before_running_anything(tiny, tmp_path, capsys):
+    pytest.importorskip("ray", reason="the ray package is not installed: pip install 'qlab[ray]'")
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [1]\n")
+    assert cli.main(["sweep", str(tiny), str(grid), "--executor", "ray", "--address", "127.0.0.1:9"]) == 2
+    assert "no Ray cluster answers there" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

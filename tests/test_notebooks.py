@@ -7,6 +7,7 @@ typed, commented values including `smoke: bool = False`, and the kernel is `qlab
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -65,23 +66,56 @@ def test_parameters_cell_is_first_typed_and_commented(ipynb):
     assert "device" in declared and "smoke" in declared
 
 
-_SMOKE_RESULTS: dict[str, Path] = {}  # stem -> a smoke run's results directory, for tests that read them
+def _smoke_outputs(notebook, results_dir, tmp_path, parameters=None):
+    if not (results_dir / SMOKE_DONE).exists():
+        output = tmp_path / f"{notebook.stem}.ipynb"
+        result = notebooks.run_notebook(
+            notebook, parameters, smoke=True, output=output, results_dir=results_dir
+        )
+        assert result.output.exists()
+    return {
+        p.relative_to(results_dir): p.read_bytes()
+        for p in sorted(results_dir.rglob("*"))
+        if p.is_file() and p.name != SMOKE_DONE
+    }
 
 
-def _smoke_outputs(notebook, results_dir, tmp_path):
-    result = notebooks.run_notebook(
-        notebook, smoke=True, output=tmp_path / f"{notebook.stem}.ipynb", results_dir=results_dir
-    )
-    assert result.output.exists()
-    _SMOKE_RESULTS.setdefault(notebook.stem, results_dir)
-    return {p.relative_to(results_dir): p.read_bytes() for p in sorted(results_dir.rglob("*")) if p.is_file()}
+SMOKE_DONE = ".smoke-done"
+FAN_OUT = {"executor": "processes", "max_workers": 2}  # a fanning-out notebook's shared smoke run
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """``smoke_run(notebook)``: the directory of the notebook's one shared smoke run (default
+    parameters, its runs fanned out over 2 worker processes), made by whichever test asks first, in
+    any pytest-xdist worker, and read by every test that needs it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ  # then base is one worker's folder in the run's
+    root = (base.parent if in_worker else base) / "shared-smoke-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(notebook: Path) -> Path:
+        directory = root / notebook.stem
+        with FileLock(str(root / f"{notebook.stem}.lock")):
+            if not (directory / SMOKE_DONE).exists():
+                fans_out = "executor" in notebooks.notebook_parameters(notebook)
+                _smoke_outputs(notebook, directory, root, FAN_OUT if fans_out else None)
+                (directory / SMOKE_DONE).write_text("")
+        return directory
+
+    return get
 
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, monkeypatch):
+def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, monkeypatch, smoke_run):
     monkeypatch.chdir(tmp_path)  # notebooks must not depend on the working directory
-    first = _smoke_outputs(ipynb, tmp_path / "a", tmp_path)
+    # a notebook whose runs fan out (qlab.runs) ran them in 2 worker processes for the shared run and
+    # runs them one after another here, each run on the same 1 thread: the bytes must not tell them apart
+    fans_out = "executor" in notebooks.notebook_parameters(ipynb)
+    first = _smoke_outputs(ipynb, smoke_run(ipynb), tmp_path)
     csvs = [p for p in first if p.suffix == ".csv"]
     assert csvs and all(str(p).startswith(f"data/{ipynb.stem}") for p in csvs)
     figures = {p.stem for p in first if p.parent.name == "figures"}
@@ -90,7 +124,9 @@ def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, mon
         assert Path("figures", f"{stem}.pdf") in first and Path("figures", f"{stem}.png") in first
     # same parameters and seed on the same machine -> the same CSV and figure bytes, except outputs
     # named *_timing (wall-clock measurements, which no seed can fix); they must exist both times
-    second = _smoke_outputs(ipynb, tmp_path / "b", tmp_path)
+    second = _smoke_outputs(
+        ipynb, tmp_path / "b", tmp_path, {"executor": "serial", "max_workers": 2} if fans_out else None
+    )
     assert set(first) == set(second)
     differing = [
         str(p)
@@ -114,15 +150,11 @@ def _first_difference(name: str, first: bytes, second: bytes) -> str:
 
 
 @pytest.mark.notebook
-def test_welford_notebook_reproduces_the_seed(tmp_path):
+def test_welford_notebook_reproduces_the_seed(smoke_run):
     """The smoke run's seed table against the numbers printed in the OneFlow PR (seeds/001):
     the E[X²]−E[X]² LayerNorm gave ±0.8428, the careful ones ±0.8454; Paddle's gradient of
     sum(LayerNorm(x)) was [-0.00143835, 0.00143831]."""
-    notebook = notebooks.resolve_notebook("02")
-    results = _SMOKE_RESULTS.get(notebook.stem)  # the determinism test's run, when it ran in this session
-    if results is None:
-        results = tmp_path
-        notebooks.run_notebook(notebook, smoke=True, output=tmp_path / "nb.ipynb", results_dir=results)
+    results = smoke_run(notebooks.resolve_notebook("02"))
     table = pd.read_csv(results / "data" / "02_welford_vs_naive_variance_seed.csv")
     fp32 = table[table["dtype"] == "float32"].set_index("implementation")
     assert fp32.loc["textbook", "y1"] == pytest.approx(0.8428, abs=5e-5)

@@ -1,0 +1,236 @@
+"""Wall time of the training notebooks' run lists, one run at a time against fanned out (qlab.runs).
+
+CPU (default): the run lists of notebooks 01, 03 and 07 at their default parameters (``--every K``
+times every K-th run of each, to fit a budget), timed back to back with the serial executor (this
+process's threads: one run at a time as the notebooks ran before they fanned out), the processes
+executor (one worker of one thread per core) and, with ``--ray``, a local Ray cluster of as many CPUs,
+whose results are compared with the processes' bit for bit (the tests pin serial = processes).
+
+GPU (``--gpu``): paper-profile CharGPT runs (notebook 03's recipes) with 1, 2, 4, 8 runs packed on
+one GPU: runs per hour and the GPU's busy fraction (nvidia-smi's utilization, sampled every 0.2 s).
+
+Each invocation appends its rows, with the machine, device, date, torch and commit, to
+``benchmarks/results/bench_runs.csv``.
+
+    python benchmarks/bench_runs.py --every 4 --ray
+    python benchmarks/bench_runs.py --gpu --runs-per-gpu 1,2,4,8 --gpu-runs 8 --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from qlab import paths, seed_model
+from qlab.runs import run_many, task, usable_cores
+from qlab.session import machine
+from qlab.train import TrainConfig
+
+RESULTS = Path(__file__).parent / "results" / "bench_runs.csv"
+QUANTIZED = ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"]
+
+
+def notebook_defaults(name: str) -> dict:
+    """The notebook's parameters cell as {name: default}; read without jupytext where it is missing
+    (a GPU machine's image): the lines after ``# %% tags=["parameters"]`` up to the next cell."""
+    from qlab.session import notebook_defaults as read
+
+    try:
+        return read(name)
+    except ImportError:
+        lines = (paths.NOTEBOOKS_DIR / f"{name}.py").read_text().splitlines()
+        start = lines.index('# %% tags=["parameters"]') + 1
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith("# %%"))
+        cell = ast.parse("\n".join(lines[start:end]))
+        return {s.target.id: ast.literal_eval(s.value) for s in cell.body if isinstance(s, ast.AnnAssign)}
+
+
+def notebook_01_runs() -> list:
+    """Notebook 01's three settings and its fp16 grid (optimizers × backwards × seeds), at its defaults."""
+    p = notebook_defaults("01_gradient_norm_discrepancy")
+    settings = [dict(microbatches=p["microbatches"]), dict(clip_norm=p["clip_norm"]),
+                dict(loss_scale=p["init_scale"], growth_interval=p["growth_interval"],
+                     microbatches=p["microbatches"], clip_norm=p["clip_norm"])]  # fmt: skip
+    runs = [task(seed_model.train, "corrected", "adam", p["steps"], seed=p["seed"], **s) for s in settings]
+    optimizers = [("adam", 1e-8), ("adam", 1e-12), ("adam", 1e-16), ("sgd", 1e-8)]
+    runs += [
+        task(seed_model.train, mode, optimizer, p["fp16_steps"], loss_scale=p["init_scale"],
+             growth_interval=p["growth_interval"], precision="fp16", eps=eps, bits=p["fp16_bits"],
+             audit=False, seed=seed)
+        for optimizer, eps in optimizers for mode in seed_model.MODES for seed in range(p["seeds"])
+    ]  # fmt: skip
+    return runs
+
+
+def notebook_03_runs(profile: str = "cpu", device: str = "cpu") -> list[TrainConfig]:
+    """Notebook 03's list at its defaults: FP32, BF16, recipes × backward modes, own-backward recipes."""
+    p = notebook_defaults("03_backward_override_training_curves")
+    if profile == "paper":  # the notebook's paper sizes
+        p.update(seeds=max(p["seeds"], 5), steps=3000, layers=5, width=128, context=128, batch_size=32,
+                 lr=1e-3, warmup_steps=100, eval_every=100, eval_batches=16, fidelity_every=250)  # fmt: skip
+    sizes = ("steps", "layers", "width", "heads", "context", "batch_size", "lr", "warmup_steps", "eval_every",
+             "eval_batches", "fidelity_every", "keep_high_precision")  # fmt: skip
+    base = TrainConfig(**{name: p[name] for name in sizes}, device=device, progress=False)
+    modes = [None if mode == "none" else mode for mode in p["overrides"]]
+    configurations = [("fp32", None), ("bf16", None)] + [(r, m) for r in p["recipes"] for m in modes]
+    configurations += [(r, None) for r in p["recipe_backward_only"]]
+    seeds = range(p["seeds"])
+    return [base.replace(recipe=r, backward_override=m, seed=s) for s in seeds for r, m in configurations]
+
+
+def notebook_07_runs() -> list[TrainConfig]:
+    """Notebook 07's training list at its defaults: FP32 and every variant, × seeds."""
+    from qlab import ablation
+
+    p = notebook_defaults("07_recipe_ablations")
+    steps = p["train_steps"]
+    base = TrainConfig(steps=steps, layers=p["layers"], width=p["width"], heads=4, context=p["context"],
+                       batch_size=p["batch_size"], lr=0.003, eval_batches=2, warmup_steps=max(1, steps // 10),
+                       eval_every=steps, device="cpu", progress=False)  # fmt: skip
+    runs = []
+    for seed in range(p["seeds"]):
+        for variant in ["fp32", *p["train_variants"]]:
+            preset, _, label = variant.partition("/")
+            keep_last = label == "+BF16 last block"
+            off = [] if keep_last or preset == "fp32" else ablation.switched_off(preset, label)
+            keep = ["head", "last_block"] if keep_last else ["head"]
+            fidelity_every = 0 if preset == "fp32" else max(1, steps // 3)
+            runs.append(base.replace(recipe=preset, ablate=off, seed=seed, keep_high_precision=keep,
+                                     fidelity_every=fidelity_every))  # fmt: skip
+    return runs
+
+
+def same_results(a, b) -> bool:
+    """Bit-identical results: frames compared whole (a TrainResult's timing column left out)."""
+    if isinstance(a, pd.DataFrame):
+        return a.equals(b)
+    return a.metrics.drop(columns="time_s").equals(b.metrics.drop(columns="time_s")) and a.fidelity.equals(
+        b.fidelity
+    )
+
+
+def timed(runs, **options) -> tuple[float, list]:
+    start = time.perf_counter()
+    results = run_many(runs, progress=False, **options)
+    return time.perf_counter() - start, results
+
+
+def record(rows: list[dict]) -> None:
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    stamp = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "commit": git.stdout.strip(),
+        "cores": usable_cores(),
+    }
+    frame = pd.DataFrame([{**stamp, **row} for row in rows])
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(RESULTS, mode="a", header=not RESULTS.exists(), index=False)
+    print(frame.to_string(index=False))
+
+
+def cpu(every: int, with_ray: bool, notebooks: list[str]) -> None:
+    lists = {"01": notebook_01_runs, "03": notebook_03_runs, "07": notebook_07_runs}
+    rows = []
+    for name in notebooks:
+        runs = lists[name]()[::every]
+        serial_s, _ = timed(runs, executor="serial")
+        processes_s, parallel = timed(runs, executor="processes")
+        row = {
+            "machine": machine(),
+            "device": "cpu",
+            "list": f"notebook {name}, every {every}. run",
+            "runs": len(runs),
+            "serial_s": round(serial_s, 1),
+            "processes_s": round(processes_s, 1),
+            "speedup_processes": round(serial_s / processes_s, 2),
+        }
+        if with_ray:
+            ray_s, on_ray = timed(runs, executor="ray")
+            row["ray_s"], row["speedup_ray"] = round(ray_s, 1), round(serial_s / ray_s, 2)
+            row["ray_identical_to_processes"] = all(map(same_results, on_ray, parallel))
+        rows.append(row)
+    record(rows)
+
+
+class BusySampler:
+    """The GPU's utilization (percent of time a kernel ran), sampled by nvidia-smi every 0.2 s."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        process = subprocess.Popen(
+            ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "200"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        for line in process.stdout:
+            if self._stop.is_set():
+                break
+            try:
+                self.samples.append(float(line.split(",")[0]))
+            except ValueError:
+                pass
+        process.kill()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def busy(self) -> float:
+        return sum(self.samples) / len(self.samples) / 100 if self.samples else float("nan")
+
+
+def gpu(runs_per_gpu: list[int], count: int, steps: int) -> None:
+    paper = notebook_03_runs("paper", device="cuda")
+    # one seed of each configuration, the first `count`, shortened to `steps`
+    runs = [config.replace(steps=steps, warmup_steps=min(100, steps // 10)) for config in paper[:count]]
+    device = torch.cuda.get_device_name()
+    for packed in runs_per_gpu:
+        with BusySampler() as sampler:
+            seconds, _ = timed(runs, executor="processes", max_workers=packed, runs_per_gpu=packed)
+        row = {
+            "machine": f"{device}, {usable_cores()} cores",
+            "device": device,
+            "list": f"paper profile, notebook 03's first {len(runs)} configurations, {steps} steps",
+            "runs": len(runs),
+            "runs_per_gpu": packed,
+            "wall_s": round(seconds, 1),
+            "runs_per_hour": round(3600 * len(runs) / seconds, 1),
+            "gpu_busy": round(sampler.busy(), 3),
+        }
+        record([row])  # each row as it comes: a session cut off keeps the rows it finished
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=int, default=1, help="time every K-th run of each list")
+    parser.add_argument("--notebooks", default="01,03,07")
+    parser.add_argument("--ray", action="store_true", help="also a local Ray cluster")
+    parser.add_argument("--gpu", action="store_true", help="runs packed per GPU instead")
+    parser.add_argument("--runs-per-gpu", default="1,2,4,8")
+    parser.add_argument("--gpu-runs", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    if args.gpu:
+        gpu([int(k) for k in args.runs_per_gpu.split(",")], args.gpu_runs, args.steps)
+    else:
+        cpu(args.every, args.ray, args.notebooks.split(","))
+
+
+if __name__ == "__main__":
+    main()

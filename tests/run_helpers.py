@@ -1,0 +1,31 @@
+"""Functions the executor tests run in worker processes (importable by name from tests/)."""
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+
+def noisy_matmul(seed: int, size: int = 64) -> torch.Tensor:
+    """A result that depends on the thread count's summation order only through torch's kernels."""
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(size, size, generator=generator)
+    return (a @ a.T).sum(dim=0)
+
+
+def fail_on(value: int, bad: int) -> int:
+    if value == bad:
+        raise ValueError(f"run {value} fails on purpose")
+    return value * value
+
+
+def threads() -> int:
+    return torch.get_num_threads()
+
+
+def pid_then_sleep(folder: str, seconds: float) -> int:
+    """Write this worker's pid to folder/<pid>, then sleep: the test kills it meanwhile."""
+    Path(folder, str(os.getpid())).write_text("")
+    time.sleep(seconds)
+    return os.getpid()
