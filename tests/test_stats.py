@@ -173,3 +173,72 @@ def test_gradient_noise_floor_is_the_agreement_of_two_batches_closed_form_gradie
     assert floor.layer.tolist() == ["0"]
     assert floor.cosine.item() == pytest.approx(cosine, rel=1e-5)
     assert floor.relative_error.item() == pytest.approx(error, rel=1e-5)
+
+
+# --- tests a reviewer expects ---------------------------------------------------------------------
+
+
+def test_t_cdf_equals_the_closed_forms_of_one_and_two_degrees_of_freedom():
+    # df = 1 is the Cauchy distribution: 1/2 + atan(t)/π; df = 2: 1/2 + t / (2 √(2 + t²))
+    for t in [-30.0, -3.0, -1.0, -0.2, 0.0, 0.5, 2.0, 7.5, 100.0]:
+        assert stats.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-13)
+        assert stats.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-13)
+    assert stats.t_cdf(math.inf, 3) == 1.0 and stats.t_cdf(-math.inf, 3) == 0.0
+
+
+def test_t_quantiles_are_the_published_two_and_one_sided_table_values():
+    # two-sided 95 % (the table in qlab.stats, from any statistics table) and one-sided 80 %:
+    # df 2 → 1.061, 4 → 0.941, 9 → 0.883, 29 → 0.854 (3 decimals in the tables)
+    for df in (1, 2, 4, 9, 30):
+        assert stats.t_quantile(0.975, df) == pytest.approx(stats.t_quantile_975(df), abs=5e-4)
+    for df, expected in [(2, 1.061), (4, 0.941), (9, 0.883), (29, 0.854)]:
+        assert stats.t_quantile(0.8, df) == pytest.approx(expected, abs=5e-4)
+    assert stats.t_quantile(0.025, 9) == pytest.approx(-stats.t_quantile(0.975, 9), abs=1e-10)
+
+
+def test_paired_test_of_a_hand_computed_sample():
+    # [1, 2, 3]: mean 2, sd 1, t = 2√3, df 2, two-sided p = 1 − t / √(2 + t²) (the df = 2 closed form)
+    result = stats.paired_test([1.0, 2.0, 3.0])
+    t = 2 * math.sqrt(3)
+    assert result["t"] == pytest.approx(t, rel=1e-12) and result["df"] == 2 and result["n"] == 3
+    assert result["p"] == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-10)
+    assert result["high"] - result["mean"] == pytest.approx(4.303 / math.sqrt(3), abs=1e-3)
+    assert stats.paired_test([0.5, 0.5])["p"] == 0.0 and stats.paired_test([0.0, 0.0])["p"] == 1.0
+    with pytest.raises(ValueError, match="at least 2 differences"):
+        stats.paired_test([1.0])
+    with pytest.raises(ValueError, match="differences must be finite"):
+        stats.paired_test([1.0, math.nan])
+
+
+def test_holm_adjusts_a_hand_computed_family():
+    # sorted 0.005·4 = 0.02, 0.01·3 = 0.03, 0.03·2 = 0.06, 0.04·1 = 0.04 → raised to 0.06 (monotone)
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+    assert stats.holm([0.5, 0.9]) == [1.0, 1.0]
+    with pytest.raises(ValueError, match=r"p_values must lie in \[0, 1\]"):
+        stats.holm([0.2, 1.5])
+
+
+def test_tost_against_the_two_one_sided_closed_forms():
+    # [1, 2, 3], margin 5: standard error 1/√3; p_lower = 1 − F₂((2 + 5)√3), p_upper = F₂((2 − 5)√3)
+    def f2(t):
+        return 0.5 + t / (2 * math.sqrt(2 + t * t))
+
+    result = stats.tost([1.0, 2.0, 3.0], margin=5.0)
+    assert result["p_lower"] == pytest.approx(1 - f2(7 * math.sqrt(3)), rel=1e-9)
+    assert result["p_upper"] == pytest.approx(f2(-3 * math.sqrt(3)), rel=1e-9)
+    assert result["p"] == max(result["p_lower"], result["p_upper"])
+    assert stats.tost([1.0, 2.0, 3.0], margin=1.0)["p"] > 0.5  # the mean lies outside the margin
+
+
+def test_detectable_effect_reaches_the_normal_formula_and_the_power_it_promises():
+    # many pairs: (z_0.975 + z_0.8) · sd / √n = (1.95996 + 0.84162) · sd / √n
+    assert stats.detectable_effect(1.0, 4000) == pytest.approx(2.80158 / math.sqrt(4000), rel=2e-3)
+    # simulated: a true mean difference of that size is found (p < 0.05) in about 80 % of samples
+    n = 8
+    effect = stats.detectable_effect(1.0, n)
+    rng = np.random.default_rng(0)
+    found = np.mean([stats.paired_test(rng.normal(effect, 1.0, n))["p"] < 0.05 for _ in range(3000)])
+    assert found == pytest.approx(0.80, abs=0.03)
+    assert stats.seeds_for_effect(0.0056, 0.005) == min(
+        n for n in range(2, 100) if stats.detectable_effect(0.0056, n) <= 0.005
+    )
