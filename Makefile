@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml
 
 kernel: $(STAMP)  ## create .venv and register the `qlab` Jupyter kernel
 
-figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, figures/*.pdf|png
+figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, figures/*.pdf|png, README findings
 	$(BIN)/qlab figures
+	$(BIN)/qlab findings
 
 test: lint  ## lint, unit tests, every notebook in smoke mode, JupyterLab in Chromium
 	$(BIN)/python -m pytest

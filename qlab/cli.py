@@ -6,6 +6,7 @@
                                                 training notebooks at paper scale, data/paper/)
                  [--executor E] [--address A]   how their training runs fan out (qlab.runs)
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--executor serial|processes|ray] [--address A] [--smoke]
+    qlab findings [--check]                     README's findings table from data/*_claims.csv
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
     qlab advise [--model M] [--recipe R] [--budget F] [--by layers|flops]   keep-in-high-precision advice
@@ -78,6 +79,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
     sw.add_argument("--smoke", action="store_true")
     sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+
+    found = sub.add_parser("findings", help="regenerate README.md's findings table from data/*_claims.csv")
+    found.add_argument(
+        "--check", action="store_true", help="exit 1 if README.md is not up to date; change nothing"
+    )
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
 
@@ -176,6 +182,17 @@ def _cmd_sweep(args) -> int:
     return 1 if counts["failed"] else 0
 
 
+def _cmd_findings(args) -> int:
+    from qlab.claims import update_readme
+
+    changed = update_readme(paths.ROOT / "README.md", paths.ROOT / "data", check=args.check)
+    if args.check:
+        print("README.md findings: " + ("out of date (run `qlab findings`)" if changed else "up to date"))
+        return 1 if changed else 0
+    print("README.md findings: " + ("regenerated" if changed else "already up to date"))
+    return 0
+
+
 def _cmd_sync(args) -> int:
     for path in notebooks.sync_notebooks():
         print(f"synced {path.name}")
@@ -212,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "run": _cmd_run,
         "figures": _cmd_figures,
         "sweep": _cmd_sweep,
+        "findings": _cmd_findings,
         "sync": _cmd_sync,
         "lab": _cmd_lab,
         "advise": _cmd_advise,

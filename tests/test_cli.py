@@ -215,3 +215,20 @@ def test_sweep_refuses_an_unreachable_ray_address_before_running_anything(tiny, 
     assert cli.main(["sweep", str(tiny), str(grid), "--executor", "ray", "--address", "127.0.0.1:9"]) == 2
     assert "no Ray cluster answers there" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+def test_figures_refuses_an_address_without_the_ray_executor(capsys):
+    assert cli.main(["figures", "--address", "auto"]) == 2
+    assert "--address needs --executor ray, got --executor None" in capsys.readouterr().err
+
+
+def test_findings_check_reports_a_stale_readme(tmp_path, monkeypatch, capsys):
+    from qlab import claims
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{claims.FINDINGS_START}\nstale\n{claims.FINDINGS_END}\n")
+    (tmp_path / "data").mkdir()
+    monkeypatch.setattr(paths, "ROOT", tmp_path)
+    assert cli.main(["findings", "--check"]) == 1
+    assert "out of date" in capsys.readouterr().out
+    assert cli.main(["findings"]) == 0 and cli.main(["findings", "--check"]) == 0

@@ -222,3 +222,33 @@ def test_every_notebook_starts_a_session(source):
     text = source.read_text()
     assert f'NAME = "{source.stem}"' in text and "session.start(NAME, globals())" in text
     assert 'device == "auto"' not in text
+
+
+# Notebooks whose conclusions are rendered from their claims files (qlab.claims): their markdown cells
+# state no result number. Allowed: list numbering, confidence and power levels, and the parameter
+# descriptions named here.
+RENDERED_CONCLUSIONS = {
+    "03_backward_override_training_curves": [r"1\.0M-parameter", r"clipping at 1\.0"],
+}
+RESULT_NUMBER = re.compile(r"\d+\.\d+|\d+ ?%|\d+ ?×|×\s?\d")
+ALWAYS_ALLOWED = [r"^\s*\d+\.\s", r"\b(95|80) %"]
+
+
+@pytest.mark.parametrize("stem", sorted(RENDERED_CONCLUSIONS))
+def test_markdown_cells_state_no_result_number(stem):
+    allowed = [re.compile(p) for p in ALWAYS_ALLOWED + RENDERED_CONCLUSIONS[stem]]
+    found = []
+    for cell in jupytext.read(paths.NOTEBOOKS_DIR / f"{stem}.py").cells:
+        if cell.cell_type != "markdown":
+            continue
+        for line in cell.source.splitlines():
+            for pattern in allowed:
+                line = pattern.sub("", line)
+            if RESULT_NUMBER.search(line):
+                found.append(line)
+    assert not found, f"{stem}: numbers typed into markdown (render them from the claims): {found}"
+
+
+def test_the_number_check_catches_a_typed_result():
+    assert RESULT_NUMBER.search("the gap is +0.0034 nats") and RESULT_NUMBER.search("clips 17 % of blocks")
+    assert not RESULT_NUMBER.search("with 95 % intervals".replace("95 %", ""))

@@ -1,0 +1,145 @@
+"""qlab.claims: claims computed with qlab.stats, rendered into text, and the README's findings table
+generated from the committed claims files (a drift test: edit a committed number and it fails)."""
+
+import math
+import shutil
+
+import pandas as pd
+import pytest
+
+from qlab import claims as claims_module
+from qlab import paths, stats
+from qlab.claims import Claims
+from qlab.session import NotebookRun
+
+
+def _run(changed=None, profile="cpu"):
+    return NotebookRun("99_demo", {"profile": profile}, changed or {}, paths.ROOT, "cpu")
+
+
+def test_paired_claims_state_their_test_and_holm_adjustment():
+    claims = Claims(_run())
+    resolved = [0.010, 0.012, 0.011, 0.009, 0.013]  # clearly above 0
+    unresolved = [0.002, -0.003, 0.001, -0.001, 0.0005]
+    claims.paired("gap.a", resolved, text="a − FP32", family="gaps", unit="nats")
+    claims.paired("gap.b", unresolved, text="b − FP32", family="gaps", unit="nats")
+    claims.holm("gaps")
+    a, b = claims["gap.a"], claims["gap.b"]
+    raw = [stats.paired_test(resolved)["p"], stats.paired_test(unresolved)["p"]]
+    assert [a.p_adjusted, b.p_adjusted] == pytest.approx(stats.holm(raw), rel=1e-12)
+    text = claims.render("A: {gap.a} ({gap.a:verdict}). B: {gap.b:value} ({gap.b:verdict}).")
+    assert "A: +0.0110 [+0.0090, +0.0130] nats (resolved: paired t over 5 seeds, Holm-adjusted p" in text
+    assert "over 2 comparisons)" in text
+    detectable = stats.detectable_effect(stats.paired_test(unresolved)["sd"], 5)
+    assert f"these seeds detect {detectable:.4f} nats at 80 % power" in text
+    assert "B: +0.0000 (not resolved" in text or "B: −0.0001" in text or "B: +0.0001" in text
+
+
+def test_equivalence_needs_tost_within_the_margin():
+    claims = Claims(_run())
+    near_zero = [0.001, -0.001, 0.0005, 0.0, -0.0005, 0.001]
+    claims.equivalence("same", near_zero, margin=0.01, text="x − y", unit="nats")
+    claims.equivalence("wide", [0.02, -0.03, 0.025, -0.02], margin=0.01, text="x − z", unit="nats")
+    assert claims["same"].p == stats.tost(near_zero, 0.01)["p"] and claims["same"].p < 0.05
+    assert claims.render("{same:verdict}").startswith("equivalent within ±0.01 nats (TOST over 6 seeds")
+    assert claims.render("{wide:verdict}").startswith("not shown equivalent within ±0.01 nats")
+
+
+def test_a_run_with_other_parameters_renders_under_a_banner():
+    plain = Claims(_run())
+    plain.value("x", 1.5, text="x", test="computed")
+    assert plain.render("x is {x}.") == "x is 1.5000.\n"
+    smoke = Claims(_run({"smoke": True, "seeds": 2}))
+    smoke.value("x", 1.5, text="x", test="computed")
+    rendered = smoke.render("x is {x}.")
+    assert rendered.startswith("> **These conclusions describe this run (smoke=True, seeds=2)")
+    assert (
+        Claims(_run(profile="paper"))
+        .render("y")
+        .startswith("> **These conclusions describe this run (profile")
+    )
+
+
+def test_rendered_markdown_never_turns_a_wrapped_number_into_a_list():
+    claims = Claims(_run())
+    claims.value("n", 30, text="count", test="computed", digits=0)
+    text = claims.render("The clipped blocks number\n{n}. That is all.\n\n- an item\n  continued\n- another")
+    assert text.splitlines() == [
+        "The clipped blocks number 30. That is all.",
+        "",
+        "- an item continued",
+        "- another",
+    ]
+    assert claims.render("{n}. Blocks clipped.") == "30\\. Blocks clipped.\n"  # not a list item
+
+
+def test_unknown_keys_and_parts_are_named():
+    claims = Claims(_run())
+    claims.value("x", 1.0, text="x")
+    with pytest.raises(KeyError, match="no claim 'y'; made so far: x"):
+        claims.render("{y}")
+    with pytest.raises(ValueError, match="unknown part 'colour'"):
+        claims.render("{x:colour}")
+    with pytest.raises(ValueError, match="key must be letters"):
+        claims.value("a key", 1.0, text="t")
+    with pytest.raises(ValueError, match="family 'none' has no paired claims"):
+        claims.holm("none")
+
+
+def test_the_findings_table_follows_an_edited_claims_file(tmp_path):
+    claims = Claims(_run())
+    claims.paired("gap", [0.010, 0.012, 0.011], text="a − FP32", unit="nats", headline=True)
+    claims.value("other", 2.0, text="not a headline")
+    frame = claims.frame()
+    frame.to_csv(tmp_path / "99_demo_claims.csv", index=False)
+    table = claims_module.findings_table(tmp_path)
+    assert "| 99 | a − FP32 | +0.0110 [+0.0085, +0.0135] nats | resolved: paired t over 3 seeds, p" in table
+    assert "not a headline" not in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{claims_module.FINDINGS_START}\nold\n{claims_module.FINDINGS_END}\nend\n")
+    assert claims_module.update_readme(readme, tmp_path) is True
+    assert claims_module.update_readme(readme, tmp_path, check=True) is False
+    # a value edited by hand in the data moves the generated text: the check notices
+    edited = pd.read_csv(tmp_path / "99_demo_claims.csv")
+    edited.loc[edited.key == "gap", "value"] = 0.0115
+    edited.to_csv(tmp_path / "99_demo_claims.csv", index=False)
+    assert claims_module.update_readme(readme, tmp_path, check=True) is True
+
+
+def test_the_committed_readme_findings_are_what_the_committed_claims_files_generate(tmp_path):
+    """The drift test: `qlab findings` regenerates the README's table from data/*_claims.csv; any
+    hand edit of either side fails here."""
+    copy = tmp_path / "README.md"
+    shutil.copy(paths.ROOT / "README.md", copy)
+    changed = claims_module.update_readme(copy, paths.ROOT / "data", check=True)
+    assert not changed, "README.md's findings differ from data/*_claims.csv: run `qlab findings`"
+
+
+def test_claims_files_round_trip():
+    claims = Claims(_run())
+    claims.paired("gap", [0.01, 0.03, 0.02], text="t", family="f")
+    claims.holm("f")
+    claims.value("single", 3.25, text="one run", test="observed")
+    for row, made in zip(claims.frame().to_dict("records"), ["gap", "single"]):
+        again = claims_module.from_row(pd.Series(row))
+        assert again.both() == claims[made].both()
+        assert math.isnan(again.margin)
+
+
+def test_paired_family_pairs_by_seed_within_each_group_and_corrects_the_family():
+    frame = pd.DataFrame({
+        "recipe": ["r"] * 6 + ["s"] * 4,
+        "override": ["a", "a", "a", "b", "b", "b", "a", "a", "b", "b"],
+        "seed": [0, 1, 2, 0, 1, 2, 0, 1, 0, 1],
+        "loss": [1.0, 2.0, 3.5, 0.5, 1.4, 3.0, 5.0, 6.0, 5.1, 6.3],
+    })  # fmt: skip
+    claims = Claims(_run())
+    keys = claims.paired_family(
+        frame, "loss", family="m", pairs=[("a", "b")], text="{group}: {a} − {b}", margin=1.0
+    )
+    assert keys == ["m.r.a-b", "m.s.a-b"]
+    r = stats.paired_test([0.5, 0.6, 0.5])
+    assert claims["m.r.a-b"].value == pytest.approx(r["mean"]) and claims["m.r.a-b"].text == "r: a − b"
+    raw = [r["p"], stats.paired_test([-0.1, -0.3])["p"]]
+    assert [claims[k].p_adjusted for k in keys] == pytest.approx(stats.holm(raw))
+    assert claims["m.s.a-b.same"].test == "TOST" and claims["m.s.a-b.same"].margin == 1.0
