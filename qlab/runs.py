@@ -14,9 +14,9 @@ Guarantees, whatever the executor:
   (``error.results``, None where a run failed);
 - one progress bar (``qlab.session.progress``: a widget in JupyterLab, text under papermill) counts
   finished runs across workers;
-- with ``cache=True`` each finished run is kept under ``runs/cache/`` by a key of its configuration
-  (every field), its thread count and qlab's version, so an interrupted list restarted does only what
-  is missing.
+- with ``cache=True`` (or ``$QLAB_RUN_CACHE=1`` where ``cache`` is left None, as the notebooks leave
+  it) each finished run is kept under ``runs/cache/`` by a key of its configuration (every field),
+  its thread count and qlab's version, so an interrupted list restarted does only what is missing.
 
 Executors:
 
@@ -55,6 +55,7 @@ from qlab import checks, paths
 EXECUTORS = ("serial", "processes", "ray")
 RUNS_PER_GPU = 8  # runs packed on one GPU: the most runs per hour of 1, 2, 4, 8 on an H100 (bench_runs.py)
 CACHE_DIR_NAME = "cache"
+CACHE_ENV = "QLAB_RUN_CACHE"  # "1": cache=None means cache=True (set it for a notebook's kernel)
 RAY_INSTALL = "pip install 'qlab[ray]' (or pip install ray)"
 
 
@@ -319,7 +320,7 @@ def run_many(
     threads_per_run: int | None = None,
     runs_per_gpu: int | None = None,
     address: str | None = None,
-    cache: bool = False,
+    cache: bool | None = None,
     progress: bool = True,
     desc: str = "runs",
 ) -> list:
@@ -332,6 +333,8 @@ def run_many(
     """
     checks.choice("executor", executor, EXECUTORS)
     workers, threads, gpus = plan(executor, max_workers, threads_per_run, runs_per_gpu)
+    if cache is None:  # a notebook's runs opt in from outside: QLAB_RUN_CACHE=1 qlab run 03
+        cache = os.environ.get(CACHE_ENV, "0") == "1"
     checks.boolean("cache", cache)
     checks.boolean("progress", progress)
     runs = _check_runs(runs)

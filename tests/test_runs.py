@@ -115,6 +115,16 @@ def test_cache_runs_only_what_is_missing(tmp_path, monkeypatch):
         _same_train_results(a, b)
 
 
+def test_the_environment_opts_a_notebook_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs.paths, "RUNS_DIR", tmp_path)
+    monkeypatch.setenv(runs.CACHE_ENV, "1")
+    assert run_many([task(run_helpers.fail_on, 4, -1)], executor="serial", progress=False) == [16]
+    assert len(list((tmp_path / "cache").glob("*.pkl"))) == 1
+    monkeypatch.setenv(runs.CACHE_ENV, "0")
+    run_many([task(run_helpers.fail_on, 5, -1)], executor="serial", progress=False)
+    assert len(list((tmp_path / "cache").glob("*.pkl"))) == 1
+
+
 def test_cache_key_covers_every_field_the_threads_and_the_version(monkeypatch):
     import copy
     import dataclasses
