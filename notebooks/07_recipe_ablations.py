@@ -27,7 +27,8 @@
 #    float64, on synthetic operands and on real operands captured from a trained CharGPT and from the
 #    pretrained SmolLM2-135M (`qlab.models`; its massive `down_proj` activations, notebook 06) — the place
 #    the RHT is meant to act (wgrad), which element SQNR (notebook 00) cannot show;
-# 2. **what SR buys**: SR is unbiased, RNE is not — one SR draw errs more, the mean of many draws less;
+# 2. **what SR buys**: one SR draw against RNE, and the mean of many SR draws against the 1/√n fall
+#    that unbiased, independent draws would give;
 # 3. **training**: validation loss of CharGPT trained with each variant, as the difference to FP32
 #    with the same seed, mean and 95 % interval over seeds (`qlab.stats`), with the weight-gradient
 #    fidelity to FP32 measured along the way.
@@ -36,7 +37,7 @@
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, 5 seeds: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
-seeds: int = 3  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
+seeds: int = 5  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
 tokens: int = 512  # tokens of the synthetic operands (the wgrad reduction length)
 features: int = 256  # input and output features of the synthetic operands
 capture_steps: int = 150  # FP32 training steps before the real operands are captured
@@ -46,6 +47,7 @@ pretrained_tokens: int = 128  # tokens per sequence (2 held-out sequences) for t
 sr_draws: int = 16  # SR draws averaged in section 2
 train_variants: list[str] = ["nvfp4", "nvfp4/no 2D weight", "nvfp4/no SR", "nvfp4/no RHT", "nvfp4/+BF16 last block", "nvfp4/none", "mxfp4_training", "mxfp4_training/no SR", "mxfp4_training/no RHT", "mxfp4_training/none", "fp8_blockwise"]  # trained beside FP32: preset, preset/none|no SR|no RHT|no 2D weight, or preset/+BF16 last block
 train_steps: int = 150  # optimizer steps per training run
+margin: float = 0.01  # nats: "no difference" in training is claimed only where TOST shows it within ±margin
 layers: int = 2  # transformer blocks of CharGPT
 width: int = 64  # embedding width
 context: int = 64  # characters per sequence
@@ -54,20 +56,24 @@ executor: str = "processes"  # how runs fan out: "serial", "processes" (one per 
 max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
 
 # %%
+import matplotlib.ticker
 import numpy as np
 import pandas as pd
 import torch
+from IPython.display import Markdown, display
 
 from qlab import ablation, models, session, stats
+from qlab.claims import Claims
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
-from qlab.results import save_csv, save_metrics
+from qlab.results import markdown_table, save_csv, save_metrics
 from qlab.runs import run_many
 from qlab.train import TrainConfig, train
 from qlab.train.data import shakespeare
 
 NAME = "07_recipe_ablations"
-device = session.start(NAME, globals()).device
+this_run = session.start(NAME, globals())  # prints where results go; resolves "auto" -> cuda or cpu
+device = this_run.device
 if profile == "paper":  # the 1.0M-parameter CharGPT (5 blocks × 128), 3000 steps, 5 seeds
     seeds, train_steps, capture_steps, sr_draws = max(seeds, 5), 3000, 1000, 64
     layers, width, context, batch_size = 5, 128, 128, 32
@@ -145,24 +151,32 @@ save_csv(gemm_summary, f"{NAME}_gemm_summary")
 gemm_summary.pivot_table(index=["family", "variant"], columns=["operands", "gemm"], values="mean", sort=False).round(4)
 
 # %% [markdown]
-# The figure: one row per family, one column per GEMM; bars are the mean over seeds (real operands:
-# averaged over the captured layers first), whiskers the 95 % interval.
+# The figure: one row per family, one column per GEMM. Synthetic operands: the mean over seeds and
+# its 95 % interval. Real operands differ from layer to layer far more than from seed to seed, so
+# each captured layer is its own marker (the mean over the SR seeds; one batch), never averaged with
+# the others. `mxfp4_training` keeps its forward GEMM in high precision: its fprop error is float32's
+# rounding alone, too small to see on this axis.
 
 # %%
-OPERAND_COLORS = {source: f"C{i}" for i, source in enumerate(["synthetic", *sources])}
+SOURCE_COLORS = {source: f"C{i}" for i, source in enumerate(["synthetic", *sources])}
+per_layer = gemm_errors.groupby(["family", "variant", "operands", "layer", "gemm"], sort=False).rel_error.mean()
+per_layer = per_layer.reset_index()
 fig, axes = subplots(len(FAMILIES), 3, width="text", aspect=1.0, squeeze=False, sharex="col")
 for row, family in enumerate(FAMILIES):
     names = list(FAMILIES[family])
     for col, gemm in enumerate(ablation.GEMMS):
         ax = axes[row][col]
-        for k, (operands, color) in enumerate(OPERAND_COLORS.items()):
-            part = gemm_summary[(gemm_summary.family == family) & (gemm_summary.gemm == gemm)
-                                & (gemm_summary.operands == operands)].set_index("variant").loc[names]
-            height = 0.8 / len(OPERAND_COLORS)
-            positions = np.arange(len(names)) + (k - (len(OPERAND_COLORS) - 1) / 2) * height
-            error = np.vstack([part["mean"] - part["low"], part["high"] - part["mean"]])
-            ax.barh(positions, part["mean"], height=height * 0.95, color=color, label=operands,
-                    xerr=np.nan_to_num(error), error_kw=dict(linewidth=0.6, capsize=1.5))
+        synthetic = gemm_summary[(gemm_summary.family == family) & (gemm_summary.gemm == gemm)
+                                 & (gemm_summary.operands == "synthetic")].set_index("variant").loc[names]
+        error = np.vstack([synthetic["mean"] - synthetic["low"], synthetic["high"] - synthetic["mean"]])
+        ax.errorbar(synthetic["mean"], np.arange(len(names)) - 0.2, xerr=np.nan_to_num(error), fmt="s",
+                    markersize=2.5, capsize=1.5, linewidth=0.6, color=SOURCE_COLORS["synthetic"],
+                    label="synthetic (mean, 95 % interval)")
+        for k, source in enumerate(sources):
+            part = per_layer[(per_layer.family == family) & (per_layer.gemm == gemm) & (per_layer.operands == source)]
+            offsets = np.array([names.index(v) for v in part.variant]) + 0.1 + 0.2 * k
+            ax.plot(part.rel_error, offsets, "o", markersize=2, alpha=0.7, color=SOURCE_COLORS[source],
+                    label=f"{source} (one marker per layer)")
         ax.set_yticks(np.arange(len(names)), names if col == 0 else [""] * len(names))
         ax.invert_yaxis()
         if row == 0:
@@ -170,16 +184,17 @@ for row, family in enumerate(FAMILIES):
         if row == len(FAMILIES) - 1:
             ax.set_xlabel("relative error vs float64")
 axes[0][-1].legend(fontsize=5, loc="lower right")
-fig.suptitle(f"GEMM-output error per recipe variant (mean, 95 % interval over {seeds} seeds)")
+fig.suptitle(f"GEMM-output error per recipe variant ({seeds} seeds; real operands: one batch)")
 save_figure(fig, f"{NAME}_gemm_error")
 
 # %% [markdown]
-# ## 2. What stochastic rounding buys: bias, not single-draw error
+# ## 2. What stochastic rounding buys
 #
-# One SR draw has a larger error than RNE (section 1: "no SR" errs less per GEMM). SR's point is
-# that it is unbiased: the mean of `sr_draws` independent SR draws of the wgrad GEMM approaches the
-# exact product, while RNE's error is the same every time. Real operands of the first captured
-# layer; MXFP4 backward with RHT, SR on vs off.
+# RNE's error is the same every time; SR's draws differ. If SR's draws were unbiased and independent,
+# the error of the mean of n draws of the wgrad GEMM would fall as 1/√n from one draw's (the dashed
+# line); where it levels off instead, what is left is shared by every draw — a bias of the rounding
+# or of the parts of the recipe the draws do not change (the Hadamard signs are fixed). Real operands
+# of the first captured layer, one batch; MXFP4 backward with RHT, SR on vs off.
 
 # %%
 layer_name = next(iter(real))
@@ -197,12 +212,18 @@ sr_bias = pd.DataFrame(sr_rows)
 save_csv(sr_bias, f"{NAME}_sr_bias")
 fig, ax = subplots()
 for variant, part in sr_bias.groupby("variant", sort=False):
-    ax.plot(part.draws, part.wgrad_rel_error_of_mean, marker="o", markersize=2, label=variant)
+    label = "SR (mxfp4_training)" if variant == "mxfp4_training" else "RNE (no SR)"
+    ax.plot(part.draws, part.wgrad_rel_error_of_mean, marker="o", markersize=2, label=label)
+first_draw = sr_bias[sr_bias.variant == "mxfp4_training"].wgrad_rel_error_of_mean.iloc[0]
+draws_axis = np.arange(1, sr_draws + 1)
+ax.plot(draws_axis, first_draw / np.sqrt(draws_axis), "k--", linewidth=0.7, label="one SR draw / √n")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
-ax.set_xlabel("draws averaged")
+ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+ax.set_xlabel("draws averaged (n)")
 ax.set_ylabel("wgrad relative error of the mean")
-ax.set_title(f"SR is unbiased: {layer_name}")
+ax.set_title(f"Mean of n draws against float64: {layer_name}")
 ax.legend(fontsize=6)
 save_figure(fig, f"{NAME}_sr_bias")
 sr_bias.groupby("variant").wgrad_rel_error_of_mean.agg(["first", "last"]).round(4)
@@ -272,3 +293,94 @@ for row in gemm_summary[gemm_summary.operands != "synthetic"].itertuples():
 for row in training_summary.itertuples():
     metrics[f"{row.variant}_val_loss_delta"] = row.mean
 save_metrics(NAME, **metrics)
+
+# %% [markdown]
+# ## 4. Conclusions
+#
+# Computed in the next cell from this run's results and saved to
+# `data/07_recipe_ablations_claims.csv`. Captured operands come from one batch each: their GEMM errors
+# are single observations per layer (only stochastic rounding varies with the seed). Training
+# differences are paired by seed and Holm-corrected within their family; "no difference" needs TOST
+# within `margin`.
+
+# %%
+claims = Claims(this_run)
+sr_runs = sr_bias.set_index(["variant", "draws"]).wgrad_rel_error_of_mean
+claims.value("sr.one_draw", sr_runs["mxfp4_training", 1], test="observed", digits=3,
+             text=f"wgrad error of one SR draw ({layer_name})")
+claims.value("sr.rne", sr_runs["no SR", 1], test="observed", digits=3, text=f"wgrad error with RNE ({layer_name})")
+claims.value("sr.mean", sr_runs["mxfp4_training", sr_draws], test="observed", digits=3,
+             text=f"wgrad error of the mean of {sr_draws} SR draws ({layer_name})")
+claims.value("sr.predicted", sr_runs["mxfp4_training", 1] / np.sqrt(sr_draws), test="computed", digits=3,
+             text=f"one draw's error / √{sr_draws}: what unbiased independent draws would reach")
+claims.value("sr.excess", claims["sr.mean"].value / claims["sr.predicted"].value, test="computed", digits=1,
+             text=f"mean of {sr_draws} draws ÷ the 1/√n prediction", headline=True)
+
+blockwise = gemm_summary[gemm_summary.variant == "fp8_blockwise"].set_index(["operands", "gemm"])["mean"]
+mxfp8 = gemm_summary[gemm_summary.variant == "mxfp8"].set_index(["operands", "gemm"])["mean"]
+claims.value("fp8.blockwise_vs_mxfp8", float(((blockwise - mxfp8).abs() / mxfp8).max()), test="computed",
+             digits=2, text="largest relative difference between fp8_blockwise's and mxfp8's GEMM errors")
+
+rht_rows = []
+for preset in ("nvfp4", "mxfp4_training"):
+    for source in ["synthetic", *sources]:
+        with_rht = per_layer[(per_layer.variant == preset) & (per_layer.operands == source) & (per_layer.gemm == "wgrad")]
+        without = per_layer[(per_layer.variant == "no RHT") & (per_layer.family == preset)
+                            & (per_layer.operands == source) & (per_layer.gemm == "wgrad")]
+        for layer in with_rht.layer:
+            a = with_rht[with_rht.layer == layer].rel_error.iloc[0]
+            b = without[without.layer == layer].rel_error.iloc[0]
+            rht_rows.append({"recipe": preset, "operands": source, "layer": layer, "wgrad error with RHT": a,
+                             "without RHT": b, "with ÷ without": a / b})
+rht = pd.DataFrame(rht_rows)
+if len(rht):
+    helped = rht[rht["with ÷ without"] < 1]
+    claims.value("rht.helped", len(helped), test="computed", digits=0, headline=True,
+                 text=f"recipe × layer pairs (of {len(rht)}) whose wgrad error the RHT lowers")
+
+train_keys = []
+for row in differences.variant.drop_duplicates():
+    part = differences[differences.variant == row].sort_values("seed")
+    key = f"train.{row.replace('/', '.').replace(' ', '_').replace('+', 'plus_')}"
+    claims.paired(key, part.difference, text=f"{row} − FP32, validation loss", family="train", unit="nats")
+    train_keys.append(key)
+claims.holm("train")
+claims.value("train.resolved", sum(claims[k].resolved() for k in train_keys), test="computed", digits=0,
+             headline=True, text=f"variants (of {len(train_keys)}) whose validation loss differs from FP32's, "
+                                 "Holm-corrected")
+ablated = finals[finals.variant != "fp32"].assign(
+    recipe=finals.variant.str.partition("/")[0], ingredient=finals.variant.str.partition("/")[2].replace("", "all"))
+ablation_keys = claims.paired_family(ablated, "val_loss", family="ablation", by="recipe", between="ingredient",
+                                     pairs=[(label, "all") for label in ("no 2D weight", "no SR", "no RHT",
+                                                                         "+BF16 last block", "none")],
+                                     unit="nats", margin=margin, text="{group}: {a} − the full recipe, validation loss")
+claims.save()
+
+
+def rows_of(keys):
+    return markdown_table(pd.DataFrame([{"comparison": claims[k].text, "measured": claims[k].both(),
+                                         "test": claims[k].verdict()} for k in keys]))
+
+
+display(Markdown(claims.render(f"""
+**What SR buys.** On `{layer_name}`'s wgrad (one batch: a single observation), one SR draw errs
+{{sr.one_draw:value}} where RNE errs {{sr.rne:value}}. The mean of {sr_draws} draws errs {{sr.mean:value}}:
+{{sr.excess:value}} times the {{sr.predicted:value}} that unbiased, independent draws would reach.
+
+**FP8 block sizes.** The {{fp8.blockwise_vs_mxfp8:text}} is {{fp8.blockwise_vs_mxfp8:value}} (every
+operand source and GEMM).
+""")))
+if len(rht):
+    display(Markdown(claims.render("""
+**The Hadamard transform on the wgrad operands** lowers the wgrad error in {rht.helped:value} of the
+recipe × layer pairs below and raises it in the rest (captured operands: one batch each, single
+observations):
+""") + "\n" + markdown_table(rht, "{:.3f}")))
+display(Markdown(claims.render("""
+**Training.** {train.resolved:value} of the variants end measurably away from FP32 after Holm's
+correction over all of them:
+""") + "\n" + rows_of(train_keys)))
+if ablation_keys:
+    display(Markdown(claims.render("**Each ingredient against the full recipe**, paired by seed (Holm over "
+                                   "these comparisons; TOST within the margin beside each):") + "\n"
+                     + rows_of([k for key in ablation_keys for k in (key, f"{key}.same")])))

@@ -105,11 +105,10 @@ class Claim:
             )
         if self.test == "paired t":
             adjusted = math.isfinite(self.p_adjusted)
-            which = (
-                f"Holm-adjusted p {self.p_text()} over {self.family_size} comparisons"
-                if adjusted
-                else (f"p {self.p_text()}")
-            )
+            comparisons = "comparison" if self.family_size == 1 else "comparisons"
+            which = f"p {self.p_text()}"
+            if adjusted:
+                which = f"Holm-adjusted p {self.p_text()} over {self.family_size} {comparisons}"
             p = self.p_adjusted if adjusted else self.p
             if p <= ALPHA:
                 return f"resolved: paired t over {self.n} seeds, {which}"
