@@ -515,17 +515,13 @@ if len(nvfp4):
 claims.save()
 
 
-def rows_of(keys):
-    return markdown_table(pd.DataFrame([{"comparison": claims[k].text, "measured": claims[k].both(),
-                                         "test": claims[k].verdict()} for k in keys]))
-
 
 text = """
 **Loss.** FP32 ends at {fp32.loss} ({fp32.loss:verdict}), {entropy.gap:value} nats below the unigram
 entropy. {gap.resolved:value} of the configurations end measurably away from FP32 after Holm's correction
 over all of them; each gap, paired by seed:
 """
-display(Markdown(claims.render(text) + "\n" + rows_of(gap_keys)))
+display(Markdown(claims.render(text) + "\n" + claims.table(gap_keys)))
 if mode_keys:
     text = """
 **Backward modes.** Within a recipe, {modes.ordered:value} of the mode pairs differ in validation loss
@@ -533,7 +529,7 @@ after Holm's correction over the pairs, and {modes.equivalent:value} are shown e
 margin; the rest are neither ordered nor shown equal by these seeds (their detectable effect is in the
 table).
 """
-    display(Markdown(claims.render(text) + "\n" + rows_of(mode_keys)))
+    display(Markdown(claims.render(text) + "\n" + claims.table(mode_keys)))
 if fidelity_keys:
     text = """
 **Fidelity depends on the reference.** high_precision's backward is FP32's own; its weight gradient is
@@ -542,17 +538,17 @@ gradient of the loss the run computes, dequantized is exact by construction (sec
 mini-batch noise floor, {noise.floor}, is {noise.ratio.low:value}–{noise.ratio.high:value} times the
 backward errors to FP32.
 """
-    display(Markdown(claims.render(text) + "\n" + rows_of(fidelity_keys)))
+    display(Markdown(claims.render(text) + "\n" + claims.table(fidelity_keys)))
 if stability_keys:
     text = """
 **Stability.** The dequantized backward's gradient norm is measurably smoother than the recipe's own
 in {stability.smoother:value} of the recipes (Holm-corrected, median step-to-step change of log ‖∇θ‖):
 """
-    display(Markdown(claims.render(text) + "\n" + rows_of(stability_keys)))
+    display(Markdown(claims.render(text) + "\n" + claims.table(stability_keys)))
 memory_keys = [k for k in ("memory." + r for r in quantized_recipes) if k in claims]
 if memory_keys:
     display(Markdown(claims.render("**Memory** is the practical difference: what backward keeps, from "
-                                   "the formats' definitions:") + "\n" + rows_of(memory_keys)))
+                                   "the formats' definitions:") + "\n" + claims.table(memory_keys)))
 if "nvfp4.lowest_cosine" in claims:
     display(Markdown(claims.render("**NVFP4 per layer.** The {nvfp4.lowest_cosine:text} is "
                                    "{nvfp4.lowest_cosine:value}.")))

@@ -357,10 +357,6 @@ ablation_keys = claims.paired_family(ablated, "val_loss", family="ablation", by=
 claims.save()
 
 
-def rows_of(keys):
-    return markdown_table(pd.DataFrame([{"comparison": claims[k].text, "measured": claims[k].both(),
-                                         "test": claims[k].verdict()} for k in keys]))
-
 
 display(Markdown(claims.render(f"""
 **What SR buys.** On `{layer_name}`'s wgrad (one batch: a single observation), one SR draw errs
@@ -379,8 +375,8 @@ observations):
 display(Markdown(claims.render("""
 **Training.** {train.resolved:value} of the variants end measurably away from FP32 after Holm's
 correction over all of them:
-""") + "\n" + rows_of(train_keys)))
+""") + "\n" + claims.table(train_keys)))
 if ablation_keys:
     display(Markdown(claims.render("**Each ingredient against the full recipe**, paired by seed (Holm over "
                                    "these comparisons; TOST within the margin beside each):") + "\n"
-                     + rows_of([k for key in ablation_keys for k in (key, f"{key}.same")])))
+                     + claims.table([k for key in ablation_keys for k in (key, f"{key}.same")])))

@@ -240,6 +240,16 @@ class Claims:
             claim.p_adjusted, claim.family_size = adjusted, len(members)
         return members
 
+    def table(self, keys) -> str:
+        """A markdown table of the claims ``keys``: what each compares, the value with its interval, and
+        the verdict of its test."""
+        from qlab.results import markdown_table
+
+        rows = [
+            {"comparison": self[k].text, "measured": self[k].both(), "test": self[k].verdict()} for k in keys
+        ]
+        return markdown_table(pd.DataFrame(rows, columns=["comparison", "measured", "test"]))
+
     def frame(self) -> pd.DataFrame:
         rows = [{name: asdict(c)[name] for name in COLUMNS} for c in self._claims.values()]
         return pd.DataFrame(rows, columns=list(COLUMNS))

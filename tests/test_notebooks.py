@@ -228,6 +228,7 @@ def test_every_notebook_starts_a_session(source):
 # state no result number. Allowed: list numbering, confidence and power levels, and the parameter
 # descriptions named here.
 RENDERED_CONCLUSIONS = {
+    "01_gradient_norm_discrepancy": [r"~0\.00x"],  # the forum question's own words, quoted (seeds/000)
     "03_backward_override_training_curves": [r"1\.0M-parameter", r"clipping at 1\.0"],
     # block shapes and the synthetic operands' outlier factor are parameters; arXiv numbers are sources
     "07_recipe_ablations": [r"\d+×\d+", r"arXiv \d+\.\d+", r"\(×20\)"],
