@@ -6,11 +6,14 @@ process's threads: one run at a time as the notebooks ran before they fanned out
 executor (one worker of one thread per core) and, with ``--ray``, a local Ray cluster of as many CPUs,
 whose results are compared with the processes' bit for bit (the tests pin serial = processes).
 
+``--thread-scaling``: one run of each list alone with 1 thread and with every core's, which bounds
+what one-thread workers can gain over the serial executor (cores × t(cores) / t(1)).
+
 GPU (``--gpu``): paper-profile CharGPT runs (notebook 03's recipes) with 1, 2, 4, 8 runs packed on
 one GPU: runs per hour and the GPU's busy fraction (nvidia-smi's utilization, sampled every 0.2 s).
 
 Each invocation appends its rows, with the machine, device, date, torch and commit, to
-``benchmarks/results/bench_runs.csv``.
+``benchmarks/results/bench_runs_cpu.csv``, ``bench_runs_threads.csv`` or ``bench_runs_gpu.csv``.
 
     python benchmarks/bench_runs.py --every 4 --ray
     python benchmarks/bench_runs.py --gpu --runs-per-gpu 1,2,4,8 --gpu-runs 8 --steps 300
@@ -34,7 +37,7 @@ from qlab.runs import run_many, task, usable_cores
 from qlab.session import machine
 from qlab.train import TrainConfig
 
-RESULTS = Path(__file__).parent / "results" / "bench_runs.csv"
+RESULTS = Path(__file__).parent / "results"  # bench_runs_cpu.csv and bench_runs_gpu.csv
 QUANTIZED = ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"]
 
 
@@ -123,7 +126,7 @@ def timed(runs, **options) -> tuple[float, list]:
     return time.perf_counter() - start, results
 
 
-def record(rows: list[dict]) -> None:
+def record(rows: list[dict], kind: str) -> None:
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     stamp = {
         "date": datetime.date.today().isoformat(),
@@ -132,14 +135,14 @@ def record(rows: list[dict]) -> None:
         "cores": usable_cores(),
     }
     frame = pd.DataFrame([{**stamp, **row} for row in rows])
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(RESULTS, mode="a", header=not RESULTS.exists(), index=False)
+    path = RESULTS / f"bench_runs_{kind}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(path, mode="a", header=not path.exists(), index=False)
     print(frame.to_string(index=False))
 
 
 def cpu(every: int, with_ray: bool, notebooks: list[str]) -> None:
     lists = {"01": notebook_01_runs, "03": notebook_03_runs, "07": notebook_07_runs}
-    rows = []
     for name in notebooks:
         runs = lists[name]()[::every]
         serial_s, _ = timed(runs, executor="serial")
@@ -157,8 +160,39 @@ def cpu(every: int, with_ray: bool, notebooks: list[str]) -> None:
             ray_s, on_ray = timed(runs, executor="ray")
             row["ray_s"], row["speedup_ray"] = round(ray_s, 1), round(serial_s / ray_s, 2)
             row["ray_identical_to_processes"] = all(map(same_results, on_ray, parallel))
-        rows.append(row)
-    record(rows)
+        record([row], "cpu")  # each row as it comes: a run cut off keeps the lists it finished
+
+
+def thread_scaling(notebooks: list[str], repeats: int = 2) -> None:
+    """What one run gains from the second core, timed alone: its wall time with 1 thread and with every
+    core's, and so the most a pool of one-thread workers can gain over the serial executor,
+    cores × t(cores) / t(1), for the first FP32 and the first quantized run of each list."""
+    from qlab.train import train
+
+    lists = {"01": notebook_01_runs, "03": notebook_03_runs, "07": notebook_07_runs}
+    cores = usable_cores()
+    for name in notebooks:
+        runs = lists[name]()
+        picked = [runs[0]]
+        if name != "01":
+            quantized = next(r for r in runs if r.recipe not in ("fp32", "bf16"))
+            picked = [next(r for r in runs if r.recipe == "fp32"), quantized]
+        for run in picked:
+            seconds = {}
+            for threads in (1, cores):
+                torch.set_num_threads(threads)
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    run.function(*run.args, **run.kwargs) if hasattr(run, "function") else train(run)
+                    times.append(time.perf_counter() - start)
+                seconds[threads] = min(times)
+            label = getattr(run, "recipe", str(run)[:60])
+            row = {"machine": machine(), "list": f"notebook {name}", "run": label}
+            row["seconds_1_thread"] = round(seconds[1], 2)
+            row[f"seconds_{cores}_threads"] = round(seconds[cores], 2)
+            row["pool_bound"] = round(cores * seconds[cores] / seconds[1], 2)
+            record([row], "threads")
 
 
 class BusySampler:
@@ -213,7 +247,7 @@ def gpu(runs_per_gpu: list[int], count: int, steps: int) -> None:
             "runs_per_hour": round(3600 * len(runs) / seconds, 1),
             "gpu_busy": round(sampler.busy(), 3),
         }
-        record([row])  # each row as it comes: a session cut off keeps the rows it finished
+        record([row], "gpu")  # each row as it comes: a session cut off keeps the rows it finished
 
 
 def main() -> None:
@@ -222,11 +256,16 @@ def main() -> None:
     parser.add_argument("--notebooks", default="01,03,07")
     parser.add_argument("--ray", action="store_true", help="also a local Ray cluster")
     parser.add_argument("--gpu", action="store_true", help="runs packed per GPU instead")
+    parser.add_argument(
+        "--thread-scaling", action="store_true", help="one run at 1 thread and at every core's"
+    )
     parser.add_argument("--runs-per-gpu", default="1,2,4,8")
     parser.add_argument("--gpu-runs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
-    if args.gpu:
+    if args.thread_scaling:
+        thread_scaling(args.notebooks.split(","))
+    elif args.gpu:
         gpu([int(k) for k in args.runs_per_gpu.split(",")], args.gpu_runs, args.steps)
     else:
         cpu(args.every, args.ray, args.notebooks.split(","))

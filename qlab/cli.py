@@ -128,7 +128,38 @@ def _cmd_run(args) -> int:
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
     )
     print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s, executed copy {result.output}")
+    if not args.smoke and set(params) <= {"profile"} and result.notebook.parent == paths.NOTEBOOKS_DIR:
+        _record_seconds(result.notebook.stem, params.get("profile", "cpu"), result.seconds)
     return 0
+
+
+NOTEBOOK_SECONDS = "benchmarks/results/notebook_seconds.csv"
+
+
+def _record_seconds(notebook: str, profile: str, seconds: float) -> None:
+    """Append a default-parameter run's wall time, with its machine, date, torch and commit, to
+    benchmarks/results/notebook_seconds.csv (where the docs read each notebook's run time)."""
+    import csv
+    import datetime
+    import subprocess
+
+    import torch
+
+    from qlab.session import machine
+
+    path = paths.ROOT / NOTEBOOK_SECONDS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    git = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=paths.ROOT
+    )
+    today = datetime.date.today().isoformat()
+    row = [notebook, profile, round(seconds, 1), machine(), today, torch.__version__, git.stdout.strip()]
+    new = not path.exists()
+    with path.open("a", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        if new:
+            writer.writerow(["notebook", "profile", "seconds", "machine", "date", "torch", "commit"])
+        writer.writerow(row)
 
 
 def _cmd_figures(args) -> int:
@@ -154,9 +185,11 @@ def _cmd_figures(args) -> int:
         if args.executor is not None and "executor" in notebooks.notebook_parameters(path):
             chosen_parameters["executor"] = args.executor
         try:
-            notebooks.run_notebook(
+            result = notebooks.run_notebook(
                 path, chosen_parameters, smoke=args.smoke, timeout=args.timeout, output=output
             )
+            if not args.smoke and args.executor is None:
+                _record_seconds(path.stem, args.profile, result.seconds)
         except NotebookError as err:
             failures.append(str(err))
     for failure in failures:
