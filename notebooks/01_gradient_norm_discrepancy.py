@@ -335,13 +335,14 @@ corrected one across the blocks' weights, and the inner QuantizerFunction's back
 seed:
 """) + "\n" + claims.table(bug_keys)))
 display(Markdown(claims.render("""
-With Adam (ε=1e-8) the loss as written ends {bug.ratio.adam_eps1e-8:value} times the corrected one
+With Adam (ε=1e-8) the loss as written ends {bug.ratio.adam_eps1e-8} times the corrected one
 ({bug.ratio.adam_eps1e-8:verdict}).
 """) + ("" if parted is None else claims.render("The paired gap has p < 0.05 at every logged step "
                                                  "from step {bug.parting_step:value} on.")) + "\n\n" + claims.render("""
-**Adam's ε does not hide the bug**, where TOST shows it (margin set in the parameters):
+**Adam's ε.** The final loss as written with a smaller ε against ε=1e-8, by TOST within the margin
+set in the parameters (an ε that hid the bug would move it):
 """) + "\n" + claims.table(eps_keys) + "\n\n" + claims.render("""
-**fp16 is not the cause:** the GradScaler backed off {backoffs.as_written:value} times in the runs as
+**What fp16 does here:** the GradScaler backed off {backoffs.as_written:value} times in the runs as
 written and {backoffs.corrected:value} times in the corrected ones; at most {zero_grads:value} of a
 step's weight gradients as written are exact zeros. With 8-bit grids, {eight_bit.overflows:value} of
 the first {eight_bit.steps:value} steps' scales were cut after an overflow, which is why section 5 uses

@@ -526,8 +526,8 @@ if mode_keys:
     text = """
 **Backward modes.** Within a recipe, {modes.ordered:value} of the mode pairs differ in validation loss
 after Holm's correction over the pairs, and {modes.equivalent:value} are shown equivalent within the
-margin; the rest are neither ordered nor shown equal by these seeds (their detectable effect is in the
-table).
+margin (a pair can be both: a resolved difference smaller than the margin); a pair that is neither is
+not settled by these seeds (its detectable effect is in the table).
 """
     display(Markdown(claims.render(text) + "\n" + claims.table(mode_keys)))
 if fidelity_keys:
@@ -547,8 +547,8 @@ in {stability.smoother:value} of the recipes (Holm-corrected, median step-to-ste
     display(Markdown(claims.render(text) + "\n" + claims.table(stability_keys)))
 memory_keys = [k for k in ("memory." + r for r in quantized_recipes) if k in claims]
 if memory_keys:
-    display(Markdown(claims.render("**Memory** is the practical difference: what backward keeps, from "
-                                   "the formats' definitions:") + "\n" + claims.table(memory_keys)))
+    display(Markdown(claims.render("**Memory.** What backward keeps, from the formats' "
+                                   "definitions:") + "\n" + claims.table(memory_keys)))
 if "nvfp4.lowest_cosine" in claims:
     display(Markdown(claims.render("**NVFP4 per layer.** The {nvfp4.lowest_cosine:text} is "
                                    "{nvfp4.lowest_cosine:value}.")))

@@ -206,7 +206,8 @@ class Claims:
                       by: str = "recipe", between: str = "override", pair: str = "seed", unit: str = "",
                       digits: int = 4, margin: float | None = None) -> list[str]:  # fmt: skip
         """For each group of ``by`` and each (a, b) of ``pairs`` present in its ``between`` column, the
-        paired claim ``<family>.<group>.<a>-<b>`` of value(a) − value(b) with the same ``pair`` key
+        paired claim ``<family>.<group>.<a>-<b>`` (other characters than a key's become "_") of
+        value(a) − value(b) with the same ``pair`` key
         (and, given ``margin``, its TOST claim ``<family>.<group>.<a>-<b>.same``); Holm over the
         family. ``text`` is formatted with group, a and b. Returns the paired claims' keys."""
         checks.frame_columns("frame", frame, [value, by, between, pair])
@@ -217,7 +218,7 @@ class Claims:
             for a, b in pairs:
                 if a not in rows or b not in rows or rows[[a, b]].isna().any().any():
                     continue
-                key = f"{family}.{group}.{a}-{b}"
+                key = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{family}.{group}.{a}-{b}")
                 label = text.format(group=group, a=a, b=b)
                 self.paired(key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits)
                 if margin is not None:

@@ -143,3 +143,8 @@ def test_paired_family_pairs_by_seed_within_each_group_and_corrects_the_family()
     raw = [r["p"], stats.paired_test([-0.1, -0.3])["p"]]
     assert [claims[k].p_adjusted for k in keys] == pytest.approx(stats.holm(raw))
     assert claims["m.s.a-b.same"].test == "TOST" and claims["m.s.a-b.same"].margin == 1.0
+    spaced = frame.assign(override=frame.override.map({"a": "no 2D weight", "b": "all"}))
+    assert claims.paired_family(spaced, "loss", family="k", pairs=[("no 2D weight", "all")], text="t") == [
+        "k.r.no_2D_weight-all",
+        "k.s.no_2D_weight-all",
+    ]
