@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import types
 
 import nbformat
 import pytest
@@ -103,14 +104,17 @@ def test_an_unknown_profile_is_refused(interactive):
 def test_figures_paper_profile_runs_only_the_training_notebooks(monkeypatch, tmp_path):
     from qlab import cli
 
-    calls = []
+    calls, recorded = [], []
     monkeypatch.setattr(paths, "RUNS_DIR", tmp_path)
-    monkeypatch.setattr(
-        notebooks,
-        "run_notebook",
-        lambda path, parameters, **options: calls.append((path.stem, parameters, options["output"])),
-    )
+
+    def run_notebook(path, parameters, **options):
+        calls.append((path.stem, parameters, options["output"]))
+        return types.SimpleNamespace(notebook=path, seconds=1.5)
+
+    monkeypatch.setattr(notebooks, "run_notebook", run_notebook)
+    monkeypatch.setattr(cli, "_record_seconds", lambda *row: recorded.append(row))  # not into the repo
     assert cli.main(["figures", "--profile", "paper"]) == 0
+    assert recorded == [(stem, "paper", 1.5) for stem, _, _ in calls]
     stems = [stem for stem, _, _ in calls]
     assert stems == [
         p.stem for p in notebooks.list_notebooks() if "profile" in notebooks.notebook_parameters(p)
