@@ -247,7 +247,7 @@ def gpu(runs_per_gpu: list[int], count: int, steps: int) -> None:
             "runs_per_hour": round(3600 * len(runs) / seconds, 1),
             "gpu_busy": round(sampler.busy(), 3),
         }
-        record([row], "gpu")  # each row as it comes: a call cut off at its time limit keeps the rows it finished
+        record([row], "gpu")  # each row as it comes: a call cut off at its limit keeps the rows it finished
 
 
 def main() -> None:
