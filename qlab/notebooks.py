@@ -1,6 +1,6 @@
 """Running the parameterized notebooks headless with papermill (used by the CLI and the tests).
 
-Conventions (see the README): ``notebooks/NN_topic.py`` (jupytext percent) is the source of truth,
+Conventions (docs/adding_a_notebook.md): ``notebooks/NN_topic.py`` (jupytext percent) is the source of truth,
 paired with ``NN_topic.ipynb`` stored without outputs; the first code cell is tagged
 ``parameters`` and holds typed values, ``smoke: bool = False`` among them. Executed copies go to
 ``runs/``. A smoke run writes its CSVs and figures under ``runs/smoke/`` so it never overwrites
