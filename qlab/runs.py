@@ -217,9 +217,6 @@ def _execute_reporting(run, threads: int):
         return "error", traceback.format_exc()
 
 
-_WORKER_GPU: list = []
-
-
 def _init_worker(gpus: list[str], counter) -> None:
     """Pool initializer: pin this worker to one GPU (round robin) before CUDA starts; let the parent
     handle Ctrl+C."""
@@ -331,8 +328,7 @@ def run_many(
     executor: the same given ``max_workers``, else this process's).
     Raises :class:`RunsFailed` after every run has finished if any raised.
     """
-    checks.choice("executor", executor, EXECUTORS)
-    workers, threads, gpus = plan(executor, max_workers, threads_per_run, runs_per_gpu)
+    workers, threads, gpus = plan(executor, max_workers, threads_per_run, runs_per_gpu)  # checks them all
     if cache is None:  # a notebook's runs opt in from outside: QLAB_RUN_CACHE=1 qlab run 03
         cache = os.environ.get(CACHE_ENV, "0") == "1"
     checks.boolean("cache", cache)
