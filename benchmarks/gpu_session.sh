@@ -3,7 +3,7 @@
 # transformers (nothing is installed; qlab runs from the checkout):
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [profile] [fp8err]
-#                                         [kernels] [linear] [cudagraphs] [runs]
+#                                         [kernels] [linear] [cudagraphs] [runs] [bits] [cudagraph_tests]
 #   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
@@ -46,6 +46,11 @@ for part in $parts; do
     case $part in
     tests)  # the GPU-relevant tests: Triton kernels on the GPU, FP8 tensor cores
         run_part tests 150 $py -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_fp8_gemm.py ;;
+    bits)  # every qdq/quantize path on CUDA against the CPU reference's bits, on the edge-case inputs
+        run_part bits 200 $py -m pytest -q -p no:cacheprovider -n 8 tests/test_device_bits.py ;;
+    cudagraph_tests)  # compile_mode="reduce-overhead" training against compiled training, every preset
+        run_part cudagraph_tests 330 $py -m pytest -q -p no:cacheprovider -n 12 --tb=short tests/test_compile.py \
+            -k cudagraph_training_on_cuda ;;
     compile_tests)  # compiled against eager bits on CUDA
         run_part compile_tests 150 $py -m pytest -q -p no:cacheprovider tests/test_compile.py -k cuda ;;
     train)  # compiled CharGPT steps against compiled FP32

@@ -866,6 +866,8 @@ def qdq_with_mask(
 
 
 COMPILE_MIN_NUMEL = 1 << 20
+
+
 # Inductor fuses a pointwise expression into its consumer only while it has at most 50 operations
 # on the CPU (30 on a GPU); past that it writes the intermediate tensor out and reads it back. A
 # block format's element loop (the block's scale recomputed per vector, then the cast) is just past
@@ -873,7 +875,23 @@ COMPILE_MIN_NUMEL = 1 << 20
 # pass these options; pass them to yours: torch.compile(model, options=qlab.quantize.COMPILE_OPTIONS).
 # max_pointwise_cat_inputs: the Hadamard transform stacks its 16 columns; inductor fuses a stack of
 # at most 8 inputs into one loop by default, and writes each of 16 out separately (1.6 against 0.9 ms).
-COMPILE_OPTIONS = {"realize_opcount_threshold": 256, "max_pointwise_cat_inputs": 16}
+def _eager_numerics() -> dict:
+    """inductor's options that make its Triton code round as eager torch does (those this torch has):
+    IEEE division, not ``div.full``'s 2 ulp; no fused multiply-add (``emulate_precision_casts`` also
+    turns Triton's fp fusion off); subnormals kept, not flushed to zero. Without them compiled qdq on a
+    GPU parted from the CPU's bits at ties, near-ties and inexact scale divisions."""
+    import torch._inductor.config as inductor
+
+    known = inductor.get_config_copy()
+    wanted = {
+        "emulate_precision_casts": True,
+        "eager_numerics.division_rounding": True,
+        "eager_numerics.disable_ftz": True,
+    }
+    return {name: value for name, value in wanted.items() if name in known}
+
+
+COMPILE_OPTIONS = {"realize_opcount_threshold": 256, "max_pointwise_cat_inputs": 16, **_eager_numerics()}
 _compiled: dict = {}
 _compile_failed: set = set()
 

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from qlab import checks
+from qlab import checks, ops
 from qlab.formats import FloatFormat, _cast_rne_float32, _check_codes, get_format
 
 MX_SCALE_MODES = ("floor", "rceil", "ceil", "even")
@@ -61,6 +61,28 @@ def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
     return torch.full_like(denominator, numerator) / denominator
 
 
+def _divide_kernel(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
+# one opaque op, so that inductor cannot see the constant divisor (on a GPU it multiplies by 1/divisor)
+_divide_op = ops.define(
+    "divide_by", "(Tensor x, float divisor) -> Tensor", _divide_kernel, lambda x, divisor: torch.empty_like(x)
+)
+
+
+def divide_by(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor correctly rounded on every device, eagerly and compiled (no gradient).
+
+    Off the CPU, torch's ``tensor / python_scalar`` multiplies by the scalar's reciprocal (one ulp off
+    for some inputs: amax / 2688 among them), and so does inductor's code for a division by a constant;
+    there the division runs as one op with the divisor in a 0-dim tensor on x's device.
+    """
+    if x.device.type == "cpu":
+        return x / divisor
+    return _divide_op(x.detach(), float(divisor))
+
+
 def reciprocal(x: torch.Tensor) -> torch.Tensor:
     """fl(1/x) in float32, correctly rounded (what cuBLAS and TransformerEngine multiply by as scale_inv)."""
     return _divide(1.0, x.float())
@@ -78,7 +100,7 @@ def int_symmetric_scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
     """amax / qmax in float32; 1 where amax is zero or not finite (so q = round(x / scale) is safe)."""
     amax = _amaxes("amax", amax).float()
     checks.integer("qmax", qmax, low=1)
-    scale = amax / qmax
+    scale = divide_by(amax, qmax)
     usable = torch.isfinite(amax) & (scale > 0)
     return torch.where(usable, scale, 1.0)
 
@@ -98,7 +120,7 @@ def int_affine_parameters(
         raise ValueError(f"qmax must be greater than qmin, got qmin={qmin}, qmax={qmax}")
     lo = torch.clamp(lo.float(), max=0.0)
     hi = torch.clamp(hi.float(), min=0.0)
-    scale = (hi - lo) / (qmax - qmin)
+    scale = divide_by(hi - lo, qmax - qmin)
     usable = torch.isfinite(scale) & (scale > 0)
     scale = torch.where(usable, scale, 1.0)
     zero_point = torch.where(usable, qmin - torch.round(lo / scale), float(qmin))
@@ -257,7 +279,7 @@ def _e4m3_rne(x: torch.Tensor) -> torch.Tensor:
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
     """amax_tensor / (448·6) in float32; 1 when that is zero (amax < 3.8e-42) or amax is not finite."""
     amax = _amaxes("amax", amax).float()
-    scale = amax / (NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
+    scale = divide_by(amax, NVFP4_SCALE_MAX * NVFP4_ELEMENT_MAX)
     return torch.where(torch.isfinite(amax) & (scale > 0), scale, 1.0)
 
 
@@ -269,7 +291,7 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
     block_amax = _amaxes("block_amax", block_amax).float()
     if global_scale is not None:
         _amaxes("global_scale", global_scale)
-    scale = block_amax / NVFP4_ELEMENT_MAX
+    scale = divide_by(block_amax, NVFP4_ELEMENT_MAX)
     if global_scale is not None:
         scale = scale / global_scale
     scale = _e4m3_rne(torch.clamp(scale, NVFP4_SCALE_MIN, NVFP4_SCALE_MAX))

@@ -17,7 +17,7 @@ from torch import nn
 from qlab import formats, scaling
 from qlab import quantize as Q
 from qlab.nn import QuantLinear, quantize_model
-from qlab.recipe import get_recipe
+from qlab.recipe import PRESETS, get_recipe
 from qlab.train import TrainConfig, train
 from qlab.train.models import CharGPT
 
@@ -411,15 +411,19 @@ def test_cudagraphs_need_the_tag_that_keeps_draws_out(monkeypatch):
 
 @NEEDS_THE_TAG
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
-def test_cudagraph_training_on_cuda_replays_what_compiled_training_computes(recipe):
+@pytest.mark.parametrize(
+    "recipe, override",
+    [(preset, None) for preset in PRESETS if preset != "bf16"]
+    + [("nvfp4", "dequantized"), ("nvfp4", "high_precision"), ("mxfp8", "dequantized")],
+)
+def test_cudagraph_training_on_cuda_replays_what_compiled_training_computes(recipe, override):
     """Inductor with CUDA graphs against inductor without, 5 steps of 2 micro-batches on the GPU (step 0
     warms up, step 1 records, steps 2-4 replay): the same losses and gradient norms (the graphs replay
     the same kernels; nvfp4's draws, made between the partitions, advance as without graphs; the
     accumulated .grad survives the second micro-batch), graphs recorded and none skipped."""
     config = TrainConfig(
-        recipe=recipe, context=32, layers=2, width=64, batch_size=8, grad_accum=2, steps=5, eval_every=5,
-        eval_batches=1, warmup_steps=0, progress=False, compile=True, device="cuda",
+        recipe=recipe, backward_override=override, context=32, layers=2, width=64, batch_size=8, grad_accum=2,
+        steps=5, eval_every=5, eval_batches=1, warmup_steps=0, progress=False, compile=True, device="cuda",
     )  # fmt: skip
     default = train(config).metrics
     dynamo.utils.counters.clear()
