@@ -174,8 +174,12 @@ def run_notebook(
     output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        # the kernel inherits where results go (qlab.session.start defers to it) and text progress bars
-        kernel = {paths.RESULTS_ENV: str(results_dir or paths.results_root()), HEADLESS_ENV: "1"}
+        # text progress bars; where results go only when chosen here (smoke, a sweep point): otherwise
+        # qlab.session.start decides from the parameters, so a run with other values than the defaults
+        # writes under runs/interactive/ and never over the committed data/
+        kernel = {HEADLESS_ENV: "1"}
+        if results_dir is not None:
+            kernel[paths.RESULTS_ENV] = str(results_dir)
         with paths.environment(**kernel), _honour_raises_exception():
             executed = papermill.execute_notebook(
                 str(path),

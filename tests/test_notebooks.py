@@ -232,6 +232,7 @@ RENDERED_CONCLUSIONS = {
     "03_backward_override_training_curves": [r"1\.0M-parameter", r"clipping at 1\.0"],
     # block shapes and the synthetic operands' outlier factor are parameters; arXiv numbers are sources
     "07_recipe_ablations": [r"\d+×\d+", r"arXiv \d+\.\d+", r"\(×20\)"],
+    "08_cross_machine_variance": [],
 }
 RESULT_NUMBER = re.compile(r"\d+\.\d+|\d+ ?%|\d+ ?×|×\s?\d")
 ALWAYS_ALLOWED = [r"^\s*\d+\.\s", r"\b(95|80) %"]
@@ -255,3 +256,25 @@ def test_markdown_cells_state_no_result_number(stem):
 def test_the_number_check_catches_a_typed_result():
     assert RESULT_NUMBER.search("the gap is +0.0034 nats") and RESULT_NUMBER.search("clips 17 % of blocks")
     assert not RESULT_NUMBER.search("with 95 % intervals".replace("95 %", ""))
+
+
+def test_a_headless_run_with_other_parameters_leaves_the_choice_of_results_to_the_session(
+    monkeypatch, tmp_path
+):
+    """`qlab run NN -p name value` passes no results directory to the kernel, so session.start sends a
+    run with other values than the defaults to runs/interactive/ instead of over the committed data/;
+    smoke runs (and sweep points) still get theirs."""
+    import papermill
+
+    seen = []
+
+    def execute(path, output, **kwargs):
+        seen.append(os.environ.get(paths.RESULTS_ENV))
+        nbformat.write(nbformat.v4.new_notebook(), output)
+        return nbformat.v4.new_notebook()
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute)
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    notebooks.run_notebook("04", {"smoke": True}, output=tmp_path / "other.ipynb")
+    notebooks.run_notebook("04", smoke=True, output=tmp_path / "smoke.ipynb")
+    assert seen == [None, str(paths.RUNS_DIR / "smoke")]

@@ -1,0 +1,152 @@
+"""The same runs on two machines: how far a change of CPU (or of thread count) moves a run's final loss,
+each paired comparison built from those runs, and whether a committed finding survives that move.
+
+A folder of runs holds the CSVs that notebooks 03 and 07 write (their per-run final validation losses)
+and a ``machine.json`` saying where they were made: ``cpu``, ``threads`` (per run), ``qlab_commit``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from qlab import checks, stats
+
+NOTEBOOKS = ("03_backward_override_training_curves", "07_recipe_ablations")
+MODE_PAIRS = (("high_precision", "none"), ("dequantized", "none"), ("dequantized", "high_precision"))
+ABLATION_INGREDIENTS = ("no 2D weight", "no SR", "no RHT", "+BF16 last block", "none")
+ALPHA = 0.05
+
+
+def machine_record(folder, name: str = "machine.json") -> dict:
+    """``folder/name`` (JSON: cpu, threads, qlab_commit, ...) with ``cpu_short`` added (the CPU's maker
+    and family, e.g. "AMD EPYC")."""
+    path = Path(folder) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a folder of runs says where they were made")
+    record = json.loads(path.read_text())
+    missing = [k for k in ("cpu", "threads", "qlab_commit") if k not in record]
+    if missing:
+        raise ValueError(f"{path} lacks {missing}")
+    record["cpu_short"] = " ".join(re.sub(r"\(.*?\)", "", record["cpu"]).replace("Processor", "").split()[:3])
+    return record
+
+
+def final_losses(notebook: str, folder) -> pd.DataFrame:
+    """One row per run of ``notebook`` in ``folder``: config (03: "fp32", "bf16" or "recipe/override";
+    07: the variant), seed, val_loss (the last evaluation)."""
+    checks.choice("notebook", notebook, NOTEBOOKS)
+    folder = Path(folder)
+    if notebook.startswith("03"):
+        curves = pd.read_csv(folder / f"{notebook}_curves.csv").dropna(subset=["val_loss"])
+        last = curves.loc[curves.groupby(["recipe", "override", "seed"]).step.idxmax()]
+        baseline = last.recipe.isin(["fp32", "bf16"])
+        config = last.recipe.where(baseline, last.recipe + "/" + last.override)
+        return pd.DataFrame({"config": config, "seed": last.seed, "val_loss": last.val_loss}).reset_index(
+            drop=True
+        )
+    training = pd.read_csv(folder / f"{notebook}_training.csv")
+    return training.rename(columns={"variant": "config"})[["config", "seed", "val_loss"]]
+
+
+def run_shifts(moved: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
+    """moved − reference final loss for every (config, seed) both hold: config, seed, shift."""
+    both = moved.merge(reference, on=["config", "seed"], suffixes=("", "_reference"))
+    return both.assign(shift=both.val_loss - both.val_loss_reference)[["config", "seed", "shift"]]
+
+
+def seed_spread(runs: pd.DataFrame) -> pd.DataFrame:
+    """The seed-to-seed standard deviation of each config's final loss: config, n, sd."""
+    grouped = runs.groupby("config", sort=False).val_loss
+    return pd.DataFrame({"n": grouped.size(), "sd": grouped.std(ddof=1)}).reset_index()
+
+
+def _key(*parts: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", ".".join(parts))
+
+
+def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
+    """(key, a, b) of every paired comparison a − b that ``notebook`` states, keyed as its claims are."""
+    configs = list(dict.fromkeys(configs))
+    pairs = []
+    if notebook.startswith("03"):
+        for config in configs:
+            if config == "fp32":
+                continue
+            pairs.append(("gap." + config.replace("/", "."), config, "fp32"))
+        for recipe in dict.fromkeys(c.split("/")[0] for c in configs if "/" in c):
+            for a, b in MODE_PAIRS:
+                if f"{recipe}/{a}" in configs and f"{recipe}/{b}" in configs:
+                    pairs.append((_key("modes", recipe, f"{a}-{b}"), f"{recipe}/{a}", f"{recipe}/{b}"))
+        return pairs
+    for config in configs:
+        if config != "fp32":
+            name = config.replace("/", ".").replace(" ", "_").replace("+", "plus_")
+            pairs.append((f"train.{name}", config, "fp32"))
+    for recipe in ("nvfp4", "mxfp4_training"):
+        for ingredient in ABLATION_INGREDIENTS:
+            if f"{recipe}/{ingredient}" in configs and recipe in configs:
+                pairs.append(
+                    (_key("ablation", recipe, f"{ingredient}-all"), f"{recipe}/{ingredient}", recipe)
+                )
+    return pairs
+
+
+def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_name: str, second_name: str):
+    """Each comparison of ``notebook`` estimated on both machines from the seeds both ran: key, a, b,
+    n, <machine>_mean/_low/_high (paired t, 95 %), shift (second − first) and verdicts_differ (the
+    interval excludes zero on one machine and not on the other)."""
+    seeds = sorted(set(first.seed) & set(second.seed))
+    rows = []
+    both = set(second.config)
+    for key, a, b in comparison_pairs(notebook, [c for c in dict.fromkeys(first.config) if c in both]):
+        row = {"notebook": notebook, "key": key, "a": a, "b": b, "n": len(seeds)}
+        excludes = []
+        for name, runs in ((first_name, first), (second_name, second)):
+            wide = runs[runs.seed.isin(seeds)].pivot_table(index="seed", columns="config", values="val_loss")
+            test = stats.paired_test(wide[a] - wide[b])
+            row.update(
+                {f"{name}_mean": test["mean"], f"{name}_low": test["low"], f"{name}_high": test["high"]}
+            )
+            excludes.append(test["low"] > 0 or test["high"] < 0)
+        row["shift"] = row[f"{second_name}_mean"] - row[f"{first_name}_mean"]
+        row["verdicts_differ"] = excludes[0] != excludes[1]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def survival(claims: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
+    """For each committed claim that resolves a comparison (paired t, adjusted p ≤ 0.05) or shows it
+    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval moved by the
+    comparison's shift, and whether the moved interval still excludes zero (resolved) or still lies
+    within ±margin (equivalent). Columns: key, kind, value, low, high, shift, moved_low, moved_high,
+    survives."""
+    shifts = measured.set_index("key")["shift"]
+    rows = []
+    for claim in claims.itertuples():
+        p = (
+            claim.p_adjusted
+            if isinstance(claim.p_adjusted, float) and math.isfinite(claim.p_adjusted)
+            else claim.p
+        )
+        if not (isinstance(p, float) and math.isfinite(p) and p <= ALPHA):
+            continue
+        if claim.test == "paired t" and claim.key in shifts:
+            kind, shift = "resolved", shifts[claim.key]
+        elif claim.test == "TOST" and claim.key.removesuffix(".same") in shifts:
+            kind, shift = "equivalent", shifts[claim.key.removesuffix(".same")]
+        else:
+            continue
+        low, high = claim.low + shift, claim.high + shift
+        survives = (
+            (low > 0 or high < 0) if kind == "resolved" else (-claim.margin < low and high < claim.margin)
+        )
+        rows.append({"key": claim.key, "kind": kind, "value": claim.value, "low": claim.low,
+                     "high": claim.high, "shift": shift, "moved_low": low, "moved_high": high,
+                     "survives": bool(survives)})  # fmt: skip
+    columns = ["key", "kind", "value", "low", "high", "shift", "moved_low", "moved_high", "survives"]
+    return pd.DataFrame(rows, columns=columns)

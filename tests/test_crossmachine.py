@@ -1,0 +1,103 @@
+"""qlab.crossmachine: run shifts, comparisons on two machines, and the survival of committed claims."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from qlab import claims, crossmachine, paths
+
+T_975_2 = 4.302652729911275  # Student t, 97.5 % quantile, 2 degrees of freedom (published tables: 4.303)
+
+
+def runs(values: dict) -> pd.DataFrame:
+    return pd.DataFrame(
+        [
+            {"config": c, "seed": s, "val_loss": v}
+            for c, losses in values.items()
+            for s, v in enumerate(losses)
+        ]
+    )
+
+
+def test_run_shifts_pair_the_same_config_and_seed():
+    a = runs({"fp32": [2.0, 2.1], "nvfp4": [2.5, 2.6]})
+    b = runs({"fp32": [2.0, 2.1], "nvfp4": [2.25, 2.5]})
+    shifts = crossmachine.run_shifts(b, a).set_index(["config", "seed"])["shift"]
+    assert shifts["fp32", 0] == 0 and shifts["fp32", 1] == 0
+    assert shifts["nvfp4", 0] == pytest.approx(-0.25) and shifts["nvfp4", 1] == pytest.approx(-0.1)
+
+
+def test_comparisons_are_paired_t_intervals_on_each_machine_and_their_shift():
+    # nvfp4 − fp32 per seed: 1, 2, 3 on the first machine (mean 2, sd 1); 2, 3, 4 on the second
+    first = runs({"fp32": [0.0, 0.0, 0.0], "nvfp4": [1.0, 2.0, 3.0]})
+    second = runs({"fp32": [0.0, 0.0, 0.0], "nvfp4": [2.0, 3.0, 4.0]})
+    row = crossmachine.comparisons("07_recipe_ablations", first, second, "a", "b").iloc[0]
+    half = T_975_2 * 1.0 / math.sqrt(3)
+    assert row.key == "train.nvfp4" and row.n == 3
+    assert row.a_mean == pytest.approx(2.0) and row.a_low == pytest.approx(2.0 - half)
+    assert row.b_high == pytest.approx(3.0 + half) and row["shift"] == pytest.approx(1.0)
+    assert row.verdicts_differ  # 2 ± 2.48 includes 0; 3 ± 2.48 does not
+
+
+def test_the_same_verdict_on_both_machines_is_not_flagged():
+    first = runs({"fp32": [0.0, 0.0, 0.0], "nvfp4": [1.0, 2.0, 3.0]})  # 2 ± 2.48: includes 0
+    second = runs({"fp32": [0.0, 0.0, 0.0], "nvfp4": [1.1, 2.1, 2.9]})  # includes 0 too
+    assert not crossmachine.comparisons("07_recipe_ablations", first, second, "a", "b").verdicts_differ.iloc[
+        0
+    ]
+
+
+def test_survival_moves_the_committed_interval_by_the_measured_shift():
+    committed = pd.DataFrame([
+        {"key": "train.nvfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "p": 0.001,
+         "p_adjusted": 0.01, "margin": math.nan},
+        {"key": "train.mxfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "p": 0.001,
+         "p_adjusted": 0.01, "margin": math.nan},
+        {"key": "ablation.x.none-all.same", "test": "TOST", "value": 0.0, "low": -0.004, "high": 0.004,
+         "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
+        {"key": "train.bf16", "test": "paired t", "value": 0.0, "low": -0.01, "high": 0.01, "p": 0.9,
+         "p_adjusted": 1.0, "margin": math.nan},  # not resolved: not a finding to test
+    ])  # fmt: skip
+    measured = pd.DataFrame({"key": ["train.nvfp4", "train.mxfp4", "ablation.x.none-all", "train.bf16"],
+                             "shift": [-0.003, -0.005, 0.007, 0.0]})  # fmt: skip
+    result = crossmachine.survival(committed, measured).set_index("key")
+    assert list(result.index) == ["train.nvfp4", "train.mxfp4", "ablation.x.none-all.same"]
+    assert result.survives["train.nvfp4"]  # [0.001, 0.013] still excludes 0
+    assert not result.survives["train.mxfp4"]  # [−0.001, 0.011] does not
+    assert not result.survives["ablation.x.none-all.same"]  # [0.003, 0.011] leaves ±0.01
+
+
+def test_every_committed_comparison_claim_is_one_the_module_rebuilds():
+    """The keys comparison_pairs builds from the committed runs are those notebooks 03 and 07 gave
+    their val-loss comparisons, so survival finds each of them."""
+    for notebook, families in (("03_backward_override_training_curves", ("gap", "modes")),
+                               ("07_recipe_ablations", ("train", "ablation"))):  # fmt: skip
+        committed = claims.load(paths.ROOT / "data" / f"{notebook}_claims.csv")
+        stated = set(committed[(committed.test == "paired t") & committed.family.isin(families)].key)
+        configs = crossmachine.final_losses(notebook, paths.ROOT / "data").config
+        built = {key for key, _, _ in crossmachine.comparison_pairs(notebook, configs)}
+        assert stated == built, (notebook, stated ^ built)
+
+
+def test_final_losses_read_the_last_evaluation_of_each_run():
+    frame = crossmachine.final_losses("03_backward_override_training_curves", paths.ROOT / "data")
+    curves = pd.read_csv(paths.ROOT / "data" / "03_backward_override_training_curves_curves.csv")
+    run = curves[(curves.recipe == "nvfp4") & (curves.override == "dequantized") & (curves.seed == 1)]
+    expected = run.dropna(subset=["val_loss"]).sort_values("step").val_loss.iloc[-1]
+    got = frame[(frame.config == "nvfp4/dequantized") & (frame.seed == 1)].val_loss.iloc[0]
+    assert got == expected
+
+
+def test_a_folder_without_its_machine_record_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="machine.json"):
+        crossmachine.machine_record(tmp_path)
+    (tmp_path / "machine.json").write_text(json.dumps({"cpu": "AMD EPYC"}))
+    with pytest.raises(ValueError, match="threads"):
+        crossmachine.machine_record(tmp_path)
+
+
+def test_unknown_notebooks_are_refused():
+    with pytest.raises(ValueError, match="notebook"):
+        crossmachine.final_losses("05_topk_sparse_backprop", paths.ROOT / "data")
