@@ -1,6 +1,7 @@
 # qlab: two commands do all the set-up on a fresh machine.
 #   make figures   bootstrap .venv, run every notebook headless (default parameters)
-#   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode)
+#   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode), then build the docs
+#                  site (make docs) and walk it in Chromium
 # torch is installed first and pinned here, so pip never resolves a bare `torch` to the CUDA build.
 
 PYTHON        ?= python3
@@ -14,7 +15,7 @@ BIN           := $(VENV)/bin
 STAMP         := $(VENV)/.qlab-bootstrapped
 export MPLBACKEND := Agg
 
-.PHONY: help figures test lint format lab sync bench kernel clean
+.PHONY: help figures test lint format lab sync bench kernel docs clean
 
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -33,8 +34,12 @@ figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, fi
 	$(BIN)/qlab figures
 	$(BIN)/qlab findings
 
-test: lint  ## lint, unit tests, every notebook in smoke mode, JupyterLab in Chromium
-	$(BIN)/python -m pytest
+test: lint  ## lint, unit tests, every notebook in smoke mode, JupyterLab in Chromium, then the docs site
+	$(BIN)/python -m pytest -m "not docs"
+	$(BIN)/python -m pytest -m docs -n 0
+
+docs: $(STAMP)  ## the documentation site, warnings as errors: docs/_build/html/index.html
+	$(BIN)/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html
 
 lint: $(STAMP)  ## ruff check and ruff format --check (part of make test)
 	$(BIN)/ruff check .
@@ -59,5 +64,5 @@ bench: $(STAMP)  ## speed benchmarks (ratios against a baseline in the same run)
 	$(BIN)/python benchmarks/bench_sparse.py
 	$(BIN)/python benchmarks/bench_kernels_gpu.py
 
-clean:  ## remove runs/ (executed notebooks); keeps .venv, data/ and figures/
-	rm -rf runs/
+clean:  ## remove runs/ (executed notebooks) and the built site; keeps .venv, data/ and figures/
+	rm -rf runs/ docs/_build/ docs/_generated/

@@ -7,7 +7,7 @@ QuantLinear's FP8 GEMMs on tensor cores (gemm="scaled_mm") against emulation and
 Needs CUDA (exits with a message otherwise). Bytes counted per qdq: read x and write the result,
 both in bf16, plus the scales (quantize: read x in bf16, write one byte of codes per element plus the
 scales); LayerNorm forward+backward: read x, dy, write y, dx (plus w, b,
-dw, db). Times are medians from triton.testing.do_bench. Targets (issue 8, H100-class): qdq at
+dw, db). Times are medians from triton.testing.do_bench. Targets (H100-class): qdq at
 8192×8192 bf16 ≥ 70 % of peak bandwidth; LayerNorm forward+backward at hidden 4096 at least as
 fast as torch.nn.functional.layer_norm.
 """

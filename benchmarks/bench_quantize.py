@@ -75,8 +75,8 @@ def torchao_recipes():
     }
 
 
-# torchao's convention of the presets whose default follows NVIDIA's (REFERENCE §2: multiply by fl(1/s)
-# where torchao divides): the bits compared with torchao's
+# torchao's convention of the presets whose default follows NVIDIA's (docs/reference.md §2: multiply by
+# fl(1/s) where torchao divides): the bits compared with torchao's
 TORCHAO_CONVENTION = {
     "fp8_e4m3": Q.TensorwiseSpec(convention="torchao"),
     "nvfp4": "nvfp4_torchao",

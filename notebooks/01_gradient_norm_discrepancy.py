@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Why is the gradient inside my custom backward 10⁵× larger than `param.grad`?
 #
-# A forum question (seeds/000): a transformer whose linears use a custom quantized
+# A forum question: a transformer whose linears use a custom quantized
 # `autograd.Function` probes its weight gradient inside `backward` and sees values of 100–1000,
 # while `param.grad` of the same layer is ~0.00x — and yet training works. This notebook rebuilds
 # that setting (`qlab.seed_model`: the seed's Function as written, and corrected), probes it with

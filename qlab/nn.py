@@ -25,7 +25,7 @@ Stochastic-rounding noise comes from the layer's generator through the ``qlab::s
 through ``qlab::bias_grad`` (ATen's summation order). Delayed scaling, fused and delayed wgrad change
 state from inside backward: such a layer runs as an eager island (``QuantLinear.compiles``).
 
-Weight-gradient delivery (REFERENCE §4), for QuantLinear with any recipe (bf16 = plain precision):
+Weight-gradient delivery (docs/reference.md §4), for QuantLinear with any recipe (bf16 = plain precision):
 
 | fuse_wgrad_accumulation | delay_wgrad | grad_added_to_main_grad¹ | wgrad goes to | returned | .grad after |
 |---|---|---|---|---|---|

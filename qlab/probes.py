@@ -702,8 +702,8 @@ def _string_column(values, repeats: int, tiles: int = 1):
 
 
 class _StatsQueue:
-    """Tensors recorded in a step, waiting for one fused reduction per shape (a compiled call costs
-    40–100 µs of dispatch on a CPU, more than the reduction of a small tensor). ``add`` copies the
+    """Tensors recorded in a step, waiting for one fused reduction per shape (a compiled call's
+    dispatch costs more than the reduction of a small tensor). ``add`` copies the
     tensor into a staging buffer for its (rows, channels) shape, reused from step to step (no
     allocation, no page faults), so a later in-place change (``zero_grad(set_to_none=False)``, an
     inplace ReLU) cannot reach it, and returns a cell that ``flush`` fills with the tensor's

@@ -25,7 +25,7 @@ class implementing the ``QuantSpec`` protocol, so adding a recipe touches one pl
 
 ``convention`` (TensorwiseSpec, NVFP4Spec): "nvidia" (the default) reproduces TransformerEngine's
 reference and kernels bit for bit; "torchao" reproduces torchao's reference where the two differ
-(REFERENCE §2: NVFP4's block-scale floor and operation order, FP8's dequantize by division).
+(docs/reference.md §2: NVFP4's block-scale floor and operation order, FP8's dequantize by division).
 
 Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elements and RNE
 rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
@@ -383,7 +383,7 @@ class MXSpec(QuantSpec):
 class NVFP4Spec(QuantSpec):
     """NVFP4: E2M1 elements, E4M3 scales per 16 (or per 16×16 tile), one FP32 global scale.
 
-    ``convention`` (REFERENCE §2): "nvidia" evaluates NVIDIA's formula in TransformerEngine's
+    ``convention`` (docs/reference.md §2): "nvidia" evaluates NVIDIA's formula in TransformerEngine's
     float32 order, with no lower clamp on the block scale (E4M3 subnormal and zero scales are
     used); "torchao" follows torchao's reference (block scale clamped to [2^-6, 448], divisions).
     """
@@ -468,9 +468,11 @@ def _nvfp4_scaled_torchao(x, global_scale, block_scales):
     tensor that inverse overflows (1/global alone beyond float32 below amax ≈ 7.9·10⁻³⁶, or divided by a
     small block scale below amax ≈ 5·10⁻³⁴), which coded every non-zero element ±6; there x is divided
     by the global and then the block scale instead (each quotient finite: |x| / global ≤ 2688)."""
+    # torch.reciprocal, not 1.0 / t: the same bits eagerly, and inductor's Triton code then divides
+    # correctly rounded (its untyped 1.0 constant would take the approximate division)
     if global_scale is None:
-        return x * (1.0 / block_scales)
-    inverse = (1.0 / global_scale) / block_scales
+        return x * torch.reciprocal(block_scales)
+    inverse = torch.reciprocal(global_scale) / block_scales
     return torch.where(torch.isinf(inverse), (x / global_scale) / block_scales, x * inverse)
 
 
@@ -657,8 +659,8 @@ def _unrotated(values: torch.Tensor, spec: Spec, dim: int = -1) -> torch.Tensor:
     """The inverse Hadamard transform of the dequantized values along ``dim``, which are written out
     first when traced. The inverse reads each of a chunk's 16 values 16 times; fused under
     COMPILE_OPTIONS' high threshold, inductor recomputed the whole qdq for every read and emitted
-    kernels that took minutes to compile (one NVFP4 QuantLinear's forward and backward: 131 s, 27 s
-    with the copy, its step no slower). Eagerly, no copy."""
+    kernels that took minutes to compile; with the copy, compilation is several times shorter and the
+    step no slower. Eagerly, no copy."""
     if torch.compiler.is_compiling():
         values = _materialize(values)
     return scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True, dim=dim)
@@ -830,7 +832,7 @@ def noise_shape(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, blocked: b
     axis = axis % x.dim()
     meta = torch.empty(x.shape, device="meta")
     if spec.hadamard:  # the transform keeps the shape; on meta tensors its ops run Python reference
-        spec = dataclasses.replace(spec, hadamard=False)  # kernels, ~25 ms a call
+        spec = dataclasses.replace(spec, hadamard=False)  # kernels, slow enough to dominate an eager step
     if not blocked and _inplace_applies(x, spec, axis):
         return _inplace_layout(meta, spec, axis).shape
     return to_layout(meta, spec, axis).shape
@@ -871,10 +873,10 @@ COMPILE_MIN_NUMEL = 1 << 20
 # Inductor fuses a pointwise expression into its consumer only while it has at most 50 operations
 # on the CPU (30 on a GPU); past that it writes the intermediate tensor out and reads it back. A
 # block format's element loop (the block's scale recomputed per vector, then the cast) is just past
-# it: MXFP8 RCEIL qdq of 4096×4096 took 33 ms instead of 7 here. qlab's own torch.compile calls
+# it, and its qdq then reads and writes the tensor twice more. qlab's own torch.compile calls
 # pass these options; pass them to yours: torch.compile(model, options=qlab.quantize.COMPILE_OPTIONS).
 # max_pointwise_cat_inputs: the Hadamard transform stacks its 16 columns; inductor fuses a stack of
-# at most 8 inputs into one loop by default, and writes each of 16 out separately (1.6 against 0.9 ms).
+# at most 8 inputs into one loop by default, and writes each of 16 out separately.
 def _eager_numerics() -> dict:
     """inductor's options that make its Triton code round as eager torch does (those this torch has):
     IEEE division, not ``div.full``'s 2 ulp; no fused multiply-add (``emulate_precision_casts`` also
@@ -958,7 +960,7 @@ def qdq(
     Inside ``torch.compile`` qdq traces into the caller's graph (no nested compile, no host reads).
     ``out``: a tensor of x's shape and the result's dtype, not overlapping x, that receives the
     result (returned). The compiled path writes it in place, which spares a large result the page
-    faults of fresh memory (a 64 MiB tensor: about 25 ms of first touch on the 2-core VM).
+    faults of fresh memory (the first touch of every page of a large result).
     """
     spec = get_spec(spec)
     axis = check_input(x, spec, axis)

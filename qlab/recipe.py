@@ -13,7 +13,7 @@ quantized) and, where a recipe needs different ones, specs for the backward oper
 (``dgrad_weight``, ``dgrad_grad_output``, ``wgrad_input``, ``wgrad_grad_output``; None = the
 role's spec). Each operand is quantized from high precision along its own GEMM's axis.
 
-``backward_override`` (REFERENCE §3): None — the recipe's quantized backward; "high_precision" —
+``backward_override`` (docs/reference.md §3): None — the recipe's quantized backward; "high_precision" —
 dgrad/wgrad from the original x and W, dy never quantized; "dequantized" — from the forward's
 quantized x and W (the straight-through estimator of what the forward computed), dy never
 quantized. Left unset it comes from the environment variable ``QLAB_BACKWARD_OVERRIDE`` (empty or

@@ -1,4 +1,4 @@
-"""The setting of seeds/000: a small transformer whose linears use a custom quantized autograd
+"""The setting of a forum question: a small transformer whose linears use a custom quantized autograd
 Function with probes in its backward — as the seed wrote it, and corrected.
 
 The seed's Function (``SeedLinearFunction``) quantizes x and W to integer grids with its

@@ -132,7 +132,7 @@ def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: st
     return joined[[by, *pair, "difference"]].reset_index(drop=True)
 
 
-# --- tests a reviewer expects: paired t, Holm, TOST, the detectable effect ------------------------
+# --- the standard tests: paired t, Holm, TOST, the detectable effect ------------------------------
 
 
 def _incomplete_beta(a: float, b: float, x: float) -> float:

@@ -115,7 +115,7 @@ def test_special_values_along_either_axis(spec):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("element", ELEMENTS)
 def test_matches_torchao_reference(element, mode):
-    """torchao's to_mx + to_dtype (finite data: torchao gives inf a finite scale, REFERENCE §2)."""
+    """torchao's to_mx + to_dtype (finite data: torchao gives inf a finite scale, docs/reference.md §2)."""
     x = mixed_magnitudes((16, 128), 32, -20, 20, seed=3)
     expected = torchao_mx_reference(x, element, mode)[2]
     assert_same_bits(cpu_qdq.qdq(x, MXSpec(element, mode=mode), 1), expected)

@@ -106,7 +106,7 @@ def test_mx_kernel_both_axes_and_16_bit_inputs(axis, dtype):
 @pytest.mark.parametrize(
     "mode, value, expected",
     [
-        ("floor", 480.0, 448.0),  # REFERENCE §2: FLOOR scale 2^0, 480 saturates to E4M3's 448
+        ("floor", 480.0, 448.0),  # docs/reference.md §2: FLOOR scale 2^0, 480 saturates to E4M3's 448
         ("floor", 957.0, 896.0),  # scale 2^1: 478.5 saturates to 448, times 2
         ("rceil", 480.0, 480.0),  # RCEIL scale 2^1: 240 is on the grid, nothing saturates
     ],

@@ -1,7 +1,7 @@
 """qlab.synthetic distributions and the measurement helpers sqnr_db / clipped_block_fraction.
 
 Expected values come from closed forms (distribution quantiles, exact decibel arithmetic) or from
-blocks built by hand whose scales follow from the MX / NVFP4 definitions in REFERENCE.md.
+blocks built by hand whose scales follow from the MX / NVFP4 definitions in docs/reference.md.
 """
 
 import math

@@ -5,7 +5,7 @@ the operand table of qlab.recipe's docstring written out below per preset (each 
 along its own GEMM's reduction axis: fprop x −1, W −1; dgrad dy −1, W 0; wgrad dy 0, x 0) and
 multiplied at "highest" float32 matmul precision; torch's float8 casts for delayed scaling;
 torch.fake_quantize_per_tensor_affine for the clipped straight-through estimator; the wgrad
-delivery table of qlab.nn's docstring (REFERENCE §4). Bits are compared exactly everywhere: the
+delivery table of qlab.nn's docstring (docs/reference.md §4). Bits are compared exactly everywhere: the
 references run the same float32 GEMMs on the same operands, so no tolerance is needed. The only
 tolerances are in the float64 gradcheck of QuantLinear, whose GEMM runs in float32 (see there).
 """
@@ -169,7 +169,7 @@ def reference_forward(name, x, weight, bias):
 
 
 def reference_gradients(name, override, x, weight, dy, need_x=True, need_w=True, seed=0):
-    """(dx, dW) per REFERENCE §3 and the recipe's operand table.
+    """(dx, dW) per docs/reference.md §3 and the recipe's operand table.
 
     Stochastic rounding: QuantLinear draws from torch.Generator().manual_seed(seed), dgrad's dy
     first, then wgrad's dy (the order the backward GEMMs run in).
@@ -434,7 +434,7 @@ def test_delayed_scaling_backward_uses_the_forwards_scales():
     assert_same_bits(x_layer.grad, fp8(dy, "e5m2", 1.0) @ fp8(weight, "e4m3", 1.0))
 
 
-# --- wgrad delivery (qlab.nn's table, REFERENCE §4) ---------------------------------------------
+# --- wgrad delivery (qlab.nn's table, docs/reference.md §4) ---------------------------------------------
 
 # fuse_wgrad_accumulation, delay_wgrad, weight has grad_added_to_main_grad → what backward returns to autograd
 DELIVERY = [

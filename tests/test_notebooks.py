@@ -151,7 +151,7 @@ def _first_difference(name: str, first: bytes, second: bytes) -> str:
 
 @pytest.mark.notebook
 def test_welford_notebook_reproduces_the_seed(smoke_run):
-    """The smoke run's seed table against the numbers printed in the OneFlow PR (seeds/001):
+    """The smoke run's seed table against the numbers printed in the OneFlow pull request:
     the E[X²]−E[X]² LayerNorm gave ±0.8428, the careful ones ±0.8454; Paddle's gradient of
     sum(LayerNorm(x)) was [-0.00143835, 0.00143831]."""
     results = smoke_run(notebooks.resolve_notebook("02"))
@@ -228,7 +228,7 @@ def test_every_notebook_starts_a_session(source):
 # state no result number. Allowed: list numbering, confidence and power levels, and the parameter
 # descriptions named here.
 RENDERED_CONCLUSIONS = {
-    "01_gradient_norm_discrepancy": [r"~0\.00x"],  # the forum question's own words, quoted (seeds/000)
+    "01_gradient_norm_discrepancy": [r"~0\.00x"],  # the forum question's own words, quoted
     "03_backward_override_training_curves": [r"1\.0M-parameter", r"clipping at 1\.0"],
     # block shapes and the synthetic operands' outlier factor are parameters; arXiv numbers are sources
     "07_recipe_ablations": [r"\d+×\d+", r"arXiv \d+\.\d+", r"\(×20\)"],

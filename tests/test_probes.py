@@ -486,7 +486,7 @@ def test_block_statistics_locate_blocks_along_any_axis_and_for_nvfp4():
     assert stats["scale_code/126"] == 11 and stats["scale_code/8"] == 1
     assert stats["underflow_block_fraction"] == pytest.approx(1 / 12)
     assert (stats["worst_1/rel_error"], stats["worst_1/row"], stats["worst_1/block"]) == (1.0, 1.0, 2.0)
-    g = torch.tensor(1.0) / 2688  # the global scale is float32 (REFERENCE §2): its rounding is exact here
+    g = torch.tensor(1.0) / 2688  # a float32 global scale (docs/reference.md §2): rounded exactly
     assert stats["scale_log2_min"] == math.log2(float(g * 2.0**-6))
     assert stats["scale_log2_max"] == math.log2(float(g * 448))
     # NVIDIA's convention has no floor: the tiny block's E4M3(1e-9 · 2688 · fl(1/6)) is 0 (code 0); it

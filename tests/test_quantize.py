@@ -3,7 +3,7 @@
 References: torchao 0.18's MX and NVFP4 reference quantizers (``to_mx``/``to_dtype``,
 ``nvfp4_quantize``/``NVFP4Tensor``) and float8 tensorwise scaling, torch's native float8 casts,
 float64 / ``fractions.Fraction`` / ``math.frexp`` arithmetic written here, and the figures of
-/work/shared/REFERENCE.md (OCP MX v1.0, TE). Where torchao 0.18 is wrong (tiny blocks, Inf blocks,
+docs/reference.md (OCP MX v1.0, TE). Where torchao 0.18 is wrong (tiny blocks, Inf blocks,
 RCEIL just above a power of two) the tests pin qlab's documented behaviour and say why.
 
 Bits are compared exactly wherever they are defined (codes, scale bytes, dequantized values that
@@ -186,7 +186,7 @@ MX_SPECIAL_BLOCKS = [
     ("e2m3 ±max", "e2m3", "floor", [7.5, -7.5], 127, [7.5, -7.5], True),
     ("e2m1 ±max", "e2m1", "floor", [6.0, -6.0], 127, [6.0, -6.0], True),
     ("e4m3 ±max rceil", "e4m3", "rceil", [448.0, -448.0], 127, [448.0, -448.0], True),
-    # FLOOR clipping (REFERENCE.md §2): floor(log2 480) = 8, e = 0, 480 saturates to 448;
+    # FLOOR clipping (docs/reference.md §2): floor(log2 480) = 8, e = 0, 480 saturates to 448;
     # floor(log2 957) = 9, e = 1, 957/2 = 478.5 saturates to 448 -> 896
     ("480 floor", "e4m3", "floor", [480.0], 127, [448.0], True),
     ("957 floor", "e4m3", "floor", [957.0], 128, [896.0], True),
@@ -455,7 +455,7 @@ def _rne_e2m1(value: Fraction) -> Fraction:
 
 @pytest.mark.parametrize("convention", ["nvidia", "torchao"])
 def test_nvfp4_codes_follow_the_exact_scaled_values_at_every_magnitude(convention):
-    """Regression (issue 17): below amax ≈ 5·10⁻³⁴ the float32 inverse scale overflowed and every
+    """Regression: below amax ≈ 5·10⁻³⁴ the float32 inverse scale overflowed and every
     non-zero element was coded ±6. Over amax 1e-45 … 1e38, two blocks (the second 10⁴× smaller, so its
     block scale sits at the 2⁻⁶ floor for small tensors): every code must be the E2M1 rounding of
     x / (global · block) in exact rational arithmetic, given the stored float32 scales (the global scale
@@ -496,7 +496,7 @@ def e4m3_rne(values: np.ndarray) -> np.ndarray:
 
 def nvidia_nvfp4_reference(x: np.ndarray, tile_rows: int = 1):
     """(E2M1 values, E4M3 block scales per row and block, dequantized) for float32 rows blocked by 16,
-    every operation one float32 rounding in TE's order (REFERENCE §2):
+    every operation one float32 rounding in TE's order (docs/reference.md §2):
     S_enc = min(2688 / amax, FLT_MAX) (1 for amax 0), S_dec = 1 / S_enc,
     s_b = E4M3(min(amax_b · (S_enc · fl(1/6)), 448)), element = RNE_E2M1(clamp(x · min(1/(s_b · S_dec),
     FLT_MAX), ±6)), dequantized = element · ((s_b · amax) · fl(1/2688))."""
@@ -1099,7 +1099,7 @@ def test_along_requantizes_from_high_precision_and_differs_from_transposed_codes
     assert other.axis == direct.axis == 0
     assert torch.equal(other.codes, direct.codes) and torch.equal(other.scale_codes, direct.scale_codes)
     assert_same_bits(dequantize(other), dequantize(direct))
-    # blocks along the other axis have different amaxes: the values differ (REFERENCE.md §2)
+    # blocks along the other axis have different amaxes: the values differ (docs/reference.md §2)
     assert not torch.equal(dequantize(other), dequantize(q))
     # axis=0 is the transpose quantized along its last axis, transposed back
     assert_same_bits(dequantize(other), qdq(x.T.contiguous(), "mxfp8", axis=-1).T)
@@ -1112,7 +1112,7 @@ def test_along_without_a_source_raises():
         q.along(0)
 
 
-# Bytes a low-precision implementation keeps, by hand from each format's definition (REFERENCE §1):
+# Bytes a low-precision implementation keeps, by hand from each format's definition (docs/reference.md §1):
 # elements × element bits / 8, plus one scale per block (E8M0 / E4M3: 1 byte; float32: 4 bytes).
 STORAGE_CASES = [
     # spec, shape, axis, bytes

@@ -1,8 +1,8 @@
 """qlab.recipe: presets, serialization, the spec fallback and every refused configuration.
 
 References: the preset definitions written out by hand below from the docstrings of
-``qlab.recipe`` / ``get_recipe`` and REFERENCE.md §2 (HYBRID FP8, MX, NVFP4 training recipe), the
-backward-override rules of REFERENCE.md §3, and PyYAML's safe dumper/loader for serialization.
+``qlab.recipe`` / ``get_recipe`` and docs/reference.md §2 (HYBRID FP8, MX, NVFP4 training recipe), the
+backward-override rules of docs/reference.md §3, and PyYAML's safe dumper/loader for serialization.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ DOCUMENTED_PRESETS = {
 DELAYED_DEFAULTS = dict(
     amax_history_len=1024,
     amax_algorithm="max",
-    margin=0,  # TE's defaults (REFERENCE §2)
+    margin=0,  # TE's defaults (docs/reference.md §2)
     reduce_amax=True,
 )  # TE's DelayedScaling(reduce_amax=True)
 

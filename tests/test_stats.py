@@ -175,7 +175,7 @@ def test_gradient_noise_floor_is_the_agreement_of_two_batches_closed_form_gradie
     assert floor.relative_error.item() == pytest.approx(error, rel=1e-5)
 
 
-# --- tests a reviewer expects ---------------------------------------------------------------------
+# --- the standard statistical tests ------------------------------------------------------------------
 
 
 def test_t_cdf_equals_the_closed_forms_of_one_and_two_degrees_of_freedom():

@@ -8,8 +8,8 @@ matrix (RNE, up to 256 × 256); FP8 current scaling per tensor (``TensorwiseSpec
 either convention, pow2 and eps); symmetric integers per tensor or per line along the axis
 (``IntSpec``, RNE); float32 (or bf16/fp16, widened first) in and out. It gives
 ``qlab.quantize.qdq``'s bits (tests/test_cpu_qdq.py against the eager reference) near the speed of a
-memory copy, where inductor's code for the same loop is 2-8× slower on the 2-core VM (README,
-Benchmarks).
+memory copy, faster than inductor's code for the same loop (benchmarks/bench_quantize.py, whose
+results the documentation's Benchmarks pages show).
 
 Beside it, the same library gives stochastic rounding's draws (``stochastic_noise``: the generator's
 own MT19937, the numbers ``Tensor.random_`` gives) and a probe's statistics of a float32 tensor

@@ -3,7 +3,7 @@ one float32 global scale), bit-exact with ``qlab.quantize.qdq(x, NVFP4Spec(...))
 convention.
 
 Two launches, no host synchronisation: the tensor's amax (fp8_triton._amax_kernel), then one
-program per tile computing the reference's operations in the reference's order (REFERENCE §2).
+program per tile computing the reference's operations in the reference's order (docs/reference.md §2).
 NVIDIA: S_enc = min(2688/amax, FLT_MAX) (1 for amax 0 or non-finite), S_dec = 1/S_enc, s_block =
 E4M3(min(amax_block·(S_enc·fl(1/6)), 448)) (no floor), elements x·min(1/(s_block·S_dec), FLT_MAX)
 clamped to ±6 and rounded onto the E2M1 grid, times fl(fl(s_block·amax)·fl(1/2688)). torchao:

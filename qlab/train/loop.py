@@ -703,9 +703,8 @@ def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
     A model with repeated ``blocks`` (CharGPT) gets its blocks compiled, one graph that every block
     shares, and the rest eager: a copy of the model object that shares every parameter, buffer and
     module with it, so the model itself stays eager (evaluation, fidelity, what ``train`` returns).
-    Compiling the whole model generated one graph of all the blocks: 2-4× the first step
-    (inductor's caches off, 2-core AMD VM: mxfp8 17-18 s against 5.7 s, nvfp4 20-21 s against 7.4 s; on
-    an H200's host mxfp8's whole model took 62 s, nvfp4's did not finish in 230 s), for steps 1-6 % faster."""
+    Compiling the whole model would generate one graph of all the blocks: several times the first
+    step's compile time (benchmarks/bench_train.py), for steps only a few percent faster."""
     precision = torch.get_float32_matmul_precision()
     if precision != "highest":
         raise ValueError(

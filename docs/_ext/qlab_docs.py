@@ -1,0 +1,307 @@
+"""Pages written at build time, before Sphinx reads the sources, into ``docs/_generated/`` (ignored by git).
+
+- ``findings/<notebook>.ipynb``: one page per notebook — the executed copy ``runs/<name>.ipynb`` when
+  it exists (``qlab figures`` / ``qlab run``), else the smoke-executed ``runs/smoke/<name>.ipynb`` (the
+  test suite's smoke runs), else the committed notebook without outputs; a first section holds the
+  notebook's committed claims (``data/<name>_claims.csv`` through ``qlab.claims``, and the paper
+  profile's ``data/paper/`` file beside it where one exists) and its committed figures (``figures/``).
+- ``api/<module>.rst``: ``automodule`` of every module of the package.
+- ``benchmark_results.md``: one table per file of ``benchmarks/results/``, columns as the file holds them.
+
+A file is rewritten only when its text changes, so an unchanged page is not read again. Docstrings that
+are not valid reStructuredText (qlab writes them as plain text with markdown tables) are shown as
+preformatted text instead of failing the ``-W`` build.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import json
+import pkgutil
+import re
+import shutil
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1]
+ROOT = DOCS.parent
+OUT = DOCS / "_generated"
+
+
+def _write(path: Path, text: str | bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = text.encode() if isinstance(text, str) else text
+    if not path.exists() or path.read_bytes() != data:
+        path.write_bytes(data)
+
+
+def notebook_names() -> list[str]:
+    """Every notebook of notebooks/ (its jupytext .py is the source of truth), in order."""
+    return sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+
+
+# --- findings -------------------------------------------------------------------------------------
+
+
+def _read_notebook(path: Path):
+    import nbformat
+
+    try:
+        if path.suffix == ".py":
+            import jupytext
+
+            return jupytext.read(path)
+        return nbformat.read(path, as_version=4)
+    except Exception:  # a copy being written by a concurrent run, or a broken file: take the next one
+        return None
+
+
+def notebook_source(name: str):
+    """(notebook, which copy) for ``name``: executed, smoke-executed, committed .ipynb, committed .py."""
+    candidates = [
+        (ROOT / "runs" / f"{name}.ipynb", "executed with its default parameters (`runs/`)"),
+        (ROOT / "runs" / "smoke" / f"{name}.ipynb", "executed in smoke mode (`runs/smoke/`): tiny sizes"),
+        (ROOT / "notebooks" / f"{name}.ipynb", "the committed notebook, not executed"),
+        (ROOT / "notebooks" / f"{name}.py", "the committed notebook, not executed"),
+    ]
+    for path, which in candidates:
+        if path.exists():
+            nb = _read_notebook(path)
+            if nb is not None and nb.cells:
+                return nb, which
+    raise FileNotFoundError(f"no notebook {name} under notebooks/ or runs/")
+
+
+def claims_markdown(path: Path) -> str:
+    """The claims file's rows as a markdown table: what each claim states, its value with its 95 %
+    interval, the verdict of its test (Holm family sizes recounted as ``qlab findings`` does)."""
+    from qlab import claims as qclaims
+    from qlab.results import markdown_table
+
+    frame = qclaims.load(path)
+    family_sizes = frame[frame.test == "paired t"].groupby("family").size()
+    rows = []
+    for _, row in frame.iterrows():
+        claim = qclaims.from_row(row)
+        if claim.family and claim.family in family_sizes:
+            claim.family_size = int(family_sizes[claim.family])
+        rows.append(
+            {
+                "claim": claim.text + (" **(headline)**" if claim.headline else ""),
+                "measured": claim.both(),
+                "test": claim.verdict(),
+            }
+        )
+    import pandas as pd
+
+    table = markdown_table(pd.DataFrame(rows, columns=["claim", "measured", "test"]))
+    return table.replace("{", "&#123;").replace("}", "&#125;")
+
+
+def _strip_widgets(nb) -> None:
+    """Widget outputs (progress bars) have no saved widget state: keep their text form only."""
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for output in cell.get("outputs", []):
+            data = output.get("data")
+            if data and "application/vnd.jupyter.widget-view+json" in data:
+                data.pop("application/vnd.jupyter.widget-view+json")
+        cell["outputs"] = [o for o in cell.get("outputs", []) if "data" not in o or o["data"]]
+    nb.metadata.pop("widgets", None)
+
+
+def findings_page(name: str) -> None:
+    import nbformat
+
+    nb, which = notebook_source(name)
+    nb = copy.deepcopy(nb)
+    _strip_widgets(nb)
+    folder = OUT / "findings"
+    parts = [
+        "## Committed results\n",
+        f"The notebook below is {which}. The claims and figures in this section are the committed "
+        "results of its default parameters: `data/" + name + "_claims.csv` and `figures/" + name + "_*`.\n",
+    ]
+    claims = ROOT / "data" / f"{name}_claims.csv"
+    if claims.exists():
+        parts += ["### Claims\n", claims_markdown(claims)]
+    else:
+        parts += ["### Claims\n", "This notebook saves no claims file; its text states what it measured.\n"]
+    paper = ROOT / "data" / "paper" / f"{name}_claims.csv"
+    if paper.exists():
+        parts += ["### Claims, paper profile\n", claims_markdown(paper)]
+    figures = sorted((ROOT / "figures").glob(f"{name}_*.png"))
+    if figures:
+        parts.append("### Figures\n")
+        for figure in figures:
+            _write(folder / "figures" / figure.name, figure.read_bytes())
+            label = figure.stem.removeprefix(name + "_").replace("_", " ")
+            parts.append(f"**{label}**\n\n![{label}](figures/{figure.name})\n")
+    paper_figures = sorted((ROOT / "figures" / "paper").glob(f"{name}_*.png"))
+    if paper_figures:
+        parts.append("### Figures, paper profile\n")
+        for figure in paper_figures:
+            _write(folder / "figures" / "paper" / figure.name, figure.read_bytes())
+            parts.append(f"![{figure.stem}](figures/paper/{figure.name})\n")
+    parts.append("## The notebook\n")
+    intro = nbformat.v4.new_markdown_cell("\n".join(parts))
+    # after the title cell, so the page keeps the notebook's own title
+    first = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
+    nb.cells.insert(first, intro)
+    for cell in nb.cells:  # ids are optional for nbformat 4.4 readers and duplicate after a copy
+        cell.pop("id", None)
+    nb.nbformat_minor = 4
+    kernel = {"name": "qlab", "display_name": "Python (qlab)", "language": "python"}
+    nb.metadata.setdefault("kernelspec", kernel)
+    _write(folder / f"{name}.ipynb", nbformat.writes(nb))
+
+
+def findings_index() -> None:
+    names = notebook_names()
+    lines = [
+        "# The notebooks, one page each",
+        "",
+        "Each page starts with the notebook's committed claims and figures, then shows the notebook "
+        "with its outputs.",
+        "",
+        "```{toctree}",
+        ":maxdepth: 1",
+        "",
+        *[f"findings/{n}" for n in names],
+        "```",
+        "",
+    ]
+    _write(OUT / "notebooks.md", "\n".join(lines))
+
+
+# --- API ------------------------------------------------------------------------------------------
+
+
+def modules() -> list[str]:
+    """Every importable module of qlab (``python -m qlab.train``'s ``__main__`` runs on import: left out)."""
+    import qlab
+
+    names = ["qlab"]
+    names += [
+        m.name for m in pkgutil.walk_packages(qlab.__path__, "qlab.") if not m.name.endswith(".__main__")
+    ]
+    return sorted(names)
+
+
+def public_names(module_name: str) -> list[str]:
+    """The functions and classes ``module_name`` defines whose names do not start with "_"."""
+    module = importlib.import_module(module_name)
+    return [
+        name
+        for name, obj in vars(module).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(obj) or inspect.isclass(obj))
+        and getattr(obj, "__module__", None) == module_name
+    ]
+
+
+def api_pages() -> None:
+    names = modules()
+    index = [
+        "API reference",
+        "=============",
+        "",
+        "Every module of the package, generated from its docstrings.",
+        "",
+        ".. toctree::",
+        "   :maxdepth: 1",
+        "",
+        *[f"   api/{n}" for n in names],
+        "",
+    ]
+    _write(OUT / "api.rst", "\n".join(index))
+    for name in names:
+        title = f"``{name}``"
+        text = [title, "=" * len(title), "", f".. automodule:: {name}", ""]
+        module = importlib.import_module(name)
+        if getattr(module, "__all__", None) is not None and name == "qlab.train":
+            text += ["   :no-members:", ""]
+        _write(OUT / "api" / f"{name}.rst", "\n".join(text))
+
+
+# --- benchmarks -----------------------------------------------------------------------------------
+
+
+def benchmark_results() -> None:
+    import pandas as pd
+
+    from qlab.results import markdown_table
+
+    lines = [
+        "# Benchmark results",
+        "",
+        "Generated from the files under `benchmarks/results/`: each row with the machine, date, torch "
+        "version and commit it was measured with, as the file records them.",
+        "",
+    ]
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*")):
+        if path.suffix == ".csv":
+            frame = pd.read_csv(path, keep_default_na=False)
+        elif path.suffix == ".json":
+            data = json.loads(path.read_text())
+            frame = pd.DataFrame(data if isinstance(data, list) else [data])
+        else:
+            continue
+        lines += [f"## `{path.name}`", "", markdown_table(frame).replace("{", "&#123;"), ""]
+    _write(OUT / "benchmark_results.md", "\n".join(lines))
+
+
+# --- docstrings -----------------------------------------------------------------------------------
+
+
+def _valid_rst(text: str) -> bool:
+    """Whether docutils parses ``text`` without a warning (Sphinx's own roles count as valid)."""
+    import docutils.core
+    import docutils.nodes
+    import docutils.utils
+
+    text = re.sub(r":[a-z]+(:[a-z]+)?:`", "`", text)  # Sphinx's roles (:func:`x`) are not docutils'
+    try:
+        doctree = docutils.core.publish_doctree(
+            text,
+            settings_overrides={"report_level": 2, "halt_level": 5, "warning_stream": False},
+        )
+    except Exception:
+        return False
+    if any(True for _ in doctree.findall(docutils.nodes.problematic)):
+        return False
+    for message in doctree.findall(docutils.nodes.system_message):
+        if message["level"] >= 2 and "Unknown interpreted text role" not in message.astext():
+            return False
+    return True
+
+
+def process_docstring(app, what, name, obj, options, lines) -> None:
+    text = "\n".join(lines)
+    if not text.strip() or _valid_rst(text) and "\n|" not in "\n" + text:
+        return
+    lines[:] = ["::", ""] + [("    " + line) if line.strip() else "" for line in text.splitlines()] + [""]
+
+
+def generate(app) -> None:
+    OUT.mkdir(exist_ok=True)
+    for name in notebook_names():
+        findings_page(name)
+    findings_index()
+    api_pages()
+    benchmark_results()
+    stale = {p for p in (OUT / "findings").glob("*.ipynb")} - {
+        OUT / "findings" / f"{n}.ipynb" for n in notebook_names()
+    }
+    for path in stale:
+        path.unlink()
+    if not (OUT / "findings" / "figures").exists():
+        shutil.rmtree(OUT / "findings" / "figures", ignore_errors=True)
+
+
+def setup(app):
+    app.connect("builder-inited", generate)
+    app.connect("autodoc-process-docstring", process_docstring)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

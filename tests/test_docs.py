@@ -1,0 +1,314 @@
+"""The documentation: the project speaks only of itself, the landing page stays short, and the site
+(``make docs``, Sphinx + myst-nb, ``docs/``) builds without a warning, documents every public name of
+qlab and holds up in a browser.
+
+The narration test greps README.md, docs/, qlab/, tests/, notebooks/*.py and benchmarks/ for phrases
+that describe how the project was built instead of what it is — numbered work items, numbered or
+ordinal rounds and sessions, issue and pull-request numbers, reviewers — and fails on each, with its
+file and line. Words with a technical meaning stay allowed: ``qlab.session``, a forward/backward pass,
+a two-pass variance, a timing round.
+
+The site tests (marked ``docs``) build the site into docs/_build/html with warnings as errors (a fresh
+environment, so no page is skipped as unchanged), then check Sphinx's inventory for an API entry of
+every public function and class, and walk the site in Debian's Chromium through Playwright (marked
+``browser`` as well): every page the navigation reaches is opened, every image on it must have
+loaded (naturalWidth > 0) and every internal link must lead to a page that exists, with its anchor.
+``make test`` runs them after the rest of the suite, so the smoke-executed notebooks of that run are
+the ones rendered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from qlab import paths
+
+ROOT = paths.ROOT
+SITE = ROOT / "docs" / "_build" / "html"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
+
+_ORDINAL = (
+    r"(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth"
+    r"|\d+(?:st|nd|rd|th))"
+)
+NARRATION = [
+    ("numbered work item", re.compile(r"\bwork[- ]items? (?:#|no\.? ?)?\d+", re.I)),
+    ("numbered item", re.compile(r"\bitems? #?\d+\b(?!\s*[×x*])", re.I)),
+    (
+        "ordinal round",
+        re.compile(rf"\b(?:{_ORDINAL}|this|previous|next|last|earlier|later) rounds?\b(?! to\b)", re.I),
+    ),
+    ("numbered round", re.compile(r"\bround #?[1-9]\d*\b(?! ?[×x])", re.I)),
+    ("rounds of work", re.compile(r"\brounds? of (?:work|review|fixes)\b", re.I)),
+    ("numbered pass", re.compile(r"\bpass #?\d+\b(?!\.\d)", re.I)),
+    (
+        "pass as a round of work",
+        re.compile(
+            r"\b(?:third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th)|this|previous|"
+            r"earlier|later|last) pass\b|\bpass by pass\b|\b(?:each|every) pass of work\b",
+            re.I,
+        ),
+    ),
+    (
+        "session as a period of work",
+        re.compile(
+            rf"\b(?:{_ORDINAL}|this|that|previous|next|last|earlier|later|same|another|two|three|four|"
+            r"five) sessions?\b|\b(?:in|during|from|since) (?:a|the|one|this|that) session\b",
+            re.I,
+        ),
+    ),
+    ("issue or pull-request number", re.compile(r"\b(?:issues?|PRs?|pull requests?) #?\d+\b", re.I)),
+    ("reviewers", re.compile(r"\breviewers?\b|\breviewed by\b", re.I)),
+]
+SELF = Path(__file__).resolve()
+
+
+def _narration_files() -> list[Path]:
+    files = [ROOT / "README.md"]
+    docs = ROOT / "docs"
+    files += [p for p in docs.rglob("*") if p.suffix in (".md", ".py", ".rst") and "_build" not in p.parts]
+    files = [p for p in files if "_generated" not in p.parts]
+    files += [p for p in (ROOT / "qlab").rglob("*") if p.suffix in (".py", ".c", ".h")]
+    files += sorted((ROOT / "tests").glob("*.py"))
+    files += sorted((ROOT / "notebooks").glob("*.py"))
+    files += [p for p in (ROOT / "benchmarks").rglob("*") if p.suffix in (".py", ".md", ".sh")]
+    return sorted(p for p in set(files) if p.is_file() and p.resolve() != SELF)
+
+
+def narration(text: str) -> list[tuple[int, str, str]]:
+    """(line number, kind, line) for every phrase of process narration in ``text``."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for kind, pattern in NARRATION:
+            if pattern.search(line):
+                found.append((number, kind, line.strip()))
+    return found
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Fixed in the second round of the kernel work.",
+        "see round 2 of the benchmarks",
+        "work item 3: the advisor",
+        "as measured in this session",
+        "after the third pass the probes were faster",
+        "this pass made the C kernel faster",
+        "the targets of issue 39",
+        "(issue #12)",
+        "the reviewers found the names unclear",
+        "Probe overhead, pass by pass",
+    ],
+)
+def test_the_narration_patterns_catch_process_phrases(text):
+    assert narration(text), text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "device = session.start(NAME, globals()).device",
+        '@pytest.fixture(scope="session")',
+        "one forward and backward pass per micro-batch",
+        "a second pass over the block, Σ(x − mean)²",
+        "two-pass variance; the first pass computes the mean",
+        "the median over rounds of its step / the unprobed step of the same round",
+        "round 0 is a warm-up",
+        "values that round to zero stay −0",
+        "the kernel cuts the columns into work items about 256 to 4096 wide",
+        "for item in items:",
+        "    pass",
+    ],
+)
+def test_the_narration_patterns_leave_technical_words_alone(text):
+    assert not narration(text), narration(text)
+
+
+def test_the_project_speaks_only_of_itself():
+    """No file names rounds of work, work items, sessions, issue numbers or reviewers."""
+    found = []
+    for path in _narration_files():
+        for number, kind, line in narration(path.read_text(errors="replace")):
+            found.append(f"{path.relative_to(ROOT)}:{number}: {kind}: {line[:120]}")
+    assert not found, "process narration (say what the code is and does instead):\n" + "\n".join(found)
+
+
+def test_readme_is_a_landing_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    for link in ("docs/_build/html/index.html", "make docs"):
+        assert link in text
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "the README is not dated"
+
+
+def test_docstrings_cite_pages_of_the_repository():
+    """A "§" reference names the reference page, and each section it names exists there."""
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    sections = set(re.findall(r"^## §(\d+)\.", reference, re.M))
+    stale = []
+    for path in [
+        *(ROOT / "qlab").rglob("*.py"),
+        *(ROOT / "tests").glob("*.py"),
+        *(ROOT / "benchmarks").glob("*.py"),
+    ]:
+        if path.resolve() == SELF:
+            continue
+        text = path.read_text()
+        if "REFERENCE" in text.replace("REFERENCES", ""):
+            stale.append(f"{path.relative_to(ROOT)}: cites REFERENCE, which is not in the repository")
+        for section in re.findall(r"docs/reference\.md §(\d+)", text):
+            if section not in sections:
+                stale.append(f"{path.relative_to(ROOT)}: docs/reference.md has no §{section}")
+    assert not stale, "\n".join(stale)
+
+
+# --- the site --------------------------------------------------------------------------------------
+
+
+def public_names() -> dict[str, list[str]]:
+    """Every module of qlab and the functions and classes it defines under a public name."""
+    import qlab
+
+    names = {"qlab": []}
+    for info in pkgutil.walk_packages(qlab.__path__, "qlab."):
+        if info.name.endswith(".__main__"):  # runs a training launcher when imported
+            continue
+        module = importlib.import_module(info.name)
+        names[info.name] = [
+            name
+            for name, obj in vars(module).items()
+            if not name.startswith("_")
+            and (inspect.isfunction(obj) or inspect.isclass(obj))
+            and getattr(obj, "__module__", None) == info.name
+        ]
+    return names
+
+
+@pytest.fixture(scope="module")
+def site():
+    """docs/_build/html, built now with warnings as errors (``make docs``' command)."""
+    env = {**os.environ, "MPLBACKEND": "Agg"}
+    env.pop("QLAB_RESULTS_DIR", None)
+    command = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-E",
+        "-W",
+        "--keep-going",
+        "-q",
+        "-b",
+        "html",
+        "docs",
+        str(SITE),
+    ]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"the docs build failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
+    return SITE
+
+
+@pytest.mark.docs
+@pytest.mark.xdist_group("docs")
+def test_every_public_name_has_an_api_entry(site):
+    from sphinx.util.inventory import InventoryFile
+
+    with open(site / "objects.inv", "rb") as stream:
+        inventory = InventoryFile.load(stream, "", lambda base, uri: uri)
+    inventory = getattr(inventory, "data", inventory)  # an Inventory (Sphinx ≥ 8.2) or a plain dict
+    documented = {
+        name
+        for kind in ("py:function", "py:class", "py:exception", "py:module", "py:data", "py:attribute")
+        for name in inventory.get(kind, {})
+    }
+    missing = [
+        f"{module}.{name}" if name else module
+        for module, names in public_names().items()
+        for name in ["", *names]
+        if (f"{module}.{name}" if name else module) not in documented
+    ]
+    assert not missing, f"public names without an API entry: {missing}"
+
+
+def _walk(site: Path):
+    """Open every page the navigation reaches; yield (page, images that did not load, broken links)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        start = (site / "index.html").resolve().as_uri()
+        queue, seen, results, ids = [start], set(), [], {}
+        while queue:
+            url = queue.pop(0)
+            if url in seen:
+                continue
+            seen.add(url)
+            response = page.goto(url, wait_until="load")
+            assert response is None or response.ok, f"{url} did not open"
+            page.wait_for_function("() => Array.from(document.images).every(i => i.complete)", timeout=30_000)
+            broken_images = page.evaluate(
+                "() => Array.from(document.images).filter(i => i.naturalWidth === 0).map(i => i.src)"
+            )
+            ids[url] = set(
+                page.evaluate("() => Array.from(document.querySelectorAll('[id]')).map(e => e.id)")
+            )
+            links = page.evaluate("() => Array.from(document.querySelectorAll('a[href]')).map(a => a.href)")
+            navigation = page.evaluate(
+                "() => Array.from(document.querySelectorAll('nav a[href], .bd-sidebar a[href], "
+                "a.reference.internal[href]')).map(a => a.href)"
+            )
+            results.append((url, broken_images, links))
+            for link in navigation:
+                target = link.split("#")[0]
+                if target.startswith("file://") and target.endswith(".html") and target not in seen:
+                    queue.append(target)
+        broken = []
+        for url, _, links in results:
+            for link in links:
+                if not link.startswith("file://"):
+                    continue
+                target, _, anchor = link.partition("#")
+                path = Path(urllib.parse.unquote(urllib.parse.urlparse(target).path))
+                if not path.exists():
+                    broken.append((url, link))
+                elif anchor and path.suffix == ".html":
+                    if target not in ids:
+                        page.goto(target, wait_until="load")
+                        ids[target] = set(
+                            page.evaluate(
+                                "() => Array.from(document.querySelectorAll('[id]')).map(e => e.id)"
+                            )
+                        )
+                    if urllib.parse.unquote(anchor) not in ids[target]:
+                        broken.append((url, link))
+        browser.close()
+    return results, broken
+
+
+@pytest.mark.docs
+@pytest.mark.browser
+@pytest.mark.xdist_group("docs")
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_the_site_walks_in_chromium_every_image_loads_and_no_internal_link_is_broken(site):
+    results, broken = _walk(site)
+    pages = {Path(urllib.parse.urlparse(url).path).relative_to(site).as_posix() for url, _, _ in results}
+    expected = {"index.html", "getting_started.html", "reference.html", "findings.html", "benchmarks.html"}
+    expected |= {f"_generated/findings/{p.stem}.html" for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py")}
+    assert expected <= pages, f"not reached from the navigation: {sorted(expected - pages)}"
+    assert len(pages) >= 60, f"only {len(pages)} pages reached"
+    images = [(url, src) for url, missing, _ in results for src in missing]
+    assert not images, f"images that did not load: {images}"
+    assert not broken, f"broken internal links: {broken[:20]}"
+    shown = sum(1 for url, _, _ in results if "_generated/findings/" in url)
+    assert shown == len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.py")))
