@@ -176,6 +176,13 @@ def findings_index() -> None:
     _write(OUT / "notebooks.md", "\n".join(lines))
 
 
+def findings_summary() -> None:
+    """Every notebook's headline claims in one table, as the README's findings table is generated."""
+    from qlab import claims
+
+    _write(OUT / "findings_table.md", claims.findings_table(ROOT / "data"))
+
+
 # --- API ------------------------------------------------------------------------------------------
 
 
@@ -290,6 +297,7 @@ def generate(app) -> None:
     for name in notebook_names():
         findings_page(name)
     findings_index()
+    findings_summary()
     api_pages()
     benchmark_results()
     stale = {p for p in (OUT / "findings").glob("*.ipynb")} - {
