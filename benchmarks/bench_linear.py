@@ -1,12 +1,14 @@
 """QuantLinear forward+backward against nn.Linear, every recipe preset and backward override, one run.
 
     python benchmarks/bench_linear.py [--tokens 4096] [--features 1024] [--repeats 3] [--threads auto]
-                                      [--device cpu|cuda] [--dtype float32|bfloat16]
+                                      [--device cpu|cuda] [--dtype float32|bfloat16] [--results DIR]
 
 x (tokens × features, --dtype, requires grad) through a features → features layer with bias;
 forward, then backward of a fixed dy. Medians of --repeats after a warm-up (which also compiles
 qdq's fast path for every operand shape). Prints a markdown table with ratios to nn.Linear of the
-same dtype (on CUDA: QuantLinear's operands through qlab's Triton kernels, FP8 recipes on tensor cores).
+same dtype (on CUDA: QuantLinear's operands through qlab's Triton kernels, FP8 recipes on tensor cores),
+and appends its rows to ``benchmarks/results/bench_linear_cpu.csv`` (``bench_linear_gpu.csv`` on CUDA)
+with the machine, device, date, torch and commit.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_thread_argument, machine, median_seconds, set_threads  # noqa: E402
+from timing import add_results_argument, add_thread_argument, machine, median_seconds, record, set_threads  # noqa: E402
 
 from qlab.nn import QuantLinear, highest_matmul_precision  # noqa: E402
 from qlab.recipe import BACKWARD_OVERRIDES, PRESETS, get_recipe  # noqa: E402
@@ -43,9 +45,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     add_thread_argument(parser)
+    add_results_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    set_threads(args.threads)
+    threads = set_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     sync = device.type == "cuda"
     torch.manual_seed(0)
@@ -59,6 +62,8 @@ def main() -> None:
         f"machine: {machine(device)}; {args.tokens}×{args.features} → {args.features} {args.dtype}, "
         f"forward+backward; nn.Linear {baseline * 1e3:.2f} ms\n"
     )
+    shape = f"{args.tokens}×{args.features} → {args.features} {args.dtype}"
+    rows = []
     print("| recipe | backward_override | QuantLinear (ms) | ratio to nn.Linear |")
     print("|---|---|---:|---:|")
     for preset in PRESETS:
@@ -68,6 +73,21 @@ def main() -> None:
             layer = QuantLinear.from_linear(linear, get_recipe(preset, backward_override=override))
             seconds = median_seconds(forward_backward(layer, x, dy), args.repeats, synchronize=sync)
             print(f"| {preset} | {override} | {seconds * 1e3:.2f} | {seconds / baseline:.2f} |", flush=True)
+            rows.append(
+                {
+                    "threads": threads if device.type == "cpu" else "",
+                    "shape": shape,
+                    "recipe": preset,
+                    "backward_override": str(override),
+                    "gemm": layer.gemm,
+                    "ms": round(seconds * 1e3, 3),
+                    "baseline": f"nn.Linear ({args.dtype})",
+                    "baseline_ms": round(baseline * 1e3, 3),
+                    "ratio": round(seconds / baseline, 2),
+                }
+            )
+    kind = "gpu" if device.type == "cuda" else "cpu"
+    record(f"bench_linear_{kind}", rows, args.results, device=device)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Step-time overhead of qlab.probes on notebook 01's model, CPU, ratios in one run.
 
-    python benchmarks/bench_probes.py [--steps 300] [--repeats 3] [--threads auto]
+    python benchmarks/bench_probes.py [--steps 300] [--repeats 3] [--threads auto] [--results DIR]
 
 Training step: forward, backward, AdamW on qlab.seed_model.SeedTransformer (the seed's quantized
 linears, width 64, 2 blocks, 16 sequences × 32 tokens). Compared: no probes; a ProbeSet on every
@@ -17,7 +17,8 @@ reading the records once at the end (``to_frame()``: where the statistics reach 
 The "paired" column takes instead, for each round, the configuration's step over the unprobed step of
 the same round (the order shuffled each round), and the median of those ratios: a slow phase of the
 VM then reaches both sides of a ratio. A repeat is a fresh set of models; the table gives the median
-overhead over repeats and its range.
+overhead over repeats and its range, and appends its rows to ``benchmarks/results/bench_probes.csv``
+with the machine, device, date, torch and commit (the docs' table is generated from that file).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_thread_argument, machine, median_and_range, set_threads  # noqa: E402
+from timing import add_results_argument, add_thread_argument, machine, median_and_range, record, set_threads  # noqa: E402
 
 from qlab import probes as qlab_probes  # noqa: E402
 from qlab.probes import ProbeSet  # noqa: E402
@@ -119,8 +120,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     add_thread_argument(parser)
+    add_results_argument(parser)
     args = parser.parse_args()
-    set_threads(args.threads)
+    threads = set_threads(args.threads)
     baselines, overheads = [], {label: [] for label, options in CONFIGS if options is not None}
     paired_overheads = {label: [] for label in overheads}
     for _ in range(args.repeats):
@@ -136,8 +138,21 @@ def main() -> None:
     )
     print("| probes | overhead, % of the unprobed step: median (min–max) | paired, % |")
     print("|---|---:|---:|")
+    rows = []
     for label, values in overheads.items():
         print(f"| {label} | {median_and_range(values)} | {median_and_range(paired_overheads[label])} |")
+        rows.append(
+            {
+                "threads": threads,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "unprobed_ms": median_and_range(baselines),
+                "probes": label,
+                "overhead_percent": median_and_range(values),
+                "paired_percent": median_and_range(paired_overheads[label]),
+            }
+        )
+    record("bench_probes", rows, args.results)
 
 
 if __name__ == "__main__":

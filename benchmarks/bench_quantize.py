@@ -1,6 +1,6 @@
 """qdq speed on CPU: qlab against torchao's reference quantizers and torch.add, in the same run.
 
-    python benchmarks/bench_quantize.py [--size 4096] [--repeats 5]
+    python benchmarks/bench_quantize.py [--size 4096] [--repeats 5] [--threads auto] [--results DIR]
 
 For each recipe, a 4096×4096 float32 tensor is quantized and dequantized by
 - qlab's fast path writing into a preallocated tensor (``qdq(x, out=y)``), against
@@ -19,6 +19,8 @@ Compilation happens in the warm-up and is reported apart. Every block format has
 (torchao's column where torchao has the recipe; bits compared in torchao's scale convention).
 Prints a markdown table of medians of --repeats runs after one warm-up, and ratios: each ratio to an
 add is the median of --repeats rounds that time the row and its add back to back (timing.paired_ratio).
+Appends every row, the two-read floor's included, to ``benchmarks/results/bench_quantize.csv`` with the
+machine, device, date, torch and commit (the docs' table is generated from that file).
 torchao is a test/benchmark-only dependency (``pip install -e .[dev]``).
 """
 
@@ -34,7 +36,15 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_thread_argument, machine, median_seconds, paired_ratio, set_threads  # noqa: E402
+from timing import (  # noqa: E402
+    add_results_argument,
+    add_thread_argument,
+    machine,
+    median_seconds,
+    paired_ratio,
+    record,
+    set_threads,
+)
 
 from qlab import quantize as Q  # noqa: E402
 from qlab.kernels import cpu_qdq  # noqa: E402
@@ -112,9 +122,10 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=5)
     add_thread_argument(parser)
+    add_results_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    set_threads(args.threads)
+    threads = set_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.size, args.size) * torch.logspace(-3, 3, args.size)  # columns of mixed magnitude
     y = torch.empty_like(x)
@@ -138,6 +149,16 @@ def main() -> None:
         f"{two_reads * 1e3:.1f} ms = {two_reads_ratio:.2f} × add(out=y); every ratio is the median of "
         f"{args.repeats} rounds' ratios, each round timing the row and its add back to back\n"
     )
+    common = {"threads": threads, "size": args.size, "run": f"{args.repeats} repeats"}
+    rows = [
+        {
+            **common,
+            "recipe": "two-read floor: aminmax(x) then add(out=y)",
+            "out_ms": round(two_reads * 1e3, 2),
+            "add_out_ms": round(floor * 1e3, 2),
+            "out_ratio": round(two_reads_ratio, 2),
+        }
+    ]
     print(
         "| recipe | fast path | out=y (ms) | / add(out=y) | compiled path, out=y / add | fresh (ms) "
         "| / add fresh | qlab eager (ms) | torchao eager (ms) | torchao / qlab fresh | first call (s) "
@@ -158,7 +179,7 @@ def main() -> None:
                 Q.qdq(x, name, fast=True, out=y)  # compiles it
                 _, ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True, out=y), add_into, args.repeats)
             path, inductor = "C kernel", f"{ratio:.2f}"
-        theirs, same = "—", "—"
+        theirs, same, seconds = "—", "—", None
         if name in reference:
             seconds = median_seconds(lambda: reference[name](x), args.repeats)
             theirs = f"{seconds * 1e3:.1f} | {seconds / compiled:.1f}"
@@ -173,6 +194,26 @@ def main() -> None:
             f"{first_call:.1f} | {same} |",
             flush=True,
         )
+        rows.append(
+            {
+                **common,
+                "recipe": label,
+                "fast_path": path,
+                "out_ms": round(into * 1e3, 2),
+                "add_out_ms": round(floor * 1e3, 2),
+                "out_ratio": round(into_ratio, 2),
+                "compiled_out_ratio": "" if inductor == "—" else inductor,
+                "fresh_ms": round(compiled * 1e3, 2),
+                "add_fresh_ms": round(fresh_floor * 1e3, 2),
+                "fresh_ratio": round(compiled_ratio, 2),
+                "eager_ms": round(eager * 1e3, 2),
+                "torchao_ms": "" if seconds is None else round(seconds * 1e3, 2),
+                "torchao_over_qlab": "" if seconds is None else round(seconds / compiled, 2),
+                "first_call_s": round(first_call, 2),
+                "same_bits_as_torchao": "" if same == "—" else same,
+            }
+        )
+    record("bench_quantize", rows, args.results)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,29 @@
 """Backward time of top-k sparse back-propagation against dense, every variant, in one run.
 
-    python benchmarks/bench_sparse.py [--tokens 512] [--repeats 3] [--device auto]
+    python benchmarks/bench_sparse.py [--tokens 512] [--repeats 3] [--device auto] [--results DIR]
 
 Two models: meProp's MNIST-sized MLP (784 → 500 → 500 → 10, top-k on the hidden layers) and one
 4096 × 4096 Linear. For k ∈ {1, 5, 10, 25} % of each layer's outputs: hook masking (dense GEMMs on
 a zeroed dy), gathered GEMMs (one index set shared by the batch) and per-row sparse GEMMs
 (torch.sparse), as ratios to the dense backward in the same run. Medians of --repeats after a warm-up.
+Appends its rows to ``benchmarks/results/bench_sparse.csv`` with the machine, device, date, torch and
+commit (the docs' table is generated from that file).
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import os
+import sys
 
 import torch
 from torch import nn
 
-from qlab.sparse import BACKWARDS, backward_seconds
-from qlab.train.loop import resolve_device
+sys.path.insert(0, os.path.dirname(__file__))
+from timing import add_results_argument, machine, record  # noqa: E402
+
+from qlab.sparse import BACKWARDS, backward_seconds  # noqa: E402
+from qlab.train.loop import resolve_device  # noqa: E402
 
 FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 
@@ -35,18 +41,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="auto")
+    add_results_argument(parser)
     args = parser.parse_args()
     device = resolve_device(args.device)
     torch.manual_seed(0)
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else (platform.processor() or platform.machine())
-    )
-    print(
-        f"machine: {name}, {torch.get_num_threads()} threads, torch {torch.__version__}; {args.tokens} rows, "
-        f"backward only, medians of {args.repeats}\n"
-    )
+    print(f"machine: {machine(device)}; {args.tokens} rows, backward only, medians of {args.repeats}\n")
+    rows = []
     print("| model | k | dense (ms) | hook_mask | gathered | sparse_rows |")
     print("|---|---:|---:|---:|---:|---:|")
     for label, (model, inputs, outputs, keep) in models(device).items():
@@ -64,6 +64,18 @@ def main() -> None:
                 + " |",
                 flush=True,
             )
+            rows.append(
+                {
+                    "threads": torch.get_num_threads() if device.type == "cpu" else "",
+                    "tokens": args.tokens,
+                    "repeats": args.repeats,
+                    "model": label,
+                    "k": f"{fraction:.0%}",
+                    "dense_ms": round(dense * 1e3, 2),
+                    **{variant: round(ratio, 2) for variant, ratio in zip(BACKWARDS[1:], ratios)},
+                }
+            )
+    record("bench_sparse", rows, args.results, device=device)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/bench_train.py [--modes eager,compiled] [--steps 10] [--repeats 3] [--threads auto]
                                      [--recipes fp8_tensorwise,...] [--llama] [--profile] [--device auto]
-                                     [--compile-mode reduce-overhead]
+                                     [--compile-mode reduce-overhead] [--results DIR]
 
 CharGPT rows: the default model (5 blocks, width 128, context 128, about 1.0M parameters, head kept
 in high precision), batch --batch-size × 128 tokens, through ``qlab.train.train``. Each repeat runs
@@ -25,6 +25,10 @@ step) under bf16 autocast with mxfp8, forward+backward+AdamW, against the same m
 both compiled: the two are built first, then timed in five alternating rounds of --steps steps
 each, and the ratio is the median (with its range) of the rounds' ratios, so that a change in the
 machine's load reaches both sides of a ratio. Compilation time is reported apart (first step).
+
+Every table's rows are appended, with the machine, device, date, torch and commit, to
+``benchmarks/results/bench_train_cpu.csv`` (``bench_train_gpu.csv`` on CUDA; --profile's to
+``bench_train_profile_gpu.csv``): the docs' tables are generated from those files.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_thread_argument, machine, median_and_range, set_threads  # noqa: E402
+from timing import add_results_argument, add_thread_argument, machine, median_and_range, record, set_threads  # noqa: E402
 
 from qlab.quantize import COMPILE_OPTIONS  # noqa: E402
 from qlab.train import TrainConfig, train  # noqa: E402
@@ -167,6 +171,7 @@ def main() -> None:
     parser.add_argument("--compile-times", metavar="DIR", help="Dynamo's compile-time table per recipe, here")
     parser.add_argument("--compile-mode", default="default", choices=COMPILE_MODES)
     add_thread_argument(parser)
+    add_results_argument(parser)
     args = parser.parse_args()
     if args.compile_times and os.path.exists(args.compile_times) and not os.path.isdir(args.compile_times):
         parser.error(f"--compile-times must name a folder, got the file {args.compile_times!r}")
@@ -187,14 +192,31 @@ def main() -> None:
         print(f"compile_mode {args.compile_mode}\n")
         print("| recipe, compiled | wall step (ms) | / FP32 | GPU busy (ms) | / FP32 | kernels a step |")
         print("|---|---:|---:|---:|---:|---:|")
-        fp32 = None
+        fp32, rows = None, []
         for recipe in ["fp32", *recipes]:
             config = base.replace(recipe=recipe, compile=True, compile_mode=args.compile_mode)
             wall, busy, kernels = profile_compiled_step(config, args.steps)
             fp32 = fp32 or (wall, busy)
             times = f"{wall * 1e3:.2f} | {wall / fp32[0]:.2f} | {busy * 1e3:.2f} | {busy / fp32[1]:.2f}"
             print(f"| {recipe} | {times} | {kernels:.0f} |", flush=True)
+            rows.append(
+                {
+                    "batch": args.batch_size,
+                    "compile_mode": args.compile_mode,
+                    "recipe": recipe,
+                    "wall_ms": round(wall * 1e3, 2),
+                    "wall_ratio": round(wall / fp32[0], 2),
+                    "busy_ms": round(busy * 1e3, 2),
+                    "busy_ratio": round(busy / fp32[1], 2),
+                    "kernels": round(kernels),
+                }
+            )
+        record("bench_train_profile_gpu", rows, args.results, device=device)
         return
+    results = f"bench_train_{'gpu' if device.type == 'cuda' else 'cpu'}"
+    common = {"model": "CharGPT (default)", "batch": args.batch_size, "steps": args.steps}
+    if device.type == "cpu":
+        common = {"threads": threads, **common}
     for mode in filter(None, args.modes.split(",")):  # --modes "" with --llama: the Llama rows only
         compiled = mode == "compiled"
         modes = {"compile": compiled, "compile_mode": args.compile_mode if compiled else "default"}
@@ -202,7 +224,8 @@ def main() -> None:
         fp32_seconds, first_steps = [], {}
         for repeat in range(args.repeats):  # each measurement printed as taken: a cut-off run keeps them
             times_to = args.compile_times if repeat == 0 else None  # the cold compile, not the cache's
-            fp32, first_steps["fp32"] = seconds_per_step(base.replace(**modes), args.steps, times_to)
+            fp32, fp32_first = seconds_per_step(base.replace(**modes), args.steps, times_to)
+            first_steps.setdefault("fp32", fp32_first)  # the first repeat's, as for the recipes
             fp32_seconds.append(fp32)
             print(f"# {mode} repeat {repeat}: fp32 {fp32 * 1e3:.1f} ms", flush=True)
             for recipe in recipes:
@@ -218,9 +241,21 @@ def main() -> None:
         print(f"{label}: FP32 step {fp32_ms} ms (median (min–max) over repeats)\n")
         print(f"| recipe | {mode} step / FP32 {mode} | first step (s) |")
         print("|---|---:|---:|")
+        row = {**common, "repeats": args.repeats, "mode": "compiled (blocks)" if compiled else "eager"}
+        row.update(compile_mode=args.compile_mode if compiled else "", fp32_ms=fp32_ms)
+        rows = [{**row, "recipe": "fp32", "ratio": "1.00", "first_step_s": round(first_steps["fp32"], 1)}]
         for recipe in recipes:
             first = first_steps[recipe]
             print(f"| {recipe} | {median_and_range(ratios[recipe])} | {first:.1f} |", flush=True)
+            rows.append(
+                {
+                    **row,
+                    "recipe": recipe,
+                    "ratio": median_and_range(ratios[recipe]),
+                    "first_step_s": round(first, 1),
+                }
+            )
+        record(results, rows, args.results, device=device)
         print()
     if args.llama:  # both models built first, then timed in alternation: the ratio of each round
         plain, plain_first = llama_stepper(None, device)
@@ -235,6 +270,20 @@ def main() -> None:
         print("|---|---:|---:|---:|")
         print(f"| unquantized | {plain_ms} | 1.00 | {plain_first:.1f} |")
         print(f"| mxfp8 | {quantized_ms} | {ratio} | {first:.1f} |")
+        llama = {**common, "model": "Llama 2 × 256, 512 tokens, bf16 autocast", "batch": "", "repeats": 5}
+        llama.update(mode="compiled (whole model)", compile_mode="default", note="5 alternating rounds")
+        rows = [
+            {**llama, "recipe": "bf16 (unquantized)", "ratio": "1.00", "step_ms": plain_ms},
+            {
+                **llama,
+                "recipe": "mxfp8",
+                "ratio": ratio,
+                "step_ms": quantized_ms,
+                "first_step_s": round(first, 1),
+            },
+        ]
+        rows[0]["first_step_s"] = round(plain_first, 1)
+        record(results, rows, args.results, device=device)
 
 
 if __name__ == "__main__":

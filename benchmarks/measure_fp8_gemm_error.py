@@ -1,6 +1,6 @@
 """How far the FP8 tensor-core GEMM (``qlab.kernels.fp8_gemm.fp8_matmul``) lands from the exact product.
 
-    python benchmarks/measure_fp8_gemm_error.py [--device cuda]
+    python benchmarks/measure_fp8_gemm_error.py [--device cuda] [--results DIR]
 
 Each row is a (256, K)·(256, K)ᵀ product of FP8 operands. "signed" operands are Gaussian (errors
 partly cancel); "positive" ones are |Gaussian| (every product adds, the worst case for a running
@@ -10,6 +10,8 @@ positive operands. The reference is the product of the decoded operands in float
 (at most K·2⁻⁵³·Σ|aᵢbᵢ| ≤ 2⁻³⁹·Σ|aᵢbᵢ| for K ≤ 2¹⁴) is far below any float32 accumulator's. Each row
 gives the largest error relative to Σ|aᵢbᵢ|. tests/test_fp8_gemm.py allows
 ((K + 3)·2⁻²⁴ + TENSOR_CORE_ERROR)·Σ|aᵢbᵢ|, with TENSOR_CORE_ERROR = 2⁻⁸ on CUDA and 0 on the CPU.
+Every row is appended to ``benchmarks/results/measure_fp8_gemm_error.csv`` with the machine, device,
+date, torch and commit.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import machine  # noqa: E402
+from timing import add_results_argument, machine, record  # noqa: E402
 
 from qlab import quantize as Q  # noqa: E402
 from qlab.kernels.fp8_gemm import fp8_matmul, unsupported_reason  # noqa: E402
@@ -58,14 +60,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = "cuda" if torch.cuda.is_available() else "cpu"
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default)
+    add_results_argument(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"machine: {machine(device)}\n")
+    rows = []
+
+    def row(k, elements, granularity, kind, text):
+        error, _, _ = text.partition(" (2^")
+        number = error.replace(".", "", 1).replace("e-", "", 1).isdigit()
+        rows.append(
+            {
+                "outputs": "256×256",
+                "k": k,
+                "a": elements[0],
+                "b": elements[1],
+                "scaling": "row" if granularity == "axis" else granularity,
+                "operands": "signed (Gaussian)" if kind == "signed" else kind,
+                "relative_error": error if number else "",
+                "note": "" if number else text,
+            }
+        )
+
     print("| K | e4m3 × e4m3 per tensor, signed | the same, positive |")
     print("|---:|---:|---:|")
     for k in (64, 256, 1024, 4096, 16384):
         signed = relative_error(k, "signed", ("e4m3", "e4m3"), "tensor", device)
         positive = relative_error(k, "positive", ("e4m3", "e4m3"), "tensor", device)
+        row(k, ("e4m3", "e4m3"), "tensor", "signed", signed)
+        row(k, ("e4m3", "e4m3"), "tensor", "positive", positive)
         print(f"| {k} | {signed} | {positive} |", flush=True)
     combinations = [
         (("e5m2", "e4m3"), "tensor"),
@@ -81,6 +104,9 @@ def main() -> int:
             for elements, granularity in combinations
         ]
         print(f"| {k} | " + " | ".join(cells) + " |", flush=True)
+        for (elements, granularity), cell in zip(combinations, cells):
+            row(k, elements, granularity, "positive", cell)
+    record("measure_fp8_gemm_error", rows, args.results, device=device)
     return 0
 
 

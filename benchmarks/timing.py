@@ -1,21 +1,83 @@
-"""What every benchmark here shares: thread count, machine line, medians with their spread.
+"""What every benchmark here shares: thread count, machine line, medians with their spread, and the
+results file each run appends its rows to.
 
 On a shared CPU, PyTorch's OpenMP threads spin at every parallel region's barrier while another process
-holds a core: measured on the 2-core VM with two busy processes beside it, an FP32 CharGPT step went from
-0.12 s to 3.2 s (27×) and a quantized one 4×, so ratios lost all meaning. With one thread per *free*
-core the same ratio stayed within 6 % of its quiet value (benchmarks in the README). ``--threads auto``
-picks that count from how busy the cores are in the second before the benchmark starts.
+holds a core, so an FP32 step slows far more than a quantized one and ratios lose their meaning; with one
+thread per *free* core they stay close to their quiet values (the rows with a ``load`` in
+``results/bench_train_cpu.csv``). ``--threads auto`` picks that count from how busy the cores are in the
+second before the benchmark starts.
+
+``record(name, rows)`` appends rows to ``results/<name>.csv`` with the machine, device, date, torch and
+commit in front (the docs' benchmark tables are generated from these files); ``--results DIR`` sends them
+elsewhere, ``--results ''`` only prints.
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
+import pandas as pd
 import torch
 
-from qlab.session import machine  # noqa: F401  (benchmarks name their machine through here)
+from qlab.session import machine  # benchmarks name their machine through here
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROVENANCE = ("machine", "device", "date", "torch", "commit")
+
+
+def add_results_argument(parser) -> None:
+    parser.add_argument(
+        "--results",
+        default=str(RESULTS),
+        metavar="DIR",
+        help="folder of the results CSV this run appends its rows to ('' : print only, record nothing)",
+    )
+
+
+def provenance(device=None) -> dict:
+    """The columns every results row starts with: machine, device, date, torch, commit (``git rev-parse
+    --short HEAD``, or "unrecorded" outside a git checkout)."""
+    device = torch.device(device if device is not None else "cpu")
+    try:
+        git = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True
+        )
+        commit = git.stdout.strip() if git.returncode == 0 else ""
+    except OSError:
+        commit = ""
+    return {
+        "machine": machine(device),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "commit": commit or "unrecorded",
+    }
+
+
+def record(name: str, rows: list[dict], folder=RESULTS, device=None) -> Path | None:
+    """Append ``rows`` to ``folder/<name>.csv``, each with :func:`provenance` in front; nothing when
+    ``folder`` is empty. The file's columns stay in their order; a column it lacks is added at the end
+    (every existing row kept, empty there). Returns the file's path."""
+    if not folder or not rows:
+        return None
+    path = Path(folder) / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame([{**provenance(device), **row} for row in rows])
+    if not path.exists():
+        frame.to_csv(path, index=False)
+        return path
+    old = pd.read_csv(path, dtype=str, keep_default_na=False)
+    if set(frame.columns) <= set(old.columns):
+        frame.reindex(columns=old.columns).to_csv(path, mode="a", header=False, index=False)
+    else:
+        text = frame.astype(object).where(frame.notna(), "").astype(str)  # an int stays an int beside ""
+        pd.concat([old, text], ignore_index=True).fillna("").to_csv(path, index=False)
+    return path
 
 
 def add_thread_argument(parser) -> None:

@@ -312,3 +312,47 @@ def test_the_site_walks_in_chromium_every_image_loads_and_no_internal_link_is_br
     assert not broken, f"broken internal links: {broken[:20]}"
     shown = sum(1 for url, _, _ in results if "_generated/findings/" in url)
     assert shown == len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.py")))
+
+
+# --- benchmarks as data ---------------------------------------------------------------------------
+
+TIMING = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|µs|ns|[GT]B/s|TFLOP/s)(?!\w)")
+TIMING_COLUMN = re.compile(r"^\|.*\((?:ms|µs|ns|s|GB/s)\)", re.M)
+
+
+def typed_timings(text: str) -> list[str]:
+    """Timings typed into a page's markdown: a number with ms, µs, ns, GB/s, TB/s or TFLOP/s, or a table
+    column headed "(ms)", "(s)" …, outside fenced code blocks and inline code."""
+    text = re.sub(r"^(`{3,}|~{3,}).*?^\1", "", text, flags=re.M | re.S)  # fenced blocks, directives too
+    text = re.sub(r"(`+).+?\1", "", text, flags=re.S)  # inline code
+    return [m.group(0) for m in TIMING.finditer(text)] + [
+        m.group(0)[:60] for m in TIMING_COLUMN.finditer(text)
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("| kernel | Triton (ms) |\n|---|---:|\n| fp8 | 0.230 |", True),
+        ("LayerNorm took 0.461 ms against 0.47 ms.", True),
+        ("peak 3350 GB/s", True),
+        ("a call on 64 elements took 2.2 µs", True),
+        ("```python\nx = 5  # 3 ms\n```\n", False),
+        ("`torch.add(x, 0)` and `--peak-gbps GB/s`", False),
+        ("4096×4096 float32, 64 MiB, 16 × 128 tokens, ≤ 1.3 ×, 2⁻⁸ ulps, items of 16 rows", False),
+    ],
+)
+def test_the_timing_pattern(text, found):
+    assert bool(typed_timings(text)) is found, typed_timings(text)
+
+
+def test_no_page_types_a_benchmark_timing():
+    """Benchmark numbers live in benchmarks/results/ and reach the pages as the tables the docs build
+    generates from those files (``{include} _generated/results/<stem>.md``); no page types one."""
+    found = []
+    for path in sorted((ROOT / "docs").glob("*.md")):
+        for timing in typed_timings(path.read_text()):
+            found.append(f"{path.relative_to(ROOT)}: {timing}")
+    assert not found, (
+        "typed timings (record them in benchmarks/results/ and include the table):\n" + "\n".join(found)
+    )

@@ -6,7 +6,10 @@
   notebook's committed claims (``data/<name>_claims.csv`` through ``qlab.claims``, and the paper
   profile's ``data/paper/`` file beside it where one exists) and its committed figures (``figures/``).
 - ``api/<module>.rst``: ``automodule`` of every module of the package.
-- ``benchmark_results.md``: one table per file of ``benchmarks/results/``, columns as the file holds them.
+- ``results/<file stem>.md``: the table of one file of ``benchmarks/results/`` (columns as the file holds
+  them, those empty in every row left out), for a page to include (```{include}
+  _generated/results/bench_quantize.md```): the docs' benchmark tables are these, never typed.
+- ``benchmark_results.md``: every one of them, one section per file.
 
 A file is rewritten only when its text changes, so an unchanged page is not read again. Docstrings that
 are not valid reStructuredText (qlab writes them as plain text with markdown tables) are shown as
@@ -236,27 +239,52 @@ def api_pages() -> None:
 # --- benchmarks -----------------------------------------------------------------------------------
 
 
-def benchmark_results() -> None:
+def results_frame(path: Path):
+    """A file of ``benchmarks/results/`` as a frame of strings, as the file writes them; columns empty in
+    every row left out (a file gathering several measurements holds columns only some of them fill)."""
     import pandas as pd
 
+    if path.suffix == ".csv":
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    else:
+        data = json.loads(path.read_text())
+        frame = pd.DataFrame(data if isinstance(data, list) else [data]).astype(str)
+    return frame[[column for column in frame.columns if (frame[column].str.strip() != "").any()]]
+
+
+def results_table(path: Path) -> str:
+    """The markdown a page includes for one results file: a line naming the file, then its table."""
     from qlab.results import markdown_table
 
+    frame = results_frame(path)
+    lines = [
+        f"Generated from `benchmarks/results/{path.name}` ({len(frame)} rows; a benchmark run appends "
+        "rows to it, with the machine, device, date, torch and commit it ran with):",
+        "",
+        markdown_table(frame).replace("{", "&#123;").replace("}", "&#125;"),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def benchmark_results() -> None:
+    """``results/<file stem>.md`` for every file of ``benchmarks/results/`` (a page shows one with
+    ``{include} _generated/results/<stem>.md``), and ``benchmark_results.md`` including them all."""
     lines = [
         "# Benchmark results",
         "",
         "Generated from the files under `benchmarks/results/`: each row with the machine, date, torch "
-        "version and commit it was measured with, as the file records them.",
+        'version and commit it was measured with, as the file records them ("unrecorded" where the '
+        "measurement did not record it).",
         "",
     ]
-    for path in sorted((ROOT / "benchmarks" / "results").glob("*")):
-        if path.suffix == ".csv":
-            frame = pd.read_csv(path, keep_default_na=False)
-        elif path.suffix == ".json":
-            data = json.loads(path.read_text())
-            frame = pd.DataFrame(data if isinstance(data, list) else [data])
-        else:
-            continue
-        lines += [f"## `{path.name}`", "", markdown_table(frame).replace("{", "&#123;"), ""]
+    paths = sorted(p for p in (ROOT / "benchmarks" / "results").glob("*") if p.suffix in (".csv", ".json"))
+    for path in paths:
+        _write(OUT / "results" / f"{path.stem}.md", results_table(path))
+        lines += [f"## `{path.name}`", "", f"```{{include}} results/{path.stem}.md", "```", ""]
+    stale = set((OUT / "results").glob("*.md")) - {OUT / "results" / f"{p.stem}.md" for p in paths}
+    for path in stale:
+        path.unlink()
     _write(OUT / "benchmark_results.md", "\n".join(lines))
 
 
