@@ -21,9 +21,15 @@
 # a power-of-two E8M0 scale, per 16-block with an E4M3 scale plus a global FP32 scale). This
 # notebook draws every grid, measures the signal-to-quantization-noise ratio (SQNR) of every
 # format × scaling recipe on four kinds of activations, counts how often MX's FLOOR scale clips a
-# block where RCEIL does not, compares NVFP4 with MXFP4, and checks that stochastic rounding is
-# unbiased where round-to-nearest-even is not. All quantizers are `qlab.quantize`, tested bit for
-# bit against torchao's reference implementations.
+# block where RCEIL does not, compares NVFP4 with MXFP4, and measures the bias of stochastic rounding
+# and of round-to-nearest-even. All quantizers are `qlab.quantize`, tested bit for bit against
+# torchao's reference implementations.
+#
+# Every number in the text is computed from this run's results by the code cell that renders it, and
+# the claims are saved to `data/00_formats_and_scaling_claims.csv`. Each activation tensor is drawn
+# `draws` times (independent draws of the same distribution): SQNR and clipping are means over the
+# draws with 95 % intervals, and two recipes are compared on the same draws (paired t, Holm-corrected
+# over all the comparisons).
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 20 s)
@@ -35,34 +41,50 @@ outlier_channels: int = 4  # channels scaled up in the outlier_channels distribu
 outlier_scale: float = 100.0  # how much larger those channels are
 sr_points: int = 241  # inputs in the stochastic-rounding experiment, spanning the E2M1 range
 sr_draws: int = 2000  # stochastic draws averaged per input
+draws: int = 5  # independent draws of every activation tensor (sections 2 to 4)
 
 # %%
 import math
+import re
 
 import numpy as np
 import pandas as pd
 import seaborn as sns
 import torch
+from IPython.display import Markdown, display
 
-from qlab import formats, session, synthetic
+from qlab import formats, session, stats, synthetic
 from qlab import quantize as Q
+from qlab.claims import Claims
 from qlab.plotting import save_figure, subplots, use_paper_style
 from qlab.results import save_csv, save_metrics
 
 NAME = "00_formats_and_scaling"
-device = session.start(NAME, globals()).device  # prints where results go; "auto" -> cuda or cpu
+this_run = session.start(NAME, globals())  # prints where results go; resolves "auto" -> cuda or cpu
+device = this_run.device
 if smoke:
-    tokens, hidden, sr_points, sr_draws = 64, 128, 25, 200
+    tokens, hidden, sr_points, sr_draws, draws = 64, 128, 25, 200, 3
 use_paper_style()
-generator = torch.Generator().manual_seed(seed)
-print(f"tokens={tokens} hidden={hidden} sr_points={sr_points} sr_draws={sr_draws}")
+claims = Claims(this_run)
+print(f"tokens={tokens} hidden={hidden} sr_points={sr_points} sr_draws={sr_draws} draws={draws}")
+
+
+def percent(key: str) -> str:
+    """A claim that is a share, as a percentage with one decimal."""
+    return f"{100 * claims[key].value:.1f} %"
+
+
+def dB(key: str) -> str:
+    """A claim in dB with two decimals (signed for a paired difference)."""
+    claim = claims[key]
+    return (f"{claim.value:+.2f}" if claim.signed else f"{claim.value:.2f}").replace("-", "−") + " dB"
 
 # %% [markdown]
 # ## 1. The element grids
 #
 # Each float format has a sign, e exponent bits and m mantissa bits: 2^m values per binade, the
 # smallest binade continued linearly down to zero by subnormals. The table lists what the OCP FP8
-# and Microscaling v1.0 specs define; the figure puts every positive value on a log₂ axis.
+# and Microscaling (MX) specs define; the figure puts every positive value on a log₂ axis.
 
 # %%
 element_names = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1", "int8", "int4"]
@@ -109,15 +131,22 @@ print("max |error|: MXFP8", (Q.dequantize(q_mx) - row).abs().max().item(),
 # ## 2. SQNR of every format × scaling recipe
 #
 # Four activation shapes, all with standard deviation ≈ 1 before outliers: Gaussian, Laplace
-# (exponential tails), Student-t with 3 degrees of freedom (heavy tails) and Gaussian with a few
-# channels 100× larger (the per-channel outliers of LLM activations). Every recipe scales along
-# the hidden axis (per row for "rowwise", blocks of 32 or 16 along the row for MX and NVFP4).
-# SQNR = 10·log₁₀(Σx² / Σ(x − x̂)²); each extra mantissa bit is worth about 6 dB.
+# (exponential tails), Student-t with 3 degrees of freedom (heavy tails) and Gaussian with
+# `outlier_channels` channels `outlier_scale` times larger (the per-channel outliers of LLM
+# activations), each drawn `draws` times (draw d from seed + d). Every recipe scales along the hidden axis (per row for
+# "rowwise", blocks of 32 or 16 along the row for MX and NVFP4).
+# SQNR = 10·log₁₀(Σx² / Σ(x − x̂)²); for a uniform quantizer each extra mantissa bit is worth
+# 20·log₁₀ 2 dB. The heatmap shows the mean over the draws.
 
 # %%
-distributions = {kind: synthetic.activations(kind, (tokens, hidden), generator, outlier_channels=outlier_channels,
-                                             outlier_scale=outlier_scale)
-                 for kind in synthetic.DISTRIBUTIONS}
+def draw_activations(draw_seed: int) -> dict:
+    draw_generator = torch.Generator().manual_seed(draw_seed)
+    return {kind: synthetic.activations(kind, (tokens, hidden), draw_generator, outlier_channels=outlier_channels,
+                                        outlier_scale=outlier_scale) for kind in synthetic.DISTRIBUTIONS}
+
+
+draw_sets = [draw_activations(seed + draw) for draw in range(draws)]  # draw d: seed + d
+distributions = draw_sets[0]  # the first draw: used where one tensor is enough
 recipes = {
     "FP8 E4M3 tensor": "fp8_e4m3", "FP8 E5M2 tensor": "fp8_e5m2", "FP8 E4M3 rowwise": "fp8_e4m3_rowwise",
     "INT8 tensor": "int8", "INT8 rowwise": "int8_rowwise", "INT4 rowwise": "int4_rowwise",
@@ -129,22 +158,56 @@ recipes = {
 rows = []
 for label, spec_name in session.progress(recipes.items(), total=len(recipes), desc="recipes"):
     spec = Q.get_spec(spec_name)
-    for kind, x in distributions.items():
-        rows.append({"recipe": label, "spec": spec_name, "element": spec.element, "scaling": type(spec).__name__,
-                     "distribution": kind, "sqnr_db": Q.sqnr_db(x, Q.qdq(x, spec))})
+    for draw, tensors in enumerate(draw_sets):
+        for kind, x in tensors.items():
+            rows.append({"recipe": label, "spec": spec_name, "element": spec.element, "scaling": type(spec).__name__,
+                         "distribution": kind, "draw": draw, "sqnr_db": Q.sqnr_db(x, Q.qdq(x, spec))})
 sqnr_table = pd.DataFrame(rows)
 save_csv(sqnr_table, f"{NAME}_sqnr")
-sqnr_wide = sqnr_table.pivot(index="recipe", columns="distribution", values="sqnr_db").loc[list(recipes)]
+sqnr_wide = sqnr_table.pivot_table(index="recipe", columns="distribution", values="sqnr_db").loc[list(recipes)]
 sqnr_wide[list(synthetic.DISTRIBUTIONS)].round(1)
 
 # %%
 fig, ax = subplots(width="text", aspect=0.62)
 sns.heatmap(sqnr_wide[list(synthetic.DISTRIBUTIONS)], annot=True, fmt=".1f", cmap="viridis", ax=ax,
-            cbar_kws={"label": "SQNR (dB)"}, annot_kws={"fontsize": 6})
+            cbar_kws={"label": f"SQNR (dB), mean of {draws} draws"}, annot_kws={"fontsize": 7})
 ax.set_xlabel("activation distribution")
 ax.set_ylabel("")
 ax.set_title("SQNR of quantize→dequantize (higher is better)")
+ax.grid(False)
 save_figure(fig, f"{NAME}_sqnr")
+
+
+# %%
+def key_of(text: str) -> str:
+    """``text`` as part of a claim's key (what ``Claims.paired_family`` does to its groups and pairs)."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", text)
+
+
+COMPARISONS = [  # recipe a − recipe b, on the same draws
+    ("MXFP8 E4M3 rceil", "MXFP8 E4M3 floor"), ("NVFP4 1×16", "MXFP4 floor"),
+    ("NVFP4 16×16", "NVFP4 1×16"), ("NVFP4 1×16 + RHT", "NVFP4 1×16"),
+]
+sqnr_keys = claims.paired_family(sqnr_table, "sqnr_db", family="sqnr", pairs=COMPARISONS, by="distribution",
+                                 between="recipe", pair="draw", unit="dB", digits=2,
+                                 text="{group}: SQNR of {a} − {b}")
+
+
+def gap(distribution: str, a: str, b: str) -> str:
+    return f"sqnr.{key_of(distribution)}.{key_of(a)}-{key_of(b)}"
+
+
+for label in ("MXFP8 E4M3 floor", "MXFP8 E4M3 rceil"):
+    part = sqnr_table[(sqnr_table.recipe == label) & (sqnr_table.distribution == "gaussian")].sort_values("draw")
+    claims.mean(f"sqnr.gaussian.{key_of(label)}", part.sqnr_db, unit="dB", digits=2,
+                text=f"SQNR of {label} on Gaussian activations")
+display(Markdown(claims.render(f"""
+On Gaussian activations MXFP8 (E4M3) reaches {{sqnr.gaussian.MXFP8_E4M3_floor}} with FLOOR scales and
+{{sqnr.gaussian.MXFP8_E4M3_rceil}} with RCEIL (means over {draws} draws, 95 % intervals); paired by draw,
+RCEIL − FLOOR is {{{gap("gaussian", "MXFP8 E4M3 rceil", "MXFP8 E4M3 floor")}}}
+({{{gap("gaussian", "MXFP8 E4M3 rceil", "MXFP8 E4M3 floor")}:verdict}}). Every paired comparison of
+this notebook (Holm over all of them):
+""") + "\n" + claims.table(sqnr_keys)))
 
 # %% [markdown]
 # ## 3. How often does FLOOR clip a block?
@@ -153,88 +216,158 @@ save_figure(fig, f"{NAME}_sqnr")
 # top binade but can exceed its max (448 for E4M3, 6 for E2M1) and saturate; 480 becomes 448.
 # RCEIL rounds amax / elem_max *up* to a power of two so nothing saturates, at the price of
 # sometimes using one binade less. CEIL and EVEN are torchao's other two modes. NVFP4's E4M3 block
-# scale is rounded to nearest, so about half its blocks clip by a little.
+# scale is rounded to nearest, so it can round down and clip too. Bars are means over the draws with
+# 95 % intervals; a fraction of exactly 0 is marked "0".
 
 # %%
-rows = []
-for kind, x in session.progress(distributions.items(), total=len(distributions), desc="distributions"):
-    for element in ("e4m3", "e2m1"):
-        for mode in ("floor", "rceil", "ceil", "even"):
-            spec = Q.MXSpec(element, mode=mode)
-            rows.append({"distribution": kind, "recipe": f"MX{'FP8' if element == 'e4m3' else 'FP4'} {mode}",
-                         "element": element, "mode": mode, "clipped_blocks": Q.clipped_block_fraction(x, spec),
-                         "sqnr_db": Q.sqnr_db(x, Q.qdq(x, spec))})
-    rows.append({"distribution": kind, "recipe": "NVFP4 1×16", "element": "e2m1", "mode": "nvfp4",
-                 "clipped_blocks": Q.clipped_block_fraction(x, "nvfp4"), "sqnr_db": Q.sqnr_db(x, Q.qdq(x, "nvfp4"))})
+rows, ceil_differs = [], 0
+for draw, tensors in enumerate(session.progress(draw_sets, desc="draws")):
+    for kind, x in tensors.items():
+        ceil_differs += int((Q.qdq(x, Q.MXSpec("e4m3", mode="ceil")) != Q.qdq(x, Q.MXSpec("e4m3", mode="rceil"))).sum())
+        for element in ("e4m3", "e2m1"):
+            for mode in ("floor", "rceil", "ceil", "even"):
+                spec = Q.MXSpec(element, mode=mode)
+                rows.append({"distribution": kind, "draw": draw,
+                             "recipe": f"MX{'FP8' if element == 'e4m3' else 'FP4'} {mode}", "element": element,
+                             "mode": mode, "clipped_blocks": Q.clipped_block_fraction(x, spec),
+                             "sqnr_db": Q.sqnr_db(x, Q.qdq(x, spec))})
+        rows.append({"distribution": kind, "draw": draw, "recipe": "NVFP4 1×16", "element": "e2m1", "mode": "nvfp4",
+                     "clipped_blocks": Q.clipped_block_fraction(x, "nvfp4"), "sqnr_db": Q.sqnr_db(x, Q.qdq(x, "nvfp4"))})
 clip_table = pd.DataFrame(rows)
 save_csv(clip_table, f"{NAME}_clipping")
-clip_table.pivot(index="recipe", columns="distribution", values="clipped_blocks").round(3)
+clip_table.pivot_table(index="recipe", columns="distribution", values="clipped_blocks", sort=False).round(3)
 
 # %%
+clip_recipes = list(dict.fromkeys(clip_table.recipe))
+clip_summary = stats.summarize(clip_table, "clipped_blocks", ["recipe", "distribution"]).merge(
+    stats.summarize(clip_table, "sqnr_db", ["recipe", "distribution"]), on=["recipe", "distribution", "n"],
+    suffixes=("_clip", "_sqnr"))
 fig, axes = subplots(1, 2, width="text", aspect=0.62)
-for ax, column, label in zip(axes, ("clipped_blocks", "sqnr_db"), ("fraction of blocks clipped", "SQNR (dB)")):
-    sns.barplot(clip_table, x="recipe", y=column, hue="distribution", ax=ax)
-    ax.set_xlabel("")
+width = 0.8 / len(synthetic.DISTRIBUTIONS)
+positions = np.arange(len(clip_recipes))
+for ax, column, label in zip(axes, ("clip", "sqnr"), ("fraction of blocks clipped", "SQNR (dB)")):
+    for i, kind in enumerate(synthetic.DISTRIBUTIONS):
+        part = clip_summary[clip_summary.distribution == kind].set_index("recipe").loc[clip_recipes]
+        where = positions + (i - (len(synthetic.DISTRIBUTIONS) - 1) / 2) * width
+        ax.bar(where, part[f"mean_{column}"], width, color=f"C{i}", label=kind,
+               yerr=[part[f"mean_{column}"] - part[f"low_{column}"], part[f"high_{column}"] - part[f"mean_{column}"]],
+               error_kw={"linewidth": 0.6})
+        if column == "clip":
+            for x_at, value in zip(where, part["mean_clip"]):
+                if value == 0:
+                    ax.text(x_at, 0.005, "0", ha="center", va="bottom", fontsize=7, color=f"C{i}")
+    ax.set_xticks(positions, clip_recipes, rotation=60, ha="right")
     ax.set_ylabel(label)
-    ax.tick_params(axis="x", rotation=60, labelsize=6)
-    handles, labels = ax.get_legend_handles_labels()
-    ax.legend_.remove()
-fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=6, frameon=False)
+handles, labels = axes[0].get_legend_handles_labels()
+fig.legend(handles, labels, loc="outside upper center", ncol=4)
 save_figure(fig, f"{NAME}_clipping")
+
+# %%
+clip_keys = []
+for label in ("MXFP8 floor", "MXFP4 floor", "NVFP4 1×16"):
+    for kind in synthetic.DISTRIBUTIONS:
+        part = clip_table[(clip_table.recipe == label) & (clip_table.distribution == kind)].sort_values("draw")
+        key = f"clip.{key_of(label)}.{kind}"
+        claims.mean(key, part.clipped_blocks, digits=3, headline=(label, kind) == ("MXFP4 floor", "gaussian"),
+                    text=f"{kind}: fraction of blocks {label} clips")
+        clip_keys.append(key)
+never = clip_table[clip_table["mode"].isin(["rceil", "ceil"])]
+claims.value("clip.rceil_ceil_max", never.clipped_blocks.max(), test="computed", digits=3,
+             text=f"largest fraction of blocks clipped by RCEIL or CEIL (any element, distribution and draw, of "
+                  f"{len(never)})")
+
+
+def clip_range(label: str) -> str:
+    values = [claims[f"clip.{key_of(label)}.{kind}"].value for kind in synthetic.DISTRIBUTIONS]
+    return f"{100 * min(values):.1f}–{100 * max(values):.1f} %"
+
+
+fp8 = clip_table[clip_table.element == "e4m3"].pivot_table(index=["distribution", "draw"], columns="mode",
+                                                         values="sqnr_db")
+elements = draws * len(synthetic.DISTRIBUTIONS) * tokens * hidden
+claims.value("fp8.ceil_differs", ceil_differs / elements, test="computed", digits=2,
+             text=f"share of the {elements} elements (every draw and distribution) that MXFP8 E4M3 CEIL and RCEIL "
+                  "dequantize differently")
+claims.value("fp8.ceil_sqnr_gap", (fp8["ceil"] - fp8["rceil"]).abs().max(), test="computed", digits=2,
+             text="largest |SQNR of CEIL − SQNR of RCEIL| for E4M3 elements, any tensor")
+never_text = ("no block of any tensor" if claims["clip.rceil_ceil_max"].value == 0
+              else "at most a fraction {clip.rceil_ceil_max:value} of a tensor's blocks")
+display(Markdown(claims.render(f"""
+FLOOR clips {clip_range("MXFP8 floor")} of MXFP8 blocks and {clip_range("MXFP4 floor")} of MXFP4 blocks
+(the range over the four distributions of the means over {draws} draws); RCEIL and CEIL clip {never_text}. NVFP4 clips {clip_range("NVFP4 1×16")}.
+For E4M3 elements CEIL and RCEIL dequantize a share {{fp8.ceil_differs:value}} of the elements differently, and their SQNR differ by at most {{fp8.ceil_sqnr_gap:value}} dB. Each mean with its 95 % interval over the draws:
+""") + "\n" + claims.table(clip_keys)))
 
 # %% [markdown]
 # ## 4. NVFP4 against MXFP4
 #
 # Both store E2M1 elements. MXFP4 shares a power-of-two scale per 32 elements; NVFP4 an E4M3 scale
 # (3 mantissa bits) per 16 elements, plus an FP32 per-tensor scale that keeps the block scales in
-# E4M3's range. With the default parameters the finer, more precise scale is worth 1.6 dB on
-# Gaussian data, 4 dB on Student-t and 10 dB when a few channels are outliers (an outlier then
-# spoils 16 elements instead of 32, under a scale with three mantissa bits). The 16×16 variant
-# (for weights, so that W and Wᵀ share one quantization) pays for its coarser tiles. The random
-# Hadamard transform is not meant to raise SQNR: NVIDIA applies it to the weight-gradient operands
-# along the token axis, where it spreads outliers before a GEMM whose result it leaves unchanged;
-# here it costs ~4 dB on outlier channels because it smears each outlier over its 16-element chunk.
+# E4M3's range. The 16×16 variant (for weights, so that W and Wᵀ share one quantization) uses coarser
+# tiles. The random Hadamard transform is not meant to raise SQNR: NVIDIA applies it to the
+# weight-gradient operands along the token axis, where it spreads outliers before a GEMM whose result
+# it leaves unchanged; here it is applied along the hidden axis of activations, where it mixes each
+# outlier into its 16-element chunk. Bars are means over the draws with 95 % intervals.
 
 # %%
 fp4_recipes = ["MXFP4 floor", "MXFP4 rceil", "NVFP4 1×16", "NVFP4 16×16", "NVFP4 1×16 + RHT"]
 fp4_table = sqnr_table[sqnr_table.recipe.isin(fp4_recipes)].reset_index(drop=True)
-fig, ax = subplots(width="column", aspect=0.8)
-sns.barplot(fp4_table, x="distribution", y="sqnr_db", hue="recipe", hue_order=fp4_recipes, ax=ax)
-ax.set_xlabel("")
-ax.set_ylabel("SQNR (dB)")
-ax.tick_params(axis="x", rotation=30, labelsize=6)
-ax.legend(fontsize=5, title="")
+fp4_summary = stats.summarize(fp4_table, "sqnr_db", ["recipe", "distribution"])
+fig, ax = subplots(width="column", aspect=0.9)
+width = 0.8 / len(fp4_recipes)
+positions = np.arange(len(synthetic.DISTRIBUTIONS))
+for i, label in enumerate(fp4_recipes):
+    part = fp4_summary[fp4_summary.recipe == label].set_index("distribution").loc[list(synthetic.DISTRIBUTIONS)]
+    ax.bar(positions + (i - (len(fp4_recipes) - 1) / 2) * width, part["mean"], width, color=f"C{i}", label=label,
+           yerr=[part["mean"] - part["low"], part["high"] - part["mean"]], error_kw={"linewidth": 0.6})
+ax.set_xticks(positions, list(synthetic.DISTRIBUTIONS), rotation=30, ha="right")
+ax.set_ylabel(f"SQNR (dB), mean of {draws} draws")
+ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)
 ax.set_title("FP4 recipes")
 save_figure(fig, f"{NAME}_nvfp4_vs_mxfp4")
-fp4_table.pivot(index="recipe", columns="distribution", values="sqnr_db").loc[fp4_recipes].round(2)
+fp4_table.pivot_table(index="recipe", columns="distribution", values="sqnr_db").loc[fp4_recipes].round(2)
+
+# %%
+claims["sqnr.gaussian.NVFP4_1_16-MXFP4_floor"].headline = True
+claims["sqnr.outlier_channels.NVFP4_1_16-MXFP4_floor"].headline = True
+
+
+def gaps(a: str, b: str) -> str:
+    return ", ".join(f"{dB(gap(kind, a, b))} ({kind})" for kind in synthetic.DISTRIBUTIONS)
+
+
+resolved = [k for k in sqnr_keys if claims[k].resolved()]
+display(Markdown(claims.render(f"""
+Paired by draw, NVFP4 (1×16) − MXFP4 (FLOOR) is {gaps("NVFP4 1×16", "MXFP4 floor")}; the 16×16 tiles
+against 1×16: {gaps("NVFP4 16×16", "NVFP4 1×16")}; the Hadamard transform along the hidden axis against
+none: {gaps("NVFP4 1×16 + RHT", "NVFP4 1×16")}. {len(resolved)} of the {len(sqnr_keys)} comparisons are
+resolved after Holm's correction; each with its interval and test is in section 2's table.
+""")))
 
 # %% [markdown]
-# ## 5. Stochastic rounding is unbiased; round-to-nearest is not
+# ## 5. The bias of stochastic rounding and of round-to-nearest
 #
-# For inputs spread over E2M1's range, the mean of `sr_draws` stochastic roundings should approach
-# the input, within about 3 standard errors q/(2√N) (q the grid step there); RNE's error is
-# deterministic, a sawtooth that reaches half a step. This is why NVFP4 training rounds
-# gradients stochastically: summed over many steps, RNE's bias does not average out.
+# For inputs spread over E2M1's range, the mean of `sr_draws` stochastic roundings of an input should
+# approach it if stochastic rounding is unbiased: within 3 standard errors at about the share of a
+# normal distribution within ±3σ. RNE's error is deterministic, a sawtooth. Summed over many steps,
+# a bias does not average out, which is why NVFP4 training rounds gradients stochastically.
 
 # %%
 inputs = torch.linspace(0.0, 6.0, sr_points)
 sr_generator = torch.Generator().manual_seed(seed + 1)
-draws = formats.cast(inputs.expand(sr_draws, sr_points).contiguous(), "e2m1", rounding="stochastic",
-                     generator=sr_generator)
+sr_samples = formats.cast(inputs.expand(sr_draws, sr_points).contiguous(), "e2m1", rounding="stochastic",
+                          generator=sr_generator)
 grid = formats.get_format("e2m1").values().float()
 step = grid[torch.searchsorted(grid, inputs, right=True).clamp(max=len(grid) - 1)] - \
     grid[(torch.searchsorted(grid, inputs, right=True) - 1).clamp(min=0)]
 sr_table = pd.DataFrame({
     "x": inputs.numpy(),
     "rne_error": (formats.cast(inputs, "e2m1") - inputs).numpy(),
-    "sr_mean_error": (draws.double().mean(0) - inputs.double()).numpy(),
-    "sr_standard_error": (draws.double().std(0) / math.sqrt(sr_draws)).numpy(),
+    "sr_mean_error": (sr_samples.double().mean(0) - inputs.double()).numpy(),
+    "sr_standard_error": (sr_samples.double().std(0) / math.sqrt(sr_draws)).numpy(),
     "grid_step": step.numpy(),
 })
 save_csv(sr_table, f"{NAME}_stochastic_rounding")
-within = (sr_table.sr_mean_error.abs() <= 3 * sr_table.sr_standard_error + 1e-12).mean()
-print(f"largest |RNE error| {sr_table.rne_error.abs().max():.3f}; largest |SR mean error| "
-      f"{sr_table.sr_mean_error.abs().max():.4f}; inputs within 3 standard errors: {within:.1%}")
 
 # %%
 fig, ax = subplots(width="column", aspect=0.7)
@@ -246,12 +379,42 @@ ax.axhline(0, color="black", linewidth=0.5)
 ax.set_xlabel("x")
 ax.set_ylabel("bias")
 ax.set_title("E2M1 rounding bias")
-ax.legend(fontsize=6)
+ax.legend()
 save_figure(fig, f"{NAME}_stochastic_rounding")
 
 # %%
-pick = sqnr_table.set_index(["spec", "distribution"]).sqnr_db
-mx = clip_table.set_index(["recipe", "distribution"]).clipped_blocks
+varies = sr_table[sr_table.sr_standard_error > 0]  # inputs on the grid are rounded exactly, every draw
+within = (varies.sr_mean_error.abs() <= 3 * varies.sr_standard_error).mean()
+claims.value("sr.within_3se", within, test="computed", digits=3,
+             text=f"inputs off the grid (of {len(varies)}) whose mean of {sr_draws} SR draws lies within 3 standard "
+                  "errors of x")
+claims.value("sr.normal_3se", math.erf(3 / math.sqrt(2)), test="computed", digits=4,
+             text="share of a normal distribution within ±3 standard deviations")
+claims.value("sr.largest_z", (varies.sr_mean_error.abs() / varies.sr_standard_error).max(), test="computed",
+             digits=2, text="largest |mean error| ÷ standard error over those inputs")
+claims.mean("sr.mean_error", sr_table.sr_mean_error, digits=4,
+            text=f"SR: mean error over the {sr_points} inputs (each the mean of {sr_draws} draws)")
+claims.value("rne.largest", sr_table.rne_error.abs().max(), test="computed", digits=2,
+             text="RNE: largest |round(x) − x| over the inputs")
+claims.value("rne.at", sr_table.x[sr_table.rne_error.abs().idxmax()], test="computed", digits=2,
+             text="the input x where RNE errs most")
+worst = sr_table.loc[sr_table.rne_error.abs().idxmax()]
+tie = ", a tie rounded to the even neighbour" if abs(worst.rne_error) == worst.grid_step / 2 else ""
+claims.value("rne.mean_error", sr_table.rne_error.mean(), test="computed", digits=4,
+             text=f"RNE: mean error over the {sr_points} evenly spaced inputs")
+display(Markdown(claims.render(f"""
+The mean of {sr_draws} stochastic roundings lies within 3 standard errors of x for {percent("sr.within_3se")}
+of the inputs off the grid, where a normal distribution puts {percent("sr.normal_3se")}; the largest
+deviation is {{sr.largest_z:value}} standard errors. Averaged over all {sr_points} inputs, SR's error is
+{{sr.mean_error}} ({{sr.mean_error:verdict}} over the inputs). RNE errs by up to {{rne.largest:value}}
+(at x = {{rne.at:value}}{tie}) and by {{rne.mean_error:value}} on average
+over the same evenly spaced inputs. These are computed on one set of draws (seed {seed + 1}).
+""")))
+
+# %%
+claims.save()
+pick = sqnr_table[sqnr_table.draw == 0].set_index(["spec", "distribution"]).sqnr_db
+mx = clip_table[clip_table.draw == 0].set_index(["recipe", "distribution"]).clipped_blocks
 save_metrics(NAME,
              sqnr_mxfp8_gaussian_db=pick["mxfp8", "gaussian"], sqnr_mxfp4_gaussian_db=pick["mxfp4", "gaussian"],
              sqnr_nvfp4_gaussian_db=pick["nvfp4", "gaussian"],

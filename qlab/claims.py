@@ -67,7 +67,8 @@ class Claim:
         if not math.isfinite(x):
             return "—"
         text = f"{x:+.{self.digits}f}" if signed else f"{x:.{self.digits}f}"
-        if abs(x) >= 10 ** (self.digits + 2) or (x != 0 and abs(x) < 10 ** (-self.digits)):
+        out_of_range = abs(x) >= 10 ** (self.digits + 2) or (x != 0 and abs(x) < 10 ** (-self.digits))
+        if self.digits > 0 and out_of_range:  # digits=0: a count, written out whatever its size
             text = f"{x:+.{self.digits - 1}e}" if signed else f"{x:.{self.digits - 1}e}"
         return text.replace("-", "−")
 

@@ -148,3 +148,10 @@ def test_paired_family_pairs_by_seed_within_each_group_and_corrects_the_family()
         "k.r.no_2D_weight-all",
         "k.s.no_2D_weight-all",
     ]
+
+
+def test_a_count_is_written_out_whatever_its_size():
+    count = claims_module.Claim("rows", "LayerNorm rows", 186880.0, test="computed", digits=0)
+    assert count.number(count.value, False) == "186880"
+    small = claims_module.Claim("ratio", "a small ratio", 0.00012, test="computed", digits=2)
+    assert small.number(small.value, False) == "1.2e−04"  # the minus sign typeset (U+2212)

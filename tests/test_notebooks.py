@@ -228,8 +228,12 @@ def test_every_notebook_starts_a_session(source):
 # state no result number. Allowed: list numbering, confidence and power levels, and the parameter
 # descriptions named here.
 RENDERED_CONCLUSIONS = {
+    "00_formats_and_scaling": [r"\d+×\d+"],  # block shapes (16×16, 1×16)
     "01_gradient_norm_discrepancy": [r"~0\.00x"],  # the forum question's own words, quoted
+    # the OneFlow pull request's own numbers, quoted with that source in the introduction
+    "02_welford_vs_naive_variance": [r"−1\.83965693, −1\.82964566", r"±0\.84(28|54)", r"±1\.4·10⁻³"],
     "03_backward_override_training_curves": [r"1\.0M-parameter", r"clipping at 1\.0"],
+    "04_gradient_accumulation": [],
     # block shapes and the synthetic operands' outlier factor are parameters; arXiv numbers are sources
     "07_recipe_ablations": [r"\d+×\d+", r"arXiv \d+\.\d+", r"\(×20\)"],
     "08_cross_machine_variance": [],
