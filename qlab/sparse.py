@@ -1,4 +1,4 @@
-"""Sparse back-propagation (meProp, Sun et al. 2017; REFERENCE §7): keep only the top-k entries of a
+"""Sparse back-propagation (meProp, Sun et al. 2017; docs/reference.md §7): keep only the top-k entries of a
 Linear layer's output gradient dy, by magnitude.
 
 Two ways to do it, which must give the same gradients and very different costs:
@@ -19,7 +19,7 @@ k is a count (int ≥ 1) or a fraction of the features (float in (0, 1]: k = max
 With k = M every variant is the dense layer, bit for bit. Ties at the k-th magnitude are broken
 by ``torch.topk`` (lowest index first on CPU).
 
-``variant="max_child"`` (an experiment from the forum thread in seeds/004, not meProp): after the
+``variant="max_child"`` (an experiment from a forum thread, not meProp): after the
 three gradients of a Linear (input, weight, bias) are computed densely, only the one with the
 largest L1 norm is propagated; the other two are zeroed.
 """
@@ -367,3 +367,57 @@ def pass_seconds(
         if mask is not None:
             mask.remove()
     return times[1:]
+
+
+def time_ratios(times, reference) -> dict[str, float]:
+    """How ``times`` (seconds of repeated passes of one variant) compare with ``reference`` (those of the
+    baseline): the median and the quartiles (``numpy.quantile``, linear) of the ratios times[i] /
+    reference[j] over every pair of repeats, so the spread of both sides shows. Keys: ratio, q25, q75."""
+    import numpy as np
+
+    arrays = []
+    for name, values in (("times", times), ("reference", reference)):
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise TypeError(f"{name} must be a sequence of seconds, got {checks.shown(values)}")
+        array = np.asarray(list(values), dtype=np.float64)
+        if array.ndim != 1 or not len(array):
+            raise ValueError(f"{name} must be a non-empty flat sequence of seconds, got shape {array.shape}")
+        if not (np.isfinite(array).all() and (array > 0).all()):
+            raise ValueError(f"{name} must be positive, finite seconds, got {array.tolist()[:5]}")
+        arrays.append(array)
+    ratios = (arrays[0][:, None] / arrays[1][None, :]).ravel()
+    q25, ratio, q75 = np.quantile(ratios, [0.25, 0.5, 0.75])
+    return {"ratio": float(ratio), "q25": float(q25), "q75": float(q75)}
+
+
+# --- digits runs on a split of their own (used by notebook 05) ----------------------------------------
+
+
+def train_digits(config, split: int):
+    """``qlab.train.train(config)`` for the digits task on the train/validation split drawn with seed
+    ``split`` (``qlab.train.data.digits(split)``) instead of the split 0 that ``train`` always uses, so
+    that a seed can vary the data split as well as the initial weights and the batches. Returns the
+    ``TrainResult``, its model on the CPU. Defined at module level, so ``qlab.runs`` can fan it out:
+    ``run_many([task(train_digits, config, seed) for ...])``.
+
+    ``train`` reads the split through ``qlab.train.data.digits``; for the run that name is bound to the
+    chosen split and restored afterwards (the run happens in this process, like ``train`` itself)."""
+    from unittest import mock
+
+    from qlab.train import TrainConfig, train
+    from qlab.train import data as D
+
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {checks.shown(config)}")
+    if config.task != "digits":
+        raise ValueError(f"train_digits trains the digits task, got task={config.task!r}")
+    checks.seed("split", split)
+    images = D.digits(split)
+
+    def chosen(seed: int = 0, val_fraction: float = 0.2):
+        return images
+
+    with mock.patch.object(D, "digits", chosen):
+        result = train(config)
+    result.model.to("cpu")
+    return result

@@ -708,3 +708,51 @@ def test_pass_seconds_leave_the_model_as_it_was(timed):
     for variant in sparse.BACKWARDS:
         sparse.pass_seconds(layer, x, torch.randn(6, 8), variant, 0.5, repeats=2, timed=timed)
     assert torch.equal(layer.weight, weight)
+
+
+def test_time_ratios_are_the_quantiles_of_every_pair_of_repeats():
+    # times 2, 4 over reference 1, 2: ratios 2, 1, 4, 2 -> sorted 1, 2, 2, 4; linear quantiles at
+    # positions 3q: q25 = 1 + 0.75·(2 − 1), median = 2, q75 = 2 + 0.25·(4 − 2)
+    assert sparse.time_ratios([2.0, 4.0], [1.0, 2.0]) == {"ratio": 2.0, "q25": 1.75, "q75": 2.5}
+    assert sparse.time_ratios([3.0], [4.0]) == {"ratio": 0.75, "q25": 0.75, "q75": 0.75}
+    for bad in ([], [0.0], [1.0, math.nan]):
+        with pytest.raises(ValueError, match="times must be"):
+            sparse.time_ratios(bad, [1.0])
+    with pytest.raises(TypeError, match="reference must be a sequence"):
+        sparse.time_ratios([1.0], 2.0)
+
+
+def _digits_split_by_hand(seed: int):
+    """scikit-learn's digits, pixels / 16, the first 359 (20 %) of a permutation seeded with ``seed``
+    held out: the split qlab.train.data.digits documents, built here from sklearn's arrays."""
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    held_out = order[: round(0.2 * len(labels))]
+    return torch.tensor(images, dtype=torch.float32)[held_out] / 16, torch.tensor(labels)[held_out]
+
+
+def test_train_digits_validates_on_the_chosen_split_and_leaves_train_on_split_0():
+    from qlab.train import data
+
+    config = TrainConfig(task="digits", hidden=[8], steps=2, batch_size=8, warmup_steps=1, eval_every=2,
+                         progress=False, device="cpu")  # fmt: skip
+    original = data.digits
+    result = sparse.train_digits(config, 3)
+    assert data.digits is original  # the split is bound for the run only
+    x, y = _digits_split_by_hand(3)
+    with torch.no_grad():
+        logits = result.model(x)
+    last = result.metrics.iloc[-1]
+    assert last.val_loss == pytest.approx(nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+    assert last.val_accuracy == pytest.approx((logits.argmax(-1) == y).double().mean().item(), abs=1e-12)
+    x0, y0 = _digits_split_by_hand(0)
+    with torch.no_grad():
+        other = nn.functional.cross_entropy(result.model(x0), y0).item()
+    assert abs(other - last.val_loss) > 1e-4  # the split matters: split 0 would read differently
+    # split 0 is the one train uses by itself: the same run, the same numbers
+    plain = train(config).metrics.drop(columns="time_s")
+    assert plain.equals(sparse.train_digits(config, 0).metrics.drop(columns="time_s"))
+    with pytest.raises(ValueError, match="digits task"):
+        sparse.train_digits(TrainConfig(progress=False), 0)
