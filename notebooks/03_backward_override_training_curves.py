@@ -17,7 +17,7 @@
 # # Backward override: training curves for high-precision and dequantized backward passes
 #
 # A quantized Linear layer always runs its forward GEMM in low precision. Its backward can
-# (REFERENCE §3, seeds/002):
+# (docs/reference.md §3):
 #
 # - **none** — the recipe's own quantized backward: the output gradient dy is quantized, and the
 #   dgrad and wgrad GEMMs use operands re-quantized along their own reduction axes;
@@ -173,18 +173,13 @@ def legend_outside(fig, axes):
 fig, axes = recipe_panels()
 for ax, recipe in zip(axes[0], quantized_recipes):
     baseline = validation[validation.recipe == "fp32"]
-    lines = [(validation[validation.recipe == "bf16"], "0.55", 0.8)]  # BF16 in grey, in every panel
     for mode, part in validation[validation.recipe == recipe].groupby("config", sort=False):
-        lines.append((part, MODE_COLORS[mode], 0.9))
-    for part, color, line_width in lines:
-        frame = pd.concat([baseline, part])
-        delta_band(
-            ax, frame, "step", "val_loss", baseline="fp32", by="config", color=color, linewidth=line_width
-        )
-late = validation[validation.step >= steps / 3]  # the y-range follows the later steps; early bands run off
-late_differences = stats.paired_differences(late, "val_loss", baseline="fp32", by="config", pair=["seed", "step"])
-limit = 1.3 * late_differences.difference.abs().max()
-axes[0][0].set_ylim(-limit, limit)
+        delta_band(ax, pd.concat([baseline, part]), "step", "val_loss", baseline="fp32", by="config",
+                   color=MODE_COLORS[mode], linewidth=0.9)  # fmt: skip
+    # BF16 in every panel: solid near-black, drawn over the dashed zero line so it cannot hide there
+    delta_band(ax, pd.concat([baseline, validation[validation.recipe == "bf16"]]), "step", "val_loss",
+               baseline="fp32", by="config", color="0.15", linewidth=0.8, zorder=3)  # fmt: skip
+# no y-limit: every band, the wide early ones included, stays inside the axes
 axes[0][0].set_ylabel("Δ val. loss vs FP32 (nats/char)")
 legend_outside(fig, axes)
 fig.suptitle(f"Validation loss minus FP32's, same seed: mean and 95 % interval over {seeds} seeds")
@@ -240,42 +235,45 @@ Markdown(markdown_table(jaggedness_summary, "{:.3f}"))
 #   gradient of the loss the run actually computes, and "dequantized" *is* it by construction
 #   (error 0, so it is not drawn). This is the reference the backward-override argument is about.
 #
-# The dotted line is the **mini-batch noise floor**: 1 − cosine between the FP32 gradients of two
-# different training batches at the same weights. A backward error far below it is smaller than
-# what the choice of batch already does to the gradient.
+# The figure draws the **relative error** ‖g − g_ref‖ / ‖g_ref‖ of each weight gradient, the number
+# the conclusions quote. The dotted line is the **mini-batch noise floor**: the relative error between
+# the FP32 gradients of two different training batches at the same weights. A backward error far below
+# it is smaller than what the choice of batch already does to the gradient.
 #
-# 1 − cosine is averaged over the quantized layers, then drawn on a log axis as the geometric mean
-# over seeds with the 95 % interval of its logarithm (a band that cannot reach zero).
+# The relative error is averaged over the quantized layers, then drawn on a log axis as the geometric
+# mean over seeds with the 95 % interval of its logarithm (a band that cannot reach zero).
 
 # %%
 quantized_layers = fidelity[fidelity.quantized & fidelity.recipe.isin(quantized_recipes)].copy()
 for prefix in ("", "exact_", "noise_"):
     quantized_layers[f"{prefix}one_minus_cosine"] = 1 - quantized_layers[f"{prefix}cosine"]
-FIDELITY_COLUMNS = ["one_minus_cosine", "exact_one_minus_cosine", "noise_one_minus_cosine"]
+FIDELITY_COLUMNS = ["relative_error", "exact_relative_error", "noise_relative_error"]
 per_step = (quantized_layers.groupby(["recipe", "override", "seed", "step"], sort=False)[FIDELITY_COLUMNS]
             .mean().reset_index())
 REFERENCES = [
-    ("one_minus_cosine", "1 − cos vs FP32"),
-    ("exact_one_minus_cosine", "1 − cos vs the exact gradient\nof the quantized forward"),
+    ("relative_error", "relative error vs FP32"),
+    ("exact_relative_error", "relative error vs the exact\ngradient of the quantized forward"),
 ]
 if len(per_step):
     fig, axes = recipe_panels(nrows=2)
     for col, recipe in enumerate(quantized_recipes):
         runs = per_step[per_step.recipe == recipe]
-        noise_floor = runs.groupby(["seed", "step"]).noise_one_minus_cosine.mean().reset_index()
+        noise_floor = runs.groupby(["seed", "step"]).noise_relative_error.mean().reset_index()
         for row, (column, _) in enumerate(REFERENCES):
-            lines = [(noise_floor, "noise_one_minus_cosine", "0.4", ":", "mini-batch noise (FP32)")]
+            lines = [(noise_floor, "noise_relative_error", "0.4", ":", "mini-batch noise (FP32)")]
             for mode, part in runs.groupby("override", sort=False):
-                if column != "exact_one_minus_cosine" or mode != "dequantized":  # that one is 0: the reference
+                if column != "exact_relative_error" or mode != "dequantized":
                     lines.append((part, column, MODE_COLORS[mode], "-", mode))
             for part, value, color, style, label in lines:
-                part = part.assign(**{value: part[value].clip(lower=1e-12)})  # float64 rounding can leave ≤ 0
                 mean_band(axes[row][col], part, "step", value, log=True, color=color, linestyle=style,
                           linewidth=0.8, label=label)  # fmt: skip
+            if column == "exact_relative_error" and "dequantized" in set(runs.override):
+                axes[row][col].text(0.97, 0.04, "dequantized: 0\n(it is this gradient)", transform=axes[row][col].transAxes,
+                                    ha="right", va="bottom", fontsize=7, color=MODE_COLORS["dequantized"])  # fmt: skip
     for row, (_, label) in enumerate(REFERENCES):
         axes[row][0].set_ylabel(label)
     legend_outside(fig, axes)
-    fig.suptitle(f"Weight-gradient fidelity, mean over quantized layers: geometric mean and 95 % interval, {seeds} seeds")
+    fig.suptitle(f"Weight-gradient relative error, mean over quantized layers: geometric mean and 95 % interval, {seeds} seeds")
     save_figure(fig, f"{NAME}_fidelity")
 
 # %% [markdown]
@@ -425,7 +423,7 @@ save_metrics(NAME, **metrics)
 #
 # Delayed scaling takes each tensor's scale from an amax history that the backward pass also
 # feeds; with an override the backward no longer quantizes dy, so the history would silently
-# describe something else. The upstream decision (REFERENCE §3) is to fail loudly, and qlab does,
+# describe something else. The upstream decision (docs/reference.md §3) is to fail loudly, and qlab does,
 # both for a recipe and for a training config. (That is why `fp8_delayed` appears above with its
 # own backward only.)
 #
