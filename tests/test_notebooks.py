@@ -237,6 +237,7 @@ RENDERED_CONCLUSIONS = {
     # meProp's published MNIST numbers, quoted with their source
     "05_topk_sparse_backprop": [r"98\.27 % test accuracy", r"98\.20 % dense", r"5\.9× faster backward"],
     # block shapes and the synthetic operands' outlier factor are parameters; arXiv numbers are sources
+    "06_real_model_numerics": [],
     "07_recipe_ablations": [r"\d+×\d+", r"arXiv \d+\.\d+", r"\(×20\)"],
     "08_cross_machine_variance": [],
 }
