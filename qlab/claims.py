@@ -219,7 +219,7 @@ class Claims:
             for a, b in pairs:
                 if a not in rows or b not in rows or rows[[a, b]].isna().any().any():
                     continue
-                key = re.sub(r"[^A-Za-z0-9_.+-]", "_", f"{family}.{group}.{a}-{b}")
+                key = key_for(family, group, f"{a}-{b}")
                 label = text.format(group=group, a=a, b=b)
                 self.paired(key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits)
                 if margin is not None:
@@ -297,6 +297,11 @@ class Claims:
             lines.append(filled)
         banner, self._banner_shown = ("" if self._banner_shown else self.banner()), True
         return banner + "\n".join(lines) + "\n"
+
+
+def key_for(*parts) -> str:
+    """A claim key from its parts joined by ".", every character a key may not hold made "_"."""
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", ".".join(str(p) for p in parts))
 
 
 def unwrap(markdown: str) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qlab import checks, stats
+from qlab import checks, claims, stats
 
 NOTEBOOKS = ("03_backward_override_training_curves", "07_recipe_ablations")
 MODE_PAIRS = (("high_precision", "none"), ("dequantized", "none"), ("dequantized", "high_precision"))
@@ -65,10 +65,6 @@ def seed_spread(runs: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame({"n": grouped.size(), "sd": grouped.std(ddof=1)}).reset_index()
 
 
-def _key(*parts: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", ".".join(parts))
-
-
 def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
     """(key, a, b) of every paired comparison a − b that ``notebook`` states, keyed as its claims are."""
     configs = list(dict.fromkeys(configs))
@@ -81,7 +77,9 @@ def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
         for recipe in dict.fromkeys(c.split("/")[0] for c in configs if "/" in c):
             for a, b in MODE_PAIRS:
                 if f"{recipe}/{a}" in configs and f"{recipe}/{b}" in configs:
-                    pairs.append((_key("modes", recipe, f"{a}-{b}"), f"{recipe}/{a}", f"{recipe}/{b}"))
+                    pairs.append(
+                        (claims.key_for("modes", recipe, f"{a}-{b}"), f"{recipe}/{a}", f"{recipe}/{b}")
+                    )
         return pairs
     for config in configs:
         if config != "fp32":
@@ -91,7 +89,11 @@ def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
         for ingredient in ABLATION_INGREDIENTS:
             if f"{recipe}/{ingredient}" in configs and recipe in configs:
                 pairs.append(
-                    (_key("ablation", recipe, f"{ingredient}-all"), f"{recipe}/{ingredient}", recipe)
+                    (
+                        claims.key_for("ablation", recipe, f"{ingredient}-all"),
+                        f"{recipe}/{ingredient}",
+                        recipe,
+                    )
                 )
     return pairs
 
@@ -119,7 +121,7 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
     return pd.DataFrame(rows)
 
 
-def survival(claims: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
+def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """For each committed claim that resolves a comparison (paired t, adjusted p ≤ 0.05) or shows it
     equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval moved by the
     comparison's shift, and whether the moved interval still excludes zero (resolved) or still lies
@@ -127,7 +129,7 @@ def survival(claims: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     survives."""
     shifts = measured.set_index("key")["shift"]
     rows = []
-    for claim in claims.itertuples():
+    for claim in committed.itertuples():
         p = (
             claim.p_adjusted
             if isinstance(claim.p_adjusted, float) and math.isfinite(claim.p_adjusted)

@@ -620,7 +620,7 @@ def test_tensor_stats_variance_is_two_pass_exact_across_blocks_and_threads(
 @pytest.mark.parametrize("offset", [0.0, 0.99, 1.01, 3.0, 100.0], ids=lambda o: f"mean {o} sd")
 def test_tensor_stats_variance_is_exact_on_either_side_of_the_one_pass_switch(offset, two_torch_threads):
     """A block whose |mean| is at most its standard deviation takes M2 = Σx² − mean·Σx (one bit lost to
-    cancellation at most); any other block a second pass, Σ(x − mean)². On both sides of that switch,
+    cancellation at most); any other block sweeps it again for Σ(x − mean)². On both sides of that switch,
     and for a tensor whose blocks take different paths, the variance must match float64's two-pass one
     to 1e-12 of itself (the one-pass error is about 2⁻⁴⁴ of M2)."""
     generator = torch.Generator().manual_seed(7)

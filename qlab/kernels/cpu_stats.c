@@ -8,7 +8,7 @@
    One pass: x is read in blocks of BLOCK floats (8 KiB, in L1). Each block gives its 32-bit statistics
    and its float64 Σx, Σ|x| and Σx² in one loop, and its M2 = Σ(x − block mean)²: Σx² − mean·Σx where
    that loses at most one bit to cancellation (the block's |mean| at most its standard deviation), else
-   a second pass over the block from L1. The blocks' (count, mean, M2) are merged by Chan, Golub and
+   another sweep over the block from L1, Σ(x − mean)². The blocks' (count, mean, M2) are merged by Chan, Golub and
    LeVeque's formula: E[x²] − E[x]² is never taken over data far off zero, the variance is as exact as
    a two-pass one over the whole tensor (to about 2⁻⁴⁵·Σx²), and memory is read once.
    NaN: min, max, mean, the variance, the sums, amax and the channel statistics are NaN when any element
@@ -161,7 +161,7 @@ static inline __attribute__((always_inline)) void add_block(const float *x, int6
     /* M2 = Σx² − mean·Σx where that cancels at most one bit (n·mean² ≤ M2, i.e. |mean| ≤ the block's
        standard deviation: activations, gradients and weights nearly always): its error is that of the
        two sums, about 2⁻⁴⁵·Σx² (128 terms a lane) ≤ 2⁻⁴⁴·M2. Else (and for an inf or NaN, where the
-       comparison fails) a second pass from L1, Σ(x − mean)², as exact however far the data sit from 0 */
+       comparison fails) another sweep from L1, Σ(x − mean)², as exact however far the data sit from 0 */
     block_m2 = block_squares - block_sum * mean;
     if (!(block_sum * mean <= block_m2)) {
         double two_pass[LANES];
