@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qlab import checks, scaling
+from qlab import checks, ops, scaling
 from qlab.formats import (
     ROUNDING_MODES,
     FloatFormat,
@@ -467,13 +467,31 @@ def _nvfp4_scaled_torchao(x, global_scale, block_scales):
     """x / (global · block) in float32, as torchao orders it: x · (fl(1/global) / block). For a tiny
     tensor that inverse overflows (1/global alone beyond float32 below amax ≈ 7.9·10⁻³⁶, or divided by a
     small block scale below amax ≈ 5·10⁻³⁴), which coded every non-zero element ±6; there x is divided
-    by the global and then the block scale instead (each quotient finite: |x| / global ≤ 2688)."""
+    by the global and then the block scale instead (each quotient finite: |x| / global ≤ 2688).
+    Off the CPU with a global scale it runs as one opaque op: compiled, inductor's code for it parted
+    from eager's bits at exact E2M1 ties."""
     # torch.reciprocal, not 1.0 / t: the same bits eagerly, and inductor's Triton code then divides
     # correctly rounded (its untyped 1.0 constant would take the approximate division)
     if global_scale is None:
         return x * torch.reciprocal(block_scales)
+    if x.device.type != "cpu":
+        return _nvfp4_scaled_torchao_op(x.detach(), global_scale.detach(), block_scales.detach())
+    return _nvfp4_scaled_torchao_eager(x, global_scale, block_scales)
+
+
+def _nvfp4_scaled_torchao_eager(x, global_scale, block_scales):
     inverse = torch.reciprocal(global_scale) / block_scales
     return torch.where(torch.isinf(inverse), (x / global_scale) / block_scales, x * inverse)
+
+
+_nvfp4_scaled_torchao_op = ops.define(
+    "nvfp4_scaled_torchao",
+    "(Tensor x, Tensor global_scale, Tensor block_scales) -> Tensor",
+    _nvfp4_scaled_torchao_eager,
+    lambda x, global_scale, block_scales: x.new_empty(
+        torch.broadcast_shapes(x.shape, global_scale.shape, block_scales.shape)
+    ),
+)
 
 
 Spec = QuantSpec

@@ -114,6 +114,21 @@ def test_the_division_op_used_off_the_cpu_divides_exactly_eagerly_and_compiled()
     assert torch.equal(_bits(compiled(x)), expected)
 
 
+def test_the_torchao_nvfp4_scaling_op_gives_the_eager_bits_eagerly_and_compiled():
+    """Off the CPU torchao's NVFP4 element scaling runs as qlab::nvfp4_scaled_torchao (opaque to
+    inductor); the op is checked here on the CPU against the eager formula, eagerly and compiled, with
+    elements at exact E2M1 ties and an overflowing inverse (a tiny global scale)."""
+    from qlab.quantize import _nvfp4_scaled_torchao_eager, _nvfp4_scaled_torchao_op
+
+    ties = CASES["e2m1 ties"].reshape(128, 16, 16)
+    blocks = ties.abs().amax(-1, keepdim=True) / 6
+    compiled = torch.compile(lambda *args: _nvfp4_scaled_torchao_op(*args), fullgraph=True)
+    for global_scale in (torch.tensor(0.75), torch.tensor(1e-38)):
+        expected = _bits(_nvfp4_scaled_torchao_eager(ties, global_scale, blocks))
+        assert torch.equal(_bits(_nvfp4_scaled_torchao_op(ties, global_scale, blocks)), expected)
+        assert torch.equal(_bits(compiled(ties, global_scale, blocks)), expected)
+
+
 def test_the_compiled_subset_names_checked_specs():
     assert COMPILED <= set(SPECS), COMPILED - set(SPECS)
 

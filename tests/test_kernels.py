@@ -534,3 +534,59 @@ def test_kernel_qdq_covers_and_falls_back():
     spec = Q.NVFP4Spec(block_2d=True)
     assert torch.equal(kernels.qdq(x, spec, backend="triton"), Q.qdq(x, spec))
     assert kernels.qdq(torch.empty(0, 32), "mxfp8", backend="triton").shape == (0, 32)
+
+
+# --- Every tile gives the same bits ----------------------------------------------------------------
+
+
+def _tuned_kernels():
+    from qlab.kernels import fp8_triton, mx_triton, nvfp4_triton
+
+    return {
+        "amax": fp8_triton._amax_tuned,
+        "fp8 per tensor": fp8_triton._scale_cast_tuned,
+        "fp8 per row": fp8_triton._row_tuned,
+        "mx": mx_triton._mx_tuned,
+        "nvfp4": nvfp4_triton._nvfp4_tuned,
+    }
+
+
+def _tuned_cases():
+    return [(name, index) for name, tuned in _tuned_kernels().items() for index in range(len(tuned.configs))]
+
+
+@pytest.mark.parametrize("name,index", _tuned_cases())
+def test_every_autotuned_tile_gives_the_reference_bits(monkeypatch, name, index):
+    """On a GPU the tile of each kernel is chosen by timing; run each candidate here (the interpreter runs
+    the one it is given) on inputs spanning several tiles, partial ones included, with special blocks."""
+    tuned = _tuned_kernels()[name]
+    monkeypatch.setattr(tuned, "first", tuned.configs[index])
+    generator = torch.Generator().manual_seed(index)
+    x = torch.randn(37, 300, generator=generator) * torch.logspace(-3, 3, 300)  # 11,100 values: > 8192
+    x[5, :40] = 0.0
+    x[9, 64:96] = 1e-40
+    if name in ("amax", "fp8 per tensor"):
+        x[30, 250] = -7.5e3  # the amax, far from the first chunk
+        specs = [Q.TensorwiseSpec("e4m3"), Q.TensorwiseSpec("e5m2", convention="torchao")]
+    elif name == "fp8 per row":
+        specs = [Q.TensorwiseSpec("e4m3", granularity="axis")]
+    elif name == "mx":
+        x[11, 32:64] = float("nan")
+        specs = [Q.MXSpec("e4m3"), Q.MXSpec("e2m1", mode="rceil")]
+    else:
+        x[3, 20] = float("nan")
+        specs = [Q.NVFP4Spec(), Q.NVFP4Spec(block_2d=True, convention="torchao")]
+    for spec in specs:
+        if isinstance(spec, Q.NVFP4Spec):
+            got = nvfp4_qdq(x.to(DEVICE), spec, backend="triton")
+            want = nvfp4_qdq(x, spec, backend="reference")
+        elif isinstance(spec, Q.MXSpec):
+            got = mx_qdq(x.to(DEVICE), spec, backend="triton")
+            want = mx_qdq(x, spec, backend="reference")
+            codes = kernels.quantize(x.to(DEVICE), spec, backend="triton")
+            assert torch.equal(codes.codes.cpu(), Q.quantize(x, spec).codes)
+        else:
+            got = fp8_qdq(x.to(DEVICE), spec, backend="triton")
+            want = fp8_qdq(x, spec, backend="reference")
+        for got_part, want_part in zip(got, want):
+            assert torch.equal(_bits(got_part.cpu()), _bits(want_part)), (spec, got_part.shape)

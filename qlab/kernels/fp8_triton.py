@@ -17,17 +17,45 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels.triton_math import encode_constants, encode_float, round_to_grid
-
-CHUNK = 1024
+from qlab.kernels.triton_math import Tuned, encode_constants, encode_float, round_to_grid
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, nan_ptr, n, CHUNK: tl.constexpr):
-    offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, tl.max(tl.abs(x), axis=0))
-    tl.atomic_max(nan_ptr, tl.max((x != x).to(tl.int32), axis=0))
+def _amax_kernel(x_ptr, amax_ptr, nan_ptr, n, CHUNK: tl.constexpr, CHUNKS: tl.constexpr):
+    # Each program reduces CHUNKS consecutive chunks before its one atomic max: thousands of programs
+    # contending for one address, not hundreds of thousands.
+    start = tl.program_id(0).to(tl.int64) * (CHUNK * CHUNKS)
+    amax = tl.zeros((CHUNK,), tl.float32)
+    has_nan = tl.zeros((CHUNK,), tl.int32)
+    for chunk in range(CHUNKS):
+        offsets = start + chunk * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+        has_nan = tl.maximum(has_nan, (x != x).to(tl.int32))
+    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+    tl.atomic_max(nan_ptr, tl.max(has_nan, axis=0))
+
+
+_amax_tuned = Tuned(
+    _amax_kernel,
+    ("CHUNK", "CHUNKS", "num_warps"),
+    (1024, 1, 4),
+    (1024, 8, 4),
+    (2048, 8, 8),
+    (4096, 4, 8),
+    (2048, 32, 8),
+    key=["n"],
+)
+
+
+def tensor_amax(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |x| as a float32 tensor of shape (1,), a NaN flag as int32 (1,)) of a contiguous tensor, on
+    its device and without a host synchronisation (the maximum ignores NaN; the flag records it)."""
+    amax = torch.zeros(1, dtype=torch.float32, device=flat.device)
+    has_nan = torch.zeros(1, dtype=torch.int32, device=flat.device)
+    n = flat.numel()
+    _amax_tuned[lambda meta: (triton.cdiv(n, meta["CHUNK"] * meta["CHUNKS"]),)](flat, amax, has_nan, n)
+    return amax, has_nan
 
 
 @triton.jit
@@ -98,7 +126,7 @@ def _scale_cast_kernel(
     NVIDIA: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    offsets = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    offsets = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     inside = offsets < n
     scale = _current_scale(tl.load(amax_ptr), tl.load(nan_ptr), FMT_MAX, EPS, POW2)
     x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
@@ -175,6 +203,27 @@ def _row_kernel(
     tl.store(scale_ptr + tl.program_id(0), scale)
 
 
+# The chunk each program handles; the first config is the one the CPU interpreter runs.
+_scale_cast_tuned = Tuned(
+    _scale_cast_kernel,
+    ("CHUNK", "num_warps"),
+    (1024, 4),
+    (2048, 4),
+    (4096, 8),
+    (8192, 8),
+    key=["n"],
+)
+_row_tuned = Tuned(
+    _row_kernel,
+    ("CHUNK", "num_warps"),
+    (1024, 4),
+    (2048, 4),
+    (4096, 8),
+    (8192, 16),
+    key=["n_cols"],
+)
+
+
 def fp8_current_scaling(
     x: torch.Tensor,
     element,
@@ -199,16 +248,15 @@ def fp8_current_scaling(
         EMIT_CODES=emit_codes,
         NVIDIA=convention == "nvidia",
         **encode_constants(element),
-        CHUNK=CHUNK,
     )
     if per_row:
         scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
-        _row_kernel[(flat.shape[0],)](flat, out, scales, flat.shape[1], **constants)
+        _row_tuned[(flat.shape[0],)](flat, out, scales, flat.shape[1], **constants)
         return out.reshape(x.shape), scales.reshape(*x.shape[:-1], 1)
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    has_nan = torch.zeros(1, dtype=torch.int32, device=x.device)
+    amax, has_nan = tensor_amax(flat)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(flat.numel(), CHUNK),)
-    _amax_kernel[grid](flat, amax, has_nan, flat.numel(), CHUNK=CHUNK)
-    _scale_cast_kernel[grid](flat, out, amax, has_nan, scale, flat.numel(), **constants)
+    n = flat.numel()
+    _scale_cast_tuned[lambda meta: (triton.cdiv(n, meta["CHUNK"]),)](
+        flat, out, amax, has_nan, scale, n, **constants
+    )
     return out.reshape(x.shape), scale.reshape(())

@@ -7,9 +7,9 @@ Forward, one program per row (the row held in registers, BLOCK = next power of t
   tree reduction (what CUDA LayerNorms do across a warp), var = M2/n.
 Then y = (x − mean)·rstd·w + b with rstd = 1/sqrt(var + eps); mean and rstd are saved per row.
 
-Backward, one program per tile of ROWS rows: dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w; the
-tile's partial Σ dy·x̂ and Σ dy go to a (tiles, n) buffer that torch sums afterwards (deterministic,
-no atomics).
+Backward, one program per tile of ROWS rows (about four tiles per SM):
+dx = rstd·(g − mean(g) − x̂·mean(g·x̂)), g = dy·w; the tile's partial Σ dy·x̂ and Σ dy go to a (tiles, n)
+buffer that torch sums afterwards (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -19,7 +19,22 @@ import triton
 import triton.language as tl
 
 STATS = ("welford", "two_pass", "textbook")
-ROWS = 4
+
+
+def _warps(block: int) -> int:
+    """Warps for a row of ``block`` values held in registers: 8 values per thread up to 8 warps (with
+    the default 4 warps, a 4096-wide row spills registers)."""
+    return min(max(block // 256, 1), 8)
+
+
+def _rows_per_tile(n_rows: int, device: torch.device) -> int:
+    """Rows per backward program: about four programs per SM, a power of two in [4, 256] (4 under the
+    interpreter). Fixed per machine and shape, never timed, so dw and db, summed tile by tile, keep the
+    same bits from run to run."""
+    if device.type != "cuda":
+        return 4
+    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return min(max(triton.next_power_of_2(triton.cdiv(n_rows, target)), 4), 256)
 
 
 @triton.jit
@@ -116,8 +131,9 @@ def _backward_kernel(
     tl.store(db_partial_ptr + tile * n + cols, db_sum, mask=inside)
 
 
-def forward(rows: torch.Tensor, weight, bias, eps: float, stats: str):
-    """(y in rows' dtype, mean float32 (R,), rstd float32 (R,)) for rows (R, n) contiguous."""
+def forward(rows: torch.Tensor, weight, bias, eps: float, stats: str, *, num_warps: int | None = None):
+    """(y in rows' dtype, mean float32 (R,), rstd float32 (R,)) for rows (R, n) contiguous. ``num_warps``
+    overrides the default (for tuning; the bits do not depend on it)."""
     n_rows, n = rows.shape
     y = torch.empty_like(rows)
     mean = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
@@ -135,14 +151,17 @@ def forward(rows: torch.Tensor, weight, bias, eps: float, stats: str):
         HAS_W=weight is not None,
         HAS_B=bias is not None,
         BLOCK=triton.next_power_of_2(n),
+        num_warps=num_warps or _warps(triton.next_power_of_2(n)),
     )
     return y, mean, rstd
 
 
-def backward(rows, weight, dy, mean, rstd):
-    """(dx in rows' dtype, Σ dy·x̂ float32 (n,), Σ dy float32 (n,))."""
+def backward(rows, weight, dy, mean, rstd, *, rows_per_tile: int | None = None, num_warps: int | None = None):
+    """(dx in rows' dtype, Σ dy·x̂ float32 (n,), Σ dy float32 (n,)). ``rows_per_tile`` and ``num_warps``
+    override the defaults (for tuning; rows_per_tile changes the summation order of the last two)."""
     n_rows, n = rows.shape
-    tiles = triton.cdiv(n_rows, ROWS)
+    rows_per_tile = rows_per_tile or _rows_per_tile(n_rows, rows.device)
+    tiles = triton.cdiv(n_rows, rows_per_tile)
     dx = torch.empty_like(rows)
     dw_partial = torch.empty((tiles, n), dtype=torch.float32, device=rows.device)
     db_partial = torch.empty((tiles, n), dtype=torch.float32, device=rows.device)
@@ -158,7 +177,8 @@ def backward(rows, weight, dy, mean, rstd):
         n_rows,
         n,
         HAS_W=weight is not None,
-        ROWS=ROWS,
+        ROWS=rows_per_tile,
         BLOCK=triton.next_power_of_2(n),
+        num_warps=num_warps or _warps(triton.next_power_of_2(n)),
     )
     return dx, dw_partial.sum(0), db_partial.sum(0)

@@ -1,7 +1,8 @@
 """Triton kernel: MX block quantize (element codes + E8M0 bytes) or quantize-dequantize along the
 last axis (OCP MX v1.0), bit-exact with ``qlab.quantize.quantize`` / ``qdq(x, MXSpec(...))``.
 
-One program per tile of ROWS rows × one block of 32 (BLOCK) elements: amax of each row's block →
+One program per tile of ROWS rows × GROUPS blocks of 32 (BLOCK) elements (the tile autotuned per
+shape on a GPU): amax of each row's block →
 E8M0 byte by qlab.scaling.mx_scale_codes's modes (FLOOR: floor(log2 amax) − emax; CEIL; EVEN;
 RCEIL: ceil(log2(amax / elem_max))), all from the float32 bits, clamped to [−127, 127]; 0xFF for a
 NaN/inf block) → x · 2^-e → saturating round-to-nearest-
@@ -17,10 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels.triton_math import encode_constants, encode_float, pow2_from_exponent, round_to_grid
+from qlab.kernels.triton_math import Tuned, encode_constants, encode_float, pow2_from_exponent, round_to_grid
 
 BLOCK = 32
-ROWS = 16
 
 
 @triton.jit
@@ -43,18 +43,19 @@ def _mx_kernel(
     INV_MIN_SUBNORMAL: tl.constexpr,
     NAN_CODE: tl.constexpr,
     ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row_tile = tl.program_id(0)
-    block = tl.program_id(1)
-    rows = row_tile * ROWS + tl.arange(0, ROWS)
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    offsets = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blocks = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks along the row
+    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK)
+    row_inside = rows[:, None, None] < n_rows
+    inside = row_inside & (cols[None, :, :] < n_cols)
+    offsets = rows[:, None, None].to(tl.int64) * n_cols + cols[None, :, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
 
-    amax = tl.max(tl.abs(x), axis=1)
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0  # GPU max reductions may drop NaN: flag it apart
+    amax = tl.max(tl.abs(x), axis=2)
+    has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0  # GPU max reductions may drop NaN: flag it apart
     finite = (amax != float("inf")) & (has_nan == 0)
     if MODE == "rceil":
         descale = amax / ELEM_MAX
@@ -73,31 +74,50 @@ def _mx_kernel(
         if MODE == "ceil":
             exponent += ((bits & 0x7FFFFF) != 0).to(tl.int32)
     exponent = tl.minimum(tl.maximum(exponent, -127), 127)
-    code = tl.where(finite, exponent + 127, 255)
+    code = tl.where(finite, exponent + 127, 255)  # (ROWS, GROUPS)
 
     inverse = pow2_from_exponent(127 - code)  # 2^-e
     scale = pow2_from_exponent(code - 127)  # 2^e
-    scaled = tl.where(finite[:, None], x * inverse[:, None], 0.0)
+    scaled = tl.where(finite[:, :, None], x * inverse[:, :, None], 0.0)
     values = round_to_grid(scaled, ELEM_MAX, MANTISSA, MIN_BIASED)
+    block_inside = (rows[:, None] < n_rows) & (blocks[None, :] < n_blocks)
     if EMIT_CODES:  # out is (n_rows, n_blocks · BLOCK) uint8: the padding of a partial block included
         element_codes = encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE)
         tl.store(
-            out_ptr + rows[:, None] * (n_blocks * BLOCK) + cols[None, :],
+            out_ptr + rows[:, None, None].to(tl.int64) * (n_blocks * BLOCK) + cols[None, :, :],
             element_codes,
-            mask=rows[:, None] < n_rows,
+            mask=block_inside[:, :, None],
         )
     else:
-        values = tl.where(finite[:, None], values * scale[:, None], float("nan"))
+        values = tl.where(finite[:, :, None], values * scale[:, :, None], float("nan"))
         tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(codes_ptr + rows * n_blocks + block, code.to(tl.uint8), mask=rows < n_rows)
+    tl.store(
+        codes_ptr + rows[:, None].to(tl.int64) * n_blocks + blocks[None, :],
+        code.to(tl.uint8),
+        mask=block_inside,
+    )
+
+
+# Tiles of ROWS rows × GROUPS blocks; the first is the one the CPU interpreter runs.
+_mx_tuned = Tuned(
+    _mx_kernel,
+    ("ROWS", "GROUPS", "num_warps"),
+    (16, 2, 4),
+    (16, 4, 4),
+    (32, 4, 8),
+    (8, 8, 4),
+    (16, 8, 8),
+    (64, 2, 8),
+    (16, 1, 4),
+    key=["n_rows", "n_cols"],
+)
 
 
 def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_codes: bool) -> torch.Tensor:
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     scale_codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=rows.device)
-    grid = (triton.cdiv(n_rows, ROWS), n_blocks)
-    _mx_kernel[grid](
+    _mx_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]), triton.cdiv(n_blocks, meta["GROUPS"]))](
         rows,
         out,
         scale_codes,
@@ -110,7 +130,6 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_code
         MODE=mode,
         EMIT_CODES=emit_codes,
         **encode_constants(element),
-        ROWS=ROWS,
         BLOCK=BLOCK,
     )
     return scale_codes

@@ -2,8 +2,9 @@
 one float32 global scale), bit-exact with ``qlab.quantize.qdq(x, NVFP4Spec(...))`` for RNE, in either
 convention.
 
-Two launches, no host synchronisation: the tensor's amax (fp8_triton._amax_kernel), then one
-program per tile computing the reference's operations in the reference's order (docs/reference.md §2).
+Two launches, no host synchronisation: the tensor's amax (fp8_triton.tensor_amax), then one
+program per tile of 16 rows × GROUPS blocks (autotuned per shape on a GPU) computing the reference's
+operations in the reference's order (docs/reference.md §2).
 NVIDIA: S_enc = min(2688/amax, FLT_MAX) (1 for amax 0 or non-finite), S_dec = 1/S_enc, s_block =
 E4M3(min(amax_block·(S_enc·fl(1/6)), 448)) (no floor), elements x·min(1/(s_block·S_dec), FLT_MAX)
 clamped to ±6 and rounded onto the E2M1 grid, times fl(fl(s_block·amax)·fl(1/2688)). torchao:
@@ -20,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels.fp8_triton import CHUNK, _amax_kernel
-from qlab.kernels.triton_math import round_to_grid
+from qlab.kernels.fp8_triton import tensor_amax
+from qlab.kernels.triton_math import Tuned, round_to_grid
 
 BLOCK = 16
 ROWS = 16
@@ -47,22 +48,25 @@ def _nvfp4_kernel(
     STOCHASTIC: tl.constexpr,
     NVIDIA: tl.constexpr,
     ROWS: tl.constexpr,
+    GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    blocks = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks along the row
+    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK)
+    inside = (rows[:, None, None] < n_rows) & (cols[None, :, :] < n_cols)
+    offsets = rows[:, None, None].to(tl.int64) * n_cols + cols[None, :, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
 
     amax = tl.load(amax_ptr)
     finite_amax = (tl.load(nan_ptr) == 0) & (amax != float("inf"))
     magnitude = tl.abs(x)
-    block_amax = tl.max(magnitude, axis=1)
-    block_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-    if TILE_2D:
-        block_amax = tl.zeros((ROWS,), tl.float32) + tl.max(block_amax, axis=0)
-        block_nan = (tl.zeros((ROWS,), tl.int32) + tl.max(block_nan.to(tl.int32), axis=0)) > 0
+    block_amax = tl.max(magnitude, axis=2)  # (ROWS, GROUPS)
+    block_nan = tl.max((x != x).to(tl.int32), axis=2) > 0
+    ones = tl.zeros((ROWS, GROUPS), tl.float32) + 1.0
+    if TILE_2D:  # ROWS == BLOCK: each of the tile's GROUPS column blocks is one 16×16 block
+        block_amax = tl.zeros((ROWS, GROUPS), tl.float32) + tl.max(block_amax, axis=0)[None, :]
+        block_nan = (tl.zeros((ROWS, GROUPS), tl.int32) + tl.max(block_nan.to(tl.int32), axis=0)[None, :]) > 0
     block_finite = (block_amax != float("inf")) & (block_nan == 0)
     if (
         NVIDIA
@@ -73,28 +77,26 @@ def _nvfp4_kernel(
         raw = block_amax * (encode * RCP_6)
         block_scale = round_to_grid(tl.minimum(raw, 448.0), 448.0, 3, 121)  # E4M3 (bias 7), RNE, no floor
         block_scale = tl.where(block_finite, block_scale, float("nan"))
-        inverse = tl.minimum(
-            tl.math.div_rn(tl.zeros((ROWS,), tl.float32) + 1.0, block_scale * global_scale), FLOAT32_MAX
-        )
+        inverse = tl.minimum(tl.math.div_rn(ones, block_scale * global_scale), FLOAT32_MAX)
         usual = finite_amax & (encode < FLOAT32_MAX)
         full_scale = tl.where(usual, (block_scale * amax) * RCP_2688, block_scale * global_scale)
     else:  # torchao's order: s_global = amax/2688, s_block = E4M3(clamp(amax_b/6/s_global, 2^-6, 448))
         candidate = tl.math.div_rn(amax, 2688.0)  # 448 · 6
         global_scale = tl.where(finite_amax & (candidate > 0), candidate, 1.0)
-        raw = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), tl.zeros((ROWS,), tl.float32) + global_scale)
+        raw = tl.math.div_rn(tl.math.div_rn(block_amax, 6.0), ones * global_scale)
         clamped = tl.minimum(tl.maximum(raw, 0.015625), 448.0)
         block_scale = round_to_grid(clamped, 448.0, 3, 121)  # E4M3 (bias 7), RNE
         block_scale = tl.where(block_finite, block_scale, float("nan"))
         inverse = tl.math.div_rn(
-            tl.zeros((ROWS,), tl.float32) + tl.math.div_rn(1.0, global_scale), block_scale
+            tl.zeros((ROWS, GROUPS), tl.float32) + tl.math.div_rn(1.0, global_scale), block_scale
         )
         full_scale = global_scale * block_scale
-    scaled = x * inverse[:, None]
+    scaled = x * inverse[:, :, None]
     if not NVIDIA:  # a tiny tensor's inverse overflows: divide by the global, then the block scale
-        divided = tl.math.div_rn(tl.math.div_rn(x, global_scale), block_scale[:, None])
-        scaled = tl.where(inverse[:, None] == float("inf"), divided, scaled)
+        divided = tl.math.div_rn(tl.math.div_rn(x, global_scale), block_scale[:, :, None])
+        scaled = tl.where(inverse[:, :, None] == float("inf"), divided, scaled)
     scaled = tl.minimum(tl.maximum(scaled, -6.0), 6.0)
-    scaled = tl.where((scaled != scaled) | (x != x) | (block_finite[:, None] == 0), 0.0, scaled)
+    scaled = tl.where((scaled != scaled) | (x != x) | (block_finite[:, :, None] == 0), 0.0, scaled)
     if STOCHASTIC:
         noise = (tl.randint(seed, (offsets + offset).to(tl.uint32)) & 0x7FFF).to(tl.float32) * (1.0 / 32768.0)
         mag = tl.abs(scaled)
@@ -105,16 +107,36 @@ def _nvfp4_kernel(
         values = tl.where(scaled < 0, -values, values)
     else:
         values = round_to_grid(scaled, 6.0, 1, 127)
-    tl.store(out_ptr + offsets, (values * full_scale[:, None]).to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + offsets, (values * full_scale[:, :, None]).to(out_ptr.dtype.element_ty), mask=inside)
+    block_inside = blocks < n_blocks
     if TILE_2D:
         tl.store(
-            scales_ptr + tl.program_id(0) * n_blocks + tl.program_id(1),
+            scales_ptr + tl.program_id(0).to(tl.int64) * n_blocks + blocks,
             tl.max(block_scale, axis=0),
-            mask=tl.program_id(0) * ROWS < n_rows,
+            mask=block_inside,  # every row tile holds a row: the grid is cdiv(n_rows, ROWS)
         )
     else:
-        tl.store(scales_ptr + rows * n_blocks + tl.program_id(1), block_scale, mask=rows < n_rows)
+        tl.store(
+            scales_ptr + rows[:, None].to(tl.int64) * n_blocks + blocks[None, :],
+            block_scale,
+            mask=(rows[:, None] < n_rows) & block_inside[None, :],
+        )
     tl.store(global_ptr, global_scale, mask=(tl.program_id(0) == 0) & (tl.program_id(1) == 0))
+
+
+# Tiles of 16 rows × GROUPS blocks (16 rows: a 16×16 block is one tile's column); the first is the one
+# the CPU interpreter runs.
+_nvfp4_tuned = Tuned(
+    _nvfp4_kernel,
+    ("GROUPS", "num_warps"),
+    (2, 4),
+    (4, 4),
+    (8, 4),
+    (8, 8),
+    (16, 8),
+    (1, 2),
+    key=["n_rows", "n_cols"],
+)
 
 
 def nvfp4_qdq_last_axis(
@@ -132,15 +154,13 @@ def nvfp4_qdq_last_axis(
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-    has_nan = torch.zeros(1, dtype=torch.int32, device=x.device)
-    _amax_kernel[(triton.cdiv(rows.numel(), CHUNK),)](rows, amax, has_nan, rows.numel(), CHUNK=CHUNK)
+    amax, has_nan = tensor_amax(rows)
     out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)
     scale_rows = triton.cdiv(n_rows, ROWS) if block_2d else n_rows
     scales = torch.empty((scale_rows, n_blocks), dtype=torch.float32, device=x.device)
     global_scale = torch.empty(1, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n_rows, ROWS), n_blocks)
-    _nvfp4_kernel[grid](
+    grid = lambda meta: (triton.cdiv(n_rows, ROWS), triton.cdiv(n_blocks, meta["GROUPS"]))  # noqa: E731
+    _nvfp4_tuned[grid](
         rows,
         out,
         scales,

@@ -1,5 +1,7 @@
 """Triton device functions shared by the kernels: float32 bit tricks that match qlab.formats exactly."""
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -61,3 +63,32 @@ def pow2_from_exponent(exponent):
     """2^exponent as float32 for exponent in [−127, 127], from the bits (2^-127 is a subnormal)."""
     field = exponent + 127
     return tl.where(field == 0, 1 << 22, field << 23).to(tl.float32, bitcast=True)
+
+
+class Tuned:
+    """A Triton kernel launched with its tile chosen per shape. On a GPU it is autotuned over ``tiles``
+    (tuples of values for ``names``: tile constexprs, and "num_warps") keyed by the argument names in
+    ``key``: the first call
+    at each new key times every config once, later calls reuse the fastest. The kernels' bits never
+    depend on the tile, only their speed does. Under the CPU interpreter (TRITON_INTERPRET=1, which
+    cannot time) the first config is used. Launch as ``tuned[grid](*args, **constexprs)`` with ``grid``
+    a function of the launch's meta-parameters, e.g. ``lambda meta: (cdiv(n, meta["CHUNK"]),)``."""
+
+    def __init__(self, kernel, names: tuple[str, ...], *tiles: tuple, key: list[str]):
+        configs = [dict(zip(names, tile, strict=True)) for tile in tiles]
+        self.kernel = kernel
+        self.configs = [{name: value for name, value in c.items() if name != "num_warps"} for c in configs]
+        self.first = self.configs[0]
+        tiles = [
+            triton.Config(
+                {name: value for name, value in config.items() if name != "num_warps"},
+                num_warps=config.get("num_warps", 4),
+            )
+            for config in configs
+        ]
+        self.autotuned = triton.autotune(configs=tiles, key=key)(kernel)
+
+    def __getitem__(self, grid):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, **self.first)
+        return self.autotuned[grid]
