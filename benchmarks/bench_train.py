@@ -221,7 +221,7 @@ def main() -> None:
         compiled = mode == "compiled"
         modes = {"compile": compiled, "compile_mode": args.compile_mode if compiled else "default"}
         ratios = {recipe: [] for recipe in recipes}
-        fp32_seconds, first_steps = [], {}
+        fp32_seconds, first_steps, failed = [], {}, {}
         for repeat in range(args.repeats):  # each measurement printed as taken: a cut-off run keeps them
             times_to = args.compile_times if repeat == 0 else None  # the cold compile, not the cache's
             fp32, fp32_first = seconds_per_step(base.replace(**modes), args.steps, times_to)
@@ -229,8 +229,15 @@ def main() -> None:
             fp32_seconds.append(fp32)
             print(f"# {mode} repeat {repeat}: fp32 {fp32 * 1e3:.1f} ms", flush=True)
             for recipe in recipes:
+                if recipe in failed:
+                    continue
                 config = base.replace(recipe=recipe, **modes)
-                seconds, first = seconds_per_step(config, args.steps, times_to)
+                try:
+                    seconds, first = seconds_per_step(config, args.steps, times_to)
+                except Exception as err:  # noqa: BLE001 — a failed recipe is a row saying why; the rest still run
+                    failed[recipe] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                    print(f"# {mode} repeat {repeat}: {recipe} failed: {failed[recipe]}", flush=True)
+                    continue
                 ratios[recipe].append(seconds / fp32)
                 first_steps.setdefault(recipe, first)  # the first repeat's: compilation, not its cache
                 ratio = seconds / fp32
@@ -245,6 +252,10 @@ def main() -> None:
         row.update(compile_mode=args.compile_mode if compiled else "", fp32_ms=fp32_ms)
         rows = [{**row, "recipe": "fp32", "ratio": "1.00", "first_step_s": round(first_steps["fp32"], 1)}]
         for recipe in recipes:
+            if recipe in failed:
+                print(f"| {recipe} | failed | – |", flush=True)
+                rows.append({**row, "recipe": recipe, "ratio": "", "note": f"failed: {failed[recipe]}"})
+                continue
             first = first_steps[recipe]
             print(f"| {recipe} | {median_and_range(ratios[recipe])} | {first:.1f} |", flush=True)
             rows.append(

