@@ -829,20 +829,41 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     or ``re:`` for a regular expression; e.g. ["lm_head", "model.layers.11.*"]; a bare string is one
     pattern; each must match a convertible layer, else ValueError naming the closest names). options
     go to QuantLinear (fuse_wgrad_accumulation, ...).
-    Returns a report, one dict per Linear-like module: name, class, action ("quantized", "kept" or
-    "skipped"), reason (why a layer was kept or skipped), in/out features, recipe.
+    A model quantized before is quantized again: each QuantLinear is rebuilt around the same Parameters
+    with this recipe and these options (action "requantized", reason naming the recipe it had), or,
+    where a keep pattern matches it, restored to the layer it replaced ("kept").
+    Returns a report, one dict per Linear-like module: name, class, action ("quantized", "requantized",
+    "kept" or "skipped"), reason (why a layer was kept, skipped or requantized), in/out features, recipe.
     """
     recipe = get_recipe(recipe)
     base_seed = checks.seed("seed", options.pop("seed", 0))  # layer i gets seed base + i: no shared SR noise
-    layers = linear_layers(model)
+    layers = [
+        (name, module, None if isinstance(module, QuantLinear) else why)
+        for name, module, why in linear_layers(model)
+    ]
+    before = {name: module.recipe.name for name, module, _ in layers if isinstance(module, QuantLinear)}
+
+    def make(layer, index):
+        source = rebuild_source(layer) if isinstance(layer, QuantLinear) else layer
+        return QuantLinear.from_linear(source, recipe, seed=base_seed + index, **options)
+
     chosen = replace_linears(
         model,
-        lambda linear, i: QuantLinear.from_linear(linear, recipe, seed=base_seed + i, **options),
+        make,
         keep=keep_high_precision,
         keep_name="keep_high_precision",
         candidates=[(name, module) for name, module, why in layers if why is None],
     )
-    return conversion_report(layers, chosen, "quantized", recipe=recipe.name)
+    for name, module, replaced in chosen:  # a kept layer quantized before goes back to high precision
+        if not replaced and isinstance(module, QuantLinear):
+            set_submodule(model, name, rebuild_source(module))
+    report = conversion_report(layers, chosen, "quantized", recipe=recipe.name)
+    for row in report:
+        if row["name"] in before and row["action"] == "quantized":
+            row["action"], row["reason"] = "requantized", f"was quantized with {before[row['name']]}"
+        elif row["name"] in before and row["action"] == "kept":
+            row["reason"] = f"matches a keep pattern; its {before[row['name']]} quantization removed"
+    return report
 
 
 def unquantize_model(model: nn.Module) -> list[str]:

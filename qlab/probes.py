@@ -857,6 +857,18 @@ class GradientAudit:
         if not isinstance(name, str):
             raise TypeError(f"name must be a parameter name (str), got {checks.shown(name)}")
         checks.tensor("grad", grad, real=True)
+        param = dict(self.model.named_parameters()).get(name)
+        if param is None:
+            names = [n for n, _ in self.model.named_parameters()]
+            raise ValueError(
+                f"name must name a parameter of the model, got {name!r}; "
+                f"closest: {checks.closest(name, names)}"
+            )
+        if tuple(grad.shape) != tuple(param.shape):
+            raise ValueError(
+                f"grad for {name} must have the parameter's shape {tuple(param.shape)}, "
+                f"got {tuple(grad.shape)}"
+            )
         grad = grad.detach().double()
         self.inside[name] = grad.clone() if name not in self.inside else self.inside[name] + grad
 
@@ -881,6 +893,12 @@ class GradientAudit:
         if world_size is None:
             world_size = torch.distributed.get_world_size() if distributed else 1
         checks.integer("world_size", world_size, low=1)
+        if not self.inside:
+            how = "use it as `with audit:` around backward" if self.hook_parameters else "call observe()"
+            raise ValueError(
+                f"the audit observed no gradient ({how}, before report); an empty report would read as "
+                "everything explained"
+            )
         params = dict(self.model.named_parameters())
         rows = []
         for name, inside in self.inside.items():
@@ -911,6 +929,11 @@ class GradientAudit:
                     "unexplained": unexplained,
                     "flagged": not unexplained <= tolerance,
                 }
+            )
+        if not rows:
+            raise ValueError(
+                f"none of the {len(self.inside)} observed parameters has a .grad to compare with (was "
+                "zero_grad(set_to_none=True) called after backward, or is the model another one?)"
             )
         return pd.DataFrame(rows)
 

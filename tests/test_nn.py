@@ -794,6 +794,27 @@ def test_unquantize_model_restores_linears_with_the_same_parameters():
     assert_same_bits(model(x), y_before)
 
 
+def test_quantize_model_again_replaces_the_recipe_and_says_so():
+    """A quantized model quantized with another recipe computes what the float model quantized once
+    with that recipe computes, on the same Parameters; the report names the recipe each layer had, and
+    a layer a keep pattern now matches goes back to high precision."""
+    x = torch.randn(8, IN_FEATURES, generator=torch.Generator().manual_seed(26))
+    once = make_model()
+    quantize_model(once, "nvfp4", keep_high_precision=["lm_head"])
+    twice = make_model()
+    parameters = dict(twice.named_parameters())
+    quantize_model(twice, "mxfp8")
+    report = quantize_model(twice, "nvfp4", keep_high_precision=["lm_head"])
+    assert_same_bits(twice(x), once(x))
+    assert dict(twice.named_parameters()) == parameters  # the same Parameter objects, not copies
+    actions = {row["name"]: (row["action"], row["reason"]) for row in report}
+    assert actions["lm_head"] == ("kept", "matches a keep pattern; its mxfp8 quantization removed")
+    assert type(twice.get_submodule("lm_head")) is nn.Linear
+    for name in LINEAR_NAMES[:-1]:
+        assert actions[name] == ("requantized", "was quantized with mxfp8")
+        assert twice.get_submodule(name).recipe.name == "nvfp4"
+
+
 def test_quantize_model_swaps_a_shared_linear_everywhere():
     shared = nn.Linear(IN_FEATURES, IN_FEATURES)
     model = nn.Sequential(OrderedDict(first=shared, act=nn.ReLU(), second=shared))

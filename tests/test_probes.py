@@ -744,3 +744,18 @@ def test_grad_output_of_a_tuple_output_is_its_first_output_that_takes_a_gradient
         module(x)[1].pow(3).sum().backward()
     got = probes.to_frame().value.tolist()
     assert got == pytest.approx([torch.linalg.vector_norm(reference[0].double()).item()], rel=1e-12)
+
+
+def test_an_audit_that_observed_nothing_says_so():
+    """No hook entered and no observe call: an empty table would read as "everything explained"."""
+    model = small_model()
+    with pytest.raises(ValueError, match="observed no gradient"):
+        GradientAudit(model).report()
+    audit = GradientAudit(model, hook_parameters=False)
+    audit.observe("0.weight", torch.ones(16, 8))
+    with pytest.raises(ValueError, match="has a .grad"):  # observed, but backward never reached .grad
+        audit.report()
+    with pytest.raises(ValueError, match="closest"):
+        audit.observe("0.wieght", torch.ones(16, 8))
+    with pytest.raises(ValueError, match=r"shape \(16, 8\)"):
+        audit.observe("0.weight", torch.ones(8))
