@@ -134,6 +134,8 @@ def tensor(
 
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {shown(value)}")
+    if value.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (a shape without values); give a tensor on a real device")
     if real and (value.dtype == torch.bool or value.is_complex()):
         raise TypeError(f"{name} must hold real numbers (a floating or integer dtype), got {value.dtype}")
     if floating and not value.is_floating_point():
@@ -142,6 +144,34 @@ def tensor(
         listed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise TypeError(f"{name} must have dtype {listed}, got {value.dtype}")
     return value
+
+
+def same_device(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor) -> None:
+    """``value`` must be on ``other``'s device (a companion tensor: a scale, a weight, a gradient)."""
+    if value.device != other.device:
+        raise ValueError(
+            f"{name} is on {value.device} but {other_name} is on {other.device}; put them on one device"
+        )
+
+
+def allocatable(name: str, shape: Sequence[int], element_size: int = 4) -> None:
+    """Refuse, before allocating, a tensor of ``shape`` that no memory of this machine could hold (more
+    bytes than its physical memory): torch would fail deep inside with an overflow or an allocator
+    error that does not say which argument asked for it."""
+    import os
+
+    elements = 1
+    for size in shape:
+        elements *= max(int(size), 0)
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = 2**40
+    if elements * element_size > memory:
+        raise ValueError(
+            f"{name} asks for a tensor of shape {tuple(shape)} ({elements * element_size / 2**30:.3g} GiB), "
+            f"more than this machine's {memory / 2**30:.3g} GiB of memory"
+        )
 
 
 def all_finite(x: torch.Tensor) -> bool:

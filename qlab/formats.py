@@ -159,17 +159,19 @@ FORMATS: dict[str, Format] = {
 ELEMENT_FORMATS = tuple(name for name, f in FORMATS.items() if not isinstance(f, E8M0Format))
 
 
-def get_format(name: str | Format) -> Format:
-    """Look a format up by name: e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..16, uint2..16."""
+def get_format(name: str | Format, argument: str = "name") -> Format:
+    """Look a format up by name: e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..16, uint2..16.
+    ``argument`` is what errors call the value (the caller's argument name)."""
     if isinstance(name, (FloatFormat, IntFormat, E8M0Format)):
         return name
     expected = "e4m3, e5m2, e3m2, e2m3, e2m1, bf16, fp16, e8m0, int2..int16, uint2..uint16"
     if not isinstance(name, str):
         raise TypeError(
-            f"an element format is a name ({expected}) or a format object, got {checks.shown(name)}"
+            f"{argument} must be an element format name ({expected}) or a format object, "
+            f"got {checks.shown(name)}"
         )
     if name not in FORMATS:
-        raise ValueError(f"unknown element format {name!r}; expected one of: {expected}")
+        raise ValueError(f"unknown element format {argument}={name!r}; expected one of: {expected}")
     return FORMATS[name]
 
 
@@ -213,7 +215,7 @@ def _check_rounding_and_generator(rounding, generator) -> None:
 
 
 def _check_cast_arguments(x, fmt, rounding, generator, saturate=True) -> Format:
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, "fmt")
     _check_floating(x, "x")
     if isinstance(fmt, E8M0Format):
         raise ValueError(
@@ -501,7 +503,7 @@ def encode(values: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     pattern torch's float8 casts produce); bf16/fp16 give their int16 bit patterns; intN/uintN give
     the integers in int8/uint8/int16/int32. Raises ValueError for a value not in the format.
     """
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, "fmt")
     _check_floating(values, "values")
     if isinstance(fmt, E8M0Format):
         nan = torch.isnan(values)
@@ -546,7 +548,9 @@ def encode_float(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """float32 values of integer ``codes`` of ``fmt`` (the inverse of ``encode``)."""
-    fmt = get_format(fmt)
+    fmt = get_format(fmt, "fmt")
+    if isinstance(codes, torch.Tensor):
+        checks.tensor("codes", codes)  # a meta tensor has no codes to read
     _check_codes(codes, "codes", *_code_range(fmt), fmt.name)
     return decode_unchecked(codes, fmt)
 
@@ -574,6 +578,8 @@ def _code_range(fmt: Format) -> tuple[int, int]:
 
 
 def _check_codes(codes, name: str, low: int, high: int, what: str) -> None:
+    if isinstance(codes, torch.Tensor):
+        checks.tensor(name, codes)  # a meta tensor has no codes to read
     if (
         not isinstance(codes, torch.Tensor)
         or codes.is_floating_point()

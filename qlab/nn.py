@@ -159,6 +159,7 @@ def check_linear_arguments(in_features, out_features, bias, dtype=None) -> None:
     checks.integer("out_features", out_features, low=1)
     checks.boolean("bias", bias)
     checks.floating_dtype("dtype", dtype)
+    checks.allocatable("in_features × out_features", (out_features, in_features))
 
 
 def check_gemm(gemm: str, recipe: Recipe) -> str:
@@ -442,6 +443,9 @@ class QuantLinear(nn.Linear):
         if is_first_microbatch is not None:
             checks.boolean("is_first_microbatch", is_first_microbatch)
         weight, bias = oriented_weight(self), self.bias
+        checks.same_device("input x", x, "the weight", weight)
+        if x.numel() == 0:  # no values to quantize: nn.Linear's empty result, still in the graph
+            return torch.nn.functional.linear(x, weight, bias)
         if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
             dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(dtype), weight.to(dtype)

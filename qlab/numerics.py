@@ -45,8 +45,7 @@ LAYER_NORM_WELFORD_CHUNK = 16
 
 
 def _require_float_tensor(x, what: str = "x") -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    checks.tensor(what, x)
     if not x.is_floating_point():
         raise TypeError(
             f"{what} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}"
@@ -336,6 +335,14 @@ def rows_with_condition_number(
     """
     checks.integer("n", n, low=2)
     checks.integer("trials", trials, low=1)
+    if hasattr(kappas, "tolist") and not isinstance(kappas, str):  # a numpy array or tensor of targets
+        kappas = kappas.tolist() if getattr(kappas, "ndim", 1) == 1 else kappas
+    if not isinstance(kappas, (list, tuple)) or not kappas:
+        raise TypeError(
+            f"kappas must be a non-empty 1-D list (or array) of condition numbers, got {checks.shown(kappas)}"
+        )
+    kappas = [checks.number(f"kappas[{i}]", kappa, low=1) for i, kappa in enumerate(kappas)]
+    checks.allocatable("n × trials × len(kappas)", (len(kappas) * trials, n), 8)
     if std is not None:
         checks.number("std", std, low=0, open_low=True)
     checks.floating_dtype("dtype", dtype, optional=False)
@@ -369,7 +376,7 @@ def exact_layer_norm(
     division in ``digits``-digit decimal arithmetic, rounded to float64. eps is taken as the exact
     value of the Python float given."""
     checks.number("eps", eps, low=0)
-    checks.integer("digits", digits, low=1)
+    checks.integer("digits", digits, low=1, high=10_000)
     dims = len(_check_normalized_shape(x, normalized_shape))
     rows, lead = _rows_as_floats(x, dims)
     ctx = decimal.Context(prec=digits)
@@ -395,13 +402,17 @@ def exact_layer_norm(
 
 def _normalized_shape_tuple(normalized_shape) -> tuple[int, ...]:
     if isinstance(normalized_shape, int) and not isinstance(normalized_shape, bool):
-        return (normalized_shape,)
+        normalized_shape = (normalized_shape,)
     if isinstance(normalized_shape, torch.Size) or (
         isinstance(normalized_shape, (tuple, list))
         and all(isinstance(d, int) and not isinstance(d, bool) for d in normalized_shape)
     ):
+        if any(d < 1 for d in normalized_shape):
+            raise ValueError(f"normalized_shape must hold sizes ≥ 1, got {tuple(normalized_shape)}")
         return tuple(normalized_shape)
-    raise TypeError(f"normalized_shape must be an int or a sequence of ints, got {normalized_shape!r}")
+    raise TypeError(
+        f"normalized_shape must be an int or a sequence of ints, got {checks.shown(normalized_shape)}"
+    )
 
 
 def _check_normalized_shape(x: torch.Tensor, normalized_shape) -> tuple[int, ...]:
@@ -410,8 +421,8 @@ def _check_normalized_shape(x: torch.Tensor, normalized_shape) -> tuple[int, ...
     if len(shape) == 0 or len(shape) > x.dim() or tuple(x.shape[x.dim() - len(shape) :]) != shape:
         trailing = tuple(x.shape[max(x.dim() - len(shape), 0) :])
         raise ValueError(
-            f"normalized_shape {shape} does not match the input's trailing dimensions {trailing} "
-            f"(input shape {tuple(x.shape)})"
+            f"normalized_shape {shape} does not match x's trailing dimensions {trailing} "
+            f"(x's shape {tuple(x.shape)})"
         )
     return shape
 
@@ -489,6 +500,7 @@ def _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dt
         _require_float_tensor(p, name)
         if tuple(p.shape) != shape:
             raise ValueError(f"{name} shape {tuple(p.shape)} does not match normalized_shape {shape}")
+        checks.same_device(name, p, "x", x)
     checks.number("eps", eps, low=0)
     checks.floating_dtype("acc_dtype", acc_dtype)
     if acc_dtype is None:
@@ -520,7 +532,8 @@ def layer_norm(
     dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·weight, dweight = Σ dy·x̂, dbias = Σ dy.
     """
     shape, acc = _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype)
-    return _LayerNormFunction.apply(x, weight, bias, len(shape), float(eps), stats, acc)
+    # contiguous: the sums then run in one order whatever x's strides, so a view gives the same bits
+    return _LayerNormFunction.apply(x.contiguous(), weight, bias, len(shape), float(eps), stats, acc)
 
 
 class StatsLayerNorm(torch.nn.LayerNorm):
@@ -529,6 +542,11 @@ class StatsLayerNorm(torch.nn.LayerNorm):
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, *, stats="welford",
                  acc_dtype=None, device=None, dtype=None):  # fmt: skip
+        normalized_shape = _normalized_shape_tuple(normalized_shape)
+        checks.number("eps", eps, low=0)
+        checks.boolean("elementwise_affine", elementwise_affine)
+        checks.boolean("bias", bias)
+        checks.allocatable("normalized_shape", normalized_shape)
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device=device, dtype=dtype)
         _require_choice(stats, LAYER_NORM_STATS, "stats")
         checks.floating_dtype("acc_dtype", acc_dtype)

@@ -175,8 +175,8 @@ def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict
     """Counts of |x| per binade: key "hist/2^k" counts low ≤ k = floor(log2|x|) < high; values below
     2^low (and zeros) go to "hist/below", at or above 2^high to "hist/above". Exponents from frexp."""
     checks.tensor("tensor", tensor, real=True)
-    checks.integer("low", low)
-    if checks.integer("high", high) <= low:
+    checks.integer("low", low, low=-1100, high=1100)  # float64's binades lie within ±1075
+    if checks.integer("high", high, low=-1100, high=1100) <= low:
         raise ValueError(f"high must be greater than low, got low={low}, high={high}")
     magnitude = tensor.detach().abs().flatten().float()
     exponent = torch.frexp(magnitude).exponent - 1  # floor(log2 |x|) read from the bits
@@ -190,6 +190,11 @@ def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict
     return values
 
 
+def _nonempty(tensor: torch.Tensor) -> None:
+    if tensor.numel() == 0:
+        raise ValueError(f"tensor must hold at least one value, got shape {tuple(tensor.shape)}")
+
+
 def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float]:
     """What quantizing ``tensor`` by ``spec`` along ``axis`` would do to it.
 
@@ -200,7 +205,8 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
     Tensors that cannot be blocked along ``axis`` (e.g. a length not divisible with pad=False) raise.
     """
     checks.tensor("tensor", tensor, real=True)
-    x = tensor.detach()
+    _nonempty(tensor)
+    x = tensor.detach().contiguous()  # reductions in one order whatever the strides
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
     spec = Q.get_spec(spec)
@@ -246,7 +252,8 @@ def block_stats(tensor: torch.Tensor, spec, axis: int = -1, worst: int = 3) -> d
             f"spec must be a block spec (MXSpec, NVFP4Spec, BlockwiseSpec), got {type(spec).__name__}"
         )
     checks.integer("worst", worst, low=0)
-    x = tensor.detach()
+    _nonempty(tensor)
+    x = tensor.detach().contiguous()  # reductions in one order whatever the strides
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.float()
     axis = Q.check_input(x, spec, axis)
@@ -966,11 +973,21 @@ def weight_gradients(model: nn.Module, batches, loss_fn, names=None) -> dict[str
 def gradient_agreement(gradients: dict, reference: dict) -> pd.DataFrame:
     """Per layer, ``cosine`` similarity and ``relative_error`` ‖g − g_ref‖ / ‖g_ref‖ (float64) of
     ``gradients`` against ``reference`` (the same keys)."""
+    for name, value in (("gradients", gradients), ("reference", reference)):
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a dict of layer name → gradient, got {checks.shown(value)}")
+        for layer, tensor in value.items():
+            checks.tensor(f"{name}[{layer!r}]", tensor, real=True)
     if set(gradients) != set(reference):
         differing = sorted(set(gradients) ^ set(reference))
         raise ValueError(f"gradients and reference must name the same layers; only one names {differing}")
     rows = []
     for name, g_ref in reference.items():
+        if gradients[name].shape != g_ref.shape:
+            raise ValueError(
+                f"gradients[{name!r}] has shape {tuple(gradients[name].shape)}, reference[{name!r}] "
+                f"{tuple(g_ref.shape)}"
+            )
         g = gradients[name].double().flatten()
         g_ref = g_ref.double().flatten()
         norm = torch.linalg.vector_norm(g_ref)

@@ -167,8 +167,13 @@ def _dequantize_multiply(values: torch.Tensor, scale: torch.Tensor, convention: 
 
 def amax(x: torch.Tensor, spec: QuantSpec, dim: int) -> torch.Tensor:
     """The amax a per-tensor or per-slice spec scales by: over all of x, or along ``dim`` (kept)."""
+    spec = get_spec(spec)
+    checks.tensor("x", x, real=True)
+    if not hasattr(spec, "granularity"):
+        raise TypeError(f"spec must be a per-tensor or per-slice spec (granularity), got {spec!r}")
     if spec.granularity == "tensor":
         return x.abs().amax()
+    checks.integer("dim", dim, low=-max(x.dim(), 1), high=max(x.dim(), 1) - 1)
     return x.abs().amax(dim, keepdim=True)
 
 
@@ -618,6 +623,7 @@ def check_input(x, spec: Spec, axis: int) -> int:
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         found = x.dtype if isinstance(x, torch.Tensor) else checks.shown(x)
         raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {found}")
+    checks.tensor("x", x)  # a meta tensor has no values to quantize
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension, got a 0-d tensor")
     checks.integer("axis", axis)
@@ -650,6 +656,14 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int, pad: bool) -> torch.Tensor
 def to_layout(x: torch.Tensor, spec: Spec, axis: int) -> torch.Tensor:
     """x as float32 in quantize's layout: ``axis`` last; for block specs zero-padded to whole blocks
     (and whole tiles), Hadamard-rotated if the spec says so, and shaped (..., n_blocks, block)."""
+    spec = get_spec(spec)
+    if not isinstance(x, torch.Tensor):  # a meta tensor is fine: noise_shape lays out shapes only
+        raise TypeError(f"x must be a torch.Tensor, got {checks.shown(x)}")
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"x must hold real numbers, got dtype {x.dtype}")
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"x must have a dimension and hold a value, got shape {tuple(x.shape)}")
+    checks.integer("axis", axis, low=-x.dim(), high=x.dim() - 1)
     if not spec.moves_axis:
         return x.float()
     moved = x.float().movedim(axis, -1)
@@ -702,7 +716,9 @@ def from_layout(
     return values.reshape(moved_shape).movedim(-1, axis).to(dtype)
 
 
-def _check_scale(scale, spec):
+def _check_scale(scale, spec, x=None, axis: int = -1):
+    """A fixed (delayed-scaling) scale: a positive finite number, or a real tensor on x's device with
+    one value per tensor, or per slice along ``axis`` for a per-slice spec (one value also does)."""
     if scale is None:
         return None
     if not spec.accepts_fixed_scale:
@@ -711,8 +727,21 @@ def _check_scale(scale, spec):
             f"got {spec!r}"
         )
     if isinstance(scale, torch.Tensor):
+        checks.tensor("scale", scale)
         if scale.is_complex() or scale.dtype == torch.bool:
             raise TypeError(f"scale must be a real tensor or number, got dtype {scale.dtype}")
+        if x is not None:
+            checks.same_device("scale", scale, "x", x)
+            per_slice = getattr(spec, "granularity", "tensor") != "tensor"
+            slices = x.numel() // max(x.shape[axis], 1) if per_slice and x.dim() else 1
+            if scale.numel() not in (1, slices):
+                expected = (
+                    f"1 or {slices} values (one per slice along axis {axis})" if per_slice else "one value"
+                )
+                raise ValueError(
+                    f"scale must hold {expected} for x of shape {tuple(x.shape)}, "
+                    f"got shape {tuple(scale.shape)}"
+                )
         scale = scale.float()
     else:
         scale = torch.tensor(checks.number("scale", scale, low=0, open_low=True))
@@ -767,10 +796,10 @@ def quantize(
     """
     spec = get_spec(spec)
     axis = check_input(x, spec, axis)
-    generator = _randomness(x, spec, axis, generator, noise, blocked=True)
     if x.numel() == 0:
-        raise ValueError(f"quantize needs a non-empty tensor, got shape {tuple(x.shape)}")
-    scale = _check_scale(scale, spec)
+        raise ValueError(f"quantize needs a non-empty tensor x, got shape {tuple(x.shape)}")
+    generator = _randomness(x, spec, axis, generator, noise, blocked=True)
+    scale = _check_scale(scale, spec, x, axis)
     checks.boolean("keep_source", keep_source)
     parts, _ = spec.quantize_layout(to_layout(x, spec, axis), generator, scale)
     values = parts.pop("values")
@@ -847,7 +876,8 @@ def noise_shape(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, blocked: b
     ``x`` by ``spec`` along ``axis`` consumes: one per element of qdq's layout (``blocked=False``) or
     of quantize's blocked layout (``blocked=True``; the two differ for a non-last axis)."""
     spec = get_spec(spec)
-    axis = axis % x.dim()
+    axis = check_input(x, spec, axis)
+    checks.boolean("blocked", blocked)
     meta = torch.empty(x.shape, device="meta")
     if spec.hadamard:  # the transform keeps the shape; on meta tensors its ops run Python reference
         spec = dataclasses.replace(spec, hadamard=False)  # kernels, slow enough to dominate an eager step
@@ -877,7 +907,7 @@ def qdq_with_mask(
     axis = check_input(x, spec, axis)
     _check_generator(spec, generator)
     layout = to_layout(x, spec, axis)
-    parts, out = spec.quantize_layout(layout, generator, _check_scale(scale, spec))
+    parts, out = spec.quantize_layout(layout, generator, _check_scale(scale, spec, x, axis))
     inside = spec.inside_range(layout, parts)
     return (
         from_layout(out, spec, axis, x.shape, x.dtype),
@@ -983,7 +1013,7 @@ def qdq(
     spec = get_spec(spec)
     axis = check_input(x, spec, axis)
     randomness = _randomness(x, spec, axis, generator, noise, blocked=False)
-    scale = _check_scale(scale, spec)
+    scale = _check_scale(scale, spec, x, axis)
     dtype = checks.floating_dtype("dtype", dtype) or x.dtype
     if fast is not None:
         checks.boolean("fast", fast)
@@ -1053,8 +1083,9 @@ def _check_out(out, x: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64
-    (inf if exact)."""
+    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x − x̂)²) in dB, summed in float64:
+    inf if x̂ is exact (no noise, an all-zero x included), −inf if x is all zero and x̂ is not (no
+    signal). NaN if either holds NaN or an infinity."""
     checks.tensor("x", x, real=True)
     checks.tensor("x_hat", x_hat, real=True)
     if x.shape != x_hat.shape:
@@ -1064,7 +1095,15 @@ def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
     x64, error = x.double(), (x.double() - x_hat.double())
     noise = float((error * error).sum())
     signal = float((x64 * x64).sum())
-    return math.inf if noise == 0 else 10.0 * math.log10(signal / noise)
+    if math.isnan(noise) or math.isnan(signal):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    if signal == 0:
+        return -math.inf
+    if math.isinf(noise) or math.isinf(signal):  # squares beyond float64: no ratio to give
+        return math.nan
+    return 10.0 * math.log10(signal / noise)
 
 
 def clipped_block_fraction(x: torch.Tensor, spec: str | Spec, axis: int = -1) -> float:

@@ -38,7 +38,7 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _float_format(name, argument: str = "fmt") -> FloatFormat:
-    fmt = get_format(name)
+    fmt = get_format(name, argument)
     if not isinstance(fmt, FloatFormat):
         raise ValueError(
             f"{argument} must be a floating-point element format (e4m3, e5m2, e3m2, e2m3, e2m1, bf16, "
@@ -50,6 +50,16 @@ def _float_format(name, argument: str = "fmt") -> FloatFormat:
 def _amaxes(name: str, value) -> torch.Tensor:
     """Amaxes must come as a real tensor (a Python float has no dtype or device to keep)."""
     return checks.tensor(name, value, real=True)
+
+
+def _one_value(name: str, value, other_name: str, other: torch.Tensor) -> torch.Tensor:
+    """A per-tensor companion (a global scale, an encode factor) of ``other``: one real value on its
+    device, not a tensor that would broadcast against it."""
+    _amaxes(name, value)
+    if value.numel() != 1:
+        raise ValueError(f"{name} must hold one value (per tensor), got shape {tuple(value.shape)}")
+    checks.same_device(name, value, other_name, other)
+    return value
 
 
 def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
@@ -78,6 +88,8 @@ def divide_by(x: torch.Tensor, divisor: float) -> torch.Tensor:
     for some inputs: amax / 2688 among them), and so does inductor's code for a division by a constant;
     there the division runs as one op with the divisor in a 0-dim tensor on x's device.
     """
+    checks.tensor("x", x, real=True)
+    divisor = checks.number("divisor", divisor)
     if x.device.type == "cpu":
         return x / divisor
     return _divide_op(x.detach(), float(divisor))
@@ -85,7 +97,7 @@ def divide_by(x: torch.Tensor, divisor: float) -> torch.Tensor:
 
 def reciprocal(x: torch.Tensor) -> torch.Tensor:
     """fl(1/x) in float32, correctly rounded (what cuBLAS and TransformerEngine multiply by as scale_inv)."""
-    return _divide(1.0, x.float())
+    return _divide(1.0, checks.tensor("x", x, real=True).float())
 
 
 def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
@@ -115,6 +127,9 @@ def int_affine_parameters(
     clamped to [qmin, qmax], as float32 holding an integer. q = clamp(round(x / scale) + zero_point).
     """
     _amaxes("lo", lo), _amaxes("hi", hi)
+    if lo.shape != hi.shape:
+        raise ValueError(f"lo and hi must have one shape, got lo {tuple(lo.shape)} and hi {tuple(hi.shape)}")
+    checks.same_device("hi", hi, "lo", lo)
     checks.integer("qmin", qmin)
     if checks.integer("qmax", qmax) <= qmin:
         raise ValueError(f"qmax must be greater than qmin, got qmin={qmin}, qmax={qmax}")
@@ -140,7 +155,7 @@ def fp8_current_scale(
     """
     fmt_max = _float_format(fmt).max
     amax = _amaxes("amax", amax).float()
-    eps = checks.number("eps", eps, low=0)
+    eps = checks.number("eps", eps, low=0, high=FLOAT32_MAX)  # a float32 floor
     checks.boolean("pow2", pow2)
     floored = torch.clamp(amax, min=eps)
     scale = _divide(fmt_max, floored)
@@ -164,6 +179,7 @@ class DelayedScaling:
     def __init__(self, fmt="e4m3", history_len: int = 1024, algorithm: str = "max", margin: int = 0):
         self.fmt = _float_format(fmt)
         checks.integer("history_len", history_len, low=1)
+        checks.allocatable("history_len", (history_len,))
         self.algorithm = checks.choice("algorithm", algorithm, AMAX_ALGORITHMS)
         self.margin = checks.integer("margin", margin, low=0)
         self.history = torch.zeros(history_len, dtype=torch.float32)
@@ -290,7 +306,7 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
     """
     block_amax = _amaxes("block_amax", block_amax).float()
     if global_scale is not None:
-        _amaxes("global_scale", global_scale)
+        _one_value("global_scale", global_scale, "block_amax", block_amax)
     scale = divide_by(block_amax, NVFP4_ELEMENT_MAX)
     if global_scale is not None:
         scale = scale / global_scale
@@ -321,7 +337,7 @@ def nvfp4_block_scales_nvidia(block_amax: torch.Tensor, encode: torch.Tensor | N
     if encode is None:
         multiplier = torch.tensor(_RCP_6, device=block_amax.device)
     else:
-        multiplier = _amaxes("encode", encode).float() * _RCP_6
+        multiplier = _one_value("encode", encode, "block_amax", block_amax).float() * _RCP_6
     scale = _e4m3_rne(torch.clamp(block_amax * multiplier, max=NVFP4_SCALE_MAX))
     return torch.where(torch.isfinite(block_amax), scale, torch.nan)
 
@@ -363,6 +379,7 @@ def hadamard_matrix(size: int = NVFP4_BLOCK, seed: int = 0) -> torch.Tensor:
     """
     checks.integer("size", size, low=1)
     checks.seed("seed", seed)
+    checks.allocatable("size", (size, size))
     if size & (size - 1):
         raise ValueError(f"size must be a power of two, got {size}")
     return _cached_hadamard(size, seed).clone()
@@ -398,6 +415,8 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
     ``qlab.quantize.COMPILE_OPTIONS``), where a reshape and a stack per stage cost it 3.6× more.
     """
     checks.tensor("x", x, floating=True)
+    if x.dim() == 0 or x.numel() == 0:
+        raise ValueError(f"x must have a dimension and hold a value, got shape {tuple(x.shape)}")
     checks.seed("seed", seed)
     checks.boolean("inverse", inverse)
     checks.integer("dim", dim)

@@ -56,6 +56,7 @@ def check_k(k) -> None:
 def resolve_k(k, features: int) -> int:
     """k as a count of the ``features`` (int in [1, features]) or a fraction (float in (0, 1])."""
     check_k(k)
+    features = checks.integer("features", features, low=1)
     if isinstance(k, float):
         return max(1, round(k * features))
     if k > features:
@@ -66,7 +67,7 @@ def resolve_k(k, features: int) -> int:
 def topk_mask(grad: torch.Tensor, k, mode: str = "shared") -> torch.Tensor:
     """Boolean mask of ``grad``'s shape (..., M) keeping the top-k magnitudes per ``mode`` (see module)."""
     checks.choice("mode", mode, MODES)
-    checks.tensor("grad", grad)
+    checks.tensor("grad", grad, real=True)
     if grad.dim() == 0:
         raise ValueError("grad must have at least one dimension (..., M), got a 0-d tensor")
     features = grad.shape[-1]
@@ -82,6 +83,10 @@ def topk_mask(grad: torch.Tensor, k, mode: str = "shared") -> torch.Tensor:
 
 def shared_indices(dy: torch.Tensor, count: int) -> torch.Tensor:
     """The ``count`` output features with the largest Σ|dy| over the rows of dy (N, M), sorted ascending."""
+    checks.tensor("dy", dy, real=True)
+    if dy.dim() != 2:
+        raise ValueError(f"dy must be 2-D (rows, features), got shape {tuple(dy.shape)}")
+    checks.integer("count", count, low=0, high=dy.shape[1])
     return dy.abs().sum(0).topk(count).indices.sort().values
 
 

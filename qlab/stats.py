@@ -67,9 +67,9 @@ def mean_interval(
         raise TypeError(f"values must be real numbers, got {values[:5]}")
     values = [float(v) for v in values]
     if not values:
-        raise ValueError("mean_interval needs at least one value, got none")
+        raise ValueError("values must hold at least one value for mean_interval, got none")
     if not all(math.isfinite(v) for v in values):
-        raise ValueError(f"mean_interval needs finite values, got {values}")
+        raise ValueError(f"values must be finite for mean_interval, got {values}")
     n = len(values)
     mean = sum(values) / n
     if n == 1:
@@ -99,6 +99,17 @@ def _bootstrap_bounds(values: np.ndarray, resamples: int, seed: int) -> tuple[fl
 def summarize(frame: pd.DataFrame, value: str, by: list[str], method: str = "t") -> pd.DataFrame:
     """One row per group of ``by``: n, mean, low and high (95 % interval over the group's rows, by
     ``method`` as in ``mean_interval``)."""
+    if isinstance(by, str):
+        by = [by]
+    if not isinstance(by, (list, tuple)) or not by or not all(isinstance(column, str) for column in by):
+        raise TypeError(f"by must be a column name or a non-empty list of them, got {checks.shown(by)}")
+    if not isinstance(value, str):
+        raise TypeError(f"value must be a column name, got {checks.shown(value)}")
+    checks.frame_columns("frame", frame, [])
+    for name, columns in (("value", [value]), ("by", by)):
+        missing = [column for column in columns if column not in frame.columns]
+        if isinstance(frame, pd.DataFrame) and missing:
+            raise ValueError(f"{name} names {missing}, not columns of the frame ({list(frame.columns)})")
     checks.frame_columns("frame", frame, [value, *by])
     rows = []
     for key, group in frame.groupby(by, sort=False):
@@ -166,6 +177,7 @@ def _incomplete_beta(a: float, b: float, x: float) -> float:
 
 def t_cdf(t: float, degrees_of_freedom: float) -> float:
     """P(T ≤ t) for Student's t with the given degrees of freedom (> 0)."""
+    t = checks.number("t", t, finite=False)
     checks.number("degrees_of_freedom", degrees_of_freedom, low=0, open_low=True)
     if math.isinf(t):
         return 1.0 if t > 0 else 0.0
@@ -285,6 +297,7 @@ def seeds_for_effect(
     """The fewest pairs (seeds, ≥ 2) whose ``detectable_effect`` is at most ``effect``; ValueError
     beyond ``most``."""
     checks.number("effect", effect, low=0, open_low=True)
+    most = checks.integer("most", most, low=2, high=10**6)  # a search, not an allocation: keep it short
     for n in range(2, most + 1):
         if detectable_effect(sd, n, alpha, power) <= effect:
             return n

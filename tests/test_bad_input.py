@@ -907,7 +907,7 @@ CASES = [
         "correction",
     ),
     ("exact_moments inf", lambda: numerics.exact_moments(torch.tensor([[1.0, INF]])), ValueError, "inf"),
-    ("rows κ < 1", lambda: numerics.rows_with_condition_number([0.5], 8), ValueError, "κ"),
+    ("rows κ < 1", lambda: numerics.rows_with_condition_number([0.5], 8), ValueError, "kappas"),
     ("rows n 1", lambda: numerics.rows_with_condition_number([2.0], 1), ValueError, "n must"),
     (
         "rows generator int",

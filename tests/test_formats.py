@@ -172,7 +172,7 @@ def test_output_dtype_follows_input_and_nan_is_kept():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: formats.cast(torch.tensor([1.0]), "e9m9"), ValueError, "unknown element format 'e9m9'"),
+        (lambda: formats.cast(torch.tensor([1.0]), "e9m9"), ValueError, "unknown element format fmt='e9m9'"),
         (
             lambda: formats.cast(torch.tensor([1.0]), "e4m3", rounding="up"),
             ValueError,
