@@ -84,6 +84,13 @@ def number(
     return value
 
 
+def function(name: str, value, what: str = "a function"):
+    """A callable (a function, a bound method, a module): what a hook or a callback argument takes."""
+    if not callable(value):
+        raise TypeError(f"{name} must be {what} (a callable), got {shown(value)}")
+    return value
+
+
 def boolean(name: str, value) -> bool:
     """A real bool (numpy's bool too); strings such as "no" and ints such as 0 are refused."""
     if isinstance(value, bool):

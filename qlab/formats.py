@@ -399,6 +399,11 @@ def register_noise_source(generator_for: Callable[[torch.device], torch.Generato
     The key is a 0-d int64 CPU tensor, not an int: torch.compile specializes on a module's integer
     attributes, so with int keys each layer of a model's repeated blocks would compile its own copy of
     the block; a tensor is a graph input, and the blocks share one compiled graph."""
+    if not callable(generator_for) or not hasattr(generator_for, "__self__"):
+        raise TypeError(
+            "generator_for must be a bound method (device → torch.Generator), "
+            f"got {checks.shown(generator_for)}"
+        )
     key = next(_NOISE_KEYS)
     _NOISE_SOURCES[key] = weakref.WeakMethod(generator_for)
     weakref.finalize(generator_for.__self__, _NOISE_SOURCES.pop, key, None)

@@ -483,9 +483,36 @@ class QuantLinear(nn.Linear):
                 f"checkpoint has delayed-scaling state for {sorted(unknown)}, "
                 f"but this layer's recipe {self.recipe.name!r} scales {sorted(self.scalers) or 'nothing'}"
             )
-        for device, generator_state in state.get("generators", {}).items():
-            self._generators[torch.device(device)] = torch.Generator(device=device).set_state(generator_state)
-        for role, saved in state.get("scalers", {}).items():
+        extra = set(state) - {"generators", "scalers"}
+        if extra:
+            raise ValueError(f"state has keys {sorted(extra)}; quant_state() gives generators and scalers")
+        generators, scalers = state.get("generators", {}), state.get("scalers", {})
+        for name, part in (("generators", generators), ("scalers", scalers)):
+            if not isinstance(part, dict):
+                raise TypeError(f"state[{name!r}] must be a dict, got {checks.shown(part)}")
+        restored = {}
+        for device, generator_state in generators.items():
+            checks.tensor(f"state['generators'][{device!r}]", generator_state, dtypes=(torch.uint8,))
+            try:
+                restored[torch.device(device)] = torch.Generator(device=device).set_state(generator_state)
+            except RuntimeError as err:
+                raise ValueError(f"state['generators'][{device!r}] is not a generator state: {err}") from None
+        for role, saved in scalers.items():
+            current = self.scalers[role]
+            if not isinstance(saved, dict) or set(saved) != {"history", "scale"}:
+                raise TypeError(
+                    f"state['scalers'][{role!r}] must be a dict of history and scale tensors, "
+                    f"got {checks.shown(saved)}"
+                )
+            for key in ("history", "scale"):
+                value = checks.tensor(f"state['scalers'][{role!r}][{key!r}]", saved[key], floating=True)
+                if value.shape != getattr(current, key).shape:
+                    raise ValueError(
+                        f"state['scalers'][{role!r}][{key!r}] has shape {tuple(value.shape)}, this layer's "
+                        f"{tuple(getattr(current, key).shape)}"
+                    )
+        self._generators.update(restored)  # every part checked before any is applied
+        for role, saved in scalers.items():
             self.scalers[role].history = saved["history"].clone()
             self.scalers[role].scale = saved["scale"].clone()
 
@@ -697,9 +724,40 @@ def why_not_converted(module: nn.Module, parent: nn.Module | None) -> str | None
         return None
     if isinstance(module, nn.Linear):
         if cls.forward is not nn.Linear.forward:
-            return f"{cls.__name__} overrides nn.Linear.forward: converting it would drop its own logic"
+            return _forward_differs(module)
         return None
     return f"{cls.__name__} is not an nn.Linear: qlab cannot tell how it uses its weight"
+
+
+def _forward_differs(module: nn.Linear) -> str | None:
+    """None if the subclass's own ``forward`` computes a Linear: on probe inputs of the layer's width,
+    dtype and device (a 2-D and a 3-D batch, fixed seeds), its output equals x·Wᵀ + b bit for bit, as
+    ``F.linear`` computes it or as the product plus the bias written out by hand (what some
+    architectures do); hooks are not run. Otherwise why the layer is left as it is."""
+    cls = type(module)
+    weight, bias = module.weight, module.bias
+    prefix = f"{cls.__name__} overrides nn.Linear.forward"
+    if weight.device.type == "meta" or weight.dim() != 2:
+        return f"{prefix}, and its weight has no values to check it against F.linear with"
+    generator = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for shape in ((3, weight.shape[1]), (2, 3, weight.shape[1])):
+                x = torch.randn(shape, generator=generator).to(weight.dtype).to(weight.device)
+                got = cls.forward(module, x)
+                fused = torch.nn.functional.linear(x, weight, bias)
+                written = x @ weight.T if bias is None else (x @ weight.T) + bias
+                if not isinstance(got, torch.Tensor) or not (
+                    _same_bits(got, fused) or _same_bits(got, written)
+                ):
+                    return f"{prefix} with another computation than x·Wᵀ + b (checked on probe inputs)"
+    except Exception as err:  # noqa: BLE001 — a forward that cannot run on a probe is not converted
+        return f"{prefix}, and it failed on a probe input ({type(err).__name__}: {err})"
+    return None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
@@ -777,6 +835,7 @@ def replace_linears(model: nn.Module, make, *, keep=(), candidates=None, keep_na
     any swap, so a refusal leaves the model as it was.
     Returns (name, module, replaced) for every candidate, kept ones included."""
     checks.module("model", model)
+    checks.function("make", make, "a function (module, index) → replacement module")
     keep = checks.patterns(keep_name, keep)
     if candidates is None:
         candidates = [(name, module) for name, module, why in linear_layers(model) if why is None]

@@ -956,6 +956,7 @@ def weight_gradients(model: nn.Module, batches, loss_fn, names=None) -> dict[str
 
     checks.module("model", model)
     checks.batches("batches", batches)
+    checks.function("loss_fn", loss_fn, "a function (model, batch) → loss")
     layers = {name: module for name, module, _ in linear_layers(model)}
     chosen = list(layers) if names is None else checks.names("names", names, list(layers))
     saved = {id(p): p.grad for p in model.parameters()}

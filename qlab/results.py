@@ -61,6 +61,10 @@ def save_metrics(name: str, **metrics) -> Path:
     clean = {}
     for key, value in metrics.items():
         if hasattr(value, "item"):
+            size = value.numel() if hasattr(value, "numel") else getattr(value, "size", 1)  # torch / numpy
+            if size != 1:
+                kind = type(value).__name__
+                raise TypeError(f"metric {key!r} must be a scalar, got {size} values ({kind})")
             value = value.item()
         if not isinstance(value, (int, float, str, bool, type(None))):
             raise TypeError(f"metric {key!r} must be a scalar, got {type(value).__name__}")

@@ -123,7 +123,8 @@ class GradientMask:
             if not any(checks.matches(name, pattern) for pattern in keep)
         }
         if not self.selected:
-            raise ValueError(f"module patterns {patterns!r} match no module of the model")
+            shown = [p.__name__ if isinstance(p, type) else p for p in patterns]
+            raise ValueError(f"modules {shown} (name patterns or classes) match no module of the model")
         self.fractions: list[float] = []
         self._handles = [
             module.register_full_backward_pre_hook(self._hook) for module in self.selected.values()

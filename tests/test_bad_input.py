@@ -1269,7 +1269,73 @@ CASES = [
     ("run_notebook smoke str", lambda: run_notebook(NOTEBOOK, smoke="yes"), TypeError, "smoke"),
     ("point_slug str", lambda: point_slug("x"), TypeError, "parameters"),
     ("run_sweep jobs 0", lambda: run_sweep(NOTEBOOK, "grid.yaml", jobs=0), ValueError, "jobs"),
+    # companions, loaded states, callbacks and sizes (categories the generated inputs of test_fuzz_api cover)
+    (
+        "load_quant_state history as a list",
+        lambda: _delayed_layer().load_quant_state(
+            {"scalers": {"input": {"history": [0.0] * 16, "scale": torch.ones(())}}}
+        ),
+        TypeError,
+        "history",
+    ),
+    (
+        "load_quant_state history of another length",
+        lambda: _delayed_layer().load_quant_state(
+            {"scalers": {"input": {"history": torch.zeros(3), "scale": torch.ones(())}}}
+        ),
+        ValueError,
+        "history",
+    ),
+    (
+        "load_quant_state generator bytes",
+        lambda: _delayed_layer().load_quant_state({"generators": {"cpu": torch.zeros(3)}}),
+        TypeError,
+        "generators",
+    ),
+    ("save_metrics vector", lambda: results.save_metrics("m", loss=torch.ones(3)), TypeError, "loss"),
+    (
+        "weight_gradients loss_fn not callable",
+        lambda: probes.weight_gradients(tiny(), [x32(2, 8)], "mse"),
+        TypeError,
+        "loss_fn",
+    ),
+    (
+        "mask_gradients class that matches nothing",
+        lambda: sparse.mask_gradients(tiny(), 0.5, modules=[nn.Conv1d]),
+        ValueError,
+        "Conv1d",
+    ),
+    (
+        "qdq fixed scale of another row count",
+        lambda: Q.qdq(x32(4, 32), "fp8_e4m3_rowwise", scale=torch.ones(3)),
+        ValueError,
+        "scale",
+    ),
+    (
+        "qdq fixed scale on meta",
+        lambda: Q.qdq(x32(4, 32), "fp8_e4m3", scale=torch.ones((), device="meta")),
+        ValueError,
+        "scale",
+    ),
+    (
+        "nvfp4_block_scales global of several values",
+        lambda: scaling.nvfp4_block_scales(torch.ones(4, 2), torch.ones(2)),
+        ValueError,
+        "global_scale",
+    ),
+    ("hadamard_matrix beyond memory", lambda: scaling.hadamard_matrix(2**40), ValueError, "size"),
+    ("QuantLinear beyond memory", lambda: qnn.QuantLinear(2**31, 2**31), ValueError, "in_features"),
+    (
+        "layer_norm weight on meta",
+        lambda: numerics.layer_norm(x32(2, 8), (8,), torch.ones(8, device="meta")),
+        ValueError,
+        "weight",
+    ),
 ]
+
+
+def _delayed_layer():
+    return qnn.QuantLinear(8, 8, recipe="fp8_delayed")
 
 
 def test_the_table_is_large_and_its_ids_unique():

@@ -60,6 +60,12 @@ def quantized_layer():
     return qnn.QuantLinear(32, 8, recipe="mxfp8")
 
 
+def delayed_state():
+    layer = qnn.QuantLinear(32, 8, recipe="fp8_delayed")
+    layer(x()).sum().backward()
+    return layer.quant_state()
+
+
 # entry point id → (callable, a function returning its valid keyword arguments)
 ENTRY_POINTS = {
     "quantize.quantize": (Q.quantize, lambda: dict(x=x(), spec="mxfp8", axis=-1)),
@@ -221,6 +227,14 @@ ENTRY_POINTS = {
     "nn.unquantize_model": (qnn.unquantize_model, lambda: dict(model=tiny())),
     "nn.linear_layers": (qnn.linear_layers, lambda: dict(model=tiny())),
     "recipe.get_recipe": (R.get_recipe, lambda: dict(recipe="mxfp8")),
+    "nn.QuantLinear.load_quant_state": (
+        lambda _layer, state: _layer.load_quant_state(state),
+        lambda: dict(_layer=qnn.QuantLinear(32, 8, recipe="fp8_delayed"), state=delayed_state()),
+    ),
+    "probes.weight_gradients": (  # the batches go to the caller's loss_fn, which checks them
+        lambda model, _batches, loss_fn: probes.weight_gradients(model, _batches, loss_fn),
+        lambda: dict(model=tiny(), _batches=[x()], loss_fn=lambda model, batch: model(batch).square().mean()),
+    ),
 }
 
 
@@ -320,6 +334,8 @@ def _variants(value) -> list[tuple[str, str, object]]:
         return [(WRONG_KIND, "a dict", {"v": [1.0]}), (MAYBE, "empty frame", value.iloc[:0]), *none]
     if isinstance(value, dict):
         return [(WRONG_KIND, "a list", [1]), (MAYBE, "empty", {}), *none]
+    if callable(value) and not isinstance(value, type):
+        return [(WRONG_KIND, "an int", 3), (WRONG_KIND, "a string", "loss"), *none]
     if isinstance(value, (list, tuple)):
         return [
             (WRONG_KIND, "an int", 3),

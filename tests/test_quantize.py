@@ -1435,3 +1435,12 @@ def test_empty_tensors():
 def test_hadamard_dim_out_of_range_is_refused():
     with pytest.raises(ValueError, match=r"dim must be in \[-2, 1\]"):
         scaling.hadamard_transform(torch.ones(2, 16), dim=5)
+
+
+def test_sqnr_db_is_defined_where_a_ratio_has_a_zero():
+    zeros, ones = torch.zeros(4), torch.ones(4)
+    assert sqnr_db(zeros, zeros) == math.inf  # no noise: exact
+    assert sqnr_db(zeros, ones) == -math.inf  # no signal, some noise
+    assert math.isnan(sqnr_db(torch.tensor([math.nan, 1.0]), ones[:2]))
+    # 10·log10(Σx² / Σ(x − x̂)²) by hand: signal 4, noise 4 · 0.25 = 1 → 10·log10(4)
+    assert sqnr_db(ones, ones * 0.5) == pytest.approx(10 * math.log10(4), rel=1e-12)

@@ -238,7 +238,7 @@ def test_multihead_attention_out_proj_is_reported_not_silently_skipped():
     assert skipped["class"] == "NonDynamicallyQuantizableLinear"
 
 
-def test_linear_subclasses_convert_unless_they_override_forward():
+def test_linear_subclasses_convert_when_their_forward_computes_a_linear():
     class Plain(nn.Linear):
         pass
 
@@ -246,10 +246,45 @@ def test_linear_subclasses_convert_unless_they_override_forward():
         def forward(self, x):
             return super().forward(x) * 2
 
-    model = nn.Sequential(Plain(8, 8), Custom(8, 8))
+    class WrittenOut(nn.Linear):  # x·Wᵀ + b by hand, as Falcon's FalconLinear does
+        def forward(self, x):
+            return x @ self.weight.T + self.bias
+
+    class TwoDimensional(nn.Linear):  # refuses the 3-D probe
+        def forward(self, x):
+            assert x.dim() == 2
+            return super().forward(x)
+
+    model = nn.Sequential(Plain(8, 8), Custom(8, 8), WrittenOut(8, 8), TwoDimensional(8, 8))
     report = {row["name"]: row for row in quantize_model(model, "mxfp8")}
     assert report["0"]["action"] == "quantized" and isinstance(model[0], QuantLinear)
-    assert report["1"]["action"] == "skipped" and "overrides nn.Linear.forward" in report["1"]["reason"]
+    assert report["1"]["action"] == "skipped" and "another computation" in report["1"]["reason"]
+    assert report["2"]["action"] == "quantized" and isinstance(model[2], QuantLinear)
+    assert report["3"]["action"] == "skipped" and "failed on a probe input" in report["3"]["reason"]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_falcon_linears_written_out_by_hand_are_quantized(bias):
+    """Falcon's attention and MLP use FalconLinear, an nn.Linear whose forward is x @ W.T (+ b): each
+    is verified against F.linear and converted; under mxfp8 the model computes another, finite loss,
+    and unquantize_model gives back the float model's loss exactly."""
+    config = transformers.FalconConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, bias=bias, **SIZES
+    )
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(config).eval()
+    ids = batch()
+    reference = loss_of(model, ids).item()
+    report = quantize_model(model, "mxfp8")
+    falcon = [row for row in report if row["class"] == "FalconLinear"]
+    assert len(falcon) == 8  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h per layer
+    assert all(row["action"] == "quantized" for row in falcon), [
+        r for r in falcon if r["action"] != "quantized"
+    ]
+    quantized = loss_of(model, ids).item()
+    assert math.isfinite(quantized) and quantized != reference
+    unquantize_model(model)
+    assert loss_of(model, ids).item() == reference  # the same Parameters, back to FalconLinear
 
 
 def test_patterns_select_huggingface_names_and_direct_children():
