@@ -94,7 +94,8 @@ def gemm_errors(
     x: (tokens, in), weight: (out, in), grad_output: (tokens, out); floating-point tensors.
     """
     got = gemm_outputs(recipe, x, weight, grad_output, seed=seed)
-    x64, w64, dy64 = x.double(), weight.double(), grad_output.double()
+    # contiguous: the float64 products then sum in one order whatever the operands' strides
+    x64, w64, dy64 = (t.double().contiguous() for t in (x, weight, grad_output))
     exact = {"fprop": x64 @ w64.T, "dgrad": dy64 @ w64, "wgrad": dy64.T @ x64}
     return {gemm: float((got[gemm].double() - exact[gemm]).norm() / exact[gemm].norm()) for gemm in GEMMS}
 
@@ -119,12 +120,17 @@ def gemm_outputs(
             f"shapes do not chain: x {tuple(x.shape)}, weight {tuple(weight.shape)} need grad_output "
             f"{(x.shape[0], weight.shape[0])}, got {tuple(grad_output.shape)}"
         )
+    if x.numel() == 0 or weight.numel() == 0:
+        raise ValueError(
+            f"x and weight must hold values, got shapes {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     layer = QuantLinear(weight.shape[1], weight.shape[0], bias=False, recipe=recipe, seed=seed)
     with torch.no_grad():
         layer.weight.copy_(weight)
-    inputs = x.detach().float().clone().requires_grad_(True)
+    # contiguous copies: the GEMMs then run in one order whatever the operands' strides
+    inputs = x.detach().float().contiguous().requires_grad_(True)
     y = layer(inputs)
-    y.backward(grad_output.float())
+    y.backward(grad_output.float().contiguous())
     return {"fprop": y.detach(), "dgrad": inputs.grad, "wgrad": layer.weight.grad}
 
 
@@ -132,6 +138,11 @@ def synthetic_operands(tokens: int = 256, features: int = 256, out: int = 256, *
     """(x, weight, grad_output) float32 with the structure real layers show: activations with a few
     outlier channels (4 channels ×20), Gaussian weights of scale 1/√in, and output gradients whose
     per-token magnitudes spread over two decades (log-normal)."""
+    for name, size in (("tokens", tokens), ("features", features), ("out", out)):
+        checks.integer(name, size, low=1)
+    checks.integer("features", features, low=4)  # four outlier channels
+    checks.seed("seed", seed)
+    checks.allocatable("tokens × features × out", (max(tokens, out), features + out))
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, features, generator=generator)
     x[:, torch.randperm(features, generator=generator)[:4]] *= 20.0

@@ -63,6 +63,19 @@ class Claim:
     headline: bool = False
     family_size: int = field(default=0, repr=False)
 
+    def __post_init__(self):
+        for name in ("key", "text", "test", "family", "unit"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {checks.shown(getattr(self, name))}")
+        for name in ("value", "low", "high", "p", "p_adjusted", "margin", "detectable"):
+            value = getattr(self, name)
+            if not (isinstance(value, float) and math.isnan(value)):  # NaN: not stated
+                checks.number(name, value, finite=False)
+        for name in ("n", "family_size"):
+            checks.integer(name, getattr(self, name), low=0)
+        checks.integer("digits", self.digits, low=0, high=17)
+        checks.boolean("headline", self.headline)
+
     def number(self, x: float, signed: bool) -> str:
         if not math.isfinite(x):
             return "—"
@@ -307,6 +320,8 @@ def key_for(*parts) -> str:
 def unwrap(markdown: str) -> str:
     """Join hard-wrapped lines of each paragraph and list item into one line, so a wrapped line that
     begins with a number ("30. ...") cannot become a numbered list."""
+    if not isinstance(markdown, str):
+        raise TypeError(f"markdown must be a str, got {checks.shown(markdown)}")
     lines, out = markdown.strip("\n").splitlines(), []
     for line in lines:
         starts_block = not line.strip() or re.match(r"^\s*([-*+]\s|#|>|\||\d+\.\s)", line)

@@ -168,8 +168,10 @@ def block_levels(weight: torch.Tensor, block: int = Q4_1_BLOCK) -> torch.Tensor:
     dimension (a flat int64 tensor, one count per block): at most 16 on a Q4_1 grid."""
     checks.tensor("weight", weight, real=True)
     checks.integer("block", block, low=1)
-    if weight.dim() < 1 or weight.shape[-1] % block:
-        raise ValueError(f"weight's last dimension must be a multiple of {block}, got {tuple(weight.shape)}")
+    if weight.dim() < 1 or weight.numel() == 0 or weight.shape[-1] % block:
+        raise ValueError(
+            f"weight's last dimension must be a non-zero multiple of block={block}, got {tuple(weight.shape)}"
+        )
     ordered = weight.detach().reshape(-1, block).sort(dim=1).values
     return (ordered.diff(dim=1) != 0).sum(dim=1) + 1
 

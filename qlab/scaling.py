@@ -345,6 +345,9 @@ def nvfp4_block_scales_nvidia(block_amax: torch.Tensor, encode: torch.Tensor | N
 def nvfp4_element_inverse(block_scales: torch.Tensor, decode: torch.Tensor | None) -> torch.Tensor:
     """What elements are multiplied by before the E2M1 cast: min(fl(1 / fl(s_block · S_dec)), FLT_MAX)
     with S_dec = fl(1/S_enc) (``decode`` None: 1). A zero block scale gives FLT_MAX (0 · FLT_MAX = 0)."""
+    _amaxes("block_scales", block_scales)
+    if decode is not None:
+        _one_value("decode", decode, "block_scales", block_scales)
     denominator = block_scales if decode is None else block_scales * decode
     return torch.clamp(reciprocal(denominator), max=FLOAT32_MAX)
 
@@ -359,8 +362,10 @@ def nvfp4_dequantize_multiplier(block_scales: torch.Tensor, amax: torch.Tensor |
     s_block · fl(1/FLT_MAX) (the kernel's amax/2688 would shrink every value by up to 2^128·amax/2688);
     a non-finite amax (a NaN or inf somewhere) encoded with S_enc = 1, so it decodes with s_block, and
     only the blocks holding the NaN or inf become NaN."""
+    _amaxes("block_scales", block_scales)
     if amax is None:
         return block_scales
+    _one_value("amax", amax, "block_scales", block_scales)
     encode = nvfp4_encode_scale(amax)
     with_amax = (block_scales * amax) * _RCP_2688
     consistent = block_scales * reciprocal(encode)

@@ -53,6 +53,10 @@ class SeedQuantizerFunction(torch.autograd.Function):
 def seed_quantize(x: torch.Tensor, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """The seed's Quantizer(N_bits, "per_tensor", signed=True, symmetric=True) applied to x."""
     checks.tensor("x", x, floating=True)
+    if x.numel() == 0:
+        raise ValueError(
+            f"x must hold at least one value (the scale is its amax), got shape {tuple(x.shape)}"
+        )
     checks.integer("bits", bits, low=2, high=16)
     return SeedQuantizerFunction.apply(x, 2 ** (bits - 1) - 1)
 
@@ -61,6 +65,12 @@ def fp16_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b as a GPU's fp16 GEMM computes it: operands rounded to fp16, products accumulated in fp32,
     the result rounded to fp16 (beyond ±65504: ±inf). CPU fp16 GEMMs are 8× slower here, so the fp32
     GEMM of the rounded operands stands in for the accumulation."""
+    for name, operand in (("a", a), ("b", b)):
+        checks.tensor(name, operand, floating=True)
+        if operand.dim() < 1:
+            raise ValueError(f"{name} must have at least one dimension for a matmul, got a 0-d tensor")
+    if a.shape[-1] != b.shape[0 if b.dim() == 1 else -2]:
+        raise ValueError(f"a's last dimension must match b's rows: a {tuple(a.shape)}, b {tuple(b.shape)}")
     return (a.half().float() @ b.half().float()).half()
 
 
@@ -115,6 +125,9 @@ class SeedLinear(nn.Linear):
     ):
         checks.choice("mode", mode, MODES)
         checks.integer("bits", bits, low=2, high=16)
+        from qlab.nn import check_linear_arguments
+
+        check_linear_arguments(in_features, out_features, bias)
         super().__init__(in_features, out_features, bias=bias)
         self.mode, self.name, self.bits = mode, name, bits
         self.fp16 = checks.boolean("fp16", fp16)  # GEMMs in fp16 (fp16_matmul), as under the seed's autocast
@@ -181,6 +194,8 @@ def permutation_task_batch(batch: int, tokens: int, vocab: int, generator: torch
         checks.integer(name, value, low=1)
     checks.generator("generator", generator, optional=False)
     checks.seed("seed", seed)
+    checks.allocatable("batch × tokens", (batch, tokens), 8)
+    checks.allocatable("vocab", (vocab,), 8)
     permutation = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
     ids = torch.randint(0, vocab, (batch, tokens), generator=generator)
     previous = torch.cat([ids[:, :1], ids[:, :-1]], dim=1)

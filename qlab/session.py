@@ -46,13 +46,15 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     if isinstance(name, torch.device):
         name = str(name)
     if not isinstance(name, str):
-        raise TypeError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {checks.shown(name)}")
+        raise TypeError(f"name must be a device: 'auto', 'cpu', 'cuda' or 'cuda:N', got {checks.shown(name)}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ValueError(
+            f"unknown device name={name!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA device")
     return device

@@ -385,7 +385,10 @@ def time_ratios(times, reference) -> dict[str, float]:
     for name, values in (("times", times), ("reference", reference)):
         if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
             raise TypeError(f"{name} must be a sequence of seconds, got {checks.shown(values)}")
-        array = np.asarray(list(values), dtype=np.float64)
+        try:
+            array = np.asarray(list(values), dtype=np.float64)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name} must hold numbers of seconds, got {checks.shown(values)}") from None
         if array.ndim != 1 or not len(array):
             raise ValueError(f"{name} must be a non-empty flat sequence of seconds, got shape {array.shape}")
         if not (np.isfinite(array).all() and (array > 0).all()):

@@ -127,10 +127,17 @@ def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: st
         pair = [pair]
     elif not isinstance(pair, (list, tuple)) or not pair:
         raise TypeError(f"pair must be a column name or a non-empty list of them, got {checks.shown(pair)}")
-    checks.frame_columns("frame", frame, [value, by, *pair])
+    checks.frame_columns("frame", frame, [])
+    for name, column in (("value", value), ("by", by), *(("pair", column) for column in pair)):
+        if not isinstance(column, str) or column not in frame.columns:
+            raise ValueError(
+                f"{name} must name a column of the frame ({list(frame.columns)}), got {column!r}"
+            )
+    if isinstance(baseline, (list, tuple, dict, set)):
+        raise TypeError(f"baseline must be one value of the {by} column, got {checks.shown(baseline)}")
     reference = frame[frame[by] == baseline][[*pair, value]]
     if reference.empty:
-        raise ValueError(f"no baseline rows with {by} == {baseline!r}")
+        raise ValueError(f"the frame has no baseline rows with {by} == {baseline!r}")
     if reference.duplicated(pair).any():
         raise ValueError(f"the baseline has more than one row for some {pair}: pair them uniquely")
     others = frame[frame[by] != baseline][[by, *pair, value]]

@@ -54,6 +54,8 @@ def load_grid(path: str | os.PathLike) -> dict[str, list]:
 
 def grid_points(grid: dict[str, list]) -> list[dict]:
     """The cartesian product, in the grid's key order (the last key varies fastest)."""
+    if not isinstance(grid, dict) or not all(isinstance(v, (list, tuple)) for v in grid.values()):
+        raise TypeError(f"grid must be a dict of name → list of values, got {checks.shown(grid)}")
     names = list(grid)
     return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
 

@@ -33,10 +33,30 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import qlab  # noqa: E402
-from qlab import formats, kernels, numerics, probes, scaling, sparse, stats, synthetic  # noqa: E402
+from qlab import (  # noqa: E402  # noqa: E402
+    ablation,
+    claims,
+    formats,
+    kernels,
+    numerics,
+    probes,
+    results,
+    scaling,
+    seed_model,
+    session,
+    sparse,
+    stats,
+    sweep,
+    synthetic,
+)
+from qlab import models as qlab_models  # noqa: E402
 from qlab import nn as qnn  # noqa: E402
 from qlab import quantize as Q  # noqa: E402
 from qlab import recipe as R  # noqa: E402
+from qlab.train import config as TC  # noqa: E402
+from qlab.train import data as TD  # noqa: E402
+from qlab.train import loop as TL  # noqa: E402
+from qlab.train import models as TM  # noqa: E402
 
 QLAB_DIR = Path(qlab.__file__).resolve().parent
 EXAMPLES = int(os.environ.get("QLAB_FUZZ_EXAMPLES", "12"))
@@ -227,6 +247,92 @@ ENTRY_POINTS = {
     "nn.unquantize_model": (qnn.unquantize_model, lambda: dict(model=tiny())),
     "nn.linear_layers": (qnn.linear_layers, lambda: dict(model=tiny())),
     "recipe.get_recipe": (R.get_recipe, lambda: dict(recipe="mxfp8")),
+    "recipe.Recipe": (R.Recipe, lambda: dict(name="mine", input=Q.MXSpec("e4m3"), weight=Q.MXSpec("e2m1"))),
+    "ablation.ablations": (ablation.ablations, lambda: dict(preset="nvfp4")),
+    "ablation.synthetic_operands": (
+        ablation.synthetic_operands,
+        lambda: dict(tokens=32, features=32, out=16, seed=0),
+    ),
+    "ablation.gemm_errors": (
+        ablation.gemm_errors,
+        lambda: dict(
+            recipe="mxfp8", x=x(8, 32), weight=x(16, 32, seed=1), grad_output=x(8, 16, seed=2), seed=0
+        ),
+    ),
+    "models.q4_1_round_trip": (qlab_models.q4_1_round_trip, lambda: dict(weight=x(4, 32))),
+    "models.block_levels": (qlab_models.block_levels, lambda: dict(weight=x(4, 32), block=32)),
+    "results.markdown_table": (
+        results.markdown_table,
+        lambda: dict(df=pd.DataFrame({"a": [1.0, 2.5]}), float_format="{:.3g}"),
+    ),
+    "claims.Claim": (
+        claims.Claim,
+        lambda: dict(key="a.b", text="a claim", value=1.0, low=0.5, high=1.5, n=3, test="paired t"),
+    ),
+    "claims.unwrap": (claims.unwrap, lambda: dict(markdown="a line\nwrapped")),
+    "sweep.grid_points": (sweep.grid_points, lambda: dict(grid={"seed": [0, 1], "steps": [5]})),
+    "sweep.point_slug": (sweep.point_slug, lambda: dict(parameters={"seed": 1, "recipe": "mxfp8"})),
+    "stats.t_quantile_975": (stats.t_quantile_975, lambda: dict(degrees_of_freedom=3)),
+    "stats.paired_differences": (
+        stats.paired_differences,
+        lambda: dict(
+            frame=pd.DataFrame(
+                {"mode": ["a", "a", "b", "b"], "seed": [0, 1, 0, 1], "v": [1.0, 2.0, 1.5, 2.5]}
+            ),
+            value="v",
+            baseline="a",
+            by="mode",
+            pair="seed",
+        ),
+    ),
+    "sparse.check_k": (sparse.check_k, lambda: dict(k=0.5)),
+    "sparse.time_ratios": (sparse.time_ratios, lambda: dict(times=[1.0, 1.2], reference=[2.0, 2.2])),
+    "sparse.GradientMask": (
+        sparse.GradientMask,
+        lambda: dict(model=tiny(), k=0.5, mode="shared", keep="head"),
+    ),
+    "kernels.covers": (kernels.covers, lambda: dict(spec="mxfp8")),
+    "scaling.nvfp4_encode_scale": (scaling.nvfp4_encode_scale, lambda: dict(amax=torch.tensor(3.0))),
+    "scaling.nvfp4_element_inverse": (
+        scaling.nvfp4_element_inverse,
+        lambda: dict(block_scales=x(4, 2).abs(), decode=torch.tensor(0.5)),
+    ),
+    "scaling.nvfp4_dequantize_multiplier": (
+        scaling.nvfp4_dequantize_multiplier,
+        lambda: dict(block_scales=x(4, 2).abs(), amax=torch.tensor(3.0)),
+    ),
+    "numerics.reference_layer_norm": (
+        numerics.reference_layer_norm,
+        lambda: dict(x=x(2, 8), normalized_shape=(8,)),
+    ),
+    "train.TrainConfig": (
+        TC.TrainConfig,
+        lambda: dict(task="digits", recipe="mxfp8", steps=5, lr=1e-3, batch_size=8, seed=0),
+    ),
+    "train.learning_rate": (
+        TL.learning_rate,
+        lambda: dict(config=TC.TrainConfig(task="digits", steps=10), step=3),
+    ),
+    "train.data.markdown_to_text": (TD.markdown_to_text, lambda: dict(markdown="# Act I\nEnter **Hamlet**.")),
+    "train.data.unigram_entropy": (
+        TD.unigram_entropy,
+        lambda: dict(ids=torch.tensor([1, 2, 2, 3]), vocab_size=5),
+    ),
+    "train.data.Vocabulary": (TD.Vocabulary, lambda: dict(characters="abc")),
+    "train.models.CharGPT": (
+        TM.CharGPT,
+        lambda: dict(vocab_size=11, context=16, layers=1, width=32, heads=4),
+    ),
+    "train.models.MLP": (TM.MLP, lambda: dict(inputs=64, hidden=(16,), classes=10)),
+    "train.models.parameter_count": (TM.parameter_count, lambda: dict(model=tiny())),
+    "seed_model.seed_quantize": (seed_model.seed_quantize, lambda: dict(x=x(), bits=8)),
+    "seed_model.fp16_matmul": (seed_model.fp16_matmul, lambda: dict(a=x(4, 8), b=x(8, 4, seed=1))),
+    "seed_model.SeedLinear": (seed_model.SeedLinear, lambda: dict(in_features=8, out_features=4, bits=8)),
+    "seed_model.permutation_task_batch": (
+        seed_model.permutation_task_batch,
+        lambda: dict(batch=2, tokens=8, vocab=16, generator=gen(), seed=0),
+    ),
+    "session.resolve_device": (session.resolve_device, lambda: dict(name="cpu")),
     "nn.QuantLinear.load_quant_state": (
         lambda _layer, state: _layer.load_quant_state(state),
         lambda: dict(_layer=qnn.QuantLinear(32, 8, recipe="fp8_delayed"), state=delayed_state()),
@@ -283,7 +389,7 @@ def _variants(value) -> list[tuple[str, str, object]]:
         return [(WRONG_KIND, "a string", "no"), (WRONG_KIND, "an int", 2), *none]
     if isinstance(value, int):
         return [
-            (WRONG_KIND, "a string", "3"),
+            (WRONG_KIND, "a word", "three"),
             (WRONG_KIND, "a bool", True),
             (WRONG_KIND, "a fraction", 2.5),
             (MAYBE, "zero", 0),
@@ -294,7 +400,7 @@ def _variants(value) -> list[tuple[str, str, object]]:
         ]
     if isinstance(value, float):
         return [
-            (WRONG_KIND, "a string", "1.0"),
+            (WRONG_KIND, "a word", "one"),
             (WRONG_KIND, "a bool", True),
             (WRONG_KIND, "a list", [1.0]),
             (MAYBE, "NaN", math.nan),
@@ -413,3 +519,107 @@ def test_bad_input_is_refused_clearly_or_computed_right(entry, data):
     if category == SAME:
         expected = fn(**{**valid()})
         assert _same(result, expected), f"{name} = {label} gave another result than the contiguous input"
+
+
+# --- which public names are generated against, and why the others are not -----------------------------
+
+NOT_GENERATED = {
+    "the argument checks themselves: their refusals are what every row above exercises": """
+        checks.shown checks.integer checks.number checks.function checks.boolean checks.choice
+        checks.generator checks.seed checks.tensor checks.same_device checks.allocatable
+        checks.all_finite checks.holds_nan checks.floating_dtype checks.module checks.matches
+        checks.patterns checks.batches checks.frame_columns checks.names checks.closest
+        checks.patterns_match""",
+    "kernel launchers and fast paths behind qlab.kernels' checked entry points (tests/test_kernels.py)": """
+        kernels.triton_available kernels.cpu_qdq.available kernels.cpu_qdq.covers kernels.cpu_qdq.qdq
+        kernels.cpu_qdq.stochastic_noise kernels.cpu_qdq.draws_like_torch kernels.cpu_qdq.tensor_stats
+        kernels.cpu_qdq.tensor_stats_function kernels.fp8_gemm.is_fp8_spec
+        kernels.fp8_gemm.unsupported_reason kernels.fp8_gemm.fp8_matmul kernels.fp8_triton.tensor_amax
+        kernels.fp8_triton.fp8_current_scaling kernels.layernorm_triton.forward
+        kernels.layernorm_triton.backward kernels.mx_triton.mx_qdq_last_axis
+        kernels.mx_triton.mx_quantize_last_axis kernels.noise_triton.noise_from_bits
+        kernels.nvfp4_triton.nvfp4_qdq_last_axis kernels.triton_math.encode_constants
+        kernels.triton_math.Tuned formats.cast_unchecked formats.encode_float formats.decode_unchecked
+        formats.torch_stochastic_noise formats.register_noise_source formats.drawn_noise
+        scaling.nvfp4_block_scales_nvidia quantize.block_scales quantize.check_input
+        quantize.from_layout quantize.compile_enabled quantize.draws_float32_noise ops.define""",
+    "QuantLinear's and the converters' building blocks, reached through quantize_model above": """
+        nn.highest_matmul_precision nn.check_linear_arguments nn.check_gemm nn.is_conv1d
+        nn.oriented_weight nn.why_not_converted nn.linear_sharing_parameters nn.rebuild_source
+        nn.replace_linears nn.conversion_report nn.plain_linears nn.set_submodule""",
+    "they train, run notebooks, servers or processes (bad input listed in tests/test_bad_input.py)": """
+        train.loop.train train.loop.build_model train.loop.Batches train.loop.evaluate
+        train.loop.gradient_fidelity train.loop.autocast_for train.loop.make_optimizer
+        train.loop.compiled_step_model train.launch.add_arguments train.launch.run train.launch.main
+        notebooks.list_notebooks notebooks.resolve_notebook notebooks.notebook_parameters
+        notebooks.check_parameters notebooks.run_notebook notebooks.strip_outputs
+        notebooks.sync_notebooks sweep.run_sweep runs.run_many runs.plan runs.usable_cores runs.task
+        runs.describe runs.cache_key runs.check_address lab.tracked_notebook lab.clean_for_saving
+        lab.install_lab_settings lab.lab_arguments lab.main cli.main advisor.main advisor.advise
+        advisor.layer_sensitivity advisor.group_sensitivity advisor.quantized advisor.causal_lm_loss
+        advisor.hidden_state_error advisor.choose seed_model.train seed_model.ddp_audit
+        sparse.train_digits sparse.backward_seconds sparse.pass_seconds models.fine_tune
+        ablation.capture_operands ablation.gemm_outputs ablation.without ablation.uses
+        ablation.switched_off numerics.check_layer_norm_grads numerics.norm_input_conditions
+        numerics.use_stats_layer_norms numerics.layer_norm_swapped_affine_grads numerics.merge_moments
+        probes.gradient_noise_floor session.start session.progress session.headless session.machine
+        session.parameters_source session.notebook_defaults""",
+    "they read or write files: bad paths and names are listed in tests/test_bad_input.py": """
+        models.load models.model_path models.cache_dir models.shakespeare_batches
+        crossmachine.machine_record crossmachine.final_losses crossmachine.run_shifts
+        crossmachine.seed_spread crossmachine.comparison_pairs crossmachine.comparisons
+        crossmachine.survival claims.Claims claims.key_for claims.load claims.from_row
+        claims.findings_table claims.update_readme sweep.load_grid train.config.load_config
+        train.loop.save_checkpoint train.loop.read_checkpoint train.loop.load_checkpoint
+        results.save_csv results.write_csv results.save_metrics plotting.use_paper_style
+        plotting.subplots plotting.save_figure plotting.mean_band plotting.delta_band paths.results_root
+        paths.data_dir paths.figures_dir paths.shown paths.environment train.data.validation_plays
+        train.data.digits""",
+    "result and error types the functions above construct": """
+        quantize.QuantSpec quantize.Spec quantize.QTensor formats.FloatFormat formats.IntFormat
+        formats.E8M0Format numerics.Moments numerics.GradCheckResult advisor.Advice models.PackagedModel
+        notebooks.NotebookError notebooks.RunResult results.SavedPath plotting.SavedFigure runs.Task
+        runs.RunsFailed sweep.PointOutcome session.NotebookRun train.data.TextCorpus train.data.ImageSet
+        train.loop.TrainResult train.loop.TrainingDiverged train.loop.Divergence
+        train.models.CausalSelfAttention train.models.FeedForward train.models.Block
+        seed_model.SeedQuantizerFunction seed_model.SeedLinearFunction seed_model.Block lab.LabContentsManager
+        seed_model.SeedTransformer""",
+}
+
+
+def _public_names() -> set[str]:
+    import importlib
+    import inspect
+    import pkgutil
+
+    names = set()
+    for info in pkgutil.walk_packages(qlab.__path__, "qlab."):
+        if info.name.endswith("__main__"):  # `python -m` entry points run on import
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            public = not name.startswith("_") and getattr(value, "__module__", "") == module.__name__
+            if public and (inspect.isfunction(value) or inspect.isclass(value)):
+                names.add(f"{module.__name__.removeprefix('qlab.')}.{name}")
+    return names
+
+
+def _generated_names() -> set[str]:
+    names = set()
+    for fn, _ in ENTRY_POINTS.values():
+        module, qualname = getattr(fn, "__module__", ""), getattr(fn, "__qualname__", "")
+        if module.startswith("qlab.") and "<lambda>" not in qualname:
+            names.add(f"{module.removeprefix('qlab.')}.{qualname}")
+    names |= {"nn.QuantLinear", "probes.weight_gradients"}  # called through a lambda above
+    return names
+
+
+def test_every_public_name_is_generated_against_or_says_why_not():
+    """A public function or class added to qlab must join ENTRY_POINTS or NOT_GENERATED with a reason."""
+    exempt = {name for names in NOT_GENERATED.values() for name in names.split()}
+    public, generated = _public_names(), _generated_names()
+    assert not (generated & exempt), sorted(generated & exempt)
+    assert not (exempt - public), f"no such public names: {sorted(exempt - public)}"
+    assert not (public - generated - exempt), (
+        f"neither generated nor exempt: {sorted(public - generated - exempt)}"
+    )

