@@ -269,7 +269,9 @@ def _reference_cast(x, fmt, rounding, saturate, generator):
     return torch.where(torch.isnan(x64), x64, result).to(x.dtype)
 
 
-def _fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str, saturate: bool = True) -> bool:
+def fast_path_applies(x: torch.Tensor, fmt: Format, rounding: str, saturate: bool = True) -> bool:
+    """Whether ``cast`` of x takes the fused path (the C kernel, or compiled code) for this format,
+    rounding and dtype; the fused path gives the reference's bits."""
     if rounding not in ("rne", "stochastic") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
     if rounding == "stochastic" and not saturate:
@@ -286,7 +288,7 @@ TORCH_FLOAT8 = {  # torch's float8 dtype for each format that has one (the one m
 }
 
 
-def _cast_rne_float32(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
+def cast_rne_float32(x: torch.Tensor, fmt: Format, saturate: bool) -> torch.Tensor:
     """RNE cast of a float32 tensor by the add-and-subtract trick (no checks; see the module doc)."""
     if isinstance(fmt, IntFormat):
         return torch.round(x.clamp(fmt.min, fmt.max))  # |x| < 2^23 after the clamp: round is exact RNE
@@ -467,10 +469,10 @@ def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.T
 
 def cast_unchecked(x, fmt, rounding="rne", saturate=True, generator=None):
     """``cast`` without argument checks (callers have checked; NaN never reaches a no-NaN format)."""
-    if _fast_path_applies(x, fmt, rounding, saturate):
+    if fast_path_applies(x, fmt, rounding, saturate):
         if rounding == "stochastic":
             return _cast_stochastic_float32(x.float(), fmt, generator).to(x.dtype)
-        return _cast_rne_float32(x.float(), fmt, saturate).to(x.dtype)
+        return cast_rne_float32(x.float(), fmt, saturate).to(x.dtype)
     return _reference_cast(x, fmt, rounding, saturate, generator)
 
 
@@ -556,7 +558,7 @@ def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     fmt = get_format(fmt, "fmt")
     if isinstance(codes, torch.Tensor):
         checks.tensor("codes", codes)  # a meta tensor has no codes to read
-    _check_codes(codes, "codes", *_code_range(fmt), fmt.name)
+    check_codes(codes, "codes", *_code_range(fmt), fmt.name)
     return decode_unchecked(codes, fmt)
 
 
@@ -582,7 +584,9 @@ def _code_range(fmt: Format) -> tuple[int, int]:
     return 0, 2**fmt.bits - 1
 
 
-def _check_codes(codes, name: str, low: int, high: int, what: str) -> None:
+def check_codes(codes, name: str, low: int, high: int, what: str) -> None:
+    """``codes`` (the argument ``name``) must be an integer tensor with values in [low, high] (reads
+    the values: a GPU syncs)."""
     if isinstance(codes, torch.Tensor):
         checks.tensor(name, codes)  # a meta tensor has no codes to read
     if (
@@ -605,7 +609,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
         raise TypeError(
             f"codes must be a uint8 tensor of 4-bit codes, got {getattr(codes, 'dtype', checks.shown(codes))}"
         )
-    _check_codes(codes, "codes", 0, 15, "4-bit codes")
+    check_codes(codes, "codes", 0, 15, "4-bit codes")
     if codes.dim() == 0 or codes.shape[-1] % 2:
         raise ValueError(f"codes need an even last axis to pack two per byte, got shape {tuple(codes.shape)}")
     return codes[..., 0::2] | (codes[..., 1::2] << 4)

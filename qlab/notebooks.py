@@ -155,8 +155,6 @@ def run_notebook(
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
-    from qlab.session import HEADLESS_ENV
-
     path = resolve_notebook(notebook)
     if parameters is not None and not isinstance(parameters, dict):
         raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
@@ -177,7 +175,7 @@ def run_notebook(
         # text progress bars; where results go only when chosen here (smoke, a sweep point): otherwise
         # qlab.session.start decides from the parameters, so a run with other values than the defaults
         # writes under runs/interactive/ and never over the committed data/
-        kernel = {HEADLESS_ENV: "1"}
+        kernel = {paths.HEADLESS_ENV: "1"}
         if results_dir is not None:
             kernel[paths.RESULTS_ENV] = str(results_dir)
         with paths.environment(**kernel), _honour_raises_exception():

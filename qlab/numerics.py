@@ -491,7 +491,9 @@ class _LayerNormFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None
 
 
-def _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype):
+def check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype):
+    """Refuse what ``layer_norm`` cannot take (the Triton kernel's dispatch checks the same); returns
+    (normalized shape as a tuple, the accumulation dtype)."""
     shape = _check_normalized_shape(x, normalized_shape)
     _require_choice(stats, LAYER_NORM_STATS, "stats")
     for name, p in (("weight", weight), ("bias", bias)):
@@ -531,7 +533,7 @@ def layer_norm(
     Backward is analytic (not autograd through the statistics):
     dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·weight, dweight = Σ dy·x̂, dbias = Σ dy.
     """
-    shape, acc = _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype)
+    shape, acc = check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, acc_dtype)
     # contiguous: the sums then run in one order whatever x's strides, so a view gives the same bits
     return _LayerNormFunction.apply(x.contiguous(), weight, bias, len(shape), float(eps), stats, acc)
 
@@ -592,7 +594,7 @@ def layer_norm_swapped_affine_grads(
     """DELIBERATELY WRONG: ``layer_norm`` whose backward returns the weight and bias gradients in
     each other's places — the argument-order bug of the OneFlow LayerNorm seed. The forward is
     correct, so only a gradient check catches it (see ``check_layer_norm_grads``)."""
-    shape, acc = _check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
+    shape, acc = check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
     if weight is None or bias is None:
         raise ValueError("the swapped-gradient exhibit needs both weight and bias")
     return _SwappedAffineGradsLayerNorm.apply(x, weight, bias, len(shape), float(eps), stats, acc)

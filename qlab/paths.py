@@ -9,10 +9,15 @@ set it so they never overwrite the committed results.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 from pathlib import Path
 
+from qlab import checks
+
 RESULTS_ENV = "QLAB_RESULTS_DIR"
+HEADLESS_ENV = "QLAB_HEADLESS"  # set by qlab.notebooks.run_notebook for the kernel: progress as text
 PROFILE_ENV = "QLAB_PROFILE"  # "paper": results go to data/paper/ and figures/paper/
 
 
@@ -77,3 +82,15 @@ def environment(**values: str):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def point_slug(parameters: dict) -> str:
+    """A readable, filesystem-safe, deterministic directory name for a set of notebook parameters:
+    ``a=1__b=x`` (a sweep point's folder, an interactive run's results folder)."""
+    if not isinstance(parameters, dict):
+        raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
+    text = "__".join(f"{name}={value}" for name, value in parameters.items())
+    slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
+    if len(slug) > 120:
+        slug = slug[:100] + "--" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    return slug

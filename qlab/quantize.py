@@ -51,10 +51,10 @@ from qlab import checks, ops, scaling
 from qlab.formats import (
     ROUNDING_MODES,
     FloatFormat,
-    _fast_path_applies,
     cast_unchecked,
     decode_unchecked,
     encode_float,
+    fast_path_applies,
     get_format,
     pack_fp4,
     round_to_integer,
@@ -194,7 +194,7 @@ class TensorwiseSpec(QuantSpec):
     accepts_fixed_scale = True
 
     def __post_init__(self):
-        scaling._float_format(self.element, "element")
+        scaling.float_format(self.element, "element")
         _check_granularity(self.granularity)
         checks.boolean("pow2", self.pow2)
         checks.number("eps", self.eps, low=0)
@@ -367,7 +367,7 @@ class MXSpec(QuantSpec):
     def quantize_layout(self, x, generator=None, scale=None, dim=-1):
         fmt = get_format(self.element)
         block_amax = _block_amax(x.abs(), self, dim)
-        per_block, inverse, codes = scaling._mx_block_scales(block_amax, fmt, self.mode)
+        per_block, inverse, codes = scaling.mx_block_scales(block_amax, fmt, self.mode)
         scaled = torch.where(torch.isnan(inverse), 0.0, x * inverse)  # a NaN/inf block: codes 0, scale NaN
         values = cast_unchecked(scaled, fmt, self.rounding, True, generator)
         parts = {
@@ -974,7 +974,7 @@ def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
 def draws_float32_noise(spec: Spec) -> bool:
     """Whether stochastic rounding by ``spec`` consumes ``stochastic_noise`` draws (which can be drawn
     up front), rather than float64 ``torch.rand`` (the reference cast, asymmetric integers)."""
-    fast_stochastic = _fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
+    fast_stochastic = fast_path_applies(torch.empty(0), get_format(spec.element), "stochastic")
     return fast_stochastic and spec.float32_noise
 
 

@@ -25,7 +25,7 @@ import math
 import torch
 
 from qlab import checks, ops
-from qlab.formats import FloatFormat, _cast_rne_float32, _check_codes, get_format
+from qlab.formats import FloatFormat, cast_rne_float32, check_codes, get_format
 
 MX_SCALE_MODES = ("floor", "rceil", "ceil", "even")
 E8M0_NAN = 0xFF
@@ -37,7 +37,9 @@ HADAMARD_SIZE = 16
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _float_format(name, argument: str = "fmt") -> FloatFormat:
+def float_format(name, argument: str = "fmt") -> FloatFormat:
+    """The floating-point element format ``name`` (errors call it ``argument``); integer formats and
+    E8M0 are refused."""
     fmt = get_format(name, argument)
     if not isinstance(fmt, FloatFormat):
         raise ValueError(
@@ -153,7 +155,7 @@ def fp8_current_scale(
     An amax of 0 (after eps), inf or NaN gives 1. A scale that overflows float32 (tiny amax) becomes
     the float32 max. ``pow2`` rounds the scale down to a power of two (mantissa bits zeroed).
     """
-    fmt_max = _float_format(fmt).max
+    fmt_max = float_format(fmt).max
     amax = _amaxes("amax", amax).float()
     eps = checks.number("eps", eps, low=0, high=FLOAT32_MAX)  # a float32 floor
     checks.boolean("pow2", pow2)
@@ -177,7 +179,7 @@ class DelayedScaling:
     """
 
     def __init__(self, fmt="e4m3", history_len: int = 1024, algorithm: str = "max", margin: int = 0):
-        self.fmt = _float_format(fmt)
+        self.fmt = float_format(fmt)
         checks.integer("history_len", history_len, low=1)
         checks.allocatable("history_len", (history_len,))
         self.algorithm = checks.choice("algorithm", algorithm, AMAX_ALGORITHMS)
@@ -224,7 +226,7 @@ def mx_scale_codes(amax: torch.Tensor, element, mode: str = "floor") -> torch.Te
     is inf or NaN gets 0xFF (NaN). torchao 0.18 differs on inf (FLOOR/CEIL/EVEN give a finite byte,
     RCEIL 254) and its RCEIL takes a float32 log2; the tests pin our behaviour for those cases.
     """
-    fmt = _float_format(element, "element")
+    fmt = float_format(element, "element")
     checks.choice("mode", mode, MX_SCALE_MODES)
     amax = _amaxes("amax", amax).float()
     codes = _mx_biased_exponent(amax, fmt, mode).to(torch.uint8)
@@ -250,7 +252,7 @@ def _mx_biased_exponent(amax: torch.Tensor, fmt: FloatFormat, mode: str) -> torc
     return (field - fmt.emax).clamp(0, 254)  # = clamp(floor(log2 amax) − emax, −127, 127) + 127
 
 
-def _mx_block_scales(
+def mx_block_scales(
     amax: torch.Tensor, fmt: FloatFormat, mode: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X, 1/X, E8M0 byte) for each float32 block amax: ``mx_scale_values`` of ``mx_scale_codes(amax)``
@@ -270,11 +272,11 @@ def mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     Built from the float32 bits (biased exponent field = b, or 254 − b for 1/X); the one value
     below float32's normal range, 2^-127, is the subnormal with bit pattern 2^22.
     """
-    _check_codes(codes, "codes", 0, 255, "E8M0 bytes")
-    return _mx_scale_values(codes, checks.boolean("inverse", inverse))
+    check_codes(codes, "codes", 0, 255, "E8M0 bytes")
+    return mx_scale_values_unchecked(codes, checks.boolean("inverse", inverse))
 
 
-def _mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def mx_scale_values_unchecked(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``mx_scale_values`` without argument checks (no host sync: compiled qdq calls it)."""
     byte = codes.to(torch.int32)
     field = 254 - byte if inverse else byte
@@ -289,7 +291,7 @@ def _mx_scale_values(codes: torch.Tensor, inverse: bool = False) -> torch.Tensor
 def _e4m3_rne(x: torch.Tensor) -> torch.Tensor:
     """float32 x (|x| ≤ 448) rounded to E4M3, ties to even: torch's float8 cast eagerly, and under
     torch.compile the arithmetic cast of ``qlab.formats`` (same bits), which inductor vectorizes."""
-    return _cast_rne_float32(x.float(), get_format("e4m3"), saturate=True)
+    return cast_rne_float32(x.float(), get_format("e4m3"), saturate=True)
 
 
 def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -435,7 +437,7 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
         )
     lead, trail = x.shape[:dim], math.prod(x.shape[dim + 1 :])
     chunks = x.float().reshape(*lead, -1, NVFP4_BLOCK, trail) * 0.25  # first, as x·M does: no overflow
-    signs = _cached_hadamard_signs(seed)
+    signs = hadamard_signs(seed)
     columns = list(chunks.unbind(-2))
     if not inverse:
         columns = [c * sign for c, sign in zip(columns, signs)]
@@ -453,7 +455,7 @@ _HADAMARD_SIGNS: dict = {}
 
 
 @torch.compiler.assume_constant_result  # read once while tracing, a constant in the graph: no break
-def _cached_hadamard_signs(seed: int) -> tuple[float, ...]:
+def hadamard_signs(seed: int) -> tuple[float, ...]:
     """The ±1 diagonal D of hadamard_matrix(16, seed), as Python floats (constants when compiled)."""
     if seed not in _HADAMARD_SIGNS:
         matrix = _cached_hadamard(NVFP4_BLOCK, seed)  # column 0 of Sylvester's H is all ones: D's signs

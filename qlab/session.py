@@ -37,7 +37,7 @@ import torch
 from qlab import checks, paths
 
 PROFILES = ("cpu", "paper")
-HEADLESS_ENV = "QLAB_HEADLESS"  # set by qlab.notebooks.run_notebook for the kernel: progress as text
+HEADLESS_ENV = paths.HEADLESS_ENV  # set by qlab.notebooks.run_notebook for the kernel: progress as text
 INTERACTIVE_DIR = "interactive"
 
 
@@ -130,9 +130,7 @@ def start(name: str, namespace: dict) -> NotebookRun:
         results_dir, why = paths.ROOT, "default parameters: the committed results"
         os.environ.pop(paths.RESULTS_ENV, None)
     else:
-        from qlab.sweep import point_slug
-
-        results_dir = paths.RUNS_DIR / INTERACTIVE_DIR / name / point_slug(changed)
+        results_dir = paths.RUNS_DIR / INTERACTIVE_DIR / name / paths.point_slug(changed)
         os.environ[paths.RESULTS_ENV] = str(results_dir)
         why = "parameters differ from the defaults; data/ and figures/ stay untouched"
     if profile == "cpu":

@@ -9,11 +9,9 @@ metrics.json is complete and is skipped by the next invocation; a failing point 
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ import yaml
 
 from qlab import checks, paths
 from qlab.notebooks import check_parameters, resolve_notebook, run_notebook
+from qlab.paths import point_slug  # noqa: F401 — public here too, where sweeps are
 
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.txt"
@@ -58,17 +57,6 @@ def grid_points(grid: dict[str, list]) -> list[dict]:
         raise TypeError(f"grid must be a dict of name → list of values, got {checks.shown(grid)}")
     names = list(grid)
     return [dict(zip(names, values)) for values in itertools.product(*grid.values())]
-
-
-def point_slug(parameters: dict) -> str:
-    """A readable, filesystem-safe, deterministic directory name for a point: ``a=1__b=x``."""
-    if not isinstance(parameters, dict):
-        raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
-    text = "__".join(f"{name}={value}" for name, value in parameters.items())
-    slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
-    if len(slug) > 120:
-        slug = slug[:100] + "--" + hashlib.sha1(text.encode()).hexdigest()[:12]
-    return slug
 
 
 @dataclass(frozen=True)

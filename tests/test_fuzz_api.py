@@ -542,7 +542,10 @@ NOT_GENERATED = {
         kernels.triton_math.Tuned formats.cast_unchecked formats.encode_float formats.decode_unchecked
         formats.torch_stochastic_noise formats.register_noise_source formats.drawn_noise
         scaling.nvfp4_block_scales_nvidia quantize.block_scales quantize.check_input
-        quantize.from_layout quantize.compile_enabled quantize.draws_float32_noise ops.define""",
+        quantize.from_layout quantize.compile_enabled quantize.draws_float32_noise ops.define
+        formats.cast_rne_float32 formats.check_codes formats.fast_path_applies
+        numerics.check_layer_norm_args scaling.float_format scaling.hadamard_signs scaling.mx_block_scales
+        scaling.mx_scale_values_unchecked""",
     "QuantLinear's and the converters' building blocks, reached through quantize_model above": """
         nn.highest_matmul_precision nn.check_linear_arguments nn.check_gemm nn.is_conv1d
         nn.oriented_weight nn.why_not_converted nn.linear_sharing_parameters nn.rebuild_source

@@ -276,7 +276,7 @@ def test_mx_block_scales_are_the_powers_of_two_of_the_scale_codes(element, mode)
         + [math.inf, math.nan]
     )
     codes = scaling.mx_scale_codes(amax, element, mode).tolist()
-    scale, inverse, fused_codes = scaling._mx_block_scales(amax, fmt, mode)
+    scale, inverse, fused_codes = scaling.mx_block_scales(amax, fmt, mode)
     assert fused_codes.tolist() == codes
     assert codes[0] == 0 and codes[-1] == codes[-2] == 255
     for byte, x_scale, x_inverse in zip(codes, scale.tolist(), inverse.tolist()):

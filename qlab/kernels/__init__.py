@@ -183,7 +183,7 @@ def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") ->
         codes, scale_codes = mx_quantize_last_axis(x.movedim(axis, -1), get_format(spec.element), spec.mode)
         return Q.QTensor(
             codes=codes,
-            scales=scaling._mx_scale_values(scale_codes),
+            scales=scaling.mx_scale_values_unchecked(scale_codes),
             spec=spec,
             axis=axis,
             shape=x.shape,
@@ -240,7 +240,7 @@ def layer_norm(
     """
     from qlab import numerics
 
-    shape, _ = numerics._check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
+    shape, _ = numerics.check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
     if x.dtype == torch.float64 and backend == "auto":
         backend = "cpu"  # the kernel accumulates in float32; float64 stays with the reference
     if _resolve(x, backend) in ("cpu", "reference"):

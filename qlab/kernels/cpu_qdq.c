@@ -21,7 +21,7 @@
      multiplier = fl(fl(s_block · A) · fl(1/2688)), or s_block · S_dec where S_enc was clamped or A is
                   not finite; without a global scale S_enc = S_dec = 1 and the multiplier is s_block.
 
-   Rounding is the add-and-subtract trick of qlab.formats._cast_rne_float32: adding 2^(e + 23 - m)
+   Rounding is the add-and-subtract trick of qlab.formats.cast_rne_float32: adding 2^(e + 23 - m)
    to a float32 of exponent e rounds it to m mantissa bits, ties to even, with e clamped below at the
    format's smallest normal exponent so its subnormals share one quantum. Build with
    -ffp-contract=off: a fused multiply-add would change the bits. */

@@ -43,7 +43,7 @@ import torch
 from qlab import ops, paths
 from qlab.formats import get_format
 from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec, draws_float32_noise
-from qlab.scaling import _cached_hadamard_signs
+from qlab.scaling import hadamard_signs
 
 SOURCES = (Path(__file__).with_name("cpu_qdq.c"), Path(__file__).with_name("cpu_stats.c"))  # one library
 FLAGS = (
@@ -208,7 +208,7 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
     noise = None if noise is None else noise.contiguous()  # held here: the C call reads its memory
     draws = None if noise is None else noise.data_ptr()
-    signs = None if rotation < 0 else (ctypes.c_float * 16)(*_cached_hadamard_signs(rotation))
+    signs = None if rotation < 0 else (ctypes.c_float * 16)(*hadamard_signs(rotation))
     pointers = (x.data_ptr(), out.data_ptr(), draws, signs, outer, length, inner)
     threads = torch.get_num_threads()
     if mode < 0:

@@ -8,7 +8,7 @@ import triton.language as tl
 
 @triton.jit
 def round_to_grid(x, ELEM_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_BIASED: tl.constexpr):
-    """Saturating RNE of float32 x onto a float format's grid (qlab.formats._cast_rne_float32):
+    """Saturating RNE of float32 x onto a float format's grid (qlab.formats.cast_rne_float32):
     |x| clamped to the format's max, then (|x| + C) − C with C = 2^(e + 23 − m), whose float32 ulp is
     the grid's quantum at |x|'s binade (MIN_BIASED = 128 − bias keeps subnormals on the smallest one).
     The sign bit is copied from x, so −0 and values that round to zero from below stay −0."""
