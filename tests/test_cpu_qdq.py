@@ -676,3 +676,28 @@ def test_tensor_stats_reads_non_contiguous_tensors_and_refuses_other_dtypes():
     )
     with pytest.raises(ValueError, match="float32"):
         cpu_qdq.tensor_stats(x.double(), True)
+
+
+def test_the_generator_state_layout_the_c_draws_read_is_this_torchs():
+    size = torch.Generator().get_state().numel()
+    assert size == cpu_qdq.GENERATOR_STATE_BYTES, (
+        f"torch's CPU generator state is now {size} bytes, not the {cpu_qdq.GENERATOR_STATE_BYTES} "
+        "qlab/kernels/cpu_qdq.c reads: check at::CPUGeneratorImplState's layout for this torch and update "
+        "GENERATOR_STATE_BYTES and the C struct; until then stochastic rounding takes torch's path"
+    )
+
+
+def test_another_state_layout_falls_back_to_torchs_draws(monkeypatch):
+    """A torch whose generator state has another size: the C draws refuse to read it, and
+    formats.stochastic_noise gives torch's own numbers (the same bits, only slower)."""
+    monkeypatch.setattr(cpu_qdq, "GENERATOR_STATE_BYTES", cpu_qdq.GENERATOR_STATE_BYTES + 8)
+    cpu_qdq._draws_match_torch.cache_clear()
+    try:
+        assert not cpu_qdq.draws_like_torch()
+        with pytest.raises(ValueError, match="generator state"):
+            cpu_qdq.stochastic_noise(16, torch.Generator().manual_seed(1))
+        ours = formats.stochastic_noise((4096,), torch.Generator().manual_seed(2))
+        theirs = formats.torch_stochastic_noise((4096,), torch.Generator().manual_seed(2))
+        assert torch.equal(ours, theirs)
+    finally:
+        cpu_qdq._draws_match_torch.cache_clear()

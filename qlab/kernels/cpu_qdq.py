@@ -279,6 +279,11 @@ def stochastic_noise(count: int, generator: torch.Generator | None) -> torch.Ten
     says where this holds)."""
     generator = torch.default_generator if generator is None else generator
     state = generator.get_state()
+    if state.numel() != GENERATOR_STATE_BYTES:  # another torch's struct: reading it would give wrong draws
+        raise ValueError(
+            f"this torch's CPU generator state is {state.numel()} bytes, the C kernel reads "
+            f"{GENERATOR_STATE_BYTES}; use qlab.formats.stochastic_noise (it takes the torch path here)"
+        )
     out = torch.empty(count, dtype=torch.float32)
     _library().qlab_stochastic_noise(state.data_ptr(), out.data_ptr(), count)
     generator.set_state(state)
