@@ -340,6 +340,9 @@ def pass_seconds(
     checks.module("model", model)
     checks.integer("repeats", repeats, low=1)
     checks.choice("timed", timed, TIMED)
+    checks.tensor("x", x, floating=True)
+    checks.tensor("dy", dy, floating=True)
+    checks.same_device("dy", dy, "x", x)
     swapped = backward in ("gathered", "sparse_rows")
     bare = type(model) is nn.Linear  # a bare layer cannot be swapped inside itself: it is wrapped
     if timed == "step" or (swapped and not bare):  # the caller's model is neither stepped nor swapped
@@ -364,6 +367,10 @@ def pass_seconds(
             if optimizer is None:
                 synchronize()
                 start = time.perf_counter()
+            if y.shape != dy.shape:  # checked before backward, whose own error names neither
+                raise ValueError(
+                    f"dy must have the model output's shape {tuple(y.shape)}, got {tuple(dy.shape)}"
+                )
             y.backward(dy)
             if optimizer is not None:
                 optimizer.step()
