@@ -350,7 +350,8 @@ resolved after Holm's correction; each with its interval and test is in section 
 # For inputs spread over E2M1's range, the mean of `sr_draws` stochastic roundings of an input should
 # approach it if stochastic rounding is unbiased: within 3 standard errors at about the share of a
 # normal distribution within ±3σ. RNE's error is deterministic, a sawtooth. Summed over many steps,
-# a bias does not average out, which is why NVFP4 training rounds gradients stochastically.
+# a bias does not average out; NVIDIA's NVFP4 training recipe rounds gradients stochastically for that
+# reason (arXiv 2509.25149).
 
 # %%
 inputs = torch.linspace(0.0, 6.0, sr_points)

@@ -150,8 +150,9 @@ save_figure(fig, f"{NAME}_settings")
 # ## 4. The seed's code as written: a genuine scale bug
 #
 # On one batch, the as-written gradients against the corrected ones (the straight-through
-# estimator, i.e. autograd of the fake-quantized forward). dW of each layer is off by ≈ s_x of its
-# input; dX by s_w, and that error compounds through the layers below. The inner
+# estimator, i.e. autograd of the fake-quantized forward). From the code, dW of each layer should be
+# off by about s_x of its input and dX by s_w; the ratios measured here, on one batch, are in the
+# table and the conclusions. The inner
 # `QuantizerFunction`'s backward never runs: it was called inside another Function's forward,
 # where autograd records nothing.
 
@@ -185,7 +186,7 @@ ax.set_title("The seed's backward: off by its scales")
 save_figure(fig, f"{NAME}_as_written")
 
 # %% [markdown]
-# ## 5. Why the seed's model still "trained fine": its own setting, over seeds
+# ## 5. Did the seed's model "train fine"? Its own setting, over seeds
 #
 # The seed trained under mixed precision with a GradScaler, its backward computing in fp16. Here:
 # every SeedLinear GEMM in fp16 (`seed_model.fp16_matmul`: fp16 operands and result, fp32

@@ -376,8 +376,7 @@ if zero.any():
     display(Markdown(claims.render(f"""
 Where the input dtype can barely resolve σ (the right end of the curves), some variances come out
 exact: {count("zeros.rows")} row results, drawn as triangles. Those rows hold a median of {shown("zeros.distinct")} distinct values, against {shown("nonzero.distinct")} in the other rows of the
-same configurations: with so few values near the mean the sums are exact, a property of such coarse
-data rather than of the algorithm.
+same configurations; which algorithms return them exactly differs (the figure marks each).
 """)))
 
 # %% [markdown]
@@ -551,8 +550,8 @@ display(Markdown(claims.render(f"""
 With the textbook statistics, the median output error reaches {OUTPUT_WRONG:g} at κ ≈ {shown("ln.textbook.output")} and the median gradient error {percent(GRADIENT_WRONG)} at κ ≈ {shown("ln.textbook.gradient")}. For two-pass and Welford those κ are {shown("ln.two_pass.output")} / {shown("ln.two_pass.gradient")} and {shown("ln.welford.output")} / {shown("ln.welford.gradient")}
 (— : not reached up to κ = {kappa_max:.3g}), and torch's LayerNorm on {device} {shown("ln.torch.output")} / {shown("ln.torch.gradient")}. Measured against float32's u·κ, the largest median output error is {shown("ln.two_pass.per_u_kappa")} × u·κ for two-pass, {shown("ln.welford.per_u_kappa")} × u·κ for
 Welford and {shown("ln.torch.per_u_kappa")} × u·κ for torch, against {shown("ln.textbook.per_u_kappa")}
-× u·κ for textbook. Activations with a large common offset — the situation LayerNorm exists for — are
-where the choice matters.
+× u·κ for textbook. The choice matters for rows with a large common offset (large κ); §7 measures
+whether the inputs real models feed their LayerNorms have one.
 """)))
 
 # %% [markdown]
@@ -773,8 +772,7 @@ display(Markdown(claims.render(text)))
 # width 64, as in notebook 03) is trained with every LayerNorm's statistics accumulated in **bf16**
 # (every step rounded, 16-element chunks merged pairwise: `numerics.StatsLayerNorm`), by the
 # textbook formula and by Welford's, beside torch's own LayerNorm (float32 statistics). The rest of
-# the model stays in float32, so the statistics are the only low-precision arithmetic (and bf16
-# GEMMs are slow on this CPU). Each seed trains all three from the same weights on the same batches;
+# the model stays in float32, so the statistics are the only low-precision arithmetic. Each seed trains all three from the same weights on the same batches;
 # the table gives the validation loss and the difference from torch's LayerNorm of the same seed,
 # with 95 % intervals over seeds.
 

@@ -46,7 +46,7 @@
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, 5 seeds: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
-seeds: int = 5  # independent runs per configuration (seed 0, 1, ...); 5 detect ≈ 0.01 nats at 80 % power
+seeds: int = 5  # independent runs per configuration (seed 0, 1, ...); the claims state what they detect
 steps: int = 300  # optimizer steps per run
 recipes: list[str] = ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"]  # recipes × every override
 recipe_backward_only: list[str] = ["fp8_delayed"]  # recipes that refuse an override: their own backward only
@@ -139,9 +139,10 @@ print(f"model: {model_parameters:,} parameters; {len(curves)} curve rows, {len(f
 # ## 1. Validation loss against FP32
 #
 # Each line is the validation loss minus the FP32 run's of the same seed, at the same step: the mean
-# over seeds, and its 95 % interval (Student-t) as a band. Where a band leaves the dashed zero line,
-# the difference from FP32 is resolved over the seeds; where bands of two modes overlap, their order
-# is not. Every configuration shares the baselines: BF16 (grey) repeats in each panel. The y-range
+# over seeds, and its unadjusted 95 % interval (Student-t) at each step as a band. Which differences are
+# resolved — paired by seed and Holm-corrected — is stated in the conclusions; overlapping bands say
+# nothing about a paired difference. Every configuration shares the baselines: BF16 (grey) repeats in
+# each panel. The y-range
 # follows the last two thirds of training; the wide bands of the first evaluations run off it.
 
 # %%
@@ -228,8 +229,8 @@ Markdown(markdown_table(jaggedness_summary, "{:.3f}"))
 # compared, at the same weights, with two references (the head stays in high precision and is left
 # out):
 #
-# - **FP32**: every layer a plain FP32 `nn.Linear`. "high_precision" is close to it almost by
-#   construction: its backward *is* FP32's, only evaluated at the quantized forward's activations.
+# - **FP32**: every layer a plain FP32 `nn.Linear`. "high_precision" uses FP32's backward formula,
+#   evaluated at the quantized forward's activations; how close that lands is measured below.
 # - **the exact gradient of the quantized forward**: the same quantized forward, differentiated by
 #   the chain rule through its dequantized operands (straight-through quantizers). This is the
 #   gradient of the loss the run actually computes, and "dequantized" *is* it by construction
@@ -299,7 +300,7 @@ Markdown(markdown_table(fidelity_table))
 # %% [markdown]
 # ### NVFP4, layer by layer
 #
-# NVFP4's gradients leave FP32's the farthest. Here is what each layer does, every seed drawn: if the
+# Here is what each layer does under NVFP4, every seed drawn: if the
 # cosine to FP32 collapses anywhere, this shows which layer and which seed it comes from (the lowest
 # cosine of each mode is printed below the figure and stated in the conclusions).
 

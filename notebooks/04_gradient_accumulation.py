@@ -227,7 +227,7 @@ and one layer: single observations.
 # Memory is what the step allocates (CPU: the profiler's allocation records; CUDA: the peak above
 # the starting allocation). Autograd allocates a fresh wgrad every step and adds it; the fused path
 # runs one GEMM into `main_grad`. In this emulation every GEMM runs in FP32, so the BF16 path also
-# pays for converting its operands.
+# converts its operands (whether that is what its time pays for is not measured).
 
 
 # %%

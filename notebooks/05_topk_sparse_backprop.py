@@ -22,7 +22,8 @@
 # Propagation for Accelerated Deep Learning with Reduced Overfitting", ICML 2017, PMLR 70) keeps the
 # top-k entries of each Linear layer's output gradient.
 #
-# `qlab.sparse` implements three ways to do it, with the same gradients and different costs:
+# `qlab.sparse` implements three ways to do it: hook_mask and gathered give the same gradients (one
+# index set shared by the batch), sparse_rows uses meProp's per-example sets; their costs differ:
 #
 # - **hook_mask** — a backward pre-hook zeroes all but the top-k entries of dy; the GEMMs keep their size;
 # - **gathered** — `TopKLinear`, one index set of k output features shared by the batch: smaller dense

@@ -400,8 +400,8 @@ save_figure(fig, f"{NAME}_backward_modes")
 # precision), beside a BF16-autocast baseline from the same weights on the same batches; then the
 # held-out loss of each fine-tuned model on every held-out batch. One fine-tune per recipe: the
 # held-out seeds vary the text it is judged on, not the fine-tune itself (its spread from run to run
-# is not measured here). The default length is what a 2-core CPU affords in a minute or two;
-# `finetune_steps` runs it longer on a GPU.
+# is not measured here). The default length is kept short for a 2-core CPU; `finetune_steps` runs it
+# longer on a GPU.
 
 # %%
 train_batches = [b.to(device) for b in models.shakespeare_batches(tokenizer, batch_size, finetune_tokens, 4,

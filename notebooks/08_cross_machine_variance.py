@@ -18,9 +18,11 @@
 #
 # Notebooks 03 and 07 train the same CharGPT configurations over several seeds and state which
 # differences in validation loss the seeds resolve. Their runs are deterministic on one machine, but
-# another CPU (another vector width, another BLAS kernel) or another thread count sums in another
-# order, and a quantized run that rounds one value differently early on ends elsewhere. A finding
-# that a change of CPU overturns is not a finding about the recipe.
+# not across machines: another CPU (another vector width, another BLAS kernel) or another thread
+# count may sum in another order — the likely cause, not measured here — and a quantized run that
+# rounds one value differently early on ends elsewhere. A finding that a change of CPU overturns is
+# not a finding about the recipe. What follows rests on one second machine, on which the CPU and the
+# thread count changed together, with the notebooks' seeds.
 #
 # This notebook measures that variance from committed runs (provenance in `data/cross_cpu/README.md`):
 # the same configurations and seeds of notebooks 03 and 07, at their default parameters, on the machine

@@ -228,7 +228,7 @@ def test_every_notebook_starts_a_session(source):
 # state no result number. Allowed: list numbering, confidence and power levels, and the parameter
 # descriptions named here.
 RENDERED_CONCLUSIONS = {
-    "00_formats_and_scaling": [r"\d+×\d+"],  # block shapes (16×16, 1×16)
+    "00_formats_and_scaling": [r"\d+×\d+", r"arXiv \d+\.\d+"],  # block shapes (16×16, 1×16); a source
     "01_gradient_norm_discrepancy": [r"~0\.00x"],  # the forum question's own words, quoted
     # the OneFlow pull request's own numbers, quoted with that source in the introduction
     "02_welford_vs_naive_variance": [r"−1\.83965693, −1\.82964566", r"±0\.84(28|54)", r"±1\.4·10⁻³"],
