@@ -142,7 +142,7 @@ for label, run in runs.items():
     ax.semilogy(run.step, run.ratio, label=label)
 ax.set_xlabel("step")
 ax.set_ylabel("‖inside backward‖ / ‖param.grad‖")
-ax.set_title("Every ratio explained by the audit")
+ax.set_title("Inside backward against param.grad, per setting")
 ax.legend(fontsize=6)
 save_figure(fig, f"{NAME}_settings")
 
