@@ -352,10 +352,6 @@ def _bench_torchao(x: torch.Tensor) -> list[dict]:
         return []
     fp4 = torch.float4_e2m1fn_x2
 
-    def mx_codes(element):
-        scale, data = to_mx(x, element, 32)
-        return scale, data
-
     def mx_round_trip(element):
         scale, data = to_mx(x, element, 32)
         return to_dtype(data, scale, element, 32, x.dtype)
@@ -371,7 +367,7 @@ def _bench_torchao(x: torch.Tensor) -> list[dict]:
     cases = {
         "mxfp8 quantize → codes + E8M0 (e4m3, floor)": (
             qlab_mx_codes,
-            lambda: mx_codes(torch.float8_e4m3fn),
+            lambda: to_mx(x, torch.float8_e4m3fn, 32),
             lambda ours, theirs: (
                 torch.equal(ours[0].reshape(-1), theirs[0].view(torch.uint8).reshape(-1))
                 and torch.equal(ours[1].reshape(-1), theirs[1].view(torch.uint8).reshape(-1))

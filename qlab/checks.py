@@ -259,15 +259,22 @@ def batches(name: str, value) -> list:
     return list(value)
 
 
-def frame_columns(name: str, frame, columns: Sequence[str]):
-    """A pandas DataFrame holding every one of ``columns`` (each a str naming a column)."""
+def frame_columns(name: str, frame, columns: Sequence[str] | dict):
+    """A pandas DataFrame holding every one of ``columns`` (each a str naming a column). Given as a
+    dict {argument: column or list of columns}, a missing column's error names the argument it came
+    from."""
     import pandas as pd
 
     if not isinstance(frame, pd.DataFrame):
         raise TypeError(f"{name} must be a pandas DataFrame, got {shown(frame)}")
-    for column in columns:
-        if not isinstance(column, str) or column not in frame.columns:
-            raise ValueError(f"column {column!r} is not in the {name} (columns: {list(frame.columns)})")
+    if not isinstance(columns, dict):
+        columns = {"column": list(columns)}
+    for argument, chosen in columns.items():
+        for column in [chosen] if isinstance(chosen, str) else chosen:
+            if not isinstance(column, str) or column not in frame.columns:
+                raise ValueError(
+                    f"{argument} {column!r} is not a column of the {name} (columns: {list(frame.columns)})"
+                )
     return frame
 
 

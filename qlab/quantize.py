@@ -616,10 +616,10 @@ class QTensor:
 # --- layout ---------------------------------------------------------------------------------------
 
 
-def check_input(x, spec: Spec, axis: int) -> int:
-    """Refuse what ``spec`` cannot quantize along ``axis`` (dtype, dimensions, values its element
-    format cannot hold: eagerly only, since reading values syncs with the device); the axis made
-    non-negative."""
+def check_input(x, spec: Spec, axis: int, *, values: bool = True) -> int:
+    """Refuse what ``spec`` cannot quantize along ``axis`` (dtype, dimensions, and with ``values``
+    the values its element format cannot hold: eagerly only, since reading values syncs with the
+    device); the axis made non-negative."""
     if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         found = x.dtype if isinstance(x, torch.Tensor) else checks.shown(x)
         raise TypeError(f"x must be a float32, bfloat16 or float16 tensor, got {found}")
@@ -634,7 +634,7 @@ def check_input(x, spec: Spec, axis: int) -> int:
             f"x must have at least 2 dimensions for {spec.tile_rows}x{spec.block_size} 2-D blocks, "
             f"got shape {tuple(x.shape)}"
         )
-    if not torch.compiler.is_compiling():
+    if values and not torch.compiler.is_compiling():
         spec.check_values(x)
     return axis % x.dim()
 
@@ -876,7 +876,7 @@ def noise_shape(x: torch.Tensor, spec: str | Spec, axis: int = -1, *, blocked: b
     ``x`` by ``spec`` along ``axis`` consumes: one per element of qdq's layout (``blocked=False``) or
     of quantize's blocked layout (``blocked=True``; the two differ for a non-last axis)."""
     spec = get_spec(spec)
-    axis = check_input(x, spec, axis)
+    axis = check_input(x, spec, axis, values=False)  # shapes only: no read of x on this hot path
     checks.boolean("blocked", blocked)
     meta = torch.empty(x.shape, device="meta")
     if spec.hadamard:  # the transform keeps the shape; on meta tensors its ops run Python reference

@@ -105,12 +105,7 @@ def summarize(frame: pd.DataFrame, value: str, by: list[str], method: str = "t")
         raise TypeError(f"by must be a column name or a non-empty list of them, got {checks.shown(by)}")
     if not isinstance(value, str):
         raise TypeError(f"value must be a column name, got {checks.shown(value)}")
-    checks.frame_columns("frame", frame, [])
-    for name, columns in (("value", [value]), ("by", by)):
-        missing = [column for column in columns if column not in frame.columns]
-        if isinstance(frame, pd.DataFrame) and missing:
-            raise ValueError(f"{name} names {missing}, not columns of the frame ({list(frame.columns)})")
-    checks.frame_columns("frame", frame, [value, *by])
+    checks.frame_columns("frame", frame, {"value": value, "by": by})
     rows = []
     for key, group in frame.groupby(by, sort=False):
         mean, low, high = mean_interval(group[value], method)
@@ -127,12 +122,10 @@ def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: st
         pair = [pair]
     elif not isinstance(pair, (list, tuple)) or not pair:
         raise TypeError(f"pair must be a column name or a non-empty list of them, got {checks.shown(pair)}")
-    checks.frame_columns("frame", frame, [])
-    for name, column in (("value", value), ("by", by), *(("pair", column) for column in pair)):
-        if not isinstance(column, str) or column not in frame.columns:
-            raise ValueError(
-                f"{name} must name a column of the frame ({list(frame.columns)}), got {column!r}"
-            )
+    for name, column in (("value", value), ("by", by)):
+        if not isinstance(column, str):
+            raise TypeError(f"{name} must be one column name, got {checks.shown(column)}")
+    checks.frame_columns("frame", frame, {"value": value, "by": by, "pair": pair})
     if isinstance(baseline, (list, tuple, dict, set)):
         raise TypeError(f"baseline must be one value of the {by} column, got {checks.shown(baseline)}")
     reference = frame[frame[by] == baseline][[*pair, value]]

@@ -20,7 +20,7 @@ import yaml
 
 from qlab import checks, paths
 from qlab.notebooks import check_parameters, resolve_notebook, run_notebook
-from qlab.paths import point_slug  # noqa: F401 — public here too, where sweeps are
+from qlab.paths import point_slug
 
 METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.txt"

@@ -324,7 +324,7 @@ def qdq(
     layout, through the Triton kernel for a CUDA tensor (or backend="triton") when ``covers(spec)``;
     otherwise (and on the CPU) qlab.quantize's."""
     spec = Q.get_spec(spec)
-    Q.check_input(x, spec, axis)
+    Q.check_input(x, spec, axis, values=False)  # the path chosen below reads the values once
     checks.floating_dtype("dtype", dtype)
     tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
     if not covers(spec) or tiles_need_2d or x.numel() == 0 or _resolve(x, backend) == "cpu":
