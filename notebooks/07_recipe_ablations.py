@@ -246,9 +246,7 @@ sr_bias.groupby("variant").wgrad_rel_error_of_mean.agg(["first", "last"]).round(
 
 # %%
 def training_config(variant: str, seed: int) -> TrainConfig:
-    preset, _, label = variant.partition("/")
-    keep_last_block = label == "+BF16 last block"  # a model-level choice, not a recipe ingredient
-    off = [] if keep_last_block or preset == "fp32" else ablation.switched_off(preset, label)
+    preset, off, keep_last_block = ablation.variant_parts(variant)  # the last block: a model-level choice
     keep = ["head", "last_block"] if keep_last_block else ["head"]
     return base.replace(recipe=preset, ablate=off, keep_high_precision=keep, steps=train_steps, seed=seed,
                         device=device, warmup_steps=max(1, train_steps // 10), eval_every=train_steps,

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from qlab import checks
-from qlab.recipe import ROLES, Recipe, get_recipe
+from qlab.recipe import PRESETS, ROLES, Recipe, get_recipe
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 ABLATED_RECIPES = ("nvfp4", "mxfp4_training")
@@ -67,6 +67,31 @@ def switched_off(preset: str, label: str) -> list[str]:
             f"{preset} has no variant {label!r}; expected '', 'none' or one of: {', '.join(by_label)}"
         )
     return by_label[label]
+
+
+KEEP_LAST_BLOCK = "+BF16 last block"  # a model-level variant: the last block kept in high precision
+
+
+def variant_parts(variant: str, *, argument: str = "variant") -> tuple[str, list[str], bool]:
+    """A training variant "preset", "preset/<label>" (a label of ``switched_off``) or
+    "preset/+BF16 last block", as (preset, ingredients switched off, whether the last block is kept
+    in high precision). "fp32" is the unquantized baseline. Errors name ``argument``."""
+    if not isinstance(variant, str):
+        raise TypeError(f"{argument} must be a str such as 'nvfp4/no SR', got {checks.shown(variant)}")
+    preset, _, label = variant.partition("/")
+    if preset == "fp32" and not label:
+        return preset, [], False
+    checks.choice(argument, preset, PRESETS)
+    if label == KEEP_LAST_BLOCK:
+        return preset, [], True
+    recipe = get_recipe(preset, backward_override=None)
+    labels = ["none", *(_VARIANT_NAMES[i] for i in INGREDIENTS if uses(recipe, i)), KEEP_LAST_BLOCK]
+    if label and label not in labels:
+        raise ValueError(
+            f"unknown {argument} {variant!r}: {preset} has no variant {label!r}; expected {preset!r} "
+            f"alone or followed by '/' and one of: {', '.join(labels)}"
+        )
+    return preset, switched_off(preset, label), False
 
 
 def ablations(preset: str) -> dict[str, Recipe]:

@@ -98,7 +98,7 @@ def group_sensitivity(
         baseline = _mean_loss(model, batches, loss_fn)
         labels = groups
         if progress:
-            from qlab.session import progress as bar
+            from qlab.host import progress as bar
 
             labels = bar(list(groups), desc=f"sensitivity ({recipe.name})")
         rows = []

@@ -145,7 +145,7 @@ def _record_seconds(notebook: str, profile: str, seconds: float) -> None:
 
     import torch
 
-    from qlab.session import machine
+    from qlab.host import machine
 
     path = paths.ROOT / NOTEBOOK_SECONDS
     path.parent.mkdir(parents=True, exist_ok=True)

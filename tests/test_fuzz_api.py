@@ -33,10 +33,11 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import qlab  # noqa: E402
-from qlab import (  # noqa: E402  # noqa: E402
+from qlab import (  # noqa: E402
     ablation,
     claims,
     formats,
+    host,
     kernels,
     numerics,
     probes,
@@ -332,7 +333,9 @@ ENTRY_POINTS = {
         seed_model.permutation_task_batch,
         lambda: dict(batch=2, tokens=8, vocab=16, generator=gen(), seed=0),
     ),
-    "session.resolve_device": (session.resolve_device, lambda: dict(name="cpu")),
+    "host.resolve_device": (host.resolve_device, lambda: dict(name="cpu")),
+    "session.parameter_values": (session.parameter_values, lambda: dict(source="n: int = 3\nname = 'x'")),
+    "ablation.variant_parts": (ablation.variant_parts, lambda: dict(variant="nvfp4/no SR")),
     "nn.QuantLinear.load_quant_state": (
         lambda _layer, state: _layer.load_quant_state(state),
         lambda: dict(_layer=qnn.QuantLinear(32, 8, recipe="fp8_delayed"), state=delayed_state()),
@@ -529,7 +532,7 @@ NOT_GENERATED = {
         checks.generator checks.seed checks.tensor checks.same_device checks.allocatable
         checks.all_finite checks.holds_nan checks.floating_dtype checks.module checks.matches
         checks.patterns checks.batches checks.frame_columns checks.names checks.closest
-        checks.patterns_match""",
+        checks.patterns_match session.check_values session.check_parameters""",
     "kernel launchers and fast paths behind qlab.kernels' checked entry points (tests/test_kernels.py)": """
         kernels.triton_available kernels.cpu_qdq.available kernels.cpu_qdq.covers kernels.cpu_qdq.qdq
         kernels.cpu_qdq.stochastic_noise kernels.cpu_qdq.draws_like_torch kernels.cpu_qdq.tensor_stats
@@ -565,8 +568,10 @@ NOT_GENERATED = {
         ablation.capture_operands ablation.gemm_outputs ablation.without ablation.uses
         ablation.switched_off numerics.check_layer_norm_grads numerics.norm_input_conditions
         numerics.use_stats_layer_norms numerics.layer_norm_swapped_affine_grads numerics.merge_moments
-        probes.gradient_noise_floor session.start session.progress session.headless session.machine
-        session.parameters_source session.notebook_defaults""",
+        probes.gradient_noise_floor session.start host.progress host.headless host.machine
+        session.parameters_source session.notebook_defaults session.notebook_annotations
+        session.changed_parameters session.interactive_dir lab.kernel_language_info lab.executed_copy
+        models.quiet_loading""",
     "they read or write files: bad paths and names are listed in tests/test_bad_input.py": """
         models.load models.model_path models.cache_dir models.shakespeare_batches
         crossmachine.machine_record crossmachine.final_losses crossmachine.run_shifts

@@ -2,12 +2,13 @@
 
 The test does what a researcher does: opens notebook 02 by its .py from the file browser's URL, sets
 ``smoke = True`` in the parameters cell, runs every cell, saves, and looks at the page. It asserts
-that the kernel is "Python (qlab)", that the only error output is the cell tagged
-``raises-exception``, that every figure is rendered as an image and progress shows as widgets,
+that the kernel is "Python (qlab)", that the notebook is not marked modified once the kernel is up
+(before any edit), that the only error output is the cell tagged ``raises-exception`` and nothing
+is written to stderr, that every figure is rendered as an image and progress shows as widgets,
 that the run's results went to ``runs/interactive/`` while ``git status`` shows ``data/``,
 ``figures/`` and ``notebooks/`` untouched (the save included), and that the executed copy with its
-outputs is in ``runs/interactive/``. The server is started on 127.0.0.1 with a random token and
-stopped by its process id.
+outputs is beside those results, in the folder of its parameter set. The server is started on
+127.0.0.1 with a random token and stopped by its process id.
 
 Needs /usr/bin/chromium (``apt-get install chromium``; ``.ci/run`` installs it). Playwright only
 drives that binary: ``playwright install`` (which downloads browsers) is never used.
@@ -155,8 +156,8 @@ def test_notebook_02_in_smoke_mode_runs_in_chromium_and_leaves_the_committed_fil
     from playwright.sync_api import sync_playwright
 
     before = _git_status("data", "figures", "notebooks")
-    executed_copy = paths.RUNS_DIR / "interactive" / f"{NOTEBOOK}.ipynb"
     results = paths.RUNS_DIR / "interactive" / NOTEBOOK / "smoke=True"
+    executed_copy = results / f"{NOTEBOOK}.ipynb"
     executed_copy.unlink(missing_ok=True)
     for old in results.rglob("*") if results.exists() else []:
         if old.is_file():
@@ -177,6 +178,8 @@ def test_notebook_02_in_smoke_mode_runs_in_chromium_and_leaves_the_committed_fil
                 "() => window.jupyterapp.shell.currentWidget.sessionContext.kernelDisplayName"
             )
             assert kernel == "Python (qlab)"
+            time.sleep(2)  # the kernel's info has arrived; an untouched notebook must still be unmodified
+            assert not page.evaluate("() => window.jupyterapp.shell.currentWidget.context.model.dirty")
             assert "smoke: bool = True" in page.evaluate(SET_SMOKE)
             page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
             page.wait_for_function(FINISHED, timeout=300_000, polling=500)
@@ -196,6 +199,10 @@ def test_notebook_02_in_smoke_mode_runs_in_chromium_and_leaves_the_committed_fil
     errors = [(cell["tags"], output["ename"]) for cell in cells for output in cell["outputs"]
               if output["output_type"] == "error"]  # fmt: skip
     assert all("raises-exception" in tags for tags, _ in errors), errors
+    noise = [
+        output["text"][:300] for cell in cells for output in cell["outputs"] if output.get("name") == "stderr"
+    ]
+    assert not noise, noise  # nothing on stderr that is not the user's to act on
     figures = sum("image/png" in output.get("data", {}) for cell in cells for output in cell["outputs"])
     assert figures >= 4 and len(images) == figures, (figures, images)
     assert all(image["complete"] and image["width"] > 100 for image in images)

@@ -180,3 +180,26 @@ def test_the_q4_1_round_trip_follows_the_format():
 def test_block_levels_counts_distinct_values_per_block():
     weight = torch.tensor([[1.0, 1.0, 2.0, 3.0, 5.0, 5.0, 5.0, 5.0]])
     assert models.block_levels(weight, block=4).tolist() == [3, 1]
+
+
+def test_loading_prints_nothing_a_user_cannot_act_on():
+    """In a fresh process (as a notebook's kernel), loading a model writes nothing to stderr: torchao,
+    which transformers imports when installed, logs that its CUDA extensions fail to load on a CPU
+    build of torch, and torch logs deprecations of calls torchao makes; transformers draws a bar."""
+    import subprocess
+    import sys
+
+    script = "from qlab import models; models.load('minilm-l6'); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "loaded\n", done.stderr[-2000:]
+    assert done.stderr == ""
+
+
+def test_quiet_loading_lets_errors_through_and_restores_the_loggers():
+    import logging
+
+    logger = logging.getLogger(models.LOADING_NOISE[0])
+    with models.quiet_loading():
+        assert not logger.filter(logging.makeLogRecord({"levelno": logging.WARNING}))
+        assert logger.filter(logging.makeLogRecord({"levelno": logging.ERROR}))
+    assert logger.filter(logging.makeLogRecord({"levelno": logging.WARNING}))

@@ -63,7 +63,10 @@ def test_other_parameters_write_under_runs_interactive_and_say_so(interactive, c
 
 
 def test_a_bool_is_not_the_int_one(interactive):
-    assert session.start(NAME, dict(session.notebook_defaults(NAME), smoke=0)).changed == {"smoke": 0}
+    refused = r"smoke must be a bool .*got 0 \(int\) \(in the parameters cell of 02_"
+    with pytest.raises(TypeError, match=refused):
+        session.start(NAME, dict(session.notebook_defaults(NAME), smoke=0))
+    assert not session._same(0, False) and not session._same(True, 1) and session._same(1e7, 10_000_000)
 
 
 def test_a_runner_chooses_for_itself(interactive, monkeypatch, tmp_path):
@@ -138,7 +141,7 @@ def test_progress_is_text_outside_jupyter_and_headless(monkeypatch):
 
     bar = session.progress(range(3), disable=True)
     assert isinstance(bar, tqdm) and not isinstance(bar, notebook_tqdm)
-    monkeypatch.setenv(session.HEADLESS_ENV, "1")
+    monkeypatch.setenv(paths.HEADLESS_ENV, "1")
     assert session.headless() and not isinstance(session.progress(range(3), disable=True), notebook_tqdm)
 
 
@@ -190,9 +193,60 @@ def test_a_save_leaves_the_tracked_files_as_committed_and_keeps_the_executed_cop
     _save(repository, _as_a_browser_saves_it(repository), f"notebooks/{NAME}{opened_as}")
     after = {p.name: p.read_bytes() for p in (repository / "notebooks").iterdir() if p.is_file()}
     assert after == before
-    executed = nbformat.read(repository / "runs" / "interactive" / f"{NAME}.ipynb", as_version=4)
+    executed_path = repository / "runs" / "interactive" / NAME / "smoke=True" / f"{NAME}.ipynb"
+    executed = nbformat.read(executed_path, as_version=4)
     code = [cell for cell in executed.cells if cell.cell_type == "code"]
     assert all(cell.outputs for cell in code) and "smoke: bool = True" in code[0].source
+
+
+def _with_parameters(model, old, new):
+    for cell in model["content"]["cells"]:
+        if "parameters" in cell["metadata"].get("tags", []):
+            assert old in cell["source"]
+            cell["source"] = cell["source"].replace(old, new)
+    return model
+
+
+def test_each_parameter_set_keeps_its_own_executed_copy(repository):
+    """A later run with other parameters (or one still being edited) never overwrites a run's outputs."""
+    smoke = _as_a_browser_saves_it(repository)
+    _save(repository, smoke, f"notebooks/{NAME}.py")
+    failed = _with_parameters(_as_a_browser_saves_it(repository), "n: int = 1024", "n: int = 0")
+    failed["content"]["cells"][-1]["outputs"] = [
+        nbformat.v4.new_output("error", ename="E", evalue="", traceback=[])
+    ]
+    _save(repository, failed, f"notebooks/{NAME}.py")
+    defaults = _with_parameters(
+        _as_a_browser_saves_it(repository), "smoke: bool = True", "smoke: bool = False"
+    )
+    _save(repository, defaults, f"notebooks/{NAME}.py")
+    editing = _with_parameters(_as_a_browser_saves_it(repository), "seed: int = 0", "seed: int = ")
+    _save(repository, editing, f"notebooks/{NAME}.py")
+    runs = repository / "runs" / "interactive" / NAME
+    copies = sorted(str(path.relative_to(runs)) for path in runs.rglob("*.ipynb"))
+    expected = ["defaults", "smoke=True", "smoke=True__n=0", "unparsed-parameters"]
+    assert copies == [f"{folder}/{NAME}.ipynb" for folder in expected]
+    first = json.loads((runs / "smoke=True" / f"{NAME}.ipynb").read_text())
+    assert first["cells"] == smoke["content"]["cells"]  # the good run's outputs, untouched by the later ones
+
+
+def test_an_untouched_notebook_is_served_with_the_kernels_language_info(repository):
+    """JupyterLab marks a notebook changed when the kernel's language_info differs from the served
+    one; the served one must be what the qlab kernel itself reports (asked over the kernel protocol)."""
+    from jupyter_client.manager import start_new_kernel
+
+    manager = lab.LabContentsManager(root_dir=str(repository))
+    served = asyncio.run(manager.get(f"notebooks/{NAME}.py"))["content"]["metadata"]
+    kernel_manager, client = start_new_kernel(kernel_name=served["kernelspec"]["name"])  # "qlab"
+    try:
+        reported = client.kernel_info(reply=True)["content"]["language_info"]
+    finally:
+        client.stop_channels()
+        kernel_manager.shutdown_kernel(now=True)
+    assert served["language_info"] == reported
+    scratch = repository / "scratch.ipynb"  # files outside notebooks/ are served as they are
+    scratch.write_text((repository / "notebooks" / f"{NAME}.ipynb").read_text())
+    assert "language_info" not in asyncio.run(manager.get("scratch.ipynb"))["content"]["metadata"]
 
 
 def test_a_save_with_qlab_save_parameters_changes_the_default_on_purpose(repository, monkeypatch):
@@ -234,3 +288,95 @@ def test_lab_settings_merge_into_overrides(tmp_path):
         settings["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"]["python"] == "Jupytext Notebook"
     )
     assert settings["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
+
+
+NOTEBOOK_NAMES = sorted(path.stem for path in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOK_NAMES)
+def test_every_notebooks_defaults_pass_its_own_checks(notebook):
+    session.check_parameters(notebook, session.notebook_defaults(notebook))
+    annotations = session.notebook_annotations(notebook)
+    assert set(annotations) == set(session.notebook_defaults(notebook))  # every parameter has a type
+
+
+# (notebook, parameter, value, error, what the message must say): one row per kind of rule
+BAD_PARAMETERS = [
+    (
+        "06_real_model_numerics",
+        "sensitivity_recipe",
+        "nvfp5",
+        ValueError,
+        "unknown sensitivity_recipe 'nvfp5'",
+    ),
+    ("06_real_model_numerics", "keep_recipes", ["mxfp8", "mxfp9"], ValueError, "keep_recipes\\[1\\] 'mxfp9'"),
+    ("06_real_model_numerics", "model_name", "gpt2", ValueError, "unknown model_name 'gpt2'"),
+    ("06_real_model_numerics", "keep_fraction", 1.5, ValueError, "keep_fraction must be a finite number in"),
+    (
+        "03_backward_override_training_curves",
+        "overrides",
+        ["none", "hp"],
+        ValueError,
+        "overrides\\[1\\] 'hp'",
+    ),
+    (
+        "03_backward_override_training_curves",
+        "recipes",
+        "mxfp8",
+        TypeError,
+        "recipes must be a list\\[str\\]",
+    ),
+    ("03_backward_override_training_curves", "gemm", "fast", ValueError, "unknown gemm 'fast'"),
+    ("03_backward_override_training_curves", "executor", "threads", ValueError, "unknown executor 'threads'"),
+    ("03_backward_override_training_curves", "seeds", 0, ValueError, "seeds must be an int ≥ 1, got 0"),
+    ("03_backward_override_training_curves", "steps", 3.0, TypeError, "steps must be an int"),
+    ("03_backward_override_training_curves", "profile", "gpu", ValueError, "unknown profile 'gpu'"),
+    ("03_backward_override_training_curves", "compiled", "no", TypeError, "compiled must be a bool"),
+    ("03_backward_override_training_curves", "max_workers", -1, ValueError, "max_workers must be an int ≥ 0"),
+    (
+        "03_backward_override_training_curves",
+        "lr",
+        float("nan"),
+        ValueError,
+        "lr must be a finite number > 0",
+    ),
+    ("03_backward_override_training_curves", "device", "tpu", ValueError, "unknown device device='tpu'"),
+    (
+        "05_topk_sparse_backprop",
+        "fractions",
+        [0.1, 0.0],
+        ValueError,
+        "fractions\\[1\\] must be a finite number",
+    ),
+    ("07_recipe_ablations", "train_variants", ["nvfp4/no SRR"], ValueError, "nvfp4 has no variant 'no SRR'"),
+    (
+        "07_recipe_ablations",
+        "train_variants",
+        ["nvfp5/none"],
+        ValueError,
+        "unknown train_variants\\[0\\] 'nvfp5'",
+    ),
+    ("07_recipe_ablations", "pretrained_model", "bert", ValueError, "unknown pretrained_model 'bert'"),
+    ("02_welford_vs_naive_variance", "pretrained_models", ["minilm"], ValueError, "pretrained_models\\[0\\]"),
+    ("08_cross_machine_variance", "second", 3, TypeError, "second must be a str"),
+]
+
+
+@pytest.mark.parametrize("notebook, parameter, value, error, message", BAD_PARAMETERS)
+def test_start_refuses_a_bad_parameter_before_anything_runs_and_names_it(
+    interactive, notebook, parameter, value, error, message
+):
+    namespace = dict(session.notebook_defaults(notebook), **{parameter: value})
+    with pytest.raises(error, match=f"{message}.*in the parameters cell of {notebook}"):
+        session.start(notebook, namespace)
+    assert not (interactive / "runs").exists() and os.environ.get(paths.RESULTS_ENV) is None
+
+
+def test_training_variants_parse_into_preset_ingredients_and_the_last_block():
+    from qlab import ablation
+
+    assert ablation.variant_parts("nvfp4") == ("nvfp4", [], False)
+    assert ablation.variant_parts("nvfp4/no SR") == ("nvfp4", ["stochastic_rounding"], False)
+    assert ablation.variant_parts("nvfp4/+BF16 last block") == ("nvfp4", [], True)
+    assert sorted(ablation.variant_parts("mxfp4_training/none")[1]) == ["hadamard", "stochastic_rounding"]
+    assert ablation.variant_parts("fp32") == ("fp32", [], False)

@@ -1,0 +1,83 @@
+"""What this process runs on and how it reports: the device a name resolves to, a one-line name
+for the machine results come from, whether a runner without a browser drives it, and progress bars
+(a widget in JupyterLab, text elsewhere). Training, the run fan-out and the notebooks all use it;
+it imports nothing from qlab but ``checks`` and ``paths``."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+from qlab import checks, paths
+
+
+def resolve_device(name: str | torch.device = "auto", *, argument: str = "name") -> torch.device:
+    """``"auto"``: CUDA when torch sees a GPU, else the CPU; otherwise the named device, checked
+    (errors name ``argument``)."""
+    if isinstance(name, torch.device):
+        name = str(name)
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{argument} must be a device: 'auto', 'cpu', 'cuda' or 'cuda:N', got {checks.shown(name)}"
+        )
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(
+            f"unknown device {argument}={name!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{argument} {name!r} was asked for, but torch sees no CUDA device")
+    return device
+
+
+def machine(device: torch.device | None = None) -> str:
+    """One line naming the machine results come from: the GPU's name, or the CPU, its cores and threads."""
+    if device is not None and device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return (
+        f"{_cpu_name()} ({os.cpu_count()} cores), "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform reports."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def headless() -> bool:
+    """Whether a runner without a browser (papermill through qlab) executes this process."""
+    return os.environ.get(paths.HEADLESS_ENV) == "1"
+
+
+def progress(iterable=None, **options):
+    """A tqdm progress bar: a widget in JupyterLab, text under papermill and in a terminal
+    (``options`` go to tqdm: desc, total, leave, disable, ...)."""
+    if not headless():
+        try:
+            from IPython import get_ipython
+
+            shell = get_ipython()
+            if shell is not None and type(shell).__name__ == "ZMQInteractiveShell":
+                import ipywidgets  # noqa: F401  (tqdm.notebook needs it)
+                from tqdm.notebook import tqdm
+
+                return tqdm(iterable, **options)
+        except ImportError:
+            pass
+    from tqdm import tqdm
+
+    options.setdefault("mininterval", 5.0 if headless() else 0.1)
+    return tqdm(iterable, **options)
