@@ -7,8 +7,8 @@ device float (atomic max; a separate NaN flag, since GPU max reductions may drop
 division; 0/inf/NaN amax → 1; overflow → float32 max; optional power-of-two floor) and writes
 cast(x · scale) · fl(1/scale) (qdq; / scale in torchao's convention) or the codes of cast(x · scale)
 (quantize; for E4M3/E5M2 the bytes of torch.float8_e4m3fn / float8_e5m2). Per row (granularity
-"axis", the last axis; also FP8 blockwise 1×128 tiles, each tile a row): one program per row, two
-passes over the row's chunks.
+"axis", the last axis; also FP8 blockwise 1×128 tiles, each tile a row): the same kernel with PER_ROW,
+one program per row, two passes over the row's chunks.
 """
 
 from __future__ import annotations
@@ -36,16 +36,9 @@ def _amax_kernel(x_ptr, amax_ptr, nan_ptr, n, CHUNK: tl.constexpr, CHUNKS: tl.co
     tl.atomic_max(nan_ptr, tl.max(has_nan, axis=0))
 
 
-_amax_tuned = Tuned(
-    _amax_kernel,
-    ("CHUNK", "CHUNKS", "num_warps"),
-    (1024, 1, 4),
-    (1024, 8, 4),
-    (2048, 8, 8),
-    (4096, 4, 8),
-    (2048, 32, 8),
-    key=["n"],
-)
+# (CHUNK, CHUNKS, num_warps) per config; the first is the one the CPU interpreter runs.
+_AMAX_TILES = ((1024, 1, 4), (1024, 8, 4), (2048, 8, 8), (4096, 4, 8), (2048, 32, 8))
+_amax_tuned = Tuned(_amax_kernel, ("CHUNK", "CHUNKS", "num_warps"), *_AMAX_TILES, key=["n"])
 
 
 def tensor_amax(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,40 +64,6 @@ def _current_scale(amax, has_nan, FMT_MAX: tl.constexpr, EPS: tl.constexpr, POW2
 
 
 @triton.jit
-def _store(
-    out_ptr,
-    offsets,
-    inside,
-    x,
-    scale,
-    FMT_MAX: tl.constexpr,
-    MANTISSA: tl.constexpr,
-    MIN_BIASED: tl.constexpr,
-    EMIT_CODES: tl.constexpr,
-    BITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    INV_MIN_SUBNORMAL: tl.constexpr,
-    NAN_CODE: tl.constexpr,
-    NVIDIA: tl.constexpr,
-):
-    values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
-    values = tl.where(x != x, x, values)  # NaN stays NaN
-    if EMIT_CODES:
-        tl.store(
-            out_ptr + offsets,
-            encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE),
-            mask=inside,
-        )
-    elif NVIDIA:  # TE and cuBLAS multiply by scale_inv = fl(1/scale)
-        tl.store(
-            out_ptr + offsets, (values * tl.math.div_rn(1.0, scale)).to(out_ptr.dtype.element_ty), mask=inside
-        )
-    else:  # torchao divides
-        tl.store(out_ptr + offsets, tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
 def _scale_cast_kernel(
     x_ptr,
     out_ptr,
@@ -117,110 +76,62 @@ def _scale_cast_kernel(
     POW2: tl.constexpr,
     MANTISSA: tl.constexpr,
     MIN_BIASED: tl.constexpr,
-    EMIT_CODES: tl.constexpr,
     BITS: tl.constexpr,
     BIAS: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
     INV_MIN_SUBNORMAL: tl.constexpr,
     NAN_CODE: tl.constexpr,
-    NVIDIA: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    offsets = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
-    inside = offsets < n
-    scale = _current_scale(tl.load(amax_ptr), tl.load(nan_ptr), FMT_MAX, EPS, POW2)
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
-    _store(
-        out_ptr,
-        offsets,
-        inside,
-        x,
-        scale,
-        FMT_MAX,
-        MANTISSA,
-        MIN_BIASED,
-        EMIT_CODES,
-        BITS,
-        BIAS,
-        MIN_NORMAL,
-        INV_MIN_SUBNORMAL,
-        NAN_CODE,
-        NVIDIA,
-    )
-    tl.store(scale_ptr, scale, mask=tl.program_id(0) == 0)
-
-
-@triton.jit
-def _row_kernel(
-    x_ptr,
-    out_ptr,
-    scale_ptr,
-    n_cols,
-    FMT_MAX: tl.constexpr,
-    EPS: tl.constexpr,
-    POW2: tl.constexpr,
-    MANTISSA: tl.constexpr,
-    MIN_BIASED: tl.constexpr,
     EMIT_CODES: tl.constexpr,
-    BITS: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    INV_MIN_SUBNORMAL: tl.constexpr,
-    NAN_CODE: tl.constexpr,
     NVIDIA: tl.constexpr,
+    PER_ROW: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64) * n_cols
-    amax = tl.zeros((), tl.float32)
-    has_nan = tl.zeros((), tl.int32)
-    for start in range(0, n_cols, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + row + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-        has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
+    """Per tensor: one program per CHUNK of the n elements, scaled by the amax and NaN flag at amax_ptr
+    and nan_ptr; program 0 stores the scale. PER_ROW: one program per row of n elements, which first
+    reduces the row's amax, then casts it chunk by chunk; each row stores its scale."""
+    program = tl.program_id(0)
+    if PER_ROW:
+        start = program.to(tl.int64) * n
+        end = start + n
+        amax = tl.zeros((), tl.float32)
+        has_nan = tl.zeros((), tl.int32)
+        for chunk in range(start, end, CHUNK):
+            offsets = chunk + tl.arange(0, CHUNK)
+            x = tl.load(x_ptr + offsets, mask=offsets < end, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
+            has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
+    else:
+        start = program.to(tl.int64) * CHUNK
+        end = tl.minimum(start + CHUNK, n)
+        amax = tl.load(amax_ptr)
+        has_nan = tl.load(nan_ptr)
     scale = _current_scale(amax, has_nan, FMT_MAX, EPS, POW2)
-    for start in range(0, n_cols, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        inside = cols < n_cols
-        x = tl.load(x_ptr + row + cols, mask=inside, other=0.0).to(tl.float32)
-        _store(
-            out_ptr,
-            row + cols,
-            inside,
-            x,
-            scale,
-            FMT_MAX,
-            MANTISSA,
-            MIN_BIASED,
-            EMIT_CODES,
-            BITS,
-            BIAS,
-            MIN_NORMAL,
-            INV_MIN_SUBNORMAL,
-            NAN_CODE,
-            NVIDIA,
-        )
-    tl.store(scale_ptr + tl.program_id(0), scale)
+    for chunk in range(start, end, CHUNK):
+        offsets = chunk + tl.arange(0, CHUNK)
+        inside = offsets < end
+        x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+        values = round_to_grid(x * scale, FMT_MAX, MANTISSA, MIN_BIASED)
+        values = tl.where(x != x, x, values)  # NaN stays NaN
+        if EMIT_CODES:
+            out = encode_float(values, BITS, MANTISSA, BIAS, MIN_NORMAL, INV_MIN_SUBNORMAL, NAN_CODE)
+        elif NVIDIA:  # TE and cuBLAS multiply by scale_inv = fl(1/scale)
+            out = (values * tl.math.div_rn(1.0, scale)).to(out_ptr.dtype.element_ty)
+        else:  # torchao divides
+            out = tl.math.div_rn(values, scale).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offsets, out, mask=inside)
+    if PER_ROW:
+        tl.store(scale_ptr + program, scale)
+    else:
+        tl.store(scale_ptr, scale, mask=program == 0)
 
 
-# The chunk each program handles; the first config is the one the CPU interpreter runs.
+# The chunk each program handles (per tensor) or steps by along its row (per row); the first config is
+# the one the CPU interpreter runs.
 _scale_cast_tuned = Tuned(
-    _scale_cast_kernel,
-    ("CHUNK", "num_warps"),
-    (1024, 4),
-    (2048, 4),
-    (4096, 8),
-    (8192, 8),
-    key=["n"],
+    _scale_cast_kernel, ("CHUNK", "num_warps"), (1024, 4), (2048, 4), (4096, 8), (8192, 8), key=["n"]
 )
 _row_tuned = Tuned(
-    _row_kernel,
-    ("CHUNK", "num_warps"),
-    (1024, 4),
-    (2048, 4),
-    (4096, 8),
-    (8192, 16),
-    key=["n_cols"],
+    _scale_cast_kernel, ("CHUNK", "num_warps"), (1024, 4), (2048, 4), (4096, 8), (8192, 16), key=["n"]
 )
 
 
@@ -249,14 +160,14 @@ def fp8_current_scaling(
         NVIDIA=convention == "nvidia",
         **encode_constants(element),
     )
-    if per_row:
+    if per_row:  # no tensor amax: each row reduces its own
         scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
-        _row_tuned[(flat.shape[0],)](flat, out, scales, flat.shape[1], **constants)
+        _row_tuned[(flat.shape[0],)](flat, out, None, None, scales, flat.shape[1], PER_ROW=True, **constants)
         return out.reshape(x.shape), scales.reshape(*x.shape[:-1], 1)
     amax, has_nan = tensor_amax(flat)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = flat.numel()
     _scale_cast_tuned[lambda meta: (triton.cdiv(n, meta["CHUNK"]),)](
-        flat, out, amax, has_nan, scale, n, **constants
+        flat, out, amax, has_nan, scale, n, PER_ROW=False, **constants
     )
     return out.reshape(x.shape), scale.reshape(())

@@ -18,7 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
-from qlab.kernels.triton_math import Tuned, encode_constants, encode_float, pow2_from_exponent, round_to_grid
+from qlab.kernels.triton_math import (
+    Tuned,
+    encode_constants,
+    encode_float,
+    load_block_tile,
+    pow2_from_exponent,
+    round_to_grid,
+)
 
 BLOCK = 32
 
@@ -46,13 +53,7 @@ def _mx_kernel(
     GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    blocks = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks along the row
-    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK)
-    row_inside = rows[:, None, None] < n_rows
-    inside = row_inside & (cols[None, :, :] < n_cols)
-    offsets = rows[:, None, None].to(tl.int64) * n_cols + cols[None, :, :]
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
+    rows, blocks, cols, offsets, inside, x = load_block_tile(x_ptr, n_rows, n_cols, ROWS, GROUPS, BLOCK)
 
     amax = tl.max(tl.abs(x), axis=2)
     has_nan = tl.max((x != x).to(tl.int32), axis=2) > 0  # GPU max reductions may drop NaN: flag it apart

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from qlab.kernels.fp8_triton import tensor_amax
-from qlab.kernels.triton_math import Tuned, round_to_grid
+from qlab.kernels.triton_math import Tuned, load_block_tile, round_to_grid
 
 BLOCK = 16
 ROWS = 16
@@ -51,12 +51,7 @@ def _nvfp4_kernel(
     GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    blocks = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks along the row
-    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK)
-    inside = (rows[:, None, None] < n_rows) & (cols[None, :, :] < n_cols)
-    offsets = rows[:, None, None].to(tl.int64) * n_cols + cols[None, :, :]
-    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)  # (ROWS, GROUPS, BLOCK)
+    rows, blocks, _, offsets, inside, x = load_block_tile(x_ptr, n_rows, n_cols, ROWS, GROUPS, BLOCK)
 
     amax = tl.load(amax_ptr)
     finite_amax = (tl.load(nan_ptr) == 0) & (amax != float("inf"))

@@ -59,6 +59,20 @@ def encode_constants(element) -> dict:
 
 
 @triton.jit
+def load_block_tile(x_ptr, n_rows, n_cols, ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (i, j)'s tile of a contiguous (n_rows, n_cols) tensor: rows i·ROWS + [0, ROWS) × blocks
+    j·GROUPS + [0, GROUPS) of BLOCK elements along the row. Returns (rows, blocks, cols (GROUPS, BLOCK),
+    offsets and inside (ROWS, GROUPS, BLOCK), x as float32 (ROWS, GROUPS, BLOCK), 0 outside)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    blocks = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # the tile's blocks along the row
+    cols = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (GROUPS, BLOCK)
+    inside = (rows[:, None, None] < n_rows) & (cols[None, :, :] < n_cols)
+    offsets = rows[:, None, None].to(tl.int64) * n_cols + cols[None, :, :]
+    x = tl.load(x_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    return rows, blocks, cols, offsets, inside, x
+
+
+@triton.jit
 def pow2_from_exponent(exponent):
     """2^exponent as float32 for exponent in [−127, 127], from the bits (2^-127 is a subnormal)."""
     field = exponent + 127
