@@ -30,6 +30,133 @@ LAYER_NORM_ACC = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 OPTIMIZERS = ("adamw", "sgd")
 COMPILE_MODES = ("default", "reduce-overhead")  # torch.compile's modes that train offers
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_NONE = type(None)
+_REAL = (int, float)  # an int is a float here
+
+
+def _check(check, *args, **options):
+    """A rule that applies ``check(name, value, *args, **options)`` and keeps the value as given: an int
+    lr stays an int, as config.yaml and a run's cache key hold it."""
+
+    def rule(name, value):
+        check(name, value, *args, **options)
+        return value
+
+    return rule
+
+
+def _among(name, value, choices):
+    """One of ``choices`` by == alone, so a str subclass such as numpy.str_ (a name taken from an array)
+    counts as its str; checks.choice, which the other choice fields use, asks for str itself."""
+    if value not in choices:
+        checks.choice(name, value, choices)  # raises, naming the field and the choices
+
+
+def _hidden_widths(name, value):
+    if not (
+        isinstance(value, (list, tuple))
+        and value
+        and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in value)
+    ):
+        raise ValueError(f"{name} must be a non-empty list of positive ints, got {value!r}")
+
+
+def _device(name, value):
+    """'auto', or a device torch parses: 'cpu', 'cuda', 'cuda:1', ..."""
+    if value != "auto":
+        try:
+            torch.device(value)
+        except RuntimeError:
+            raise ValueError(
+                f"unknown {name} {value!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
+            ) from None
+
+
+def _keep_patterns(name, value):
+    """A bare string is one pattern (never split into characters); a dict maps recipe names (or
+    "default") to patterns. Whether each pattern names a layer is checked when the model is built."""
+    if not isinstance(value, dict):
+        return checks.patterns(name, value)
+    unknown = sorted(set(value) - set(RECIPES) - {"default"})
+    if unknown:
+        raise ValueError(
+            f"{name} keys {unknown} are not recipes; expected some of: {', '.join(RECIPES)}, default"
+        )
+    return {recipe: checks.patterns(f"{name}[{recipe!r}]", patterns) for recipe, patterns in value.items()}
+
+
+# Each TrainConfig field's (types, rule). Every field's type is checked before any rule runs, so a wrong
+# type is a TypeError whatever else is wrong; types None: any type, the rule decides. rule(name, value)
+# returns the value to store (a bare pattern string becomes a list); rule None: the type is all there is
+# to check for that field alone. A None value, where the types take it, means "off" and skips the rule.
+# The rules over several fields follow in TrainConfig.__post_init__.
+FIELD_RULES = {
+    "task": (str, _check(_among, TASKS)),
+    "recipe": (str, _check(_among, RECIPES)),
+    "backward_override": ((str, _NONE), None),  # what the recipe allows (get_recipe)
+    "gemm": (str, None),  # what the recipe can run (check_gemm)
+    "compile": (bool, None),
+    "compile_mode": (str, _check(checks.choice, COMPILE_MODES)),
+    "ablate": (None, lambda name, value: list(checks.names(name, value, tuple(INGREDIENTS)))),
+    "keep_high_precision": ((list, tuple, dict, str), _keep_patterns),
+    # model
+    "context": (int, _check(checks.integer, low=1)),
+    "layers": (int, _check(checks.integer, low=1)),
+    "width": (int, _check(checks.integer, low=1)),
+    "heads": (int, _check(checks.integer, low=1)),
+    "tied_head": (bool, None),
+    "hidden": (None, _check(_hidden_widths)),  # any wrong value, of any type, is a ValueError
+    # optimization
+    "steps": (int, _check(checks.integer, low=1)),
+    "batch_size": (int, _check(checks.integer, low=1)),
+    "grad_accum": (int, _check(checks.integer, low=1)),
+    "nproc": (int, _check(checks.integer, low=1)),
+    "lr": (_REAL, _check(checks.number, low=0, open_low=True)),
+    "min_lr_ratio": (_REAL, _check(checks.number, low=0, high=1)),
+    "warmup_steps": (int, _check(checks.integer, low=0)),
+    "weight_decay": (_REAL, _check(checks.number, low=0)),
+    "beta1": (_REAL, _check(checks.number, low=0, high=1, open_high=True)),
+    "beta2": (_REAL, _check(checks.number, low=0, high=1, open_high=True)),
+    "grad_clip": ((*_REAL, _NONE), _check(checks.number, low=0, open_low=True)),
+    "optimizer": (str, _check(_among, OPTIMIZERS)),
+    "autocast": ((str, _NONE), _check(_among, AUTOCAST_DTYPES)),
+    "layer_norm": (str, _check(checks.choice, ("torch", *LAYER_NORM_STATS))),
+    "layer_norm_acc": (str, _check(checks.choice, tuple(LAYER_NORM_ACC))),
+    "grad_scaler": (bool, None),
+    # sparse back-propagation
+    "topk": ((*_REAL, _NONE), _check(lambda name, k: check_k(k))),  # an int count or a float fraction
+    "topk_mode": (str, _check(_among, TOPK_MODES)),
+    "topk_keep": ((list, tuple, str), checks.patterns),
+    # evaluation, logging, checkpoints
+    "track_updates": (bool, None),
+    "eval_every": (int, _check(checks.integer, low=1)),
+    "eval_batches": (int, _check(checks.integer, low=1)),
+    "fidelity_every": (int, _check(checks.integer, low=0)),
+    "checkpoint_every": (int, _check(checks.integer, low=0)),
+    "out_dir": ((str, _NONE), None),
+    "resume": (bool, None),
+    "progress": (bool, None),
+    "seed": (int, _check(checks.seed)),
+    "device": (str, _check(_device)),
+}
+
+
+def _typed(name: str, value, types):
+    """``value`` if it is one of ``types`` (a type, a tuple of types or None for any), else TypeError; a
+    float YAML 1.1 read as a string (3e-4, no dot) becomes that float first where the field takes one."""
+    types = (types,) if isinstance(types, type) else types or ()
+    if (
+        float in types
+        and isinstance(value, str)
+        and _FLOAT.fullmatch(value.strip())
+        and (name != "topk" or any(c in value for c in ".eE"))  # a topk of "5" is not a count
+    ):
+        value = float(value)
+    if types and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+        raise TypeError(
+            f"{name} must be {' or '.join(t.__name__ for t in types)}, got {type(value).__name__} {value!r}"
+        )
+    return value
 
 
 @dataclass
@@ -101,29 +228,25 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.backward_override, str) and self.backward_override.strip().lower() == "none":
             self.backward_override = None
-        for f in dataclasses.fields(self):  # YAML 1.1 reads 3e-4 (no dot) as a string
-            value = getattr(self, f.name)
-            fraction = f.name == "topk" and isinstance(value, str) and any(c in value for c in ".eE")
-            if (
-                (isinstance(f.default, float) or fraction)
-                and isinstance(value, str)
-                and _FLOAT.fullmatch(value.strip())
-            ):
-                setattr(self, f.name, float(value))
-        self._check_types()
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r}; expected one of: {', '.join(TASKS)}")
-        if self.recipe not in RECIPES:
-            raise ValueError(f"unknown recipe {self.recipe!r}; expected one of: {', '.join(RECIPES)}")
-        if self.recipe in BASELINES and self.backward_override is not None:
+        for name, (types, _) in FIELD_RULES.items():  # every type before any rule
+            setattr(self, name, _typed(name, getattr(self, name), types))
+        for name, (types, rule) in FIELD_RULES.items():
+            value = getattr(self, name)
+            if rule is not None and not (value is None and types is not None):  # None where typed: off
+                setattr(self, name, rule(name, value))
+
+        # rules that need several fields
+        baseline = self.recipe in BASELINES
+        # a backward override changes a quantized recipe's backward: a baseline has none to change
+        if baseline and self.backward_override is not None:
             raise ValueError(
                 f"backward_override={self.backward_override!r} needs a quantized recipe, "
                 f"got the unquantized baseline {self.recipe!r}"
             )
-        if self.recipe not in BASELINES:
+        if not baseline:
             get_recipe(self.recipe, backward_override=self.backward_override)  # refuses bad combinations
-        self.ablate = list(checks.names("ablate", self.ablate, tuple(INGREDIENTS)))
-        if self.ablate and self.recipe in BASELINES:
+        # ablate switches off ingredients the recipe uses
+        if self.ablate and baseline:
             raise ValueError(
                 f"ablate={self.ablate} switches off parts of a quantized recipe; got {self.recipe!r}"
             )
@@ -132,132 +255,46 @@ class TrainConfig:
             raise ValueError(
                 f"ablate: recipe {self.recipe!r} does not use {absent}; there is nothing to switch off"
             )
-        check_gemm(self.gemm, get_recipe("bf16" if self.recipe in BASELINES else self.recipe))
-        checks.choice("compile_mode", self.compile_mode, COMPILE_MODES)
+        # a baseline's layers are plain Linears; its gemm is checked as bf16's would be
+        check_gemm(self.gemm, get_recipe("bf16" if baseline else self.recipe))
+        # a compile mode without compile would quietly do nothing
         if self.compile_mode != "default" and not self.compile:
             raise ValueError(
                 f"compile_mode={self.compile_mode!r} sets how the steps are compiled; it needs compile=True"
             )
+        # CUDA graphs and DDP's all-reduce inside backward are not known to work together
         if self.compile_mode == "reduce-overhead" and self.nproc > 1:
             raise ValueError(
                 f"compile_mode='reduce-overhead' runs in one process, got nproc={self.nproc}: under DDP the "
                 f"gradient all-reduce runs inside backward, between the CUDA graphs, untested here"
             )
-        if self.optimizer not in OPTIMIZERS:
+        # qlab.sparse wraps plain Linears, not QuantLinears
+        if self.topk is not None and not baseline:
             raise ValueError(
-                f"unknown optimizer {self.optimizer!r}; expected one of: {', '.join(OPTIMIZERS)}"
+                f"topk sparse back-propagation runs on unquantized layers; got recipe "
+                f"{self.recipe!r} (use fp32 or bf16)"
             )
-        if self.topk_mode not in TOPK_MODES:
-            raise ValueError(
-                f"unknown topk_mode {self.topk_mode!r}; expected one of: {', '.join(TOPK_MODES)}"
-            )
-        if self.topk is not None:
-            check_k(self.topk)
-            if self.recipe not in BASELINES:
-                raise ValueError(
-                    f"topk sparse back-propagation runs on unquantized layers; got recipe "
-                    f"{self.recipe!r} (use fp32 or bf16)"
-                )
-        if self.autocast not in AUTOCAST_DTYPES:
-            raise ValueError(f"unknown autocast {self.autocast!r}; expected None, 'bf16' or 'fp16'")
-        checks.choice("layer_norm", self.layer_norm, ("torch", *LAYER_NORM_STATS))
-        checks.choice("layer_norm_acc", self.layer_norm_acc, tuple(LAYER_NORM_ACC))
+        # nn.LayerNorm has no accumulation setting: only qlab's statistics take one
         if self.layer_norm == "torch" and self.layer_norm_acc != "fp32":
             raise ValueError(
                 f"layer_norm_acc={self.layer_norm_acc!r} applies to qlab's LayerNorm statistics; "
                 f"choose layer_norm='textbook', 'two_pass' or 'welford'"
             )
+        # the bf16 baseline is bf16 autocast; another autocast would contradict it
         if self.recipe == "bf16" and self.autocast not in (None, "bf16"):
             raise ValueError(f"recipe 'bf16' runs under bf16 autocast; got autocast={self.autocast!r}")
-        if not (
-            isinstance(self.hidden, (list, tuple))
-            and self.hidden
-            and all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden)
-        ):
-            raise ValueError(f"hidden must be a non-empty list of positive ints, got {self.hidden!r}")
-        if self.device != "auto":
-            try:
-                torch.device(self.device)
-            except RuntimeError:
-                raise ValueError(
-                    f"unknown device {self.device!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
-                ) from None
-        positive = (
-            "steps",
-            "batch_size",
-            "grad_accum",
-            "nproc",
-            "eval_batches",
-            "context",
-            "layers",
-            "width",
-        )
-        for name in (*positive, "heads", "eval_every"):
-            checks.integer(name, getattr(self, name), low=1)
-        for name in ("warmup_steps", "fidelity_every", "checkpoint_every"):
-            checks.integer(name, getattr(self, name), low=0)
-        checks.seed("seed", self.seed)
+        # the global batch splits evenly over processes and micro-batches
         if self.batch_size % (self.nproc * self.grad_accum):
             raise ValueError(
                 f"batch_size {self.batch_size} is not divisible by nproc × grad_accum = "
                 f"{self.nproc} × {self.grad_accum}"
             )
-        checks.number("lr", self.lr, low=0, open_low=True)
-        checks.number("min_lr_ratio", self.min_lr_ratio, low=0, high=1)
-        checks.number("weight_decay", self.weight_decay, low=0)
-        checks.number("beta1", self.beta1, low=0, high=1, open_high=True)
-        checks.number("beta2", self.beta2, low=0, high=1, open_high=True)
-        if self.grad_clip is not None:
-            checks.number("grad_clip", self.grad_clip, low=0, open_low=True)
-        self._check_keep_patterns()
+        # attention splits the width evenly over the heads
         if self.width % self.heads:
             raise ValueError(f"width {self.width} is not divisible by heads {self.heads}")
+        # a resumed run reads its checkpoint from out_dir
         if self.resume and not self.out_dir:
             raise ValueError("resume=True needs out_dir (where the checkpoint is)")
-
-    def _check_types(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = {int: (int,), float: (int, float), bool: (bool,), str: (str,)}.get(type(f.default))
-            if f.name in ("grad_clip", "topk"):
-                expected = (int, float, type(None))
-            if f.name in ("backward_override", "autocast", "out_dir"):
-                expected = (str, type(None))
-            if expected and (
-                not isinstance(value, expected) or (bool not in expected and isinstance(value, bool))
-            ):
-                raise TypeError(
-                    f"{f.name} must be {' or '.join(t.__name__ for t in expected)}, "
-                    f"got {type(value).__name__} {value!r}"
-                )
-        if not isinstance(self.topk_keep, (list, tuple, str)):
-            raise TypeError(
-                f"topk_keep must be a pattern or a list of patterns, got {checks.shown(self.topk_keep)}"
-            )
-        if not isinstance(self.keep_high_precision, (list, tuple, dict, str)):
-            raise TypeError(
-                f"keep_high_precision must be a pattern, a list of patterns or a dict recipe -> patterns, "
-                f"got {checks.shown(self.keep_high_precision)}"
-            )
-
-    def _check_keep_patterns(self):
-        """A bare string is one pattern (never split into characters); a dict maps recipe names (or
-        "default") to patterns. Whether each pattern names a layer is checked when the model is built."""
-        keep = self.keep_high_precision
-        if isinstance(keep, dict):
-            unknown = sorted(set(keep) - set(RECIPES) - {"default"})
-            if unknown:
-                raise ValueError(
-                    f"keep_high_precision keys {unknown} are not recipes; expected some of: "
-                    f"{', '.join(RECIPES)}, default"
-                )
-            self.keep_high_precision = {
-                recipe: checks.patterns(f"keep_high_precision[{recipe!r}]", patterns)
-                for recipe, patterns in keep.items()
-            }
-        else:
-            self.keep_high_precision = checks.patterns("keep_high_precision", keep)
-        self.topk_keep = checks.patterns("topk_keep", self.topk_keep)
 
     @property
     def micro_batch(self) -> int:
