@@ -297,37 +297,37 @@ def _qdq_cases(x: torch.Tensor) -> dict:
         "fp8 qdq per-tensor (e4m3)": (
             lambda: fp8_qdq(x, "fp8_e4m3", backend="triton"),
             fp8(False, False),
-            lambda: Q.qdq(x, "fp8_e4m3", fast=False),
+            lambda: Q.qdq(x, "fp8_e4m3"),
             qdq_bytes + amax_read,
         ),
         "fp8 qdq per-row (e4m3)": (
             lambda: fp8_qdq(x, "fp8_e4m3_rowwise", backend="triton"),
             fp8(True, False),
-            lambda: Q.qdq(x, "fp8_e4m3_rowwise", fast=False),
+            lambda: Q.qdq(x, "fp8_e4m3_rowwise"),
             qdq_bytes + 4 * x.shape[0],
         ),
         "mxfp8 qdq (e4m3, floor)": (
             lambda: mx_qdq(x, "mxfp8", backend="triton"),
             lambda: mx_qdq_last_axis(x, e4m3, "floor"),
-            lambda: Q.qdq(x, "mxfp8", fast=False),
+            lambda: Q.qdq(x, "mxfp8"),
             qdq_bytes + n // 32,
         ),
         "mxfp4 qdq (e2m1, floor)": (
             lambda: mx_qdq(x, Q.MXSpec("e2m1"), backend="triton"),
             lambda: mx_qdq_last_axis(x, e2m1, "floor"),
-            lambda: Q.qdq(x, Q.MXSpec("e2m1"), fast=False),
+            lambda: Q.qdq(x, Q.MXSpec("e2m1")),
             qdq_bytes + n // 32,
         ),
         "nvfp4 qdq 1×16": (
             lambda: nvfp4_qdq(x, Q.NVFP4Spec(), backend="triton"),
             nvfp4("nvidia"),
-            lambda: Q.qdq(x, Q.NVFP4Spec(), fast=False),
+            lambda: Q.qdq(x, Q.NVFP4Spec()),
             qdq_bytes + amax_read + 4 * n // 16,
         ),
         "nvfp4 qdq 1×16 (torchao convention)": (
             lambda: nvfp4_qdq(x, Q.NVFP4Spec(convention="torchao"), backend="triton"),
             nvfp4("torchao"),
-            lambda: Q.qdq(x, Q.NVFP4Spec(convention="torchao"), fast=False),
+            lambda: Q.qdq(x, Q.NVFP4Spec(convention="torchao")),
             qdq_bytes + amax_read + 4 * n // 16,
         ),
     }

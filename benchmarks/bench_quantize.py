@@ -12,7 +12,7 @@ For each recipe, a 4096×4096 float32 tensor is quantized and dequantized by
 - the same path returning a fresh tensor (``qdq(x)``), against ``torch.add(x, 0)``, which pays the
   same first-touch page faults for its fresh 64 MiB (glibc hands such blocks back to the kernel
   when they are freed, so every call faults them in again: 20–30 ms here, several times the kernel);
-- qlab's eager path (``qdq(fast=False)``, the same bits);
+- qlab's eager reference (``qlab.quantize.qdq``, the same bits);
 - torchao 0.18 eager: ``to_mx`` + ``to_dtype`` (MX), ``NVFP4Tensor.to_nvfp4`` + ``dequantize``,
   ``hp_tensor_to_float8_dynamic`` + ``to_original_precision`` (FP8 tensorwise).
 Compilation happens in the warm-up and is reported apart. Every block format has a row
@@ -46,6 +46,7 @@ from timing import (  # noqa: E402
     set_threads,
 )
 
+from qlab import kernels  # noqa: E402
 from qlab import quantize as Q  # noqa: E402
 from qlab.kernels import cpu_qdq  # noqa: E402
 
@@ -166,24 +167,28 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, label in LABELS.items():
+
+        def fused(spec=name, **out):  # the fused CPU path (C kernel or compiled), as fast=True was
+            return kernels.qdq(x, spec, backend="cpu", **out)
+
         start = time.perf_counter()
-        fast = Q.qdq(x, name, fast=True)
+        fast = fused()
         first_call = time.perf_counter() - start
-        Q.qdq(x, name, fast=True, out=y)  # compiles the out= variant
-        into, into_ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True, out=y), add_into, args.repeats)
-        compiled, compiled_ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True), add_fresh, args.repeats)
-        eager = median_seconds(lambda: Q.qdq(x, name, fast=False), args.repeats)
+        fused(out=y)  # compiles the out= variant
+        into, into_ratio = paired_ratio(lambda: fused(out=y), add_into, args.repeats)
+        compiled, compiled_ratio = paired_ratio(fused, add_fresh, args.repeats)
+        eager = median_seconds(lambda: Q.qdq(x, name), args.repeats)
         path, inductor = "compiled", "—"
         if cpu_qdq.covers(x, Q.get_spec(name), x.dtype):
             with without_cpu_kernel():
-                Q.qdq(x, name, fast=True, out=y)  # compiles it
-                _, ratio = paired_ratio(lambda: Q.qdq(x, name, fast=True, out=y), add_into, args.repeats)
+                fused(out=y)  # compiles it
+                _, ratio = paired_ratio(lambda: fused(out=y), add_into, args.repeats)
             path, inductor = "C kernel", f"{ratio:.2f}"
         theirs, same, seconds = "—", "—", None
         if name in reference:
             seconds = median_seconds(lambda: reference[name](x), args.repeats)
             theirs = f"{seconds * 1e3:.1f} | {seconds / compiled:.1f}"
-            ours = Q.qdq(x, TORCHAO_CONVENTION[name], fast=True) if name in TORCHAO_CONVENTION else fast
+            ours = fused(TORCHAO_CONVENTION[name]) if name in TORCHAO_CONVENTION else fast
             same = torch.equal(torch.nan_to_num(ours), torch.nan_to_num(reference[name](x)))
             same = "yes" if same else "no"
         else:

@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from timing import add_results_argument, add_thread_argument, machine, median_and_range, record, set_threads  # noqa: E402
 
-from qlab.quantize import COMPILE_OPTIONS  # noqa: E402
+from qlab.kernels.compiled import COMPILE_OPTIONS  # noqa: E402
 from qlab.train import TrainConfig, train  # noqa: E402
 from qlab.train.config import COMPILE_MODES, RECIPES  # noqa: E402
 from qlab.train.loop import (  # noqa: E402

@@ -71,7 +71,7 @@ import torch
 from IPython.display import Markdown, display
 from matplotlib.ticker import MaxNLocator
 
-from qlab import advisor, models, session, stats
+from qlab import advisor, kernels, models, session, stats
 from qlab import quantize as Q
 from qlab.claims import Claims
 from qlab.nn import quantize_model
@@ -472,7 +472,7 @@ for label, owner, module_names, grid in weight_sets:
                "median_levels_per_block": float(levels.float().median()),
                "changed_by_round_trip": int((models.q4_1_round_trip(weight) != weight).sum()),
                "outlier_ratio": tensor_stats(weight, ("outlier_ratio",))["outlier_ratio"]}
-        row.update({f"sqnr_db/{fmt}": Q.sqnr_db(weight, Q.qdq(weight, Q.get_spec(spec), -1)) for fmt, spec in FORMATS.items()})
+        row.update({f"sqnr_db/{fmt}": Q.sqnr_db(weight, kernels.qdq(weight, Q.get_spec(spec), -1)) for fmt, spec in FORMATS.items()})
         rows.append(row)
 weight_table = pd.DataFrame(rows)
 save_csv(weight_table, f"{NAME}_weights")

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where a check needs it: the CLI imports this module, not torch
+if TYPE_CHECKING:  # torch is imported where a check needs it: the CLI needs these checks, not torch
     import torch
 
 

@@ -32,17 +32,13 @@ for intN/uintN); ``decode`` turns codes back into float32. ``pack_fp4``/``unpack
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import math
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 
-from qlab import checks, ops
+from qlab import checks, compat
 
 ROUNDING_MODES = ("rne", "away", "toward_zero", "stochastic")
 
@@ -332,118 +328,50 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     """Uniform draws k·2^-15 (k = 0 … 2^15 − 1) as float32, one per element, from ``generator``.
 
     Each 31-bit integer the generator produces (``Tensor.random_`` on int32, ceil(n/2) of them for n
-    draws) gives two 15-bit draws: draw i is integer i's low 15 bits, draw ceil(n/2) + i its next 15
-    (``torch_stochastic_noise`` in torch ops). On the CPU the C kernel runs the generator's MT19937
-    itself, giving the same numbers and leaving the same generator state about 16× faster
-    (``qlab.kernels.cpu_qdq.stochastic_noise``), since the draws dominate stochastic rounding's
-    cost; on a GPU one Triton kernel (``qlab.kernels.noise_triton``) splits the integers in place of
-    torch's six ops. With 15 random bits the
-    probability of rounding up is the exact fraction rounded up to a multiple of 2^-15, so the bias
-    is below 2^-15 of a grid step; hardware SR units likewise use a limited number of random bits.
+    draws) gives two 15-bit draws: draw i is integer i's low 15 bits, draw ceil(n/2) + i its next 15.
+    This is the definition, in torch ops; ``qlab.kernels.stochastic_noise`` gives the same numbers
+    faster (a C kernel running the CPU generator itself, a Triton kernel splitting the integers on a
+    GPU). With 15 random bits the probability of rounding up is the exact fraction rounded up to a
+    multiple of 2^-15, so the bias is below 2^-15 of a grid step; hardware SR units likewise use a
+    limited number of random bits.
     """
+    check_noise_arguments(shape, generator)
+    return torch_stochastic_noise(shape, generator, device)
+
+
+def check_noise_arguments(shape, generator) -> None:
+    """``stochastic_noise``'s refusals: ``shape`` a tuple of ints ≥ 0, ``generator`` a Generator or None."""
     if not isinstance(shape, (tuple, list, torch.Size)) or not all(
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
     ):
         raise TypeError(f"shape must be a tuple of non-negative ints, got {checks.shown(shape)}")
     checks.generator("generator", generator)
-    if not torch.compiler.is_compiling() and _noise_kernel_runs_on(device):
-        from qlab.kernels.noise_triton import noise_from_bits  # it needs Triton
-
-        count = math.prod(shape)
-        return noise_from_bits(_random_bits(count, generator, device), count).reshape(shape)
-    on_cpu = torch.device(device or "cpu").type == "cpu" and (
-        generator is None or generator.device.type == "cpu"
-    )
-    if on_cpu and not torch.compiler.is_compiling():
-        from qlab.kernels import cpu_qdq  # it imports this module
-
-        if cpu_qdq.draws_like_torch():  # the same numbers, several times faster
-            return cpu_qdq.stochastic_noise(math.prod(shape), generator).reshape(shape)
-    return torch_stochastic_noise(shape, generator, device)
 
 
-def _noise_kernel_runs_on(device) -> bool:
-    """Whether ``stochastic_noise`` splits the integers with the Triton kernel: on CUDA, with Triton."""
-    return torch.device(device or "cpu").type == "cuda" and _triton_installed()
-
-
-@cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def _random_bits(count: int, generator, device) -> torch.Tensor:
+def random_bits(count: int, generator, device) -> torch.Tensor:
     """The ceil(count/2) random int32 that ``count`` draws split: one ``random_`` call, so the torch
-    definition and the Triton kernel consume the generator's stream alike."""
+    definition and the fast kernels consume the generator's stream alike."""
     return torch.empty((count + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
 
 
 def torch_stochastic_noise(shape, generator: torch.Generator | None, device=None) -> torch.Tensor:
-    """``stochastic_noise`` in torch ops (its definition), on any device; arguments as checked there."""
+    """``stochastic_noise`` without its argument checks (the definition itself)."""
     count = math.prod(shape)
-    bits = _random_bits(count, generator, device)
+    bits = random_bits(count, generator, device)
     mask = (1 << NOISE_BITS) - 1
     draws = torch.cat([bits & mask, (bits >> NOISE_BITS) & mask])[:count]
     return (draws.float() * 2.0**-NOISE_BITS).reshape(shape)
 
 
-# --- noise from a registered source, the same bits eager and under torch.compile -------------------
-
-_NOISE_SOURCES: dict[int, weakref.WeakMethod] = {}
-_NOISE_KEYS = itertools.count()
-
-
-def register_noise_source(generator_for: Callable[[torch.device], torch.Generator]) -> torch.Tensor:
-    """A key under which ``drawn_noise`` finds the generator ``generator_for(device)`` returns.
-    ``generator_for`` is a bound method (e.g. a layer's per-device generators), held weakly: the
-    entry goes when its object is garbage-collected.
-
-    The key is a 0-d int64 CPU tensor, not an int: torch.compile specializes on a module's integer
-    attributes, so with int keys each layer of a model's repeated blocks would compile its own copy of
-    the block; a tensor is a graph input, and the blocks share one compiled graph."""
-    if not callable(generator_for) or not hasattr(generator_for, "__self__"):
-        raise TypeError(
-            "generator_for must be a bound method (device → torch.Generator), "
-            f"got {checks.shown(generator_for)}"
-        )
-    key = next(_NOISE_KEYS)
-    _NOISE_SOURCES[key] = weakref.WeakMethod(generator_for)
-    weakref.finalize(generator_for.__self__, _NOISE_SOURCES.pop, key, None)
-    return torch.tensor(key, dtype=torch.int64, device="cpu")  # whatever the default device is
+# moved to qlab.kernels.noise, where the fast draws are (qlab.compat)
+MOVED = {
+    name: "qlab.kernels.noise"
+    for name in ("drawn_noise", "register_noise_source", "NOISE_STAYS_OUT_OF_CUDA_GRAPHS")
+}
 
 
-def _noise_kernel(after: torch.Tensor, counts: list[int], source: torch.Tensor) -> list[torch.Tensor]:
-    generator = _NOISE_SOURCES[int(source)]()(after.device)
-    return [stochastic_noise((count,), generator, after.device) for count in counts]
-
-
-def _noise_fake(after, counts, source):
-    return [after.new_empty(count, dtype=torch.float32) for count in counts]
-
-
-# CUDA graphs replay what they recorded: a draw inside one would repeat its numbers at every replay.
-# Tagged cudagraph_unsafe (where this torch has the tag), it runs between inductor's graph partitions.
-NOISE_STAYS_OUT_OF_CUDA_GRAPHS = hasattr(torch.Tag, "cudagraph_unsafe")
-_noise_op = ops.define(
-    "stochastic_noise",
-    "(Tensor after, int[] counts, Tensor source) -> Tensor[]",
-    _noise_kernel,
-    _noise_fake,
-    tags=(torch.Tag.nondeterministic_seeded,)
-    + ((torch.Tag.cudagraph_unsafe,) if NOISE_STAYS_OUT_OF_CUDA_GRAPHS else ()),
-)
-
-
-def drawn_noise(source: torch.Tensor, shapes: list, after: torch.Tensor) -> list[torch.Tensor]:
-    """``stochastic_noise`` for each shape, in order, from the generator registered under ``source``
-    (the key ``register_noise_source`` returned), on ``after``'s device and after ``after`` is computed.
-
-    Eager code draws exactly these numbers from the generator; compiled code calls the same op,
-    which PyTorch neither deduplicates nor reorders against its input (it is tagged
-    nondeterministic_seeded), so a compiled model consumes the same stream and gives the same bits.
-    """
-    flat = _noise_op(after, [math.prod(shape) for shape in shapes], source)
-    return [noise.reshape(tuple(shape)) for noise, shape in zip(flat, shapes)]
+def __getattr__(name: str):
+    return compat.moved(__name__, name, MOVED)
 
 
 def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.Tensor:

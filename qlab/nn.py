@@ -1,8 +1,8 @@
 """Quantized layers: QuantLinear (emulated low-precision GEMMs with backward overrides and fused
 main_grad accumulation), fake_quant with straight-through estimators, and model conversion.
 
-GEMMs are emulated by default: operands are quantize→dequantized (``qlab.quantize.qdq``; on CUDA
-through qlab's Triton kernels where one covers the spec, ``qlab.kernels.qdq``, the same bits) and
+GEMMs are emulated by default: operands are quantize→dequantized (``qlab.kernels.qdq``: the bits of
+the reference ``qlab.quantize.qdq`` through the C kernel on the CPU, Triton on CUDA) and
 multiplied in float32 (float64 for unquantized float64 layers; the quantizers take float32/bf16/fp16)
 at "highest" matmul precision, so the only rounding besides the recipe's is the float32 GEMM's:
 16-bit operands are dequantized straight to float32. Under autocast the operands are cast to the
@@ -21,7 +21,7 @@ it to different elements (see ``qlab.quantize.qdq``).
 torch.compile: with current scaling (and without fused or delayed wgrad) a QuantLinear traces whole,
 forward and backward, and compiled code gives the eager bits on the CPU (tests/test_compile.py).
 Stochastic-rounding noise comes from the layer's generator through the ``qlab::stochastic_noise`` op
-(``qlab.formats.drawn_noise``), so the stream is the same compiled or not; the bias gradient goes
+(``qlab.kernels.noise.drawn_noise``), so the stream is the same compiled or not; the bias gradient goes
 through ``qlab::bias_grad`` (ATen's summation order). Delayed scaling, fused and delayed wgrad change
 state from inside backward: such a layer runs as an eager island (``QuantLinear.compiles``).
 
@@ -52,8 +52,8 @@ from torch import nn
 
 from qlab import checks, kernels, ops
 from qlab import quantize as Q
-from qlab.formats import drawn_noise, register_noise_source
 from qlab.kernels import fp8_gemm
+from qlab.kernels.noise import drawn_noise, register_noise_source
 from qlab.recipe import BACKWARD_OVERRIDES, ROLES, Recipe, get_recipe
 from qlab.scaling import DelayedScaling, hadamard_matrix
 
@@ -185,7 +185,7 @@ class _FakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, spec, axis, ste, generator):
         if ste == "identity":
-            return Q.qdq(x, spec, axis, generator=generator)
+            return kernels.qdq(x, spec, axis, generator=generator)
         out, inside = Q.qdq_with_mask(x, spec, axis, generator=generator)
         ctx.save_for_backward(inside)
         return out
@@ -414,7 +414,7 @@ class QuantLinear(nn.Linear):
                 total += tensor.numel() * high_precision_bytes
             else:
                 generator = torch.Generator().manual_seed(0) if spec.rounding == "stochastic" else None
-                quantized = Q.quantize(tensor, spec, axis, generator=generator, keep_source=False)
+                quantized = kernels.quantize(tensor, spec, axis, generator=generator)
                 total += quantized.storage_bytes()
         return total
 
@@ -622,15 +622,10 @@ class QuantLinear(nn.Linear):
             return t
         scale = self._delayed_scale(role, scales)
         generator = self._generator(t.device) if spec.rounding == "stochastic" and noise is None else None
-        eager = not torch.compiler.is_compiling()  # compiled code fuses qlab.quantize's ops itself
         if tensor_cores:
-            if scale is None and spec.rounding == "rne" and eager:
-                return kernels.quantize(t, spec, axis)  # the Triton kernel on CUDA
-            return Q.quantize(t, spec, axis, scale=scale, generator=generator, noise=noise, keep_source=False)
+            return kernels.quantize(t, spec, axis, scale=scale, generator=generator, noise=noise)
         compute = _compute_dtype(t)  # dequantized values stay in the GEMM's dtype, not rounded to 16 bits
-        if scale is None and eager and kernels.covers(spec):  # the Triton kernels on CUDA, the same bits
-            return kernels.qdq(t, spec, axis, dtype=compute)
-        return Q.qdq(t, spec, axis, generator=generator, noise=noise, scale=scale, dtype=compute)
+        return kernels.qdq(t, spec, axis, generator=generator, noise=noise, scale=scale, dtype=compute)
 
     def _delayed_scale(self, role: str, scales: dict | None) -> torch.Tensor | None:
         """Delayed scaling: the role's scale from ``scales`` (the forward's) or the live scaler; else None."""

@@ -92,7 +92,7 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
     its parameters cell does not allow (``qlab.session.check_values``: the declared type, then what a
     parameter of that name may hold — a known recipe, a count ≥ 1, ...), before any kernel starts.
     """
-    from qlab import session  # imports torch: not at the top, the CLI's parser imports this module
+    from qlab import session  # not at the top: it imports torch, which the CLI's parser never needs
 
     if not isinstance(parameters, dict):
         raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")

@@ -30,7 +30,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from qlab import checks
+from qlab import checks, kernels
 from qlab import quantize as Q
 from qlab.kernels import cpu_qdq
 
@@ -130,7 +130,7 @@ def _stats_rows_fast(batch: torch.Tensor, outliers: bool) -> torch.Tensor:
     """``_stats_rows`` through one compiled, fused kernel for large enough batches (the same values up
     to float64 summation order; eager if compilation is off with QLAB_COMPILE=0 or fails)."""
     key = (batch.dtype, batch.device.type)
-    if batch.numel() >= _FUSED_MIN_NUMEL and key not in _fused_failed and Q.compile_enabled():
+    if batch.numel() >= _FUSED_MIN_NUMEL and key not in _fused_failed and kernels.compiled.compile_enabled():
         try:
             return _fused_stats_rows()(batch, outliers)
         except Exception:  # no compiler, an unsupported dtype, ...: the eager reductions
@@ -211,7 +211,7 @@ def what_if_stats(tensor: torch.Tensor, spec, axis: int = -1) -> dict[str, float
         x = x.float()
     spec = Q.get_spec(spec)
     if spec.hadamard:
-        x_hat, inside = Q.qdq(x, spec, axis), torch.ones_like(x, dtype=torch.bool)
+        x_hat, inside = kernels.qdq(x, spec, axis), torch.ones_like(x, dtype=torch.bool)
     else:
         x_hat, inside = Q.qdq_with_mask(x, spec, axis)
     nonzero = x != 0

@@ -27,27 +27,21 @@ class implementing the ``QuantSpec`` protocol, so adding a recipe touches one pl
 reference and kernels bit for bit; "torchao" reproduces torchao's reference where the two differ
 (docs/reference.md §2: NVFP4's block-scale floor and operation order, FP8's dequantize by division).
 
-Fast path: for float32/bf16/fp16 inputs of at least ``COMPILE_MIN_NUMEL`` elements and RNE
-rounding, ``qdq`` runs the same function through ``torch.compile`` (one fused loop instead of ~10
-memory passes), compiled lazily per (spec, dtype, shape) (up to 8 shapes per spec; more run
-eagerly) and skipped silently if compilation is unavailable; it is bit-identical to eager (tested).
-MX and NVFP4 (NVIDIA's convention) specs on CPU tensors (RNE or stochastic rounding, 1-D blocks with
-or without the Hadamard transform, 2-D tiles of a matrix up to 256 × 256) go instead, at any size,
-eagerly and inside ``torch.compile``, through the C kernel ``qlab.kernels.cpu_qdq``
-(``cpu_qdq.covers`` says exactly which): the same bits, near the speed of a memory copy.
-``QLAB_COMPILE=0`` turns both off.
+This module is the reference: plain eager torch ops, traceable whole by ``torch.compile``. The fast
+paths — the C kernel on the CPU, the compiled qdq for large inputs, the Triton kernels on a GPU, the
+fast stochastic-rounding draws — live in ``qlab.kernels`` (``kernels.qdq``, ``kernels.quantize``),
+which call down into this module and give its bits.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 
-from qlab import checks, ops, scaling
+from qlab import checks, compat, ops, scaling
 from qlab.formats import (
     ROUNDING_MODES,
     FloatFormat,
@@ -58,7 +52,6 @@ from qlab.formats import (
     get_format,
     pack_fp4,
     round_to_integer,
-    stochastic_noise,
 )
 
 GRANULARITIES = ("tensor", "axis")
@@ -689,10 +682,10 @@ _materialize.register_autograd(lambda ctx, grad: grad)
 
 def _unrotated(values: torch.Tensor, spec: Spec, dim: int = -1) -> torch.Tensor:
     """The inverse Hadamard transform of the dequantized values along ``dim``, which are written out
-    first when traced. The inverse reads each of a chunk's 16 values 16 times; fused under
-    COMPILE_OPTIONS' high threshold, inductor recomputed the whole qdq for every read and emitted
-    kernels that took minutes to compile; with the copy, compilation is several times shorter and the
-    step no slower. Eagerly, no copy."""
+    first when traced. The inverse reads each of a chunk's 16 values 16 times; fused under the high
+    threshold of qlab.kernels.compiled.COMPILE_OPTIONS, inductor recomputed the whole qdq for every
+    read and emitted kernels that took minutes to compile; with the copy, compilation is several
+    times shorter and the step no slower. Eagerly, no copy."""
     if torch.compiler.is_compiling():
         values = _materialize(values)
     return scaling.hadamard_transform(values, spec.hadamard_seed, inverse=True, dim=dim)
@@ -915,62 +908,6 @@ def qdq_with_mask(
     )
 
 
-COMPILE_MIN_NUMEL = 1 << 20
-
-
-# Inductor fuses a pointwise expression into its consumer only while it has at most 50 operations
-# on the CPU (30 on a GPU); past that it writes the intermediate tensor out and reads it back. A
-# block format's element loop (the block's scale recomputed per vector, then the cast) is just past
-# it, and its qdq then reads and writes the tensor twice more. qlab's own torch.compile calls
-# pass these options; pass them to yours: torch.compile(model, options=qlab.quantize.COMPILE_OPTIONS).
-# max_pointwise_cat_inputs: the Hadamard transform stacks its 16 columns; inductor fuses a stack of
-# at most 8 inputs into one loop by default, and writes each of 16 out separately.
-def _eager_numerics() -> dict:
-    """inductor's options that make its Triton code round as eager torch does (those this torch has):
-    IEEE division, not ``div.full``'s 2 ulp; no fused multiply-add (``emulate_precision_casts`` also
-    turns Triton's fp fusion off); subnormals kept, not flushed to zero. Without them compiled qdq on a
-    GPU parted from the CPU's bits at ties, near-ties and inexact scale divisions."""
-    import torch._inductor.config as inductor
-
-    known = inductor.get_config_copy()
-    wanted = {
-        "emulate_precision_casts": True,
-        "eager_numerics.division_rounding": True,
-        "eager_numerics.disable_ftz": True,
-    }
-    return {name: value for name, value in wanted.items() if name in known}
-
-
-COMPILE_OPTIONS = {"realize_opcount_threshold": 256, "max_pointwise_cat_inputs": 16, **_eager_numerics()}
-_compiled: dict = {}
-_compile_failed: set = set()
-
-
-def compile_enabled() -> bool:
-    """Whether qlab may use torch.compile for its fast paths (QLAB_COMPILE=0 turns them off)."""
-    return os.environ.get("QLAB_COMPILE", "1") != "0"
-
-
-def _fast_qdq(spec: Spec, axis: int, dtype: torch.dtype):
-    """The compiled qdq function for (spec, axis) (None if compilation is off or failed before).
-
-    Layout changes (transpose to the blocked axis, padding, Hadamard) are compiled too, so inductor
-    reads x in place instead of copying it first.
-    """
-    key = (spec, axis, dtype)
-    if key in _compile_failed or not compile_enabled():
-        return None
-    if key not in _compiled:
-
-        def qdq_full(x, scale, noise, out):
-            return _written(_qdq_any_layout(x, spec, axis, noise, scale, dtype), out)
-
-        # dynamo counts its recompile limit (8 shapes) per code object: give every (spec, axis) its own
-        qdq_full.__code__ = qdq_full.__code__.replace(co_name=f"qdq_{len(_compiled)}")
-        _compiled[key] = torch.compile(qdq_full, dynamic=False, fullgraph=True, options=COMPILE_OPTIONS)
-    return _compiled[key]
-
-
 def draws_float32_noise(spec: Spec) -> bool:
     """Whether stochastic rounding by ``spec`` consumes ``stochastic_noise`` draws (which can be drawn
     up front), rather than float64 ``torch.rand`` (the reference cast, asymmetric integers)."""
@@ -978,9 +915,30 @@ def draws_float32_noise(spec: Spec) -> bool:
     return fast_stochastic and spec.float32_noise
 
 
-def _compilable(spec: Spec) -> bool:
-    """RNE always; stochastic rounding when its float32 noise can be drawn up front (eagerly)."""
-    return spec.rounding == "rne" or (spec.rounding == "stochastic" and draws_float32_noise(spec))
+def check_qdq_arguments(x, spec, axis, generator, noise, scale, dtype, out, *, values: bool = True):
+    """``qdq``'s refusals, once: (spec, axis, randomness — the generator or the pre-drawn noise —,
+    scale, dtype) as ``qdq_unchecked`` takes them. ``values=False`` checks shapes and dtypes only,
+    for a caller whose path reads x's values itself."""
+    spec = get_spec(spec)
+    axis = check_input(x, spec, axis, values=values)
+    randomness = _randomness(x, spec, axis, generator, noise, blocked=False)
+    scale = _check_scale(scale, spec, x, axis)
+    dtype = checks.floating_dtype("dtype", dtype) or x.dtype
+    if out is not None:
+        _check_out(out, x, dtype)
+    return spec, axis, randomness, scale, dtype
+
+
+def qdq_unchecked(x, spec: Spec, axis: int, randomness, scale, dtype: torch.dtype, out=None) -> torch.Tensor:
+    """``qdq`` on arguments ``check_qdq_arguments`` returned: eager torch ops (traced whole inside
+    torch.compile); ``out`` receives the result when given."""
+    if x.numel() == 0:
+        return x.to(dtype).clone() if out is None else out
+    result = _qdq_any_layout(x, spec, axis, randomness, scale, dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def qdq(
@@ -997,75 +955,38 @@ def qdq(
 ) -> torch.Tensor:
     """dequantize(quantize(x, spec, axis), dtype) without materializing codes: same bits and shape.
 
-    ``dtype``: the result's dtype (default x's; float32 keeps dequantized values that a 16-bit
-    dtype cannot hold exactly). ``fast``: None picks the C kernel where it covers the spec and the
-    compiled path for other large inputs, True forces a fast path, False forces eager torch ops.
-    Stochastic rounding draws its noise eagerly from ``generator``
-    in both paths, so the compiled path consumes the same random numbers and gives the same bits;
-    ``noise`` instead gives those draws up front (shape ``noise_shape(x, spec, axis)``; what a
-    compiled model passes, see ``qlab.formats.drawn_noise``). On a non-last axis qdq maps the draws
-    to elements in a different order than quantize does (both are valid draws, but not the same ones).
-    Inside ``torch.compile`` qdq traces into the caller's graph (no nested compile, no host reads).
+    The reference, in eager torch ops; ``qlab.kernels.qdq`` takes the same arguments and gives the
+    same bits through the fastest path that covers them (a C kernel or torch.compile on the CPU,
+    Triton on a GPU). ``dtype``: the result's dtype (default x's; float32 keeps dequantized values
+    that a 16-bit dtype cannot hold exactly). Stochastic rounding draws from ``generator``, or
+    ``noise`` gives its draws up front (shape ``noise_shape(x, spec, axis)``; what a compiled model
+    passes, see ``qlab.kernels.noise.drawn_noise``). On a non-last axis qdq maps the draws to
+    elements in a different order than quantize does (both are valid draws, but not the same ones).
     ``out``: a tensor of x's shape and the result's dtype, not overlapping x, that receives the
-    result (returned). The compiled path writes it in place, which spares a large result the page
-    faults of fresh memory (the first touch of every page of a large result).
+    result (returned). ``fast`` is deprecated: the fast paths are ``qlab.kernels.qdq``'s.
     """
-    spec = get_spec(spec)
-    axis = check_input(x, spec, axis)
-    randomness = _randomness(x, spec, axis, generator, noise, blocked=False)
-    scale = _check_scale(scale, spec, x, axis)
-    dtype = checks.floating_dtype("dtype", dtype) or x.dtype
     if fast is not None:
+        import warnings
+
+        warnings.warn(
+            "qlab.quantize.qdq(fast=...) is deprecated: qlab.quantize.qdq is the reference; "
+            "qlab.kernels.qdq(..., backend='auto'|'cpu'|'reference') chooses the fast paths",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         checks.boolean("fast", fast)
-    if out is not None:
-        _check_out(out, x, dtype)
-    if x.numel() == 0:
-        return x.to(dtype).clone() if out is None else out
-    kernel = _cpu_kernel(x, spec, axis, dtype) if fast is not False and scale is None else None
-    drawn = randomness if isinstance(randomness, torch.Tensor) else None
-    if kernel is not None and spec.rounding == "stochastic" and drawn is None:
-        if torch.compiler.is_compiling():
-            kernel = None  # traced code draws from a generator inside qlab.quantize's own ops
-        else:
-            drawn = stochastic_noise(noise_shape(x, spec, axis), generator, x.device)  # the same draws
-    if kernel is not None:  # the same bits in one pass, eagerly and inside torch.compile
-        return kernel.qdq(x, spec, axis, out, drawn, dtype)
-    if torch.compiler.is_compiling():
-        return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
-    use_fast = fast if fast is not None else (x.numel() >= COMPILE_MIN_NUMEL and x.device.type == "cpu")
-    if use_fast and _compilable(spec):
-        compiled = _fast_qdq(spec, axis, dtype)
-        if compiled is not None:
-            noise = randomness if isinstance(randomness, torch.Tensor) else None
-            if spec.rounding == "stochastic" and noise is None:
-                noise = stochastic_noise(noise_shape(x, spec, axis), generator, x.device)
-            try:
-                result = compiled(x, scale, noise, out)
-                return result if out is None else out
-            except Exception:  # no compiler, unsupported op, ...: eager gives the same bits
-                _compile_failed.add((spec, axis, dtype))
-                if noise is not None:  # the draws are spent: use them, so the stream stays the same
-                    randomness = noise
-    return _written(_qdq_any_layout(x, spec, axis, randomness, scale, dtype), out)
+    checked = check_qdq_arguments(x, spec, axis, generator, noise, scale, dtype, out)
+    return qdq_unchecked(x, *checked, out)
 
 
-def _cpu_kernel(x: torch.Tensor, spec: Spec, axis: int, dtype: torch.dtype):
-    """qlab.kernels.cpu_qdq where it covers this qdq, else None (a length that pad=False refuses is
-    left to the reference path, which raises)."""
-    from qlab.kernels import cpu_qdq  # not at the top: qlab.kernels imports this module
-
-    blocked = [axis] if spec.tile_rows == 1 else [-2, -1]
-    whole_blocks = (
-        spec.block_size is None or spec.pad or all(x.shape[d] % spec.block_size == 0 for d in blocked)
-    )
-    return cpu_qdq if whole_blocks and cpu_qdq.covers(x, spec, dtype) else None
+# moved to qlab.kernels.compiled with the compiled fast path (qlab.compat)
+MOVED = {
+    name: "qlab.kernels.compiled" for name in ("COMPILE_OPTIONS", "COMPILE_MIN_NUMEL", "compile_enabled")
+}
 
 
-def _written(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+def __getattr__(name: str):
+    return compat.moved(__name__, name, MOVED)
 
 
 def _check_out(out, x: torch.Tensor, dtype: torch.dtype) -> None:

@@ -419,7 +419,7 @@ def hadamard_transform(x: torch.Tensor, seed: int = 0, inverse: bool = False, di
     ``chunk @ hadamard_matrix(16, seed)`` up to float32 rounding of the partial sums, elementwise,
     so the bits depend neither on the layout nor on whether the code is compiled. The 16 positions of
     a chunk are held as 16 separate columns: inductor fuses that into one loop (with
-    ``qlab.quantize.COMPILE_OPTIONS``), where a reshape and a stack per stage cost it 3.6× more.
+    ``qlab.kernels.compiled.COMPILE_OPTIONS``), where a reshape and a stack per stage cost it 3.6× more.
     """
     checks.tensor("x", x, floating=True)
     if x.dim() == 0 or x.numel() == 0:

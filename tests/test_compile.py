@@ -14,7 +14,7 @@ import torch
 import torch._dynamo as dynamo
 from torch import nn
 
-from qlab import formats, scaling
+from qlab import formats, kernels, scaling
 from qlab import quantize as Q
 from qlab.nn import QuantLinear, quantize_model
 from qlab.recipe import PRESETS, get_recipe
@@ -139,7 +139,7 @@ def test_stochastic_rounding_stream_continues_across_compiled_and_eager_calls():
 def test_noise_source_draws_what_the_generator_would():
     layer = QuantLinear(8, 8, recipe="nvfp4", seed=9)
     shapes = [(4, 3), (5,)]
-    drawn = formats.drawn_noise(layer._noise_source, shapes, torch.zeros(1))
+    drawn = kernels.noise.drawn_noise(layer._noise_source, shapes, torch.zeros(1))
     generator = torch.Generator().manual_seed(9)
     for noise, shape in zip(drawn, shapes):
         assert torch.equal(noise, formats.stochastic_noise(shape, generator))
@@ -164,9 +164,9 @@ def test_the_noise_key_is_a_cpu_tensor_whatever_the_default_device():
     """The key is read back by int() in every draw: on a GPU that would synchronize, on meta it raises."""
     layer = QuantLinear(8, 8, recipe="nvfp4", seed=3)
     with torch.device("meta"):
-        key = formats.register_noise_source(layer._generator)
+        key = kernels.noise.register_noise_source(layer._generator)
     assert key.device.type == "cpu" and key.dtype == torch.int64 and key.dim() == 0
-    drawn = formats.drawn_noise(key, [(4,)], torch.zeros(1))[0]
+    drawn = kernels.noise.drawn_noise(key, [(4,)], torch.zeros(1))[0]
     assert torch.equal(drawn, formats.stochastic_noise((4,), torch.Generator().manual_seed(3)))
 
 
@@ -187,9 +187,9 @@ def test_qdq_with_predrawn_noise_equals_qdq_with_the_generator(spec, axis):
     if spec.rounding != "stochastic":
         spec = Q.MXSpec("e2m1", rounding="stochastic")
     x = torch.randn(64, 48)
-    from_generator = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(4), fast=False)
+    from_generator = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(4))
     noise = formats.stochastic_noise(Q.noise_shape(x, spec, axis), torch.Generator().manual_seed(4))
-    assert torch.equal(Q.qdq(x, spec, axis, noise=noise, fast=False), from_generator)
+    assert torch.equal(Q.qdq(x, spec, axis, noise=noise), from_generator)
     blocked = formats.stochastic_noise(
         Q.noise_shape(x, spec, axis, blocked=True), torch.Generator().manual_seed(4)
     )
@@ -303,7 +303,8 @@ def test_training_compiled_tracks_eager_training(monkeypatch):
     compiled = result.metrics
     assert (eager.train_loss - compiled.train_loss).abs().max() < 1e-4
     assert abs(eager.val_loss.iloc[-1] - compiled.val_loss.iloc[-1]) < 1e-4
-    assert compile_calls == [{"dynamic": False, "options": Q.COMPILE_OPTIONS}] * 2  # one per block
+    expected = {"dynamic": False, "options": kernels.compiled.COMPILE_OPTIONS}
+    assert compile_calls == [expected] * 2  # one per block
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1  # the second block reuses the first's
     assert all(type(block).__name__ == "Block" for block in result.model.blocks)
 
@@ -343,7 +344,7 @@ def aot_graphs(layer, x):
 
 
 NEEDS_THE_TAG = pytest.mark.skipif(
-    not formats.NOISE_STAYS_OUT_OF_CUDA_GRAPHS,
+    not kernels.noise.NOISE_STAYS_OUT_OF_CUDA_GRAPHS,
     reason="this torch has no Tag.cudagraph_unsafe: compile_mode='reduce-overhead' is refused (tested below)",
 )
 
@@ -396,7 +397,7 @@ def test_training_with_cudagraphs_compiles_with_them_and_marks_each_step(monkeyp
     train(config)
     assert marks == []
     train(config.replace(compile_mode="reduce-overhead"))
-    options = {**Q.COMPILE_OPTIONS, "triton.cudagraphs": True, "graph_partition": True}
+    options = {**kernels.compiled.COMPILE_OPTIONS, "triton.cudagraphs": True, "graph_partition": True}
     assert compile_calls[-2:] == [{"dynamic": False, "options": options}] * 2
     assert len(marks) == 3  # one a step
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_quantize import mixed_magnitudes, torchao_mx_reference
 
-from qlab import formats, paths
+from qlab import formats, kernels, paths
 from qlab import quantize as Q
 from qlab.kernels import cpu_qdq
 from qlab.quantize import IntSpec, MXSpec, NVFP4Spec, TensorwiseSpec
@@ -58,7 +58,7 @@ def assert_same_bits(got, expected):
 
 
 def reference(x, spec, axis, noise=None):
-    return Q.qdq(x, spec, axis, fast=False, noise=noise)
+    return Q.qdq(x, spec, axis, noise=noise)
 
 
 def assert_kernel_matches(x, spec, axis, seed=0):
@@ -67,7 +67,7 @@ def assert_kernel_matches(x, spec, axis, seed=0):
     spec = Q.get_spec(spec)
     noise = None
     if spec.rounding == "stochastic":
-        noise = formats.stochastic_noise(Q.noise_shape(x, spec, axis), torch.Generator().manual_seed(seed))
+        noise = kernels.stochastic_noise(Q.noise_shape(x, spec, axis), torch.Generator().manual_seed(seed))
     assert_same_bits(cpu_qdq.qdq(x, spec, axis, noise=noise), reference(x, spec, axis, noise))
 
 
@@ -240,8 +240,8 @@ def test_qdq_with_a_generator_consumes_the_same_stream_as_eager():
     x = torch.randn(48, 40) * 30
     for spec in (MXSpec("e2m1", rounding="stochastic"), NVFP4Spec(rounding="stochastic")):
         for axis in (0, 1):
-            kernel = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(9))
-            eager = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(9), fast=False)
+            kernel = kernels.qdq(x, spec, axis, generator=torch.Generator().manual_seed(9))
+            eager = Q.qdq(x, spec, axis, generator=torch.Generator().manual_seed(9))
             assert_same_bits(kernel, eager)
 
 
@@ -334,7 +334,7 @@ NOISE_COUNTS = (1, 2, 3, 623, 1246, 1247, 1248, 1249, 1250, 2497, 100_001, 0, 5)
 
 @pytest.mark.parametrize("offset", [0, 1, 311, 622, 623, 624, 625])
 def test_noise_drawn_in_c_equals_torch_random_and_leaves_the_same_generator_state(offset):
-    assert cpu_qdq.draws_like_torch()  # else formats.stochastic_noise would quietly take torch's path
+    assert cpu_qdq.draws_like_torch()  # else kernels.stochastic_noise would quietly take torch's path
     ours, theirs = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
     for generator in (ours, theirs):
         torch.empty(offset, dtype=torch.int32).random_(generator=generator)
@@ -352,16 +352,16 @@ def test_noise_streams_match_torch_for_any_seed_and_sequence_of_counts(seed, cou
     ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
     for count in counts:
         assert torch.equal(
-            formats.stochastic_noise((count,), ours), formats.torch_stochastic_noise((count,), theirs)
+            kernels.stochastic_noise((count,), ours), formats.torch_stochastic_noise((count,), theirs)
         )
 
 
 def test_noise_keeps_the_default_generator_and_its_cached_normal_sample():
     ours, theirs = [], []
-    for draws, noise in ((ours, formats.stochastic_noise), (theirs, formats.torch_stochastic_noise)):
+    for draws, draw in ((ours, kernels.stochastic_noise), (theirs, formats.torch_stochastic_noise)):
         torch.manual_seed(11)
         torch.randn(3, dtype=torch.float64)  # leaves a cached second Box-Muller sample in the generator
-        draws += [noise((2, 999), None), torch.randn(3, dtype=torch.float64), torch.rand(4)]
+        draws += [draw((2, 999), None), torch.randn(3, dtype=torch.float64), torch.rand(4)]
     for got, expected in zip(ours, theirs):
         assert torch.equal(got, expected)
 
@@ -372,7 +372,7 @@ def test_noise_falls_back_to_torch_where_the_c_generator_does_not_match(monkeypa
 
     monkeypatch.setattr(cpu_qdq, "draws_like_torch", lambda: False)
     monkeypatch.setattr(cpu_qdq, "stochastic_noise", refuse)
-    got = formats.stochastic_noise((33,), torch.Generator().manual_seed(2))
+    got = kernels.stochastic_noise((33,), torch.Generator().manual_seed(2))
     assert torch.equal(got, formats.torch_stochastic_noise((33,), torch.Generator().manual_seed(2)))
 
 
@@ -424,10 +424,10 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
     ):
         calls.clear()
         seeded["generator"].manual_seed(4)
-        got = Q.qdq(x, spec, 0, **kwargs)
+        got = kernels.qdq(x, spec, 0, **kwargs)
         assert calls, f"{spec} did not use the kernel"
         seeded["generator"].manual_seed(4)
-        assert_same_bits(got, Q.qdq(x, spec, 0, fast=False, **kwargs))
+        assert_same_bits(got, Q.qdq(x, spec, 0, **kwargs))
     covered = {
         "a fixed scale": (x, "fp8_e4m3", {"scale": 2.0}),
         "FP8 per row": (x, "fp8_e4m3_rowwise", {}),
@@ -438,12 +438,12 @@ def test_qdq_dispatches_to_the_kernel_only_where_it_covers_the_spec(monkeypatch)
         "2-D blocks, stochastic": (x, NVFP4Spec(block_2d=True, rounding="stochastic"), {}),
         "NVFP4 16×16 tiles, torchao's convention": (x, NVFP4Spec(block_2d=True, convention="torchao"), {}),
         "NVFP4, torchao's convention": (x, NVFP4Spec(convention="torchao"), {}),
-        "fast=False": (x, "mxfp8", {"fast": False}),
+        "the reference backend": (x, "mxfp8", {"backend": "reference"}),
         "needs grad": (x.clone().requires_grad_(), "mxfp8", {}),
     }
     for case, (tensor, spec, kwargs) in covered.items():
         calls.clear()
-        Q.qdq(tensor, spec, -1, **kwargs)
+        kernels.qdq(tensor, spec, -1, **kwargs)
         assert not calls, f"{case}: the kernel does not cover it and must not run"
 
 
@@ -455,22 +455,22 @@ def test_16_bit_inputs_and_results_match_the_reference(spec, dtype):
     x = (torch.randn(48, 64, generator=torch.Generator().manual_seed(2)) * 50).to(dtype)
     for axis in (0, 1):
         for result_dtype in (dtype, torch.float32):
-            got = Q.qdq(x, spec, axis, dtype=result_dtype)
-            assert_same_bits(got.float(), Q.qdq(x, spec, axis, dtype=result_dtype, fast=False).float())
+            got = kernels.qdq(x, spec, axis, dtype=result_dtype)
+            assert_same_bits(got.float(), Q.qdq(x, spec, axis, dtype=result_dtype).float())
             assert got.dtype == result_dtype
 
 
 def test_pad_false_still_refuses_a_partial_block_or_tile():
     with pytest.raises(ValueError, match="not a multiple of the block size"):
-        Q.qdq(torch.randn(4, 40), MXSpec("e4m3", pad=False))
+        kernels.qdq(torch.randn(4, 40), MXSpec("e4m3", pad=False))
     with pytest.raises(ValueError, match="not a multiple of the block size"):
-        Q.qdq(torch.randn(20, 32), NVFP4Spec(block_2d=True, pad=False))
+        kernels.qdq(torch.randn(20, 32), NVFP4Spec(block_2d=True, pad=False))
 
 
 def test_out_receives_the_result_and_non_contiguous_tensors_are_read_and_written_correctly():
     x = torch.randn(64, 96).T  # a transposed view
     for out in (torch.full((96, 64), 7.0), torch.full((64, 96), 7.0).T):
-        result = Q.qdq(x, "mxfp8", 1, out=out)
+        result = kernels.qdq(x, "mxfp8", 1, out=out)
         assert result is out
         assert_same_bits(out, reference(x.contiguous(), "mxfp8", 1))
 
@@ -483,7 +483,7 @@ def test_inside_torch_compile_it_is_one_opaque_op_with_the_same_bits():
     x = torch.randn(64, 128) * 100
 
     def both_axes(t):
-        return Q.qdq(torch.nn.functional.gelu(t), "mxfp8", 1) + Q.qdq(t * 3, "mxfp4", 0)
+        return kernels.qdq(torch.nn.functional.gelu(t), "mxfp8", 1) + kernels.qdq(t * 3, "mxfp4", 0)
 
     compiled = torch.compile(both_axes, fullgraph=True, backend="inductor")
     assert_same_bits(
@@ -512,7 +512,7 @@ def test_a_failed_build_leaves_qdq_on_its_other_paths(monkeypatch, tmp_path):
     try:
         assert not cpu_qdq.available()
         x = torch.randn(4, 64)
-        assert_same_bits(Q.qdq(x, "mxfp8"), reference(x, "mxfp8", -1))
+        assert_same_bits(kernels.qdq(x, "mxfp8"), reference(x, "mxfp8", -1))
     finally:
         cpu_qdq._library.cache_clear()  # the next test rebuilds from the real source (cached on disk)
 
@@ -689,14 +689,14 @@ def test_the_generator_state_layout_the_c_draws_read_is_this_torchs():
 
 def test_another_state_layout_falls_back_to_torchs_draws(monkeypatch):
     """A torch whose generator state has another size: the C draws refuse to read it, and
-    formats.stochastic_noise gives torch's own numbers (the same bits, only slower)."""
+    kernels.stochastic_noise gives torch's own numbers (the same bits, only slower)."""
     monkeypatch.setattr(cpu_qdq, "GENERATOR_STATE_BYTES", cpu_qdq.GENERATOR_STATE_BYTES + 8)
     cpu_qdq._draws_match_torch.cache_clear()
     try:
         assert not cpu_qdq.draws_like_torch()
         with pytest.raises(ValueError, match="generator state"):
             cpu_qdq.stochastic_noise(16, torch.Generator().manual_seed(1))
-        ours = formats.stochastic_noise((4096,), torch.Generator().manual_seed(2))
+        ours = kernels.stochastic_noise((4096,), torch.Generator().manual_seed(2))
         theirs = formats.torch_stochastic_noise((4096,), torch.Generator().manual_seed(2))
         assert torch.equal(ours, theirs)
     finally:

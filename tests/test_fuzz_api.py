@@ -129,6 +129,7 @@ ENTRY_POINTS = {
     "formats.pack_fp4": (formats.pack_fp4, lambda: dict(codes=torch.arange(16, dtype=torch.uint8))),
     "formats.unpack_fp4": (formats.unpack_fp4, lambda: dict(packed=torch.arange(8, dtype=torch.uint8))),
     "formats.stochastic_noise": (formats.stochastic_noise, lambda: dict(shape=(4, 8), generator=gen())),
+    "kernels.noise.stochastic_noise": (kernels.stochastic_noise, lambda: dict(shape=(4, 8), generator=gen())),
     "scaling.divide_by": (scaling.divide_by, lambda: dict(x=x(), divisor=3.0)),
     "scaling.reciprocal": (scaling.reciprocal, lambda: dict(x=x().abs() + 1)),
     "scaling.int_symmetric_scale": (scaling.int_symmetric_scale, lambda: dict(amax=x(4).abs(), qmax=127)),
@@ -543,9 +544,12 @@ NOT_GENERATED = {
         kernels.mx_triton.mx_quantize_last_axis kernels.noise_triton.noise_from_bits
         kernels.nvfp4_triton.nvfp4_qdq_last_axis kernels.triton_math.encode_constants
         kernels.triton_math.Tuned formats.cast_unchecked formats.encode_float formats.decode_unchecked
-        formats.torch_stochastic_noise formats.register_noise_source formats.drawn_noise
+        formats.torch_stochastic_noise kernels.noise.register_noise_source kernels.noise.drawn_noise
+        formats.check_noise_arguments formats.random_bits kernels.compiled.compilable
+        kernels.compiled.compiled_qdq kernels.compiled.give_up kernels.compiled.compile_enabled
+        kernels.quantize_covers quantize.check_qdq_arguments quantize.qdq_unchecked compat.moved
         scaling.nvfp4_block_scales_nvidia quantize.block_scales quantize.check_input
-        quantize.from_layout quantize.compile_enabled quantize.draws_float32_noise ops.define
+        quantize.from_layout quantize.draws_float32_noise ops.define
         formats.cast_rne_float32 formats.check_codes formats.fast_path_applies
         numerics.check_layer_norm_args scaling.float_format scaling.hadamard_signs scaling.mx_block_scales
         scaling.mx_scale_values_unchecked""",

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 
 from qlab import kernels, numerics
 from qlab import quantize as Q
-from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, nvfp4_qdq
+from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, noise, nvfp4_qdq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ELEMENTS = ["e4m3", "e5m2", "e3m2", "e2m3", "e2m1"]
@@ -410,22 +410,22 @@ def test_noise_kernel_gives_the_draws_of_torch_stochastic_noise(count):
 
 
 def test_stochastic_noise_takes_the_kernel_where_it_runs(monkeypatch):
-    """``formats.stochastic_noise`` routes a CUDA device's draws through the kernel (forced here for the
-    test's device) and gives torch's numbers in the asked shape; bits of the wrong kind are refused."""
+    """``kernels.noise.stochastic_noise`` routes a CUDA device's draws through the kernel (forced here for
+    the test's device) and gives torch's numbers in the asked shape; bits of the wrong kind are refused."""
     from qlab import formats
     from qlab.kernels import noise_triton
     from qlab.kernels.noise_triton import noise_from_bits
 
     calls = []
-    monkeypatch.setattr(formats, "_noise_kernel_runs_on", lambda device: True)
+    monkeypatch.setattr(noise, "_noise_kernel_runs_on", lambda device: True)
     monkeypatch.setattr(noise_triton, "noise_from_bits", lambda *a: calls.append(a) or noise_from_bits(*a))
-    drawn = formats.stochastic_noise((3, 5), torch.Generator(device=DEVICE).manual_seed(4), DEVICE)
+    drawn = kernels.stochastic_noise((3, 5), torch.Generator(device=DEVICE).manual_seed(4), DEVICE)
     expected = formats.torch_stochastic_noise((3, 5), torch.Generator(device=DEVICE).manual_seed(4), DEVICE)
     assert drawn.shape == (3, 5) and torch.equal(drawn, expected)
     assert len(calls) == 1  # the kernel made them
     monkeypatch.undo()
-    assert formats._noise_kernel_runs_on("cuda") == (importlib.util.find_spec("triton") is not None)
-    assert not formats._noise_kernel_runs_on("cpu")
+    assert noise._noise_kernel_runs_on("cuda") == (importlib.util.find_spec("triton") is not None)
+    assert not noise._noise_kernel_runs_on("cpu")
     for bits in (torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="ceil.count/2. = 2"):
             noise_from_bits(bits.to(DEVICE), 4)
@@ -457,14 +457,24 @@ def test_fp8_kernel_codes_for_every_element_and_nan(element):
             )
 
 
-def test_quantize_dispatch_refuses_what_it_does_not_cover():
+def test_quantize_runs_the_reference_for_what_no_kernel_covers_and_triton_refuses_it():
+    """kernels.quantize is the entry point for every spec: what no kernel covers (NVFP4, stochastic
+    rounding, MX blocks of 16, a fixed scale) gives the reference's QTensor; forcing the Triton
+    backend on such a call is refused, naming the backend."""
     x = torch.randn(4, 32)
-    with pytest.raises(TypeError, match="TensorwiseSpec or a 1-D BlockwiseSpec"):
-        kernels.quantize(x, "nvfp4")
-    with pytest.raises(TypeError, match="TensorwiseSpec or a 1-D BlockwiseSpec"):
-        kernels.quantize(x, Q.TensorwiseSpec("e4m3", rounding="stochastic"))
-    with pytest.raises(ValueError, match="1-D blocks of 32"):
-        kernels.quantize(x, Q.MXSpec("e4m3", block_size=16))
+    generator = torch.Generator().manual_seed(3)
+    for spec, kwargs in (
+        ("nvfp4", {}),
+        (Q.TensorwiseSpec("e4m3", rounding="stochastic"), {"generator": generator}),
+        (Q.MXSpec("e4m3", block_size=16), {}),
+        ("fp8_e4m3", {"scale": 2.0}),
+    ):
+        generator.manual_seed(3)
+        ours = kernels.quantize(x, spec, **kwargs)
+        generator.manual_seed(3)
+        _assert_same_qtensor(ours, Q.quantize(x, spec, **kwargs))
+        with pytest.raises(ValueError, match="backend 'triton'"):
+            kernels.quantize(x, spec, backend="triton", **kwargs)
     _assert_same_qtensor(kernels.quantize(x, "mxfp8", backend="cpu"), Q.quantize(x, "mxfp8"))
 
 

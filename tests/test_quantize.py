@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qlab import formats, scaling
+from qlab import formats, kernels, scaling
 from qlab import quantize as Q
-from qlab.kernels import cpu_qdq
+from qlab.kernels import compiled, cpu_qdq
 from qlab.quantize import (
     IntSpec,
     MXSpec,
@@ -1327,15 +1327,15 @@ def test_qdq_writes_into_out_with_the_same_bits():
     path's out= is checked in test_compiled_path_is_bit_identical_to_eager)."""
     x = mixed_magnitudes((64, 96), 32, -12, 12, seed=3)
     x[0, :3] = torch.tensor([0.0, 2.0**-140, -3e5])
-    for name, axis, fast in (
-        ("mxfp8", -1, False),
-        ("mxfp8", 0, True),
-        ("nvfp4", -1, False),
-        ("fp8_e4m3", 0, True),
+    for name, axis, backend in (
+        ("mxfp8", -1, "reference"),
+        ("mxfp8", 0, "cpu"),
+        ("nvfp4", -1, "reference"),
+        ("fp8_e4m3", 0, "cpu"),
     ):
         out = torch.full_like(x, 7.0)
-        assert qdq(x, name, axis, fast=fast, out=out) is out
-        assert_same_bits(out, qdq(x, name, axis, fast=False))
+        assert kernels.qdq(x, name, axis, backend=backend, out=out) is out
+        assert_same_bits(out, qdq(x, name, axis))
     out16 = torch.empty_like(x, dtype=torch.bfloat16)
     assert qdq(x, "mxfp4", dtype=torch.bfloat16, out=out16) is out16
     assert_same_bits(out16, qdq(x, "mxfp4", dtype=torch.bfloat16))
@@ -1361,7 +1361,7 @@ def test_qdq_refuses_an_out_of_another_shape_dtype_or_sharing_x():
 
 
 def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
-    """COMPILED PATH: qdq(fast=True) through torch.compile gives the same bits as eager."""
+    """COMPILED PATH: kernels.qdq(backend="cpu") through torch.compile gives the reference's bits."""
     monkeypatch.setenv("QLAB_COMPILE", "1")
     try:
         torch.compile(lambda t: t * 2, fullgraph=True)(torch.ones(4))
@@ -1369,8 +1369,8 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
         pytest.skip(f"torch.compile is unavailable: {error}")
     # a fresh cache: other tests in this process may have used up dynamo's recompile limit
     torch._dynamo.reset()
-    monkeypatch.setattr(Q, "_compiled", {})
-    monkeypatch.setattr(Q, "_compile_failed", set())
+    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(compiled, "_compile_failed", set())
     monkeypatch.setattr(cpu_qdq, "available", lambda: False)  # MX: inductor's path, not the C kernel's
     from torch._dynamo.utils import counters
 
@@ -1388,25 +1388,25 @@ def test_compiled_path_is_bit_identical_to_eager(monkeypatch):
         ("int8_rowwise", 0),
     ):
         graphs = counters["stats"]["unique_graphs"]
-        fast = qdq(x, name, axis, fast=True)
+        fast = kernels.qdq(x, name, axis, backend="cpu")
         key = (Q.get_spec(name), axis % x.dim(), x.dtype)
-        assert key in Q._compiled and key not in Q._compile_failed, name
+        assert key in compiled._compiled and key not in compiled._compile_failed, name
         assert counters["stats"]["unique_graphs"] > graphs, f"{name} did not run through torch.compile"
-        assert_same_bits(fast, qdq(x, name, axis, fast=False))
+        assert_same_bits(fast, qdq(x, name, axis))
         if name in ("mxfp8", "nvfp4"):  # written in place by the compiled kernel
             out = torch.full_like(x, 7.0)
-            assert qdq(x, name, axis, fast=True, out=out) is out
-            assert key not in Q._compile_failed
+            assert kernels.qdq(x, name, axis, backend="cpu", out=out) is out
+            assert key not in compiled._compile_failed
             assert_same_bits(out, fast)
     # stochastic rounding: the noise is drawn eagerly from the generator, so the bits match too
     for spec, axis in (
         (NVFP4Spec(hadamard=True, rounding="stochastic"), 0),
         (MXSpec("e2m1", rounding="stochastic"), -1),
     ):
-        fast = qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=True)
+        fast = kernels.qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), backend="cpu")
         key = (spec, axis % x.dim(), x.dtype)
-        assert key in Q._compiled and key not in Q._compile_failed
-        assert_same_bits(fast, qdq(x, spec, axis, generator=torch.Generator().manual_seed(5), fast=False))
+        assert key in compiled._compiled and key not in compiled._compile_failed
+        assert_same_bits(fast, qdq(x, spec, axis, generator=torch.Generator().manual_seed(5)))
 
 
 # Bad inputs: tests/test_bad_input.py holds the table for every module.
@@ -1444,3 +1444,69 @@ def test_sqnr_db_is_defined_where_a_ratio_has_a_zero():
     assert math.isnan(sqnr_db(torch.tensor([math.nan, 1.0]), ones[:2]))
     # 10·log10(Σx² / Σ(x − x̂)²) by hand: signal 4, noise 4 · 0.25 = 1 → 10·log10(4)
     assert sqnr_db(ones, ones * 0.5) == pytest.approx(10 * math.log10(4), rel=1e-12)
+
+
+# --- the reference and the fast entry point --------------------------------------------------------
+
+
+def test_the_reference_qdq_runs_no_fast_path(monkeypatch):
+    """qlab.quantize.qdq is eager torch ops only: with the C kernel and the compiled path made to
+    fail, a large MX, NVFP4 and stochastic call still gives kernels.qdq's bits."""
+    x = mixed_magnitudes((256, 4096), 32, -12, 12, seed=21)  # ≥ COMPILE_MIN_NUMEL elements
+    calls = [
+        ("mxfp8", {}),
+        ("nvfp4", {}),
+        (MXSpec("e2m1", rounding="stochastic"), {"generator": torch.Generator().manual_seed(3)}),
+    ]
+    expected = []
+    for spec, kwargs in calls:
+        if "generator" in kwargs:
+            kwargs["generator"].manual_seed(3)
+        expected.append(kernels.qdq(x, spec, **kwargs))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the reference took a fast path")
+
+    monkeypatch.setattr(cpu_qdq, "qdq", refuse)
+    monkeypatch.setattr(compiled, "compiled_qdq", refuse)
+    for (spec, kwargs), fast in zip(calls, expected):
+        if "generator" in kwargs:
+            kwargs["generator"].manual_seed(3)
+        assert_same_bits(qdq(x, spec, **kwargs), fast)
+
+
+def test_kernels_entry_points_take_every_argument_of_the_reference():
+    """kernels.qdq and kernels.quantize give the reference's bits for calls no kernel covers too: a
+    fixed scale, pre-drawn noise, a generator, an output tensor, NVFP4's QTensor."""
+    x = mixed_magnitudes((32, 64), 32, -8, 8, seed=4)
+    assert_same_bits(kernels.qdq(x, "fp8_e4m3", scale=2.0), qdq(x, "fp8_e4m3", scale=2.0))
+    spec = NVFP4Spec(rounding="stochastic")
+    drawn = formats.stochastic_noise(Q.noise_shape(x, spec), torch.Generator().manual_seed(1))
+    assert_same_bits(kernels.qdq(x, spec, noise=drawn), qdq(x, spec, noise=drawn))
+    ours, theirs = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
+    assert_same_bits(kernels.qdq(x, spec, 0, generator=ours), qdq(x, spec, 0, generator=theirs))
+    assert torch.equal(ours.get_state(), theirs.get_state())  # the same stream consumed
+    out = torch.empty_like(x)
+    assert kernels.qdq(x, "mxfp4", out=out) is out and torch.equal(out, qdq(x, "mxfp4"))
+    for name in ("nvfp4", "mxfp8", "fp8_e4m3", "int8_rowwise"):
+        fast, reference = kernels.quantize(x, name), Q.quantize(x, name, keep_source=False)
+        assert torch.equal(fast.codes, reference.codes) and torch.equal(fast.scales, reference.scales), name
+    assert kernels.stochastic_noise((5, 7), torch.Generator().manual_seed(2)).equal(
+        formats.stochastic_noise((5, 7), torch.Generator().manual_seed(2))
+    )
+
+
+def test_moved_names_still_work_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="moved to qlab.kernels.compiled.COMPILE_OPTIONS"):
+        assert Q.COMPILE_OPTIONS is compiled.COMPILE_OPTIONS
+    with pytest.warns(DeprecationWarning, match="moved to qlab.kernels.noise.drawn_noise"):
+        assert formats.drawn_noise is kernels.noise.drawn_noise
+    with pytest.warns(DeprecationWarning, match="moved to qlab.kernels.noise.register_noise_source"):
+        assert formats.register_noise_source is kernels.noise.register_noise_source
+    x = mixed_magnitudes((16, 64), 32, -8, 8, seed=5)
+    with pytest.warns(DeprecationWarning, match="fast=.* is deprecated"):
+        assert_same_bits(qdq(x, "mxfp8", fast=True), kernels.qdq(x, "mxfp8"))
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        formats.no_such_name  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        Q.no_such_name  # noqa: B018

@@ -1,19 +1,23 @@
-"""Fused kernels with one dispatch point per operation.
+"""The fast entry point of every qlab quantizer, on every device: each call gives the bits of its
+reference in ``qlab.quantize`` (the eager torch definition) by the fastest path that covers it.
 
-    quantize(x, spec, axis)        MX or FP8-current-scaling quantize → QTensor (codes, scales)
-    qdq(x, spec, axis, dtype)      qlab.quantize.qdq through whichever kernel covers the spec
+    qdq(x, spec, axis, ...)        qlab.quantize.qdq's result: Triton on a GPU, the C kernel or the
+                                   compiled path on the CPU, else the reference
+    quantize(x, spec, axis, ...)   qlab.quantize.quantize's QTensor: Triton kernels for MX and FP8
+                                   current scaling on a GPU, else the reference
+    stochastic_noise(shape, generator, device)   qlab.formats.stochastic_noise's draws, fast
     mx_qdq(x, spec, axis)          MX block quantize-dequantize → (values, E8M0 bytes)
     fp8_qdq(x, spec, axis)         FP8 current scaling per tensor, row or 1×128 tile → (values, scales)
     nvfp4_qdq(x, spec, axis, seed, offset)   NVFP4 1×16 / 16×16 → (values, block scales, global)
     layer_norm(x, shape, w, b, eps, stats=...)   LayerNorm with welford/two_pass/textbook stats
 
-Each takes ``backend="auto"`` too.
-
-backend: "auto" — Triton for CUDA tensors, the fused CPU path (qdq's C kernel or compiled path) otherwise;
-"triton" — force the kernel (on a CPU tensor only under TRITON_INTERPRET=1); "cpu" — the fused CPU
-path; "reference" — eager ``qlab.quantize.quantize`` + ``dequantize``. Every backend gives the same
-bits; tests/test_kernels.py checks the kernel against the reference under Triton's interpreter.
-FP8 GEMMs on tensor cores (``torch._scaled_mm``) are in qlab.kernels.fp8_gemm.
+Each takes ``backend="auto"`` too: "auto" — Triton for CUDA tensors where a kernel covers the call,
+the fused CPU path (the C kernel ``cpu_qdq``, or ``compiled`` for large inputs) on the CPU; "triton" —
+force the kernel (on a CPU tensor only under TRITON_INTERPRET=1); "cpu" — the fused CPU path at any
+size; "reference" — ``qlab.quantize``'s eager ops. Every backend gives the same bits;
+tests/test_kernels.py and tests/test_cpu_qdq.py check each against the reference. FP8 GEMMs on tensor
+cores (``torch._scaled_mm``) are in qlab.kernels.fp8_gemm; stochastic rounding's draws and the op
+compiled code draws them through are in qlab.kernels.noise.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import torch
 from qlab import checks, scaling
 from qlab import quantize as Q
 from qlab.formats import get_format
+from qlab.kernels import compiled, cpu_qdq
+from qlab.kernels.noise import stochastic_noise
 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 
@@ -59,12 +65,20 @@ def mx_qdq(
     if backend == "cpu":  # the compiled qdq, and the E8M0 bytes from the block amaxes (one more read of x)
         blocks = Q.to_layout(x, spec, axis % x.dim())
         scale_codes = scaling.mx_scale_codes(blocks.abs().amax(-1), get_format(spec.element), spec.mode)
-        return Q.qdq(x, spec, axis, dtype=dtype), scale_codes
+        return _fused_cpu_qdq(x, spec, axis, dtype), scale_codes
     from qlab.kernels.mx_triton import mx_qdq_last_axis
 
     moved = x.movedim(axis, -1)
     values, codes = mx_qdq_last_axis(moved, get_format(spec.element), spec.mode, out_dtype=dtype)
     return values.movedim(-1, axis), codes
+
+
+def quantize_covers(spec) -> bool:
+    """Whether ``quantize`` has a Triton kernel for ``spec`` (see there)."""
+    if isinstance(spec, Q.MXSpec):
+        return spec.block_size == 32 and spec.rounding == "rne" and not spec.block_2d and not spec.hadamard
+    blockwise = isinstance(spec, Q.BlockwiseSpec) and not spec.block_2d
+    return (isinstance(spec, Q.TensorwiseSpec) or blockwise) and spec.rounding == "rne"
 
 
 def _check_mx_kernel_spec(spec: Q.MXSpec) -> None:
@@ -118,7 +132,7 @@ def fp8_qdq(
         layout = Q.to_layout(x, spec, axis)  # per tile: (..., n_tiles, 128)
         amaxes = layout.abs().amax(-1) if isinstance(spec, Q.BlockwiseSpec) else Q.amax(layout, spec, -1)
         scales = scaling.fp8_current_scale(amaxes, spec.element, eps=spec.eps, pow2=spec.pow2)
-        return Q.qdq(x, spec, axis, dtype=dtype), scales
+        return _fused_cpu_qdq(x, spec, axis, dtype), scales
     values, scales = _fp8_kernel(x, spec, axis, emit_codes=False, out_dtype=dtype)
     if isinstance(spec, Q.BlockwiseSpec):
         values = Q.from_layout(values.float(), spec, axis, x.shape, dtype or x.dtype)
@@ -162,21 +176,36 @@ def _fp8_kernel(x, spec, axis: int, *, emit_codes: bool, out_dtype=None):
     return out, scales
 
 
-def quantize(x: torch.Tensor, spec, axis: int = -1, *, backend: str = "auto") -> Q.QTensor:
-    """``qlab.quantize.quantize(x, spec, axis)`` through the kernels: the same QTensor (codes in the
-    blocked layout, scales, E8M0 bytes), bit for bit. Covers MXSpec (block 32, 1-D, RNE, every scale
-    mode), TensorwiseSpec current scaling (RNE, per tensor or per row) and 1-D BlockwiseSpec (RNE);
-    other specs raise TypeError. The result keeps no high-precision source (``QTensor.along`` needs
-    the original tensor).
-    """
+def quantize(
+    x: torch.Tensor,
+    spec,
+    axis: int = -1,
+    *,
+    generator: torch.Generator | None = None,
+    scale: torch.Tensor | float | None = None,
+    noise: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> Q.QTensor:
+    """``qlab.quantize.quantize(x, spec, axis, ..., keep_source=False)``: the same QTensor (codes in
+    the blocked layout, scales, E8M0 bytes), bit for bit. The Triton kernels cover MXSpec (block 32,
+    1-D, RNE, every scale mode), TensorwiseSpec current scaling (RNE, per tensor or per row) and 1-D
+    BlockwiseSpec (RNE) on a GPU, eagerly; every other call (a fixed ``scale``, stochastic rounding,
+    another spec, the CPU, traced code) runs the reference. The result keeps no high-precision source
+    (``QTensor.along`` needs the original tensor)."""
     spec = Q.get_spec(spec)
-    if isinstance(spec, Q.MXSpec):
-        _check_mx_kernel_spec(spec)
-    else:
-        _check_fp8_kernel_spec(spec, "kernels.quantize (or an MXSpec)")
-    axis = Q.check_input(x, spec, axis)
-    if _resolve(x, backend) in ("cpu", "reference"):
-        return Q.quantize(x, spec, axis, keep_source=False)
+    checks.choice("backend", backend, BACKENDS)
+    covered = quantize_covers(spec) and scale is None and noise is None and generator is None
+    if backend == "triton" and not covered:
+        raise ValueError(
+            f"backend 'triton': the quantize kernels cover MX (block 32, 1-D, RNE), FP8 current scaling "
+            f"and 1-D blockwise specs with rne rounding and no fixed scale or noise; got {spec}"
+        )
+    eager = not torch.compiler.is_compiling()  # traced code fuses the reference's ops itself
+    if covered and eager:
+        Q.check_input(x, spec, axis, values=False)
+    if not (covered and eager) or x.numel() == 0 or _resolve(x, backend) in ("cpu", "reference"):
+        return Q.quantize(x, spec, axis, generator=generator, scale=scale, noise=noise, keep_source=False)
+    axis = Q.check_input(x, spec, axis)  # the reference's refusals (NaN without a NaN encoding, ...)
     if isinstance(spec, Q.MXSpec):
         from qlab.kernels.mx_triton import mx_quantize_last_axis
 
@@ -318,22 +347,97 @@ def covers(spec) -> bool:
 
 
 def qdq(
-    x: torch.Tensor, spec, axis: int = -1, *, dtype: torch.dtype | None = None, backend: str = "auto"
+    x: torch.Tensor,
+    spec,
+    axis: int = -1,
+    *,
+    generator: torch.Generator | None = None,
+    scale: torch.Tensor | float | None = None,
+    dtype: torch.dtype | None = None,
+    noise: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """``qlab.quantize.qdq(x, spec, axis, dtype=dtype)``, bit for bit and in the same (contiguous)
-    layout, through the Triton kernel for a CUDA tensor (or backend="triton") when ``covers(spec)``;
-    otherwise (and on the CPU) qlab.quantize's."""
+    """``qlab.quantize.qdq`` with the same arguments: the same bits, in the same (contiguous) layout,
+    by the fastest path that covers the call —
+
+    - a CUDA tensor: the Triton kernel where ``covers(spec)`` (RNE, no fixed ``scale``), eagerly;
+    - a CPU tensor: the C kernel ``cpu_qdq`` where it covers the spec, at any size, eagerly and inside
+      torch.compile (stochastic rounding takes its draws from ``stochastic_noise`` up front), else
+      ``compiled``'s fused qdq for inputs of at least ``compiled.COMPILE_MIN_NUMEL`` elements (any
+      size with backend="cpu");
+    - otherwise, inside other traced code, and with backend="reference": the eager reference.
+    """
     spec = Q.get_spec(spec)
-    Q.check_input(x, spec, axis, values=False)  # the path chosen below reads the values once
-    checks.floating_dtype("dtype", dtype)
+    checks.choice("backend", backend, BACKENDS)
+    # shapes and dtypes only: whichever path runs reads the values once
+    spec, axis, randomness, scale, dtype = Q.check_qdq_arguments(
+        x, spec, axis, generator, noise, scale, dtype, out, values=False
+    )
+    eager = not torch.compiler.is_compiling()
+    if backend != "reference" and x.numel() and eager and scale is None and _triton_covers(x, spec, backend):
+        values = _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
+        # Along a non-last axis the kernels hand back a transposed view. A GEMM given that view may run
+        # another cuBLAS algorithm than for the reference's contiguous result (1-4 ulp in every element
+        # of a QuantLinear's output on an H100), so the copy keeps the two paths' GEMMs identical too.
+        return values.contiguous() if out is None else out.copy_(values)
+    Q.check_input(x, spec, axis)  # the values, once (NaN without a NaN encoding, ...)
+    if backend == "reference" or x.numel() == 0:
+        return Q.qdq_unchecked(x, spec, axis, randomness, scale, dtype, out)
+    in_c = scale is None and _cpu_kernel_covers(x, spec, axis, dtype)
+    drawn = randomness if isinstance(randomness, torch.Tensor) else None
+    if in_c and spec.rounding == "stochastic" and drawn is None:
+        if not eager:
+            in_c = False  # traced code draws from a generator inside the reference's own ops
+        else:
+            drawn = stochastic_noise(Q.noise_shape(x, spec, axis), generator, x.device)  # the same draws
+    if in_c:  # the same bits in one pass, eagerly and inside torch.compile
+        return cpu_qdq.qdq(x, spec, axis, out, drawn, dtype)
+    if not eager:
+        return Q.qdq_unchecked(x, spec, axis, randomness, scale, dtype, out)
+    large = x.numel() >= compiled.COMPILE_MIN_NUMEL and x.device.type == "cpu"
+    if (backend == "cpu" or large) and compiled.compilable(spec):
+        return _compiled_qdq(x, spec, axis, randomness, generator, scale, dtype, out)
+    return Q.qdq_unchecked(x, spec, axis, randomness, scale, dtype, out)
+
+
+def _fused_cpu_qdq(x: torch.Tensor, spec, axis: int, dtype) -> torch.Tensor:
+    """The "cpu" backend's values: the C kernel or the compiled path (a CUDA tensor: the reference)."""
+    return qdq(x, spec, axis, dtype=dtype, backend="reference" if x.is_cuda else "auto")
+
+
+def _triton_covers(x: torch.Tensor, spec, backend: str) -> bool:
+    """Whether ``qdq`` runs a Triton kernel for x (``backend`` "auto" or "triton"; a call no kernel
+    covers runs the other paths, whatever the backend)."""
     tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
-    if not covers(spec) or tiles_need_2d or x.numel() == 0 or _resolve(x, backend) == "cpu":
-        return Q.qdq(x, spec, axis, dtype=dtype)
-    values = _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
-    # Along a non-last axis the kernels hand back a transposed view. A GEMM given that view may run
-    # another cuBLAS algorithm than for qlab.quantize's contiguous result (1-4 ulp in every element of
-    # a QuantLinear's output on an H100), so the copy keeps the two paths' GEMMs identical as well.
-    return values.contiguous()
+    return covers(spec) and not tiles_need_2d and _resolve(x, backend) == "triton"
+
+
+def _cpu_kernel_covers(x: torch.Tensor, spec, axis: int, dtype: torch.dtype) -> bool:
+    """Whether the C kernel takes this qdq (a length that pad=False refuses is left to the reference,
+    which raises)."""
+    blocked = [axis] if spec.tile_rows == 1 else [-2, -1]
+    whole_blocks = (
+        spec.block_size is None or spec.pad or all(x.shape[d] % spec.block_size == 0 for d in blocked)
+    )
+    return whole_blocks and cpu_qdq.covers(x, spec, dtype)
+
+
+def _compiled_qdq(x, spec, axis, randomness, generator, scale, dtype, out) -> torch.Tensor:
+    """The compiled path, its noise drawn up front; the reference where compiling fails (no compiler,
+    an unsupported op, ...), with the draws already spent, so the stream stays the same."""
+    function = compiled.compiled_qdq(spec, axis, dtype)
+    if function is None:
+        return Q.qdq_unchecked(x, spec, axis, randomness, scale, dtype, out)
+    noise = randomness if isinstance(randomness, torch.Tensor) else None
+    if spec.rounding == "stochastic" and noise is None:
+        noise = stochastic_noise(Q.noise_shape(x, spec, axis), generator, x.device)
+    try:
+        result = function(x, scale, noise, out)
+        return result if out is None else out
+    except Exception:
+        compiled.give_up(spec, axis, dtype)
+        return Q.qdq_unchecked(x, spec, axis, noise if noise is not None else randomness, scale, dtype, out)
 
 
 # the kernel entry point of each spec class that has one (``covers`` says which of its specs)

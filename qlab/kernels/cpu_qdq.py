@@ -203,7 +203,7 @@ def _run(x, out, noise, axis, square, rotation, block, mode, mbits, bias, emax, 
     if square and block > SQUARE_BLOCK_LIMIT:  # the op is public: a caller may skip covers()
         raise ValueError(
             f"the C kernel takes 2-D tiles of at most {SQUARE_BLOCK_LIMIT} × {SQUARE_BLOCK_LIMIT}, got "
-            f"{block} × {block}: qlab.quantize.qdq runs larger ones on its reference path"
+            f"{block} × {block}: qlab.kernels.qdq runs larger ones on its other paths"
         )
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1 :])
     noise = None if noise is None else noise.contiguous()  # held here: the C call reads its memory

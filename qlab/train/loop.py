@@ -35,12 +35,12 @@ from torch.nn import functional as F
 
 from qlab import checks
 from qlab.ablation import without
-from qlab.formats import NOISE_STAYS_OUT_OF_CUDA_GRAPHS
 from qlab.host import progress, resolve_device
+from qlab.kernels.compiled import COMPILE_OPTIONS
+from qlab.kernels.noise import NOISE_STAYS_OUT_OF_CUDA_GRAPHS
 from qlab.nn import QuantLinear, plain_linears, quantize_model
 from qlab.numerics import use_stats_layer_norms
 from qlab.probes import gradient_agreement
-from qlab.quantize import COMPILE_OPTIONS
 from qlab.recipe import get_recipe
 from qlab.results import write_csv
 from qlab.sparse import TopKLinear, sparsify_model
