@@ -44,6 +44,7 @@ non-delayed row above it, so the presence of the flag alone decides None vs dumm
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import contextmanager
 
@@ -283,7 +284,42 @@ def _eager_island():
     return _eager_linear
 
 
-class QuantLinear(nn.Linear):
+class QlabLinear(nn.Linear):
+    """What QuantLinear and TopKLinear share: nn.Linear's constructor with its arguments checked first,
+    ``from_linear`` (a layer sharing another Linear's Parameters, buffers and hooks), and the markers
+    model conversion reads. A subclass sets itself up in ``_configure(**options)``."""
+
+    qlab_layer = True
+    weight_layout = "out_in"
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, *, device=None, dtype=None, **options
+    ):
+        check_linear_arguments(in_features, out_features, bias, dtype)
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._configure(**options)
+
+    def _configure(self, **options):
+        raise NotImplementedError
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **options):
+        """A layer of this class sharing ``linear``'s weight and bias Parameters (no copy), buffers and
+        hooks, configured by ``options`` (the constructor's keyword options)."""
+        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+            raise TypeError(
+                f"linear must be an nn.Linear or a transformers Conv1D, got {checks.shown(linear)}"
+            )
+        known = inspect.signature(cls._configure).parameters
+        unexpected = sorted(set(options) - set(known))
+        if unexpected:
+            raise TypeError(f"unexpected {cls.__name__} options: {unexpected}")
+        layer = linear_sharing_parameters(cls, linear)
+        layer._configure(**options)
+        return layer
+
+
+class QuantLinear(QlabLinear):
     """Drop-in nn.Linear whose three GEMMs follow a ``Recipe`` (see qlab.recipe); inputs (..., in_features).
 
     fuse_wgrad_accumulation: write wgrad into fp32 ``weight.main_grad`` (created as zeros if
@@ -296,9 +332,6 @@ class QuantLinear(nn.Linear):
     layer's (in, out) weight Parameter as it is (``weight_layout == "in_out"``) and multiplies by its
     transpose; fused and delayed wgrad are for (out, in) weights only.
     """
-
-    qlab_layer = True
-    weight_layout = "out_in"
 
     def __init__(
         self,
@@ -314,11 +347,14 @@ class QuantLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
-        check_linear_arguments(in_features, out_features, bias, dtype)
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._configure(recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm)
+        options = dict(fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad=delay_wgrad, seed=seed)
+        super().__init__(
+            in_features, out_features, bias, device=device, dtype=dtype, recipe=recipe, gemm=gemm, **options
+        )
 
-    def _configure(self, recipe, fuse_wgrad_accumulation, delay_wgrad, seed, gemm="auto"):
+    def _configure(
+        self, recipe="bf16", fuse_wgrad_accumulation=False, delay_wgrad=False, seed=0, gemm="auto"
+    ):
         self.recipe: Recipe = get_recipe(recipe)
         self.gemm = check_gemm(gemm, self.recipe)
         self.fuse_wgrad_accumulation = checks.boolean("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
@@ -359,22 +395,9 @@ class QuantLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> QuantLinear:
-        """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy), buffers and hooks."""
-        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-            raise TypeError(
-                f"linear must be an nn.Linear or a transformers Conv1D, got {checks.shown(linear)}"
-            )
-        layer = linear_sharing_parameters(cls, linear)
-        layer._configure(
-            recipe,
-            options.pop("fuse_wgrad_accumulation", False),
-            options.pop("delay_wgrad", False),
-            options.pop("seed", 0),
-            options.pop("gemm", "auto"),
-        )
-        if options:
-            raise TypeError(f"unexpected QuantLinear options: {sorted(options)}")
-        return layer
+        """A QuantLinear sharing ``linear``'s weight and bias Parameters (no copy), buffers and hooks;
+        ``options`` as the constructor's (fuse_wgrad_accumulation, delay_wgrad, seed, gemm)."""
+        return super().from_linear(linear, recipe=recipe, **options)
 
     def extra_repr(self) -> str:
         return (

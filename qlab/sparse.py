@@ -31,13 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from qlab import checks
-from qlab.nn import (
-    check_linear_arguments,
-    is_conv1d,
-    linear_sharing_parameters,
-    oriented_weight,
-    replace_linears,
-)
+from qlab.nn import QlabLinear, oriented_weight, replace_linears
 
 MODES = ("shared", "row")
 VARIANTS = ("topk", "max_child")
@@ -222,13 +216,10 @@ class _TopKLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-class TopKLinear(nn.Linear):
+class TopKLinear(QlabLinear):
     """Drop-in nn.Linear (inputs (..., in_features)) whose backward keeps only the top-k output
     gradient features, computed with gathered (mode "shared") or sparse (mode "row") GEMMs.
     Made from transformers' Conv1D it keeps that layer's (in, out) weight (see QuantLinear)."""
-
-    qlab_layer = True
-    weight_layout = "out_in"
 
     def __init__(
         self,
@@ -242,11 +233,11 @@ class TopKLinear(nn.Linear):
         device=None,
         dtype=None,
     ):
-        check_linear_arguments(in_features, out_features, bias, dtype)
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._configure(k, mode, variant)
+        super().__init__(
+            in_features, out_features, bias, device=device, dtype=dtype, k=k, mode=mode, variant=variant
+        )
 
-    def _configure(self, k, mode, variant):
+    def _configure(self, k=1.0, mode="shared", variant="topk"):
         checks.choice("mode", mode, MODES)
         checks.choice("variant", variant, VARIANTS)
         self.count = resolve_k(k, self.out_features)
@@ -257,13 +248,7 @@ class TopKLinear(nn.Linear):
         cls, linear: nn.Linear, k=1.0, *, mode: str = "shared", variant: str = "topk"
     ) -> TopKLinear:
         """A TopKLinear sharing ``linear``'s weight and bias Parameters and hooks (no copy)."""
-        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-            raise TypeError(
-                f"linear must be an nn.Linear or a transformers Conv1D, got {checks.shown(linear)}"
-            )
-        layer = linear_sharing_parameters(cls, linear)
-        layer._configure(k, mode, variant)
-        return layer
+        return super().from_linear(linear, k=k, mode=mode, variant=variant)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, k={self.count}, mode={self.mode}, variant={self.variant}"

@@ -556,7 +556,7 @@ NOT_GENERATED = {
     "QuantLinear's and the converters' building blocks, reached through quantize_model above": """
         nn.highest_matmul_precision nn.check_linear_arguments nn.check_gemm nn.is_conv1d
         nn.oriented_weight nn.why_not_converted nn.linear_sharing_parameters nn.rebuild_source
-        nn.replace_linears nn.conversion_report nn.plain_linears nn.set_submodule""",
+        nn.replace_linears nn.conversion_report nn.plain_linears nn.set_submodule nn.QlabLinear""",
     "they train, run notebooks, servers or processes (bad input listed in tests/test_bad_input.py)": """
         train.loop.train train.loop.build_model train.loop.Batches train.loop.evaluate
         train.loop.gradient_fidelity train.loop.autocast_for train.loop.make_optimizer
