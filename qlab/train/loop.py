@@ -144,6 +144,76 @@ def learning_rate(config: TrainConfig, step: int) -> float:
     return low + 0.5 * (config.lr - low) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
+def autocast_for(config: TrainConfig, device: torch.device):
+    """The context-manager factory a training forward runs under: torch.autocast to bf16 for the bf16
+    recipe, to ``config.autocast``'s dtype where set, else a null context."""
+    name = "bf16" if config.recipe == "bf16" else config.autocast
+    if not name:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[name])
+
+
+def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW (or SGD) with weight decay on the matrices only; ``learning_rate`` sets the lr each step."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    if config.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
+    return torch.optim.SGD(groups, lr=config.lr)
+
+
+def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
+    """The model for the training steps, compiled: QuantLinear gives the same bits as eagerly
+    (tests/test_compile.py). Its float32 GEMMs need "highest" matmul precision, PyTorch's default, which
+    compiled code cannot switch on by itself.
+
+    ``mode`` "reduce-overhead" runs the compiled code of a CUDA model as CUDA graphs (inductor's
+    ``triton.cudagraphs``; nothing changes on a CPU): one launch replays a graph's kernels, where a small
+    model's step otherwise waits on the host to launch them one by one. Stochastic rounding's draws stay
+    outside the graphs (``qlab::stochastic_noise`` is tagged cudagraph_unsafe, so inductor runs it
+    between graph partitions: a replay would repeat the recorded draws). Call
+    ``torch.compiler.cudagraph_mark_step_begin()`` once per optimizer step, after ``zero_grad``.
+
+    A model with repeated ``blocks`` (CharGPT) gets its blocks compiled, one graph that every block
+    shares, and the rest eager: a copy of the model object that shares every parameter, buffer and
+    module with it, so the model itself stays eager (evaluation, fidelity, what ``train`` returns).
+    Compiling the whole model would generate one graph of all the blocks: several times the first
+    step's compile time (benchmarks/bench_train.py), for steps only a few percent faster."""
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":
+        raise ValueError(
+            f"compile=True needs torch.set_float32_matmul_precision('highest') (PyTorch's default) for "
+            f"QuantLinear's float32 GEMMs; this process set {precision!r}"
+        )
+    checks.choice("mode", mode, COMPILE_MODES)
+    options = COMPILE_OPTIONS  # keeps each quantizer's element loop in one fused pass
+    if mode == "reduce-overhead":
+        if not NOISE_STAYS_OUT_OF_CUDA_GRAPHS:
+            raise ValueError(
+                f"compile_mode='reduce-overhead' needs a torch with torch.Tag.cudagraph_unsafe (this is "
+                f"{torch.__version__}): without it CUDA graphs would replay stochastic rounding's draws"
+            )
+        options = {**COMPILE_OPTIONS, "triton.cudagraphs": True}  # torch.compile's mode, with the options
+        import torch._inductor.config as inductor_config
+
+        if hasattr(inductor_config, "graph_partition"):  # on by default; without it no graph
+            options["graph_partition"] = True  # holding the noise op or its CPU key would be captured
+    # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile limit and quietly run
+    # the rest eagerly
+    torch._dynamo.reset()
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList):
+        return torch.compile(model, dynamic=False, options=options)
+    step_model = copy.copy(model)  # its own module table below; the same parameters and submodules
+    compiled = nn.ModuleList(torch.compile(block, dynamic=False, options=options) for block in blocks)
+    step_model._modules = {**model._modules, "blocks": compiled}
+    return step_model
+
+
 # --- data ----------------------------------------------------------------------------------------------
 
 
@@ -504,6 +574,18 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     )
 
 
+def _progress(config: TrainConfig, rank: int, start: int):
+    label = config.recipe + (f"/{config.backward_override}" if config.backward_override else "")
+    return progress(
+        total=config.steps,
+        initial=start,
+        desc=label,
+        unit="step",
+        leave=False,
+        disable=not config.progress or rank != 0,
+    )
+
+
 @dataclass
 class _Run:
     """Everything one training run holds between steps."""
@@ -526,28 +608,6 @@ class _Run:
     probe_set: object
     validation: object
     fidelity_inputs: list | None
-
-
-def autocast_for(config: TrainConfig, device: torch.device):
-    """The context-manager factory a training forward runs under: torch.autocast to bf16 for the bf16
-    recipe, to ``config.autocast``'s dtype where set, else a null context."""
-    name = "bf16" if config.recipe == "bf16" else config.autocast
-    if not name:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=_AUTOCAST_DTYPES[name])
-
-
-def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW (or SGD) with weight decay on the matrices only; ``learning_rate`` sets the lr each step."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    if config.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
-    return torch.optim.SGD(groups, lr=config.lr)
 
 
 def _start(config: TrainConfig, probes) -> _Run:
@@ -689,63 +749,3 @@ def _save_outputs(run: _Run, row: dict, stop: Divergence) -> None:
         write_csv(pd.DataFrame(run.metrics), run.out_dir / "metrics.csv")
         if run.fidelity:
             write_csv(pd.DataFrame(run.fidelity), run.out_dir / "fidelity.csv")
-
-
-def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
-    """The model for the training steps, compiled: QuantLinear gives the same bits as eagerly
-    (tests/test_compile.py). Its float32 GEMMs need "highest" matmul precision, PyTorch's default, which
-    compiled code cannot switch on by itself.
-
-    ``mode`` "reduce-overhead" runs the compiled code of a CUDA model as CUDA graphs (inductor's
-    ``triton.cudagraphs``; nothing changes on a CPU): one launch replays a graph's kernels, where a small
-    model's step otherwise waits on the host to launch them one by one. Stochastic rounding's draws stay
-    outside the graphs (``qlab::stochastic_noise`` is tagged cudagraph_unsafe, so inductor runs it
-    between graph partitions: a replay would repeat the recorded draws). Call
-    ``torch.compiler.cudagraph_mark_step_begin()`` once per optimizer step, after ``zero_grad``.
-
-    A model with repeated ``blocks`` (CharGPT) gets its blocks compiled, one graph that every block
-    shares, and the rest eager: a copy of the model object that shares every parameter, buffer and
-    module with it, so the model itself stays eager (evaluation, fidelity, what ``train`` returns).
-    Compiling the whole model would generate one graph of all the blocks: several times the first
-    step's compile time (benchmarks/bench_train.py), for steps only a few percent faster."""
-    precision = torch.get_float32_matmul_precision()
-    if precision != "highest":
-        raise ValueError(
-            f"compile=True needs torch.set_float32_matmul_precision('highest') (PyTorch's default) for "
-            f"QuantLinear's float32 GEMMs; this process set {precision!r}"
-        )
-    checks.choice("mode", mode, COMPILE_MODES)
-    options = COMPILE_OPTIONS  # keeps each quantizer's element loop in one fused pass
-    if mode == "reduce-overhead":
-        if not NOISE_STAYS_OUT_OF_CUDA_GRAPHS:
-            raise ValueError(
-                f"compile_mode='reduce-overhead' needs a torch with torch.Tag.cudagraph_unsafe (this is "
-                f"{torch.__version__}): without it CUDA graphs would replay stochastic rounding's draws"
-            )
-        options = {**COMPILE_OPTIONS, "triton.cudagraphs": True}  # torch.compile's mode, with the options
-        import torch._inductor.config as inductor_config
-
-        if hasattr(inductor_config, "graph_partition"):  # on by default; without it no graph
-            options["graph_partition"] = True  # holding the noise op or its CPU key would be captured
-    # a fresh cache per run: 8 runs in one process would hit Dynamo's recompile limit and quietly run
-    # the rest eagerly
-    torch._dynamo.reset()
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
-        return torch.compile(model, dynamic=False, options=options)
-    step_model = copy.copy(model)  # its own module table below; the same parameters and submodules
-    compiled = nn.ModuleList(torch.compile(block, dynamic=False, options=options) for block in blocks)
-    step_model._modules = {**model._modules, "blocks": compiled}
-    return step_model
-
-
-def _progress(config: TrainConfig, rank: int, start: int):
-    label = config.recipe + (f"/{config.backward_override}" if config.backward_override else "")
-    return progress(
-        total=config.steps,
-        initial=start,
-        desc=label,
-        unit="step",
-        leave=False,
-        disable=not config.progress or rank != 0,
-    )
