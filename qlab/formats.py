@@ -224,15 +224,9 @@ def _check_cast_arguments(x, fmt, rounding, generator, saturate=True) -> Format:
     return fmt
 
 
-def reference_cast(
-    x: torch.Tensor,
-    fmt: str | Format,
-    *,
-    rounding: str = "rne",
-    saturate: bool = True,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """``cast`` computed in float64 for every format and rounding mode (the reference path)."""
+def reference_cast(x, fmt, *, rounding="rne", saturate=True, generator=None) -> torch.Tensor:
+    """``cast`` computed in float64 for every format and rounding mode (the reference path); the
+    arguments are ``cast``'s."""
     fmt = _check_cast_arguments(x, fmt, rounding, generator, saturate)
     return _reference_cast(x, fmt, rounding, saturate, generator)
 

@@ -250,18 +250,10 @@ class _TritonLayerNorm(torch.autograd.Function):
         return dx.reshape(ctx.shape), dw, db, None, None, None
 
 
-def layer_norm(
-    x: torch.Tensor,
-    normalized_shape,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    *,
-    stats: str = "welford",
-    backend: str = "auto",
-) -> torch.Tensor:
-    """LayerNorm over the trailing ``normalized_shape`` (F.layer_norm's semantics) with the statistics
-    ``stats`` ("welford", "two_pass", "textbook"), float32 accumulation, output in x's dtype.
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, stats="welford", backend="auto"):
+    """LayerNorm over the trailing ``normalized_shape`` (F.layer_norm's arguments and semantics) with
+    the statistics ``stats`` ("welford", "two_pass", "textbook"), float32 accumulation, output in x's
+    dtype.
 
     backend "triton" runs qlab.kernels.layernorm_triton (forward and backward); "cpu"/"reference" run
     ``qlab.numerics.layer_norm``. The two agree within float32 accumulation-order tolerances
