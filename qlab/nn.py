@@ -729,8 +729,9 @@ def oriented_weight(layer: nn.Linear) -> torch.Tensor:
 
 
 def why_not_converted(module: nn.Module, parent: nn.Module | None) -> str | None:
-    """None if ``module`` is a Linear-like layer that can be converted (nn.Linear, a subclass that
-    keeps nn.Linear's forward, transformers' Conv1D); otherwise the reason it is left as it is."""
+    """None if ``module`` is a Linear-like layer that can be converted (nn.Linear; a subclass holding
+    no parameter or child module besides weight and bias whose forward is nn.Linear's or computes the
+    same on probes; transformers' Conv1D); otherwise the reason it is left as it is."""
     cls = type(module)
     if getattr(cls, "qlab_layer", False):  # QuantLinear, TopKLinear
         return f"already converted ({cls.__name__})"
@@ -741,6 +742,12 @@ def why_not_converted(module: nn.Module, parent: nn.Module | None) -> str | None
     if is_conv1d(module):
         return None
     if isinstance(module, nn.Linear):
+        # a converted layer keeps only weight, bias and buffers; other state may feed an overridden
+        # forward while a probe cannot see it (a scale that is 1.0 at initialisation)
+        extra = [n for n, p in module._parameters.items() if p is not None and n not in ("weight", "bias")]
+        if extra or module._modules:
+            held = ", ".join(extra + list(module._modules))
+            return f"{cls.__name__} holds {held} besides weight and bias: a converted layer would drop them"
         if cls.forward is not nn.Linear.forward:
             return _forward_differs(module)
         return None
@@ -749,7 +756,8 @@ def why_not_converted(module: nn.Module, parent: nn.Module | None) -> str | None
 
 def _forward_differs(module: nn.Linear) -> str | None:
     """None if the subclass's own ``forward`` computes a Linear: on probe inputs of the layer's width,
-    dtype and device (a 2-D and a 3-D batch, fixed seeds), its output equals x·Wᵀ + b bit for bit, as
+    dtype and device (a 2-D and a 3-D batch, fixed seeds, in training and in eval mode, the global
+    random state restored after), its output equals x·Wᵀ + b bit for bit, as
     ``F.linear`` computes it or as the product plus the bias written out by hand (what some
     architectures do); hooks are not run. Otherwise why the layer is left as it is."""
     cls = type(module)
@@ -758,19 +766,25 @@ def _forward_differs(module: nn.Linear) -> str | None:
     if weight.device.type == "meta" or weight.dim() != 2:
         return f"{prefix}, and its weight has no values to check it against F.linear with"
     generator = torch.Generator().manual_seed(0)
-    try:
-        with torch.no_grad():
-            for shape in ((3, weight.shape[1]), (2, 3, weight.shape[1])):
-                x = torch.randn(shape, generator=generator).to(weight.dtype).to(weight.device)
-                got = cls.forward(module, x)
-                fused = torch.nn.functional.linear(x, weight, bias)
-                written = x @ weight.T if bias is None else (x @ weight.T) + bias
-                if not isinstance(got, torch.Tensor) or not (
-                    _same_bits(got, fused) or _same_bits(got, written)
-                ):
-                    return f"{prefix} with another computation than x·Wᵀ + b (checked on probe inputs)"
+    devices = [weight.device] if weight.device.type == "cuda" else []
+    was_training = module.training
+    try:  # in both modes (a dropout shows in training only); the global RNG left as it was
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for training in (was_training, not was_training):
+                module.train(training)
+                for shape in ((3, weight.shape[1]), (2, 3, weight.shape[1])):
+                    x = torch.randn(shape, generator=generator).to(weight.dtype).to(weight.device)
+                    got = cls.forward(module, x)
+                    fused = torch.nn.functional.linear(x, weight, bias)
+                    written = x @ weight.T if bias is None else (x @ weight.T) + bias
+                    if not isinstance(got, torch.Tensor) or not (
+                        _same_bits(got, fused) or _same_bits(got, written)
+                    ):
+                        return f"{prefix} with another computation than x·Wᵀ + b (checked on probe inputs)"
     except Exception as err:  # noqa: BLE001 — a forward that cannot run on a probe is not converted
         return f"{prefix}, and it failed on a probe input ({type(err).__name__}: {err})"
+    finally:
+        module.train(was_training)
     return None
 
 
