@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 
-from qlab import checks, stats
+from qlab import checks, paths, stats
 
 ALPHA = 0.05
 COLUMNS = (
@@ -157,6 +157,12 @@ class Claims:
     """The claims of one notebook run, in the order they were made."""
 
     def __init__(self, run):
+        fields = ("name", "parameters", "changed")
+        if isinstance(run, (str, dict)) or not all(hasattr(run, field) for field in fields):
+            raise TypeError(f"run must be the NotebookRun session.start returns, got {checks.shown(run)}")
+        if not isinstance(run.parameters, dict) or not isinstance(run.changed, dict):
+            raise TypeError(f"run's parameters and changed must be dicts, got {checks.shown(run)}")
+        paths.result_name("run.name", run.name, "notebook name")
         self.notebook = run.name
         self.changed = dict(run.changed)
         self.profile = run.parameters.get("profile", "cpu")
@@ -334,21 +340,41 @@ def unwrap(markdown: str) -> str:
 
 def load(path) -> pd.DataFrame:
     """A claims file as written by ``Claims.save``."""
-    frame = pd.read_csv(path, keep_default_na=False, na_values=[""])
-    missing = [c for c in COLUMNS if c not in frame.columns]
-    if missing:
-        raise ValueError(f"{path} is not a claims file: it lacks the columns {missing}")
-    return frame
+    return _load(path, "path")
+
+
+def _load(path, name: str) -> pd.DataFrame:
+    from qlab.results import read_csv
+
+    return read_csv(path, COLUMNS, name=name, what="claims file", keep_default_na=False, na_values=[""])
 
 
 def from_row(row) -> Claim:
     """The Claim a claims-file row describes (``family_size`` recounted by ``findings``)."""
+    if not isinstance(row, (dict, pd.Series)):
+        raise TypeError(f"row must be a claims-file row (a dict or pandas Series), got {checks.shown(row)}")
+    missing = [name for name in COLUMNS if name not in row]
+    if missing:
+        raise ValueError(f"row is not a claims-file row: it lacks {missing}")
     values = {name: row[name] for name in COLUMNS}
-    for name in ("text", "test", "family", "unit"):
-        values[name] = "" if pd.isna(values[name]) else str(values[name])
-    values["n"], values["digits"] = int(values["n"]), int(values["digits"])
-    values["headline"] = str(values["headline"]).lower() == "true"
-    return Claim(**values)
+    try:
+        for name in ("text", "test", "family", "unit"):
+            values[name] = "" if _missing(values[name]) else str(values[name])
+        for name in ("n", "digits"):
+            number = float(values[name])
+            if not number.is_integer():
+                raise ValueError(f"{name} must be a whole number, got {values[name]!r}")
+            values[name] = int(number)
+        values["headline"] = str(values["headline"]).lower() == "true"
+        return Claim(**values)
+    except (TypeError, ValueError, OverflowError) as err:
+        kind = TypeError if isinstance(err, TypeError) else ValueError
+        raise kind(f"row holds a value a claim cannot take: {err}") from None
+
+
+def _missing(value) -> bool:
+    """A claims-file cell left empty (NaN or None), not a list or other container."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 # --- the README's findings table, generated from the committed claims files ------------------------
@@ -360,17 +386,19 @@ FINDINGS_END = "<!-- end of findings -->"
 def findings_table(data_dir) -> str:
     """A markdown table of every headline claim in ``data_dir``'s claims files: notebook, claim,
     value with its interval, and the verdict of its test."""
-    from pathlib import Path
-
     from qlab.results import markdown_table
 
+    folder = paths.existing_folder("data_dir", data_dir)
     rows = []
-    for path in sorted(Path(data_dir).glob("[0-9][0-9]_*_claims.csv")):
-        frame = load(path)
+    for path in sorted(folder.glob("[0-9][0-9]_*_claims.csv")):
+        frame = _load(path, "data_dir")
         notebook = path.name.removesuffix("_claims.csv")
         family_sizes = frame[frame.test == "paired t"].groupby("family").size()
-        for _, row in frame.iterrows():
-            claim = from_row(row)
+        for index, row in frame.iterrows():
+            try:
+                claim = from_row(row)
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"data_dir: {paths.shown(path)}, line {index + 2}: {err}") from None
             if claim.family and claim.family in family_sizes:
                 claim.family_size = int(family_sizes[claim.family])
             if claim.headline:
@@ -384,15 +412,21 @@ def findings_table(data_dir) -> str:
 def update_readme(readme, data_dir, *, check: bool = False) -> bool:
     """Replace the text between the findings markers of ``readme`` with ``findings_table(data_dir)``.
     Returns whether it changed; with ``check`` the file is left as it is."""
-    from pathlib import Path
-
-    readme = Path(readme)
-    text = readme.read_text()
-    if FINDINGS_START not in text or FINDINGS_END not in text:
-        raise ValueError(f"{readme} has no findings markers ({FINDINGS_START!r} … {FINDINGS_END!r})")
+    readme = paths.existing_file("readme", readme, "markdown file")
+    paths.existing_folder("data_dir", data_dir)
+    checks.boolean("check", check)
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"readme {paths.shown(readme)} is not UTF-8 text: {err}") from None
+    if FINDINGS_START not in text or FINDINGS_END not in text.split(FINDINGS_START, 1)[-1]:
+        raise ValueError(
+            f"readme {paths.shown(readme)} has no findings markers ({FINDINGS_START!r} … {FINDINGS_END!r})"
+        )
     head, rest = text.split(FINDINGS_START, 1)
     _, tail = rest.split(FINDINGS_END, 1)
     updated = head + FINDINGS_START + "\n\n" + findings_table(data_dir) + "\n" + FINDINGS_END + tail
     if updated != text and not check:
-        readme.write_text(updated)
+        with paths.written_atomically(readme) as tmp:
+            tmp.write_text(updated, encoding="utf-8")
     return updated != text

@@ -10,28 +10,37 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pandas as pd
 
-from qlab import checks, claims, stats
+from qlab import checks, claims, paths, stats
 
 NOTEBOOKS = ("03_backward_override_training_curves", "07_recipe_ablations")
 MODE_PAIRS = (("high_precision", "none"), ("dequantized", "none"), ("dequantized", "high_precision"))
 ABLATION_INGREDIENTS = ("no 2D weight", "no SR", "no RHT", "+BF16 last block", "none")
 ALPHA = 0.05
+RUN_COLUMNS = ("config", "seed", "val_loss")  # what final_losses returns, one row per run
 
 
 def machine_record(folder, name: str = "machine.json") -> dict:
     """``folder/name`` (JSON: cpu, threads, qlab_commit, ...) with ``cpu_short`` added (the CPU's maker
     and family, e.g. "AMD EPYC")."""
-    path = Path(folder) / name
+    folder = paths.existing_folder("folder", folder, "folder of runs")
+    path = folder / paths.result_name("name", name, "file name")
+    where = f"{name!r} in folder {paths.shown(folder)}"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: a folder of runs says where they were made")
-    record = json.loads(path.read_text())
+        raise FileNotFoundError(f"{where} is missing: a folder of runs says where they were made")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # not JSON, or not UTF-8
+        raise ValueError(f"{where} is not JSON: {err}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} must hold a JSON object, got {record!r:.80}")
     missing = [k for k in ("cpu", "threads", "qlab_commit") if k not in record]
     if missing:
-        raise ValueError(f"{path} lacks {missing}")
+        raise ValueError(f"{where} lacks {missing}")
+    if not isinstance(record["cpu"], str):
+        raise ValueError(f"{where}: cpu must be a str, got {record['cpu']!r}")
     record["cpu_short"] = " ".join(re.sub(r"\(.*?\)", "", record["cpu"]).replace("Processor", "").split()[:3])
     return record
 
@@ -39,35 +48,48 @@ def machine_record(folder, name: str = "machine.json") -> dict:
 def final_losses(notebook: str, folder) -> pd.DataFrame:
     """One row per run of ``notebook`` in ``folder``: config (03: "fp32", "bf16" or "recipe/override";
     07: the variant), seed, val_loss (the last evaluation)."""
+    from qlab.results import read_csv
+
     checks.choice("notebook", notebook, NOTEBOOKS)
-    folder = Path(folder)
+    folder = paths.existing_folder("folder", folder, "folder of runs")
     if notebook.startswith("03"):
-        curves = pd.read_csv(folder / f"{notebook}_curves.csv").dropna(subset=["val_loss"])
+        columns = ["recipe", "override", "seed", "step", "val_loss"]
+        curves = read_csv(folder / f"{notebook}_curves.csv", columns, name="folder", what="curves CSV")
+        curves = curves.dropna(subset=["val_loss"])
         last = curves.loc[curves.groupby(["recipe", "override", "seed"]).step.idxmax()]
         baseline = last.recipe.isin(["fp32", "bf16"])
         config = last.recipe.where(baseline, last.recipe + "/" + last.override)
         return pd.DataFrame({"config": config, "seed": last.seed, "val_loss": last.val_loss}).reset_index(
             drop=True
         )
-    training = pd.read_csv(folder / f"{notebook}_training.csv")
+    columns = ["variant", "seed", "val_loss"]
+    training = read_csv(folder / f"{notebook}_training.csv", columns, name="folder", what="training CSV")
     return training.rename(columns={"variant": "config"})[["config", "seed", "val_loss"]]
 
 
 def run_shifts(moved: pd.DataFrame, reference: pd.DataFrame) -> pd.DataFrame:
     """moved − reference final loss for every (config, seed) both hold: config, seed, shift."""
+    checks.frame_columns("moved", moved, RUN_COLUMNS)
+    checks.frame_columns("reference", reference, RUN_COLUMNS)
     both = moved.merge(reference, on=["config", "seed"], suffixes=("", "_reference"))
     return both.assign(shift=both.val_loss - both.val_loss_reference)[["config", "seed", "shift"]]
 
 
 def seed_spread(runs: pd.DataFrame) -> pd.DataFrame:
     """The seed-to-seed standard deviation of each config's final loss: config, n, sd."""
+    checks.frame_columns("runs", runs, RUN_COLUMNS)
     grouped = runs.groupby("config", sort=False).val_loss
     return pd.DataFrame({"n": grouped.size(), "sd": grouped.std(ddof=1)}).reset_index()
 
 
 def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
     """(key, a, b) of every paired comparison a − b that ``notebook`` states, keyed as its claims are."""
+    checks.choice("notebook", notebook, NOTEBOOKS)
+    if not isinstance(configs, (list, tuple, pd.Series, pd.Index)):
+        raise TypeError(f"configs must be a list of config names, got {checks.shown(configs)}")
     configs = list(dict.fromkeys(configs))
+    if not all(isinstance(config, str) for config in configs):
+        raise TypeError(f"configs must hold config names (str), got {checks.shown(configs)}")
     pairs = []
     if notebook.startswith("03"):
         for config in configs:
@@ -102,6 +124,16 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
     """Each comparison of ``notebook`` estimated on both machines from the seeds both ran: key, a, b,
     n, <machine>_mean/_low/_high (paired t, 95 %), shift (second − first) and verdicts_differ (the
     interval excludes zero on one machine and not on the other)."""
+    checks.choice("notebook", notebook, NOTEBOOKS)
+    checks.frame_columns("first", first, RUN_COLUMNS)
+    checks.frame_columns("second", second, RUN_COLUMNS)
+    for name, value in (("first_name", first_name), ("second_name", second_name)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str naming a machine, got {checks.shown(value)}")
+        if not value:
+            raise ValueError(f"{name} must name a machine, got an empty string")
+    if first_name == second_name:
+        raise ValueError(f"first_name and second_name must differ, got {first_name!r} twice")
     seeds = sorted(set(first.seed) & set(second.seed))
     rows = []
     both = set(second.config)
@@ -127,6 +159,8 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     comparison's shift, and whether the moved interval still excludes zero (resolved) or still lies
     within ±margin (equivalent). Columns: key, kind, value, low, high, shift, moved_low, moved_high,
     survives."""
+    checks.frame_columns("committed", committed, ["key", "test", "value", "low", "high", "p", "p_adjusted"])
+    checks.frame_columns("measured", measured, ["key", "shift"])
     shifts = measured.set_index("key")["shift"]
     rows = []
     for claim in committed.itertuples():

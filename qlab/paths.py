@@ -62,16 +62,100 @@ def figures_dir() -> Path:
     return _results_subdir("figures")
 
 
-def shown(path: Path) -> str:
+def shown(path: str | os.PathLike) -> str:
     """``path`` as messages show it: relative to the repository root when inside it."""
-    path = Path(path)
+    path = _path("path", path)
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def _path(name: str, value) -> Path:
+    """``value`` (a str or os.PathLike naming a path, not bytes) as a Path; errors name ``name``."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {checks.shown(value)}")
+    if not text:
+        raise ValueError(f"{name} must be a path, got an empty string")
+    if "\x00" in text:
+        raise ValueError(f"{name} must be a path without NUL characters, got {text!r}")
+    return Path(text)
+
+
+def existing_file(name: str, value, what: str = "file") -> Path:
+    """``value`` as the Path of an existing file (not a folder): a TypeError for what is not a path, a
+    ValueError for a folder, a FileNotFoundError for nothing there, each naming ``name``."""
+    return _existing(name, value, what, folder=False)
+
+
+def existing_folder(name: str, value, what: str = "folder") -> Path:
+    """``value`` as the Path of an existing folder, refused as ``existing_file`` refuses."""
+    return _existing(name, value, what, folder=True)
+
+
+def _existing(name: str, value, what: str, folder: bool) -> Path:
+    path = _path(name, value)
+    if path.exists() and path.is_dir() != folder:
+        raise ValueError(f"{name} must be a {what}, got the {'file' if folder else 'folder'} {shown(path)}")
+    if not (path.is_dir() if folder else path.is_file()):
+        raise FileNotFoundError(f"{name} must name an existing {what}; {shown(path)} does not exist")
+    return path
+
+
+def writable_file(name: str, value, what: str = "file") -> Path:
+    """``value`` as the Path of a file to (over)write: not a folder, in a folder that exists."""
+    path = _path(name, value)
+    if path.is_dir():
+        raise ValueError(f"{name} must be a {what} to write, got the folder {shown(path)}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            f"{name}: the folder {shown(path.parent)} to write the {what} {path.name!r} in does not exist"
+        )
+    return path
+
+
+_RESULT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
+
+
+def result_name(name: str, value, what: str = "file name") -> str:
+    """``value`` as a plain name of a file inside a results folder: letters, digits and ``_ . + = -``,
+    not starting with "." or "-", at most 200 characters, so it can neither leave the folder
+    ("/", "..") nor hide in it."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be a plain {what} (a str) like '02_topic_what', got {checks.shown(value)}"
+        )
+    if not _RESULT_NAME.fullmatch(value):
+        raise ValueError(
+            f"{name} must be a plain {what} like '02_topic_what' (letters, digits and _ . + = -, not "
+            f"starting with '.' or '-', at most 200 characters), got {value!r}"
+        )
+    return value
+
+
+@contextlib.contextmanager
+def written_atomically(path: str | os.PathLike):
+    """Yield a temporary path beside ``path`` to write to; once the block finishes, the file replaces
+    ``path`` in one step, so a reader never sees a half-written file. A block that fails removes the
+    temporary file and leaves ``path`` as it was."""
+    path = writable_file("path", path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
 def environment(**values: str):
     """Set environment variables for the duration (inherited by any process started meanwhile, such
     as papermill's kernel), then restore each to its previous value or absence."""
+    for name, value in values.items():
+        if not isinstance(value, str):
+            raise TypeError(
+                f"{name} must be a str (an environment variable's value), got {checks.shown(value)}"
+            )
+        if "\x00" in value:
+            raise ValueError(f"{name} must be a str without NUL characters, got {value!r}")
     previous = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:

@@ -8,6 +8,7 @@ the same figure saved twice (or by a rerun on the same machine) is byte-identica
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from qlab import checks, paths
 STYLE_PATH = Path(__file__).resolve().parent / "styles" / "paper.mplstyle"
 COLUMN_WIDTH = 3.3  # inches, one column of a two-column paper
 TEXT_WIDTH = 6.9  # inches, full text width
+MAX_PANELS = 100  # rows or columns of one figure's grid of axes
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 
 _PDF_METADATA = {"Creator": None, "Producer": None, "CreationDate": None, "ModDate": None}
@@ -34,8 +36,8 @@ def use_paper_style() -> None:
 def subplots(nrows: int = 1, ncols: int = 1, *, width: str | float = "column", aspect: float = 0.7, **kwargs):
     """``plt.subplots`` sized for a paper: width "column", "text" or inches;
     height = width·aspect·nrows/ncols."""
-    checks.integer("nrows", nrows, low=1)
-    checks.integer("ncols", ncols, low=1)
+    checks.integer("nrows", nrows, low=1, high=MAX_PANELS)
+    checks.integer("ncols", ncols, low=1, high=MAX_PANELS)
     checks.number("aspect", aspect, low=0, open_low=True)
     if isinstance(width, str):
         widths = {"column": COLUMN_WIDTH, "text": TEXT_WIDTH}
@@ -45,6 +47,8 @@ def subplots(nrows: int = 1, ncols: int = 1, *, width: str | float = "column", a
     else:
         width = checks.number("width", width, low=0, open_low=True)
     height = width * aspect * nrows / ncols
+    if not math.isfinite(height):
+        raise ValueError(f"width × aspect must be a finite height, got width={width!r}, aspect={aspect!r}")
     return plt.subplots(nrows, ncols, figsize=(width, height), **kwargs)
 
 
@@ -67,22 +71,34 @@ def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:
     """
     if not isinstance(fig, matplotlib.figure.Figure):
         raise TypeError(f"fig must be a matplotlib Figure, got {checks.shown(fig)}")
-    if not isinstance(name, str):
-        raise TypeError(
-            f"name must be a plain figure name (str) like '02_topic_what', got {checks.shown(name)}"
-        )
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise ValueError(f"name must be a plain figure name like '02_topic_what', got {name!r}")
+    paths.result_name("name", name, "figure name")
     out = paths.figures_dir()
     pdf, png = out / f"{name}.pdf", out / f"{name}.png"
-    fig.savefig(pdf, format="pdf", metadata=_PDF_METADATA)
-    fig.savefig(png, format="png", metadata=_PNG_METADATA)
+    with paths.written_atomically(pdf) as pdf_tmp, paths.written_atomically(png) as png_tmp:
+        fig.savefig(pdf_tmp, format="pdf", metadata=_PDF_METADATA)
+        fig.savefig(png_tmp, format="png", metadata=_PNG_METADATA)
     return SavedFigure(pdf, png)
 
 
 def _check_axes(ax) -> None:
     if not isinstance(ax, matplotlib.axes.Axes):
         raise TypeError(f"ax must be a matplotlib Axes, got {checks.shown(ax)}")
+
+
+def _check_columns(frame, **columns) -> None:
+    """Each argument of ``columns`` names one column of ``frame``, which has rows to draw; y's holds
+    numbers."""
+    for name, column in columns.items():
+        if not isinstance(column, str):
+            raise TypeError(f"{name} must be a column name (str), got {checks.shown(column)}")
+    checks.frame_columns("frame", frame, columns)
+    if frame.empty:
+        raise ValueError("frame has no rows to draw")
+    try:
+        np.asarray(frame[columns["y"]], dtype=float)
+    except (TypeError, ValueError):
+        y = columns["y"]
+        raise ValueError(f"y must name a column of numbers, got {y!r} ({frame[y].dtype})") from None
 
 
 def mean_band(
@@ -100,9 +116,9 @@ def mean_band(
 
     _check_axes(ax)
     checks.boolean("log", log)
+    _check_columns(frame, x=x, y=y, **({} if by is None else {"by": by}))
     keys = [x] if by is None else [by, x]
     if log:
-        checks.frame_columns("frame", frame, [y, *keys])
         if not (frame[y] > 0).all():
             raise ValueError(f"log=True needs positive {y!r} values; got {frame[y].min()!r}")
         frame = frame.assign(**{y: np.log10(frame[y].to_numpy(dtype=float))})
@@ -131,6 +147,7 @@ def delta_band(
     from qlab import stats
 
     _check_axes(ax)
+    _check_columns(frame, x=x, y=y, by=by, pair=pair)
     differences = stats.paired_differences(frame, y, baseline=baseline, by=by, pair=[pair, x])
     ax.axhline(0.0, color="0.3", linewidth=0.8, linestyle="--")
     return mean_band(ax, differences, x, "difference", by=by, method=method, **line_kwargs)

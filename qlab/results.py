@@ -5,6 +5,7 @@ CSV bytes are deterministic for the same DataFrame (fixed float format, no index
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -13,15 +14,6 @@ from pathlib import Path
 import pandas as pd
 
 from qlab import checks, paths
-
-
-def _check_name(name: str) -> None:
-    if not isinstance(name, str):
-        raise TypeError(
-            f"name must be a plain file stem (str) like '02_topic_what', got {checks.shown(name)}"
-        )
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise ValueError(f"name must be a plain file stem like '02_topic_what', got {name!r}")
 
 
 class SavedPath(type(Path())):
@@ -34,7 +26,9 @@ class SavedPath(type(Path())):
 
 def save_csv(df: pd.DataFrame, name: str) -> Path:
     """Write ``df`` to ``data/<name>.csv`` (floats with 10 significant digits); return the path."""
-    _check_name(name)
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
+    paths.result_name("name", name, "file stem")
     return SavedPath(write_csv(df, paths.data_dir() / f"{name}.csv"))
 
 
@@ -42,13 +36,29 @@ def write_csv(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Write ``df`` to ``path`` in save_csv's format, atomically (a crash leaves the old file whole)."""
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {checks.shown(path)}")
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    df.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
-    os.replace(tmp, path)
+    path = paths.writable_file("path", path, "CSV file")
+    with paths.written_atomically(path) as tmp:
+        df.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
     return path
+
+
+def read_csv(path: str | os.PathLike, columns=(), *, name: str = "path", what: str = "CSV file", **options):
+    """``pd.read_csv(path, **options)`` of a file that must exist, parse as CSV and hold ``columns``;
+    a missing file, a folder, garbage or missing columns are refused with errors that name ``name``."""
+    if isinstance(columns, str) or not isinstance(columns, (list, tuple)):
+        raise TypeError(f"columns must be a list of column names, got {checks.shown(columns)}")
+    if not all(isinstance(column, str) for column in columns):
+        raise TypeError(f"columns must hold column names (str), got {checks.shown(columns)}")
+    path = paths.existing_file(name, path, what)
+    try:
+        frame = pd.read_csv(path, **options)
+    except (ValueError, csv.Error) as err:  # pandas' parser and empty-data errors, undecodable bytes
+        detail = " ".join(str(err).split())[:200]
+        raise ValueError(f"{name} {paths.shown(path)} is not a readable {what}: {detail}") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{name} {paths.shown(path)} is not a {what}: it lacks the columns {missing}")
+    return frame
 
 
 def save_metrics(name: str, **metrics) -> Path:
@@ -57,7 +67,7 @@ def save_metrics(name: str, **metrics) -> Path:
     Values must be JSON scalars (numbers, strings, booleans, None); numpy/torch scalars are
     converted with ``.item()``. Non-finite floats are written as null.
     """
-    _check_name(name)
+    paths.result_name("name", name, "file stem")
     clean = {}
     for key, value in metrics.items():
         if hasattr(value, "item"):
@@ -72,9 +82,8 @@ def save_metrics(name: str, **metrics) -> Path:
             value = None
         clean[key] = value
     path = paths.data_dir() / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    with paths.written_atomically(path) as tmp:
+        tmp.write_text(json.dumps(clean, indent=2, sort_keys=True) + "\n")
     return SavedPath(path)
 
 

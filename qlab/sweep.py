@@ -28,25 +28,26 @@ ERROR_FILE = "error.txt"
 
 def load_grid(path: str | os.PathLike) -> dict[str, list]:
     """Read a grid: a YAML mapping of parameter name -> list of values (a scalar means one value)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"grid file {path} does not exist")
+    path = paths.existing_file("path", path, "grid file")
+    where = f"grid file path={paths.shown(path)}"
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where} is not UTF-8 text: {err}") from None
     except yaml.YAMLError as err:
-        raise ValueError(f"malformed YAML in {path}: {err}") from None
+        raise ValueError(f"malformed YAML in {where}: {' '.join(str(err).split())}") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError(
-            f"grid {path} must be a non-empty mapping of parameter name -> list of values, "
+            f"{where} must be a non-empty mapping of parameter name -> list of values, "
             f"got {type(raw).__name__}"
         )
     grid = {}
     for name, values in raw.items():
         if not isinstance(name, str):
-            raise ValueError(f"grid {path}: parameter names must be strings, got {name!r}")
+            raise ValueError(f"{where}: parameter names must be strings, got {name!r}")
         values = values if isinstance(values, list) else [values]
         if not values:
-            raise ValueError(f"grid {path}: parameter {name!r} has an empty list of values")
+            raise ValueError(f"{where}: parameter {name!r} has an empty list of values")
         grid[name] = values
     return grid
 
@@ -91,9 +92,8 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
         "seconds": round(time.perf_counter() - start, 3),
         "metrics": collected,
     }
-    tmp = directory / (METRICS_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, directory / METRICS_FILE)
+    with paths.written_atomically(directory / METRICS_FILE) as tmp:
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
     (directory / ERROR_FILE).unlink(missing_ok=True)
     return PointOutcome(directory.name, "ok")
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from matplotlib.figure import Figure
 from torch import nn
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -36,10 +38,13 @@ import qlab  # noqa: E402
 from qlab import (  # noqa: E402
     ablation,
     claims,
+    crossmachine,
     formats,
     host,
     kernels,
     numerics,
+    paths,
+    plotting,
     probes,
     results,
     scaling,
@@ -85,6 +90,101 @@ def delayed_state():
     layer = qnn.QuantLinear(32, 8, recipe="fp8_delayed")
     layer(x()).sum().backward()
     return layer.quant_state()
+
+
+# --- small files for the functions that read and write them -------------------------------------------
+# Inputs live in a temporary folder of this process; what qlab writes under data/ and figures/ goes to
+# the test's own results folder (the fixture below), never into the repository.
+
+_SCRATCH = tempfile.TemporaryDirectory(prefix="qlab-fuzz-")
+GARBAGE = b"\x89PNG\r\n\x1a\n\x00\xff\xfe{[ unclosed: 'quote\n\x80\x81,,\t\"\n"
+
+
+class Stem(str):
+    """A plain file name a function writes or reads inside a folder: fuzzed with names that escape it."""
+
+
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(dir=_SCRATCH.name))
+
+
+def file_with(name: str, content: str | bytes, folder: Path | None = None) -> Path:
+    path = (folder or scratch()) / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+def checkpoint_file() -> Path:
+    """A file holding what a qlab training checkpoint holds (read_checkpoint's keys, plain values)."""
+    state = {"step": 1, "model": {"w": torch.ones(2)}, "optimizer": {}, "scaler": {}}
+    path = scratch() / "checkpoint.pt"
+    torch.save({**state, "metrics": [], "fidelity": [], "config": {"task": "digits"}}, path)
+    return path
+
+
+def notebook_run(name="99_fuzz"):
+    return session.NotebookRun(name, {"profile": "cpu"}, {}, paths.results_root(), "cpu")
+
+
+def claimed(run=None):
+    made = claims.Claims(run or notebook_run())
+    made.paired("gap", [0.010, 0.012, 0.011], text="a − FP32", unit="nats", headline=True)
+    made.value("loss", 2.0, text="a loss", n=1, test="observed")
+    return made
+
+
+def claims_folder() -> Path:
+    folder = scratch()
+    claimed().frame().to_csv(folder / "99_fuzz_claims.csv", index=False)
+    return folder
+
+
+def readme() -> Path:
+    return file_with("README.md", f"# x\n{claims.FINDINGS_START}\nold\n{claims.FINDINGS_END}\nend\n")
+
+
+def runs(shift=0.0) -> pd.DataFrame:
+    losses = {"fp32": [2.0, 2.1, 2.05], "nvfp4": [2.2, 2.35, 2.3], "nvfp4/no SR": [2.3, 2.4, 2.45]}
+    rows = [(c, s, v + shift) for c, vs in losses.items() for s, v in enumerate(vs)]
+    return pd.DataFrame(rows, columns=["config", "seed", "val_loss"])
+
+
+def runs_folder() -> Path:
+    folder = scratch()
+    file_with("machine.json", '{"cpu": "AMD EPYC 7B13", "threads": 2, "qlab_commit": "abc"}', folder)
+    training = runs().rename(columns={"config": "variant"})
+    training.to_csv(folder / "07_recipe_ablations_training.csv", index=False)
+    return folder
+
+
+def committed_claims() -> pd.DataFrame:
+    return pd.DataFrame([
+        {"key": "train.nvfp4", "test": "paired t", "value": 0.2, "low": 0.1, "high": 0.3, "p": 0.001,
+         "p_adjusted": 0.01, "margin": math.nan},
+        {"key": "train.nvfp4/no_SR.same", "test": "TOST", "value": 0.0, "low": -0.004, "high": 0.004,
+         "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
+    ])  # fmt: skip
+
+
+def curves() -> pd.DataFrame:
+    rows = [(r, s, t, 2.0 + 0.1 * (r == "nvfp4") + 0.01 * s - 0.1 * t) for r in ("fp32", "nvfp4")
+            for s in range(3) for t in (1, 2)]  # fmt: skip
+    return pd.DataFrame(rows, columns=["recipe", "seed", "step", "loss"])
+
+
+def axes():
+    return Figure(figsize=(2, 2), dpi=40).add_subplot()
+
+
+def subplots_size(**arguments):
+    fig, _ = plotting.subplots(**arguments)
+    plotting.plt.close(fig)
+    return tuple(fig.get_size_inches())
+
+
+def environment_value(qlab_fuzz_value):
+    with paths.environment(qlab_fuzz_value=qlab_fuzz_value):
+        return os.environ["qlab_fuzz_value"]
 
 
 # entry point id → (callable, a function returning its valid keyword arguments)
@@ -341,6 +441,92 @@ ENTRY_POINTS = {
         lambda _layer, state: _layer.load_quant_state(state),
         lambda: dict(_layer=qnn.QuantLinear(32, 8, recipe="fp8_delayed"), state=delayed_state()),
     ),
+    "results.save_csv": (
+        results.save_csv,
+        lambda: dict(df=pd.DataFrame({"a": [1.0, 2.5], "b": ["x", "y"]}), name=Stem("99_fuzz_table")),
+    ),
+    "results.write_csv": (
+        results.write_csv,
+        lambda: dict(df=pd.DataFrame({"a": [1.0, 2.5]}), path=scratch() / "table.csv"),
+    ),
+    "results.read_csv": (
+        results.read_csv,
+        lambda: dict(path=file_with("t.csv", "a,b\n1,x\n"), columns=["a"]),
+    ),
+    "results.save_metrics": (  # the metrics themselves may be any scalar: not fuzzed
+        results.save_metrics,
+        lambda: dict(name=Stem("99_fuzz_metrics"), _loss=2.5, _label="fp32"),
+    ),
+    "plotting.save_figure": (
+        plotting.save_figure,
+        lambda: dict(fig=axes().figure, name=Stem("99_fuzz_figure")),
+    ),
+    "plotting.subplots": (subplots_size, lambda: dict(nrows=2, ncols=3, width=3.3, aspect=0.7)),
+    "plotting.mean_band": (
+        plotting.mean_band,
+        lambda: dict(ax=axes(), frame=curves(), x="step", y="loss", by="recipe", method="t", log=True),
+    ),
+    "plotting.delta_band": (
+        plotting.delta_band,
+        lambda: dict(
+            ax=axes(), frame=curves(), x="step", y="loss", baseline="fp32", by="recipe", pair="seed"
+        ),
+    ),
+    "claims.Claims": (claims.Claims, lambda: dict(run=notebook_run())),
+    "claims.Claims save": (lambda run: claimed(run).save(), lambda: dict(run=notebook_run())),
+    "claims.load": (
+        claims.load,
+        lambda: dict(path=claims_folder() / "99_fuzz_claims.csv"),
+    ),
+    "claims.from_row": (claims.from_row, lambda: dict(row=claimed().frame().to_dict("records")[0])),
+    "claims.findings_table": (claims.findings_table, lambda: dict(data_dir=claims_folder())),
+    "claims.update_readme": (
+        claims.update_readme,
+        lambda: dict(readme=readme(), data_dir=claims_folder(), check=False),
+    ),
+    "sweep.load_grid": (
+        sweep.load_grid,
+        lambda: dict(path=file_with("grid.yaml", "seed: [0, 1]\nsteps: 5\n")),
+    ),
+    "train.loop.read_checkpoint": (TL.read_checkpoint, lambda: dict(path=checkpoint_file())),
+    "train.load_config": (
+        TC.load_config,
+        lambda: dict(path=file_with("config.yaml", "task: digits\nsteps: 5\n"), overrides=["seed=1"]),
+    ),
+    "crossmachine.machine_record": (
+        crossmachine.machine_record,
+        lambda: dict(folder=runs_folder(), name=Stem("machine.json")),
+    ),
+    "crossmachine.final_losses": (
+        crossmachine.final_losses,
+        lambda: dict(notebook="07_recipe_ablations", folder=runs_folder()),
+    ),
+    "crossmachine.run_shifts": (crossmachine.run_shifts, lambda: dict(moved=runs(0.1), reference=runs())),
+    "crossmachine.seed_spread": (crossmachine.seed_spread, lambda: dict(runs=runs())),
+    "crossmachine.comparison_pairs": (
+        crossmachine.comparison_pairs,
+        lambda: dict(notebook="07_recipe_ablations", configs=["fp32", "nvfp4", "nvfp4/no SR"]),
+    ),
+    "crossmachine.comparisons": (
+        crossmachine.comparisons,
+        lambda: dict(
+            notebook="07_recipe_ablations", first=runs(), second=runs(0.1), first_name="a", second_name="b"
+        ),
+    ),
+    "crossmachine.survival": (
+        crossmachine.survival,
+        lambda: dict(
+            committed=committed_claims(),
+            measured=pd.DataFrame({"key": ["train.nvfp4", "train.nvfp4/no_SR"], "shift": [-0.003, 0.001]}),
+        ),
+    ),
+    "paths.shown": (paths.shown, lambda: dict(path=scratch() / "x.csv")),
+    "paths.environment": (environment_value, lambda: dict(qlab_fuzz_value="1")),
+    "train.data.validation_plays": (
+        TD.validation_plays,
+        lambda: dict(names=["b", "a", "c", "d"], fraction=0.5),
+    ),
+    "train.data.digits": (TD.digits, lambda: dict(seed=0, val_fraction=0.2)),
     "probes.weight_gradients": (  # the batches go to the caller's loss_fn, which checks them
         lambda model, _batches, loss_fn: probes.weight_gradients(model, _batches, loss_fn),
         lambda: dict(model=tiny(), _batches=[x()], loss_fn=lambda model, batch: model(batch).square().mean()),
@@ -384,11 +570,73 @@ def _tensor_variants(t: torch.Tensor) -> list[tuple[str, str, object]]:
     return variants
 
 
+def _path_variants(path: Path) -> list[tuple[str, str, object]]:
+    """A path of the wrong type, and paths to nothing, to the other kind of entry, to garbage."""
+    variants = [
+        (WRONG_KIND, "an int", 7),
+        (WRONG_KIND, "bytes", os.fsencode(path)),
+        (WRONG_KIND, "a list", [path]),
+        (SAME, "a str", str(path)),
+        (MAYBE, "empty", ""),
+        (MAYBE, "None", None),
+    ]
+    if path.is_dir():
+        garbage = scratch()
+        for entry in path.iterdir():
+            file_with(entry.name, GARBAGE, garbage)
+        return variants + [
+            (MAYBE, "a missing folder", scratch() / "missing"),
+            (MAYBE, "a file", file_with("file.txt", "text\n")),
+            (MAYBE, "an empty folder", scratch()),
+            (MAYBE, "a folder of garbage files", garbage),
+        ]
+    folder = scratch()
+    return variants + [
+        (MAYBE, "a missing file", folder / path.name),
+        (MAYBE, "in a missing folder", folder / "missing" / path.name),
+        (MAYBE, "a folder", folder),
+        (MAYBE, "garbage", file_with(path.name, GARBAGE)),
+        (MAYBE, "an empty file", file_with(path.name, "")),
+        (MAYBE, "another format", file_with(path.name, "[1, 2]\n")),
+    ]
+
+
+def _name_variants(name: Stem) -> list[tuple[str, str, object]]:
+    """Names of the wrong type, and names that leave the folder, hide in it or hold odd characters."""
+    odd = ["", "..", f"../{name}", f"../../{name}", f"sub/{name}", f"{scratch()}/{name}", f".{name}",
+           f"-{name}", f"a\x00{name}", f"line\nbreak{name}", f"two words{name}", f"back\\slash{name}",
+           f"~{name}", f"star*?{name}", f"名前{name}", "n" * 300]  # fmt: skip
+    return [
+        (WRONG_KIND, "an int", 7),
+        (WRONG_KIND, "bytes", name.encode()),
+        (WRONG_KIND, "a list", [str(name)]),
+        (SAME, "a plain str", str(name)),
+        *[(MAYBE, f"{bad!r:.40}", bad) for bad in odd],
+        (MAYBE, "None", None),
+    ]
+
+
 def _variants(value) -> list[tuple[str, str, object]]:
     """(category, label, bad value) for an argument whose valid value is ``value``."""
     none = [(MAYBE, "None", None)]  # None means "not given" for many arguments
     if isinstance(value, torch.Tensor):
         return _tensor_variants(value) + none
+    if isinstance(value, Path):
+        return _path_variants(value)
+    if isinstance(value, Stem):
+        return _name_variants(value)
+    if isinstance(value, session.NotebookRun):
+        return [
+            (WRONG_KIND, "a string", value.name),
+            (WRONG_KIND, "a dict", {"name": value.name}),
+            (MAYBE, "a name leaving data/", notebook_run("../escape")),
+            (MAYBE, "an empty name", notebook_run("")),
+            *none,
+        ]
+    if isinstance(value, Figure):
+        return [(WRONG_KIND, "a string", "figure"), (WRONG_KIND, "its axes", value.axes[0]), *none]
+    if isinstance(value, plotting.matplotlib.axes.Axes):
+        return [(WRONG_KIND, "a string", "ax"), (WRONG_KIND, "its figure", value.figure), *none]
     if isinstance(value, bool):
         return [(WRONG_KIND, "a string", "no"), (WRONG_KIND, "an int", 2), *none]
     if isinstance(value, int):
@@ -475,18 +723,53 @@ def _same(a, b) -> bool:
         return len(a) == len(b) and all(_same(p, q) for p, q in zip(a, b))
     if isinstance(a, Q.QTensor) and isinstance(b, Q.QTensor):
         return _same(a.codes, b.codes) and _same(a.scales, b.scales)
+    if isinstance(a, pd.DataFrame) and isinstance(b, pd.DataFrame):
+        return a.equals(b)
     return True  # modules and other objects: nothing to compare
 
 
-def _check_refusal(err: BaseException, name: str, label: str) -> None:
+def _check_refusal(err: BaseException, name: str, label: str, path: bool) -> None:
     where = f"{name} = {label}"
-    assert type(err) in (TypeError, ValueError), f"{where}: {type(err).__name__} {err}"
+    refusals = (TypeError, ValueError, FileNotFoundError) if path else (TypeError, ValueError)
+    assert type(err) in refusals, f"{where}: {type(err).__name__} {err}"
     tb = err.__traceback__
     while tb.tb_next is not None:
         tb = tb.tb_next
     innermost = Path(tb.tb_frame.f_code.co_filename).resolve()
     assert QLAB_DIR in innermost.parents, f"{where}: raised from {innermost}: {err}"
     assert name in str(err), f"{where}: the message does not name {name!r}: {err}"
+
+
+@pytest.fixture(autouse=True)
+def _results_in_a_temporary_folder(tmp_path, monkeypatch):
+    """data/ and figures/ under the test's own folder: nothing is written into the repository."""
+    monkeypatch.setenv(paths.RESULTS_ENV, str(tmp_path / "results"))
+    monkeypatch.delenv(paths.PROFILE_ENV, raising=False)
+
+
+def _files(arguments: dict) -> dict[Path, bytes]:
+    """Every file under the results folder, and in the folders the arguments name or lie in."""
+    root = paths.results_root()
+    found = [p for p in root.rglob("*") if p.is_file()] if root.is_dir() else []
+    for value in arguments.values():
+        if isinstance(value, Path):
+            for folder in (value, value.parent):
+                if folder.is_dir():
+                    found += [p for p in folder.iterdir() if p.is_file()]
+    return {p: p.read_bytes() for p in found}
+
+
+def _check_files(before: dict, after: dict, refused: bool, where: str) -> None:
+    """A refusal writes nothing; a call writes under data/ or figures/ of the results folder, or to the
+    file it was given; no temporary file is left behind."""
+    changed = sorted(str(p) for p in after if before.get(p) != after[p])
+    assert not [p for p in after if p.name.endswith(".tmp")], f"{where}: temporary files left: {changed}"
+    if refused:
+        assert not changed, f"{where}: refused, yet wrote {changed}"
+    root = paths.results_root()
+    for path in changed:
+        if Path(path).is_relative_to(root):
+            assert Path(path).relative_to(root).parts[0] in ("data", "figures"), f"{where}: wrote {path}"
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
@@ -512,17 +795,41 @@ def test_bad_input_is_refused_clearly_or_computed_right(entry, data):
     if not variants:
         return
     category, label, bad = data.draw(st.sampled_from(variants), label="bad value")
+    watched = {**arguments, "_bad": bad}
+    before = _files(watched)
     arguments[name] = bad
     try:
         result = fn(**arguments)
     except Exception as err:  # noqa: BLE001 — every exception is examined
-        _check_refusal(err, name, label)
+        _check_files(before, _files(watched), True, f"{name} = {label}")
+        _check_refusal(err, name, label, isinstance(watched[name], Path))
         assert category != SAME, f"{name} = {label} holds the valid values but was refused: {err}"
         return
+    _check_files(before, _files(watched), False, f"{name} = {label}")
     assert category != WRONG_KIND, f"{name} = {label} ({bad!r}) was accepted"
     if category == SAME:
         expected = fn(**{**valid()})
         assert _same(result, expected), f"{name} = {label} gave another result than the contiguous input"
+
+
+def test_a_write_that_fails_midway_leaves_the_old_file_whole(monkeypatch):
+    """Writers write a temporary file and rename it: a failure leaves no half-written file behind."""
+    target = file_with("table.csv", "old\n")
+    with pytest.raises(RuntimeError), paths.written_atomically(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+    assert target.read_text() == "old\n" and [p.name for p in target.parent.iterdir()] == ["table.csv"]
+    fig, savefig = axes().figure, Figure.savefig
+
+    def failing_png(path, format, **options):
+        savefig(fig, path, format=format, **options)
+        if format == "png":
+            raise OSError("disk full")
+
+    monkeypatch.setattr(fig, "savefig", failing_png)
+    with pytest.raises(OSError, match="disk full"):
+        plotting.save_figure(fig, "99_half")
+    assert not list(paths.figures_dir().iterdir())  # neither the PDF nor the PNG
 
 
 # --- which public names are generated against, and why the others are not -----------------------------
@@ -533,7 +840,8 @@ NOT_GENERATED = {
         checks.generator checks.seed checks.tensor checks.same_device checks.allocatable
         checks.all_finite checks.holds_nan checks.floating_dtype checks.module checks.matches
         checks.patterns checks.batches checks.frame_columns checks.names checks.closest
-        checks.patterns_match session.check_values session.check_parameters""",
+        checks.patterns_match session.check_values session.check_parameters paths.existing_file
+        paths.existing_folder paths.writable_file paths.result_name""",
     "kernel launchers and fast paths behind qlab.kernels' checked entry points (tests/test_kernels.py)": """
         kernels.triton_available kernels.cpu_qdq.available kernels.cpu_qdq.covers kernels.cpu_qdq.qdq
         kernels.cpu_qdq.stochastic_noise kernels.cpu_qdq.draws_like_torch kernels.cpu_qdq.tensor_stats
@@ -576,17 +884,16 @@ NOT_GENERATED = {
         session.parameters_source session.notebook_defaults session.notebook_annotations
         session.changed_parameters session.interactive_dir lab.kernel_language_info lab.executed_copy
         models.quiet_loading""",
-    "they read or write files: bad paths and names are listed in tests/test_bad_input.py": """
-        models.load models.model_path models.cache_dir models.shakespeare_batches
-        crossmachine.machine_record crossmachine.final_losses crossmachine.run_shifts
-        crossmachine.seed_spread crossmachine.comparison_pairs crossmachine.comparisons
-        crossmachine.survival claims.Claims claims.key_for claims.load claims.from_row
-        claims.findings_table claims.update_readme sweep.load_grid train.config.load_config
-        train.loop.save_checkpoint train.loop.read_checkpoint train.loop.load_checkpoint
-        results.save_csv results.write_csv results.save_metrics plotting.use_paper_style
-        plotting.subplots plotting.save_figure plotting.mean_band plotting.delta_band paths.results_root
-        paths.data_dir paths.figures_dir paths.shown paths.environment train.data.validation_plays
-        train.data.digits""",
+    "pretrained models: load reads a 135M model; model_path and cache_dir locate its files for load, "
+    "which checks the name; shakespeare_batches needs its tokenizer (tests/test_models.py)": """
+        models.load models.model_path models.cache_dir models.shakespeare_batches""",
+    "training checkpoints, written and read by train.loop.train's runs (tests/test_train.py)": """
+        train.loop.save_checkpoint train.loop.load_checkpoint""",
+    "no arguments to generate: where results go, and the plotting style (tests/test_plotting.py)": """
+        paths.results_root paths.data_dir paths.figures_dir plotting.use_paper_style""",
+    "any values make a claim key (each written with str()); the atomic writer is reached through the "
+    "writers above": """
+        claims.key_for paths.written_atomically""",
     "result and error types the functions above construct": """
         quantize.QuantSpec quantize.Spec quantize.QTensor formats.FloatFormat formats.IntFormat
         formats.E8M0Format numerics.Moments numerics.GradCheckResult advisor.Advice models.PackagedModel
@@ -623,6 +930,7 @@ def _generated_names() -> set[str]:
         if module.startswith("qlab.") and "<lambda>" not in qualname:
             names.add(f"{module.removeprefix('qlab.')}.{qualname}")
     names |= {"nn.QuantLinear", "probes.weight_gradients"}  # called through a lambda above
+    names |= {"plotting.subplots", "paths.environment"}  # called through a helper above
     return names
 
 

@@ -327,14 +327,15 @@ class TrainConfig:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
     """A TrainConfig from a YAML file (optional) with ``key=value`` overrides (values parsed as YAML)."""
+    from qlab import paths
+
     data = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        loaded = _safe_yaml(path.read_text(errors="replace"), f"config file {path}")
+        path = paths.existing_file("path", path, "config file")
+        loaded = _safe_yaml(path.read_text(errors="replace"), f"config file path={path}")
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"{path}: expected a YAML mapping of config keys, got {type(loaded).__name__}")
+            kind = type(loaded).__name__
+            raise ValueError(f"config file path={path}: expected a YAML mapping of config keys, got {kind}")
         data.update(loaded or {})
     if isinstance(overrides, dict):
         data.update(overrides)
@@ -346,7 +347,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         for item in overrides or []:
             key, sep, value = str(item).partition("=")
             if not sep or not key.strip():
-                raise ValueError(f"expected key=value, got {item!r}")
+                raise ValueError(f"overrides: expected key=value, got {item!r}")
             data[key.strip()] = _safe_yaml(value, f"--set {key.strip()}")
     return TrainConfig.from_dict(data)
 

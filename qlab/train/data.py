@@ -89,6 +89,11 @@ def shakespeare_plays() -> dict[str, str]:
 
 def validation_plays(names: list[str], fraction: float = VAL_FRACTION) -> list[str]:
     """An evenly spaced ``fraction`` of the sorted play names (at least one)."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"names must be a list of play names (str), got {checks.shown(names)}")
+    if not names:
+        raise ValueError("names must hold at least one play name, got an empty list")
+    checks.number("fraction", fraction, low=0, high=1, open_low=True)
     names = sorted(names)
     count = max(1, round(fraction * len(names)))
     step = len(names) / count

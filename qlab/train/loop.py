@@ -33,7 +33,7 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
-from qlab import checks
+from qlab import checks, paths
 from qlab.ablation import without
 from qlab.host import progress, resolve_device
 from qlab.kernels.compiled import COMPILE_OPTIONS
@@ -435,24 +435,22 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
     holds other objects, or lacks a qlab checkpoint's keys raises ValueError naming the file."""
     import pickle
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
+    path = paths.existing_file("path", path, "checkpoint")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(
-            f"checkpoint {path} holds objects other than tensors and plain containers, which qlab never "
-            f"writes; refusing to unpickle it (it could run code)"
+            f"path {path}: the checkpoint holds objects other than tensors and plain containers, which "
+            f"qlab never writes; refusing to unpickle it (it could run code)"
         ) from None
     except Exception as err:  # truncated, not a zip, a text file: torch and pickle raise many kinds
         detail = " ".join(str(err).split())[:200]
         raise ValueError(
-            f"checkpoint {path} cannot be read (truncated or not a torch checkpoint): {detail}"
+            f"path {path}: the checkpoint cannot be read (truncated or not a torch checkpoint): {detail}"
         ) from None
     missing = [key for key in _CHECKPOINT_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
-        raise ValueError(f"{path} is not a qlab training checkpoint (missing {missing})")
+        raise ValueError(f"path {path} is not a qlab training checkpoint (missing {missing})")
     return state
 
 
