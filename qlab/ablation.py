@@ -30,9 +30,20 @@ INGREDIENTS = {
 _VARIANT_NAMES = {"2d_weight": "no 2D weight", "stochastic_rounding": "no SR", "hadamard": "no RHT"}
 
 
+def _recipe(recipe) -> Recipe:
+    """A Recipe as given, or the one a preset name (or ``Recipe.to_dict``'s dict) names, without the
+    environment's backward override."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if isinstance(recipe, (str, dict)):
+        return get_recipe(recipe, backward_override=None)
+    raise TypeError(f"recipe must be a Recipe or a preset name, got {checks.shown(recipe)}")
+
+
 def without(recipe: Recipe, ingredients) -> Recipe:
     """``recipe`` with each named ingredient (``INGREDIENTS``: "2d_weight", "stochastic_rounding",
     "hadamard") switched off in every spec that has it; specs without it are unchanged."""
+    recipe = _recipe(recipe)
     ingredients = checks.names("ingredients", ingredients, tuple(INGREDIENTS))
     changes = {}
     for ingredient in ingredients:
@@ -46,6 +57,7 @@ def without(recipe: Recipe, ingredients) -> Recipe:
 
 def uses(recipe: Recipe, ingredient: str) -> bool:
     """Whether any spec of ``recipe`` has ``ingredient`` switched on."""
+    recipe = _recipe(recipe)
     checks.choice("ingredient", ingredient, tuple(INGREDIENTS))
     roles, field, off = INGREDIENTS[ingredient]
     specs = [getattr(recipe, role) for role in roles if getattr(recipe, role) is not None]
@@ -55,6 +67,9 @@ def uses(recipe: Recipe, ingredient: str) -> bool:
 def switched_off(preset: str, label: str) -> list[str]:
     """The ingredients a variant label switches off in ``preset``: "" none, "none" every one the preset
     uses, or one of "no 2D weight", "no SR", "no RHT" (the names ``ablations`` gives its variants)."""
+    checks.choice("preset", preset, PRESETS)
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str such as 'no SR', got {checks.shown(label)}")
     recipe = get_recipe(preset, backward_override=None)
     present = [ingredient for ingredient in INGREDIENTS if uses(recipe, ingredient)]
     by_label = {_VARIANT_NAMES[ingredient]: [ingredient] for ingredient in present}
@@ -64,7 +79,8 @@ def switched_off(preset: str, label: str) -> list[str]:
         return present
     if label not in by_label:
         raise ValueError(
-            f"{preset} has no variant {label!r}; expected '', 'none' or one of: {', '.join(by_label)}"
+            f"unknown label: {preset} has no variant {label!r}; expected '', 'none' or one of: "
+            f"{', '.join(by_label)}"
         )
     return by_label[label]
 
@@ -182,9 +198,11 @@ def capture_operands(model: torch.nn.Module, forward_backward, *, skip=(), only=
     float32 2-D copies (tokens flattened) of what the layer saw in ``forward_backward()`` (a callable
     that runs the model forward and backward once). Layers named in ``skip`` are left out; ``only``
     (names) keeps just those, each of which must be a Linear of the model."""
+    checks.module("model", model)
     if not callable(forward_backward):
         raise TypeError(f"forward_backward must be a callable, got {checks.shown(forward_backward)}")
     linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    skip = set(checks.names("skip", skip, linears))
     if only is not None:
         only = set(checks.names("only", only, linears))
     captured, handles = {}, []

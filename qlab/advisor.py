@@ -28,8 +28,32 @@ from qlab.recipe import get_recipe
 BUDGET_UNITS = ("layers", "flops")
 
 
+def _check_token_ids(name: str, batch, model: nn.Module) -> torch.Tensor:
+    """Token ids ``model`` (a Hugging Face model) takes: an integer tensor (batch, tokens) on its device,
+    ids within its vocabulary, no more tokens than its positions; returned as int64."""
+    checks.tensor(name, batch, dtypes=(torch.int64, torch.int32))
+    if batch.dim() != 2 or batch.numel() == 0:
+        raise ValueError(f"{name} must be token ids shaped (batch, tokens), got shape {tuple(batch.shape)}")
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
+        checks.same_device(name, batch, "the model", parameter)
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        vocab = None
+    low, high = int(batch.min()), int(batch.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        raise ValueError(f"{name} must hold token ids in [0, {vocab}), got ids from {low} to {high}")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and batch.shape[1] > positions:
+        raise ValueError(f"{name} has {batch.shape[1]} tokens a row; the model takes at most {positions}")
+    return batch.long()
+
+
 def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a Hugging Face causal LM on token ids (batch, tokens)."""
+    checks.module("model", model)
+    batch = _check_token_ids("batch", batch, model)
     return model(input_ids=batch, labels=batch).loss
 
 
@@ -37,6 +61,8 @@ def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def quantized(model: nn.Module, names: Sequence[str], recipe):
     """For the duration, the named layers of ``model`` are QuantLinears of ``recipe`` (sharing their
     Parameters); afterwards the original modules are back in place."""
+    convertible = [name for name, _, why in linear_layers(model) if why is None]
+    names = _check_layers("names", checks.patterns("names", names), convertible)
     recipe = get_recipe(recipe)
     originals = {}
     try:
@@ -55,11 +81,21 @@ def _mean_loss(model, batches, loss_fn) -> float:
     return sum(float(loss_fn(model, batch)) for batch in batches) / len(batches)
 
 
-def _check_measurement(model, batches, loss_fn) -> None:
+def _check_measurement(model, batches, loss_fn, progress) -> None:
     checks.module("model", model)
     checks.batches("batches", batches)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {checks.shown(loss_fn)}")
+    checks.boolean("progress", progress)
+
+
+def _check_layers(argument: str, names: list[str], convertible) -> list[str]:
+    """``names``, each a convertible layer of the model; refused naming ``argument`` otherwise."""
+    unknown = [name for name in names if name not in convertible]
+    if unknown:
+        near = ", ".join(checks.closest(unknown[0], convertible))
+        raise ValueError(f"{argument} names {unknown}, no convertible layers of the model; closest: {near}")
+    return names
 
 
 def _shape(module: nn.Module) -> tuple[int, int]:
@@ -82,16 +118,13 @@ def group_sensitivity(
     model (nats for a cross-entropy). Columns: group, layers (count), flops (Σ in × out: multiply-adds
     per token), loss, delta, rank (1 = most sensitive), recipe, baseline_loss. The model runs in eval
     mode and comes back as it was."""
-    _check_measurement(model, batches, loss_fn)
+    _check_measurement(model, batches, loss_fn, progress)
     if not isinstance(groups, dict) or not groups:
         raise TypeError(f"groups must be a non-empty dict label -> layer names, got {checks.shown(groups)}")
     recipe = get_recipe(recipe)
     convertible = {name: module for name, module, why in linear_layers(model) if why is None}
     for label, names in groups.items():
-        unknown = [name for name in checks.patterns(f"groups[{label!r}]", names) if name not in convertible]
-        if unknown:
-            near = ", ".join(checks.closest(unknown[0], convertible))
-            raise ValueError(f"layers {unknown} are no convertible layer of the model; closest: {near}")
+        _check_layers(f"groups[{label!r}]", checks.patterns(f"groups[{label!r}]", names), convertible)
     was_training = model.training
     model.eval()
     try:
@@ -129,9 +162,11 @@ def layer_sensitivity(
     """``group_sensitivity`` with one layer per group: every convertible Linear-like layer (or each
     name in ``layers``) quantized alone. Columns: layer, in_features, out_features, flops, loss,
     delta, rank, recipe, baseline_loss."""
-    _check_measurement(model, batches, loss_fn)
+    _check_measurement(model, batches, loss_fn, progress)
     convertible = {name: module for name, module, why in linear_layers(model) if why is None}
     names = list(convertible) if layers is None else checks.patterns("layers", layers)
+    if not _check_layers("layers", names, convertible):
+        raise ValueError(f"layers must name at least one convertible layer of the model, got {layers!r}")
     table = group_sensitivity(model, batches, recipe, {name: [name] for name in names}, loss_fn=loss_fn,
                               progress=progress)  # fmt: skip
     shapes = pd.DataFrame(
@@ -158,6 +193,9 @@ def choose(table: pd.DataFrame, budget: float, by: str = "layers") -> Advice:
     quantization does not raise the loss is never kept."""
     checks.number("budget", budget, low=0, high=1)
     checks.choice("by", by, BUDGET_UNITS)
+    checks.frame_columns("table", table, ["layer", "delta", *(["flops"] if by == "flops" else [])])
+    if table.empty:
+        raise ValueError("table has no rows: there are no layers to choose from")
     ordered = table.sort_values("delta", ascending=False, kind="stable")
     cost = (
         ordered.flops / ordered.flops.sum() if by == "flops" else pd.Series(1 / len(ordered), ordered.index)
@@ -193,14 +231,18 @@ def advise(
 def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
     """A loss for encoders: the relative L2 error of ``model``'s last hidden states against those
     ``reference`` gives on the same batch (0 for the unquantized model), computed once up front."""
-    with torch.no_grad():
-        expected = {id(batch): reference(input_ids=batch).last_hidden_state for batch in batches}
+    checks.module("reference", reference)
+    batches = checks.batches("batches", batches)
+    ids = [_check_token_ids(f"batches[{index}]", batch, reference) for index, batch in enumerate(batches)]
+    with torch.no_grad():  # keyed by the caller's batch objects, which the closure keeps alive
+        expected = {id(batch): reference(input_ids=i).last_hidden_state for batch, i in zip(batches, ids)}
 
     def loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if not any(batch is given for given in batches):
+            raise ValueError("batch must be one of the batches hidden_state_error was given")
         target = expected[id(batch)]
-        return torch.linalg.vector_norm(
-            model(input_ids=batch).last_hidden_state - target
-        ) / torch.linalg.vector_norm(target)
+        hidden = model(input_ids=batch.long()).last_hidden_state
+        return torch.linalg.vector_norm(hidden - target) / torch.linalg.vector_norm(target)
 
     return loss
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Iterable
 
 import torch
 
@@ -37,6 +38,8 @@ def resolve_device(name: str | torch.device = "auto", *, argument: str = "name")
 
 def machine(device: torch.device | None = None) -> str:
     """One line naming the machine results come from: the GPU's name, or the CPU, its cores and threads."""
+    if device is not None:
+        device = resolve_device(device, argument="device")
     if device is not None and device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return (
@@ -62,9 +65,29 @@ def headless() -> bool:
     return os.environ.get(paths.HEADLESS_ENV) == "1"
 
 
+def _check_progress_options(iterable, options: dict) -> None:
+    """The iterable and the options qlab passes to tqdm, checked before tqdm sees them."""
+    if iterable is not None and not isinstance(iterable, Iterable):
+        raise TypeError(
+            f"iterable must be an iterable (a list, a range, ...) or None, got {checks.shown(iterable)}"
+        )
+    for name in ("desc", "unit"):
+        if options.get(name) is not None and not isinstance(options[name], str):
+            raise TypeError(f"{name} must be a str, got {checks.shown(options[name])}")
+    for name in ("total", "initial"):
+        if options.get(name) is not None:
+            checks.integer(name, options[name], low=0)
+    for name in ("leave", "disable"):
+        if options.get(name) is not None:
+            checks.boolean(name, options[name])
+    if options.get("mininterval") is not None:
+        checks.number("mininterval", options["mininterval"], low=0)
+
+
 def progress(iterable=None, **options):
     """A tqdm progress bar: a widget in JupyterLab, text under papermill and in a terminal
     (``options`` go to tqdm: desc, total, leave, disable, ...)."""
+    _check_progress_options(iterable, options)
     if not headless():
         try:
             from IPython import get_ipython

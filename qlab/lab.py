@@ -28,7 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-from qlab import paths
+from qlab import checks, paths
 
 SAVE_PARAMETERS_ENV = "QLAB_SAVE_PARAMETERS"
 NOTEBOOK_NAME = re.compile(r"^\d\d_\w+$")
@@ -44,6 +44,8 @@ LAB_SETTINGS = {
 
 def tracked_notebook(path: str) -> str | None:
     """The notebook name if ``path`` (relative to the served root) is notebooks/NN_topic.py|.ipynb."""
+    if not isinstance(path, str):
+        raise TypeError(f"path must be a str relative to the served root, got {checks.shown(path)}")
     relative = Path(path.strip("/"))
     if relative.parent != Path(paths.NOTEBOOKS_DIR.relative_to(paths.ROOT)):
         return None
@@ -65,10 +67,21 @@ def _source(cell: dict) -> str:
     return "".join(source) if isinstance(source, list) else source
 
 
+def _check_content(content) -> None:
+    if not isinstance(content, dict):
+        raise TypeError(f"content must be a notebook's JSON (a dict), got {checks.shown(content)}")
+    cells = content.get("cells", [])
+    if not isinstance(cells, list) or not all(isinstance(cell, dict) for cell in cells):
+        raise ValueError(f"content['cells'] must be a list of cells (dicts), got {checks.shown(cells)}")
+
+
 def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool = False) -> dict:
     """A notebook's JSON as the tracked files hold it: no outputs or execution counts, the committed
     .ipynb's notebook metadata, no UI cell metadata, and (unless ``keep_parameters``) the committed
     parameters cell."""
+    _check_content(content)
+    paths.result_name("notebook_name", notebook_name, "notebook name")
+    checks.boolean("keep_parameters", keep_parameters)
     clean = copy.deepcopy(content)
     stored = paths.NOTEBOOKS_DIR / f"{notebook_name}.ipynb"
     if stored.is_file():
@@ -93,6 +106,8 @@ def executed_copy(name: str, content: dict) -> Path:
     mid-edit, goes to ``unparsed-parameters``)."""
     from qlab import session
 
+    paths.result_name("name", name, "notebook name")
+    _check_content(content)
     cell = next(
         (c for c in content.get("cells", []) if "parameters" in c.get("metadata", {}).get("tags", [])), None
     )
@@ -145,12 +160,36 @@ class LabContentsManager(_base_manager()):
         return await super().save({**model, "content": clean}, path)
 
 
+def _mergeable(settings) -> bool:
+    """Whether ``LAB_SETTINGS`` merge into ``settings``: a dict holding a dict wherever LAB_SETTINGS does."""
+    if not isinstance(settings, dict):
+        return False
+    for plugin, values in LAB_SETTINGS.items():
+        current = settings.get(plugin, {})
+        if not isinstance(current, dict):
+            return False
+        if any(
+            isinstance(value, dict) and not isinstance(current.get(key, {}), dict)
+            for key, value in values.items()
+        ):
+            return False
+    return True
+
+
 def install_lab_settings(prefix: str | os.PathLike = sys.prefix) -> Path:
     """Write ``LAB_SETTINGS`` into this environment's JupyterLab defaults
     (``<prefix>/share/jupyter/lab/settings/overrides.json``, merged with what is there)."""
-    path = Path(prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    settings = json.loads(path.read_text()) if path.is_file() else {}
+    prefix = paths.existing_folder("prefix", prefix, "environment prefix")
+    path = prefix / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    try:
+        settings = json.loads(path.read_text()) if path.exists() else {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"prefix {paths.shown(prefix)}: cannot read or create {path.name} there: {err}"
+        ) from None
+    if not _mergeable(settings):
+        raise ValueError(f"prefix {paths.shown(prefix)}: {path.name} there holds no JupyterLab settings")
     for plugin, values in LAB_SETTINGS.items():
         current = settings.setdefault(plugin, {})
         for key, value in values.items():
@@ -158,12 +197,20 @@ def install_lab_settings(prefix: str | os.PathLike = sys.prefix) -> Path:
                 current.setdefault(key, {}).update(value)
             else:
                 current[key] = value
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    with paths.written_atomically(path) as tmp:
+        tmp.write_text(json.dumps(settings, indent=2) + "\n")
     return path
 
 
 def lab_arguments(port: int | None = None, token: str | None = None, extra=()) -> list[str]:
     """``jupyter lab`` arguments for qlab: the repository root, LabContentsManager, runs/ visible."""
+    if port is not None:
+        checks.integer("port", port, low=1, high=65535)
+    if token is not None and not isinstance(token, str):
+        raise TypeError(f"token must be a str or None, got {checks.shown(token)}")
+    options = isinstance(extra, (list, tuple)) and all(isinstance(option, str) for option in extra)
+    if not options:
+        raise TypeError(f"extra must be a list of jupyter lab options (strs), got {checks.shown(extra)}")
     arguments = [
         f"--ServerApp.root_dir={paths.ROOT}",
         "--ServerApp.contents_manager_class=qlab.lab.LabContentsManager",

@@ -45,7 +45,7 @@ def list_notebooks() -> list[Path]:
 def resolve_notebook(name: str | os.PathLike) -> Path:
     """Find a notebook by path (.ipynb or its paired .py), by stem, or by its number ("02")."""
     if not isinstance(name, (str, os.PathLike)):
-        raise TypeError(f"notebook must be a name, number string or path, got {checks.shown(name)}")
+        raise TypeError(f"name must be a notebook's name, number string or path, got {checks.shown(name)}")
     candidate = Path(name)
     if candidate.suffix in (".ipynb", ".py") and candidate.exists():
         ipynb = candidate.with_suffix(".ipynb").resolve()
@@ -57,17 +57,28 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
     if len(matches) == 1:
         return matches[0]
     names = ", ".join(p.stem for p in available) or "(none)"
-    raise ValueError(f"unknown notebook {str(name)!r}; available: {names}")
+    raise ValueError(
+        f"unknown notebook {str(name)!r}; available: {names} (name: one of these, its number or its path)"
+    )
+
+
+def _read(notebook) -> tuple[Path, nbformat.NotebookNode]:
+    """The path and contents of the .ipynb file ``notebook``; errors name the argument ``notebook``."""
+    path = paths.existing_file("notebook", notebook, "notebook (.ipynb file)")
+    try:
+        return path, nbformat.read(path, as_version=4)
+    except Exception as err:  # not JSON, not a notebook, another nbformat, undecodable: many kinds
+        detail = " ".join(str(err).split())[:200]
+        raise ValueError(f"notebook {paths.shown(path)} is not a Jupyter notebook: {detail}") from None
 
 
 def notebook_parameters(notebook: Path) -> dict[str, dict]:
     """The parameters cell's names -> {"default": source text, "type": annotation or None}."""
     import papermill
 
-    if not any(
-        "parameters" in c.metadata.get("tags", []) for c in nbformat.read(notebook, as_version=4).cells
-    ):
-        raise ValueError(f"{notebook.name} has no cell tagged 'parameters'")
+    notebook, content = _read(notebook)
+    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in content.cells):
+        raise ValueError(f"notebook {notebook.name} has no cell tagged 'parameters'")
     found = papermill.inspect_notebook(str(notebook))
     return {
         name: {"default": info["default"], "type": info["inferred_type_name"]} for name, info in found.items()
@@ -96,6 +107,7 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
 
     if not isinstance(parameters, dict):
         raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
+    notebook = paths.existing_file("notebook", notebook, "notebook (.ipynb file)")
     declared = notebook_parameters(notebook)
     unknown = sorted(set(parameters) - set(declared))
     if unknown:
@@ -221,14 +233,17 @@ def _honour_raises_exception():
 
 def strip_outputs(notebook: Path) -> bool:
     """Remove outputs and execution counts from an .ipynb in place; return True if it changed."""
-    nb = nbformat.read(notebook, as_version=4)
+    notebook, nb = _read(notebook)
     changed = False
     for cell in nb.cells:
-        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
+        if cell.get("cell_type") == "code" and (
+            cell.get("outputs") or cell.get("execution_count") is not None
+        ):
             cell.outputs, cell.execution_count = [], None
             changed = True
     if changed:
-        nbformat.write(nb, notebook)
+        with paths.written_atomically(notebook) as tmp:
+            nbformat.write(nb, tmp)
     return changed
 
 

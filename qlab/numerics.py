@@ -568,6 +568,8 @@ def use_stats_layer_norms(model: torch.nn.Module, stats: str, acc_dtype=None) ->
     """Replace (in place) every nn.LayerNorm of ``model`` by a ``StatsLayerNorm`` sharing its weight and
     bias Parameters; returns the names replaced."""
     checks.module("model", model)
+    _require_choice(stats, LAYER_NORM_STATS, "stats")
+    checks.floating_dtype("acc_dtype", acc_dtype)
     replaced = []
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.LayerNorm:
@@ -597,7 +599,9 @@ def layer_norm_swapped_affine_grads(
     shape, acc = check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
     if weight is None or bias is None:
         raise ValueError("the swapped-gradient exhibit needs both weight and bias")
-    return _SwappedAffineGradsLayerNorm.apply(x, weight, bias, len(shape), float(eps), stats, acc)
+    return _SwappedAffineGradsLayerNorm.apply(
+        x.contiguous(), weight, bias, len(shape), float(eps), stats, acc
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -669,6 +673,8 @@ def check_layer_norm_grads(
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float32, got {checks.shown(dtype)}")
     if dtype not in _GRADCHECK_TOLERANCE:
         raise ValueError(f"dtype must be one of {list(_GRADCHECK_TOLERANCE)}, got {dtype}")
     checks.seed("seed", seed)

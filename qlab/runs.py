@@ -57,6 +57,7 @@ RUNS_PER_GPU = 8  # runs packed on one GPU: the most runs per hour of 1, 2, 4, 8
 CACHE_DIR_NAME = "cache"
 CACHE_ENV = "QLAB_RUN_CACHE"  # "1": cache=None means cache=True (set it for a notebook's kernel)
 RAY_INSTALL = "pip install 'qlab[ray]' (or pip install ray)"
+MAX_THREADS = 2**31 - 1  # the most torch.set_num_threads takes (a C int)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Task:
 
 def task(function: Callable, *args, **kwargs) -> Task:
     """``Task(function, args, kwargs)``: the run ``function(*args, **kwargs)``."""
+    checks.function("function", function, "the run's function")
     return Task(function, args, kwargs)
 
 
@@ -93,6 +95,7 @@ def describe(run) -> str:
     """A run's configuration as an error message shows it: the fields that differ from the defaults."""
     from qlab.train.config import TrainConfig
 
+    _check_run("run", run)
     if isinstance(run, TrainConfig):
         default = TrainConfig()
         changed = {
@@ -118,6 +121,19 @@ def _qualified_name(function) -> str:
     return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
 
 
+def _check_run(name: str, run) -> None:
+    """A run: a TrainConfig, or a Task of a callable, a tuple of args and a dict of kwargs."""
+    from qlab.train.config import TrainConfig
+
+    if isinstance(run, Task):
+        if not callable(run.function):
+            raise TypeError(f"{name}.function must be callable, got {checks.shown(run.function)}")
+        if not isinstance(run.args, tuple) or not isinstance(run.kwargs, dict):
+            raise TypeError(f"{name} must hold a tuple of args and a dict of kwargs")
+    elif not isinstance(run, TrainConfig):
+        raise TypeError(f"{name} must be a TrainConfig or a qlab.runs.Task, got {checks.shown(run)}")
+
+
 def _check_runs(runs) -> list:
     from qlab.train.config import TrainConfig
 
@@ -125,15 +141,7 @@ def _check_runs(runs) -> list:
         raise TypeError(f"runs must be a list of TrainConfig or Task, got {checks.shown(runs)}")
     runs = list(runs)
     for index, run in enumerate(runs):
-        if isinstance(run, Task):
-            if not callable(run.function):
-                raise TypeError(f"runs[{index}].function must be callable, got {checks.shown(run.function)}")
-            if not isinstance(run.args, tuple) or not isinstance(run.kwargs, dict):
-                raise TypeError(f"runs[{index}] must hold a tuple of args and a dict of kwargs")
-        elif not isinstance(run, TrainConfig):
-            raise TypeError(
-                f"runs[{index}] must be a TrainConfig or a qlab.runs.Task, got {checks.shown(run)}"
-            )
+        _check_run(f"runs[{index}]", run)
     return runs
 
 
@@ -236,6 +244,8 @@ def cache_key(run, threads: int) -> str:
     torch thread count and qlab's version."""
     import qlab
 
+    _check_run("run", run)
+    checks.integer("threads", threads, low=1, high=MAX_THREADS)
     if isinstance(run, Task):
         content = (_qualified_name(run.function), run.args, sorted(run.kwargs.items()))
     else:
@@ -295,6 +305,10 @@ def plan(
         checks.integer("max_workers", max_workers, low=1)
     if threads_per_run is not None:
         checks.integer("threads_per_run", threads_per_run, low=1)
+        if threads_per_run > MAX_THREADS:
+            raise ValueError(
+                f"threads_per_run must be at most {MAX_THREADS} (torch's limit), got {threads_per_run}"
+            )
     if runs_per_gpu is not None:
         checks.integer("runs_per_gpu", runs_per_gpu, low=1)
     cores = usable_cores()
@@ -333,6 +347,8 @@ def run_many(
         cache = os.environ.get(CACHE_ENV, "0") == "1"
     checks.boolean("cache", cache)
     checks.boolean("progress", progress)
+    if not isinstance(desc, str):
+        raise TypeError(f"desc must be a str (the progress bar's label), got {checks.shown(desc)}")
     runs = _check_runs(runs)
     if executor != "serial":
         _check_picklable(runs, executor)

@@ -45,6 +45,7 @@ def parameters_source(name: str) -> str | None:
     defaults), as jupytext reads it; None if there is no such file or cell."""
     import jupytext
 
+    paths.result_name("name", name, "notebook name")
     source = paths.NOTEBOOKS_DIR / f"{name}.py"
     if not source.is_file():
         return None
@@ -224,6 +225,12 @@ def _same(value, default) -> bool:
 
 def changed_parameters(values: dict, defaults: dict) -> dict:
     """The values that differ from the defaults (``profile`` aside: it has a level of its own)."""
+    for argument, given in (("values", values), ("defaults", defaults)):
+        if not isinstance(given, dict):
+            raise TypeError(f"{argument} must be a dict of parameter -> value, got {checks.shown(given)}")
+    undeclared = sorted(str(key) for key in values if key != "profile" and key not in defaults)
+    if undeclared:
+        raise ValueError(f"values holds parameters that defaults does not: {', '.join(undeclared)}")
     return {
         key: value for key, value in values.items() if key != "profile" and not _same(value, defaults[key])
     }
@@ -232,6 +239,9 @@ def changed_parameters(values: dict, defaults: dict) -> dict:
 def interactive_dir(name: str, changed: dict) -> Path:
     """Where an interactive run of notebook ``name`` with these changed parameters keeps what it
     writes: ``runs/interactive/<name>/<changed parameters>`` (``defaults`` when none changed)."""
+    paths.result_name("name", name, "notebook name")
+    if not isinstance(changed, dict):
+        raise TypeError(f"changed must be a dict of parameter -> value, got {checks.shown(changed)}")
     return paths.RUNS_DIR / INTERACTIVE_DIR / name / (paths.point_slug(changed) if changed else "defaults")
 
 

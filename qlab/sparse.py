@@ -287,6 +287,7 @@ BACKWARDS = ("dense", "hook_mask", "gathered", "sparse_rows")
 
 
 TIMED = ("backward", "step")
+MAX_REPEATS = 10_000  # timed passes of one call: more than any timing needs, few enough to finish
 
 
 def backward_seconds(
@@ -323,7 +324,7 @@ def pass_seconds(
 
     checks.choice("backward", backward, BACKWARDS)
     checks.module("model", model)
-    checks.integer("repeats", repeats, low=1)
+    checks.integer("repeats", repeats, low=1, high=MAX_REPEATS)
     checks.choice("timed", timed, TIMED)
     checks.tensor("x", x, floating=True)
     checks.tensor("dy", dy, floating=True)
@@ -348,13 +349,18 @@ def pass_seconds(
             model.zero_grad(set_to_none=True)
             synchronize()
             start = time.perf_counter()
-            y = model(x)
+            try:
+                y = model(x)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                raise ValueError(f"x {tuple(x.shape)} {x.dtype}: the model cannot run it: {err}") from err
             if optimizer is None:
                 synchronize()
                 start = time.perf_counter()
-            if y.shape != dy.shape:  # checked before backward, whose own error names neither
+            # checked before backward, whose own error names neither
+            if y.shape != dy.shape or y.dtype != dy.dtype:
                 raise ValueError(
-                    f"dy must have the model output's shape {tuple(y.shape)}, got {tuple(dy.shape)}"
+                    f"dy must have the shape and dtype of model(x), {tuple(y.shape)} and {y.dtype}, got "
+                    f"{tuple(dy.shape)} and {dy.dtype}"
                 )
             y.backward(dy)
             if optimizer is not None:

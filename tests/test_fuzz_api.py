@@ -18,11 +18,15 @@ example database); QLAB_FUZZ_EXAMPLES=N runs N. A failure prints the minimal exa
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
 import math
 import os
 import tempfile
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -37,11 +41,14 @@ from hypothesis import strategies as st  # noqa: E402
 import qlab  # noqa: E402
 from qlab import (  # noqa: E402
     ablation,
+    advisor,
     claims,
     crossmachine,
     formats,
     host,
     kernels,
+    lab,
+    notebooks,
     numerics,
     paths,
     plotting,
@@ -59,6 +66,7 @@ from qlab import models as qlab_models  # noqa: E402
 from qlab import nn as qnn  # noqa: E402
 from qlab import quantize as Q  # noqa: E402
 from qlab import recipe as R  # noqa: E402
+from qlab import runs as qlab_runs  # noqa: E402
 from qlab.train import config as TC  # noqa: E402
 from qlab.train import data as TD  # noqa: E402
 from qlab.train import loop as TL  # noqa: E402
@@ -185,6 +193,127 @@ def subplots_size(**arguments):
 def environment_value(qlab_fuzz_value):
     with paths.environment(qlab_fuzz_value=qlab_fuzz_value):
         return os.environ["qlab_fuzz_value"]
+
+
+# --- notebooks, tiny training runs and tiny models for the functions that read, train or wrap them ------
+
+NOTEBOOK = "02_welford_vs_naive_variance"  # a committed notebook with a typed parameters cell
+
+
+def notebook_copy(outputs: bool = False) -> Path:
+    """A copy of a committed notebook in a folder of its own; ``outputs``: its code cells hold an output
+    and an execution count, as an executed notebook's do."""
+    content = json.loads((paths.NOTEBOOKS_DIR / f"{NOTEBOOK}.ipynb").read_text())
+    for cell in content["cells"]:
+        if outputs and cell["cell_type"] == "code":
+            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["1\n"]}]
+            cell["execution_count"] = 1
+    return file_with(f"{NOTEBOOK}.ipynb", json.dumps(content))
+
+
+def notebook_content() -> dict:
+    """A notebook's JSON as JupyterLab sends a save: a parameters cell edited, UI metadata added."""
+    content = json.loads(notebook_copy(outputs=True).read_text())
+    cell = next(c for c in content["cells"] if "parameters" in c["metadata"].get("tags", []))
+    cell["source"] = "smoke: bool = True\nseed: int = 3\n"
+    cell["metadata"]["ExecuteTime"] = {"end_time": "2024-01-01T00:00:00"}
+    return content
+
+
+def train_config(**changes) -> TC.TrainConfig:
+    """A training run of a few milliseconds: two steps of a tiny MLP on the digits."""
+    fields = dict(task="digits", recipe="mxfp8", steps=2, hidden=[16], batch_size=8, warmup_steps=1,
+                  eval_every=1, fidelity_every=1, progress=False)  # fmt: skip
+    return TC.TrainConfig(**{**fields, **changes})
+
+
+def digits_batch(seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(8, 64, generator=generator), torch.randint(10, (8,), generator=generator)
+
+
+def digits_model():
+    return TL.build_model(train_config())
+
+
+def no_autocast():
+    return contextlib.nullcontext()
+
+
+def square_loss(model, batch):
+    return model(batch).square().mean()
+
+
+def normed():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 4))
+
+
+def normed_forward():
+    model = normed()
+    return dict(model=model, forward=lambda: model(x() * 10 + 3))
+
+
+def captured_step():
+    model = tiny()
+    return dict(model=model, forward_backward=lambda: model(x()).sum().backward(), skip=["encoder"],
+                only=["encoder", "head"])  # fmt: skip
+
+
+class TinyLM(nn.Module):
+    """What qlab.advisor uses of a Hugging Face language model: ``input_ids`` in; ``loss`` (with
+    ``labels``: next-token cross-entropy), ``logits`` and ``last_hidden_state`` out."""
+
+    def __init__(self, vocab=16, width=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.lm_head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, labels=None):
+        hidden = self.embed(input_ids)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return SimpleNamespace(loss=loss, logits=logits, last_hidden_state=hidden)
+
+
+def token_ids(seed=0) -> torch.Tensor:
+    return torch.randint(16, (2, 8), generator=torch.Generator().manual_seed(seed))
+
+
+def sensitivity_table() -> pd.DataFrame:
+    return pd.DataFrame({"layer": ["encoder", "head", "mid"], "flops": [512, 64, 256],
+                         "delta": [0.02, 0.1, -0.01]})  # fmt: skip
+
+
+def with_underscored(fn):
+    """``fn`` taking its ``_name`` keyword arguments as ``name``: such an argument is passed on, not fuzzed
+    (batches that go to the caller's loss_fn, which checks them)."""
+
+    @functools.wraps(fn)
+    def call(**arguments):
+        return fn(**{name.removeprefix("_"): value for name, value in arguments.items()})
+
+    return call
+
+
+def quantized_layers(**arguments) -> dict[str, str]:
+    """The layers ``advisor.quantized`` swaps in for the duration, and their recipe."""
+    with advisor.quantized(**arguments) as model:
+        return {name: m.recipe.name for name, m in model.named_modules() if isinstance(m, qnn.QuantLinear)}
+
+
+def pass_count(**arguments) -> int:
+    """How many passes ``sparse.pass_seconds`` timed (the seconds themselves differ from call to call)."""
+    return len(sparse.pass_seconds(**arguments))
+
+
+def median_is_finite(**arguments) -> bool:
+    return math.isfinite(sparse.backward_seconds(**arguments))
 
 
 # entry point id → (callable, a function returning its valid keyword arguments)
@@ -531,6 +660,185 @@ ENTRY_POINTS = {
         lambda model, _batches, loss_fn: probes.weight_gradients(model, _batches, loss_fn),
         lambda: dict(model=tiny(), _batches=[x()], loss_fn=lambda model, batch: model(batch).square().mean()),
     ),
+    # --- notebooks, the lab's saves and a session's parameters, read from a committed notebook ----------
+    "notebooks.resolve_notebook": (notebooks.resolve_notebook, lambda: dict(name="02")),
+    "notebooks.notebook_parameters": (notebooks.notebook_parameters, lambda: dict(notebook=notebook_copy())),
+    "notebooks.check_parameters": (
+        notebooks.check_parameters,
+        lambda: dict(notebook=notebook_copy(), parameters={"smoke": True, "kappa_max": "1e6", "seed": 2}),
+    ),
+    "notebooks.strip_outputs": (notebooks.strip_outputs, lambda: dict(notebook=notebook_copy(outputs=True))),
+    "session.parameters_source": (session.parameters_source, lambda: dict(name=NOTEBOOK)),
+    "session.notebook_defaults": (session.notebook_defaults, lambda: dict(name=NOTEBOOK)),
+    "session.notebook_annotations": (session.notebook_annotations, lambda: dict(name=NOTEBOOK)),
+    "session.changed_parameters": (
+        session.changed_parameters,
+        lambda: dict(
+            values={"smoke": True, "seed": 0, "profile": "paper"}, defaults={"smoke": False, "seed": 0}
+        ),
+    ),
+    "session.interactive_dir": (
+        session.interactive_dir,
+        lambda: dict(name=NOTEBOOK, changed={"smoke": True, "seed": 3}),
+    ),
+    "lab.tracked_notebook": (lab.tracked_notebook, lambda: dict(path=f"notebooks/{NOTEBOOK}.py")),
+    "lab.clean_for_saving": (
+        lab.clean_for_saving,
+        lambda: dict(content=notebook_content(), notebook_name=NOTEBOOK, keep_parameters=False),
+    ),
+    "lab.executed_copy": (lab.executed_copy, lambda: dict(name=NOTEBOOK, content=notebook_content())),
+    "lab.lab_arguments": (lab.lab_arguments, lambda: dict(port=8888, token="secret", extra=["--no-browser"])),
+    "lab.install_lab_settings": (lab.install_lab_settings, lambda: dict(prefix=scratch())),
+    # --- runs: planned, keyed and run serially in this process -------------------------------------------
+    "runs.plan": (
+        qlab_runs.plan,
+        lambda: dict(executor="serial", max_workers=2, threads_per_run=1, runs_per_gpu=1),
+    ),
+    "runs.describe": (qlab_runs.describe, lambda: dict(run=train_config(seed=3))),
+    "runs.cache_key": (qlab_runs.cache_key, lambda: dict(run=train_config(), threads=2)),
+    "runs.check_address": (qlab_runs.check_address, lambda: dict(address="auto")),
+    "runs.task": (qlab_runs.task, lambda: dict(function=stats.holm)),
+    "runs.run_many": (
+        qlab_runs.run_many,
+        lambda: dict(
+            runs=[train_config()],
+            executor="serial",
+            max_workers=1,
+            threads_per_run=1,
+            cache=False,
+            progress=False,
+            desc="runs",
+        ),
+    ),
+    "host.machine": (host.machine, lambda: dict(device=torch.device("cpu"))),
+    "host.progress": (host.progress, lambda: dict(iterable=[1, 2, 3], desc="fuzz", total=3, disable=True)),
+    # --- training: a tiny MLP on the digits -------------------------------------------------------------
+    "train.loop.train": (
+        TL.train,
+        lambda: dict(config=train_config(), probes=lambda model: probes.ProbeSet(model, stats=("amax",))),
+    ),
+    "train.loop.build_model": (
+        TL.build_model,
+        lambda: dict(
+            config=train_config(task="shakespeare", recipe="nvfp4", layers=1, width=32, context=16),
+            vocab_size=20,
+            rank=1,
+        ),
+    ),
+    "train.loop.Batches": (TL.Batches, lambda: dict(config=train_config())),
+    "train.loop.evaluate": (
+        TL.evaluate,
+        lambda: dict(model=digits_model(), batches=[digits_batch()], autocast=no_autocast, device="cpu"),
+    ),
+    "train.loop.autocast_for": (
+        TL.autocast_for,
+        lambda: dict(config=train_config(recipe="bf16"), device=torch.device("cpu")),
+    ),
+    "train.loop.make_optimizer": (
+        TL.make_optimizer,
+        lambda: dict(config=train_config(), model=digits_model()),
+    ),
+    "train.loop.gradient_fidelity": (
+        TL.gradient_fidelity,
+        lambda: dict(
+            model=digits_model(),
+            inputs=digits_batch()[0],
+            targets=digits_batch()[1],
+            autocast=no_autocast,
+            other_batch=digits_batch(seed=1),
+        ),
+    ),
+    "sparse.train_digits": (sparse.train_digits, lambda: dict(config=train_config(), split=1)),
+    "sparse.pass_seconds": (
+        pass_count,
+        lambda: dict(
+            model=tiny(),
+            x=x(),
+            dy=x(4, 4, seed=1),
+            backward="sparse_rows",
+            k=0.5,
+            keep=["head"],
+            repeats=1,
+            timed="step",
+        ),
+    ),
+    "sparse.backward_seconds": (
+        median_is_finite,
+        lambda: dict(
+            model=tiny(), x=x(), dy=x(4, 4, seed=1), backward="hook_mask", k=2, keep=["head"], repeats=1
+        ),
+    ),
+    # --- recipe ablations, LayerNorms and measurements on a tiny model ----------------------------------
+    "ablation.without": (
+        ablation.without,
+        lambda: dict(recipe=R.get_recipe("nvfp4"), ingredients=["hadamard", "2d_weight"]),
+    ),
+    "ablation.uses": (ablation.uses, lambda: dict(recipe=R.get_recipe("nvfp4"), ingredient="hadamard")),
+    "ablation.switched_off": (ablation.switched_off, lambda: dict(preset="nvfp4", label="no SR")),
+    "ablation.gemm_outputs": (
+        ablation.gemm_outputs,
+        lambda: dict(
+            recipe="nvfp4", x=x(8, 32), weight=x(16, 32, seed=1), grad_output=x(8, 16, seed=2), seed=0
+        ),
+    ),
+    "ablation.capture_operands": (ablation.capture_operands, captured_step),
+    "numerics.check_layer_norm_grads": (
+        numerics.check_layer_norm_grads,
+        lambda: dict(
+            fn=numerics.layer_norm, shape=(4, 8), eps=1e-5, dtype=torch.float32, seed=0, tolerance=1e-4
+        ),
+    ),
+    "numerics.norm_input_conditions": (numerics.norm_input_conditions, normed_forward),
+    "numerics.merge_moments": (
+        numerics.merge_moments,
+        lambda: dict(a=numerics.moments(x(), dims=1), b=numerics.moments(x(seed=1), dims=1)),
+    ),
+    "numerics.layer_norm_swapped_affine_grads": (
+        numerics.layer_norm_swapped_affine_grads,
+        lambda: dict(
+            x=x(), normalized_shape=(32,), weight=x(32), bias=x(32, seed=1), eps=1e-5, stats="two_pass"
+        ),
+    ),
+    "numerics.use_stats_layer_norms": (
+        numerics.use_stats_layer_norms,
+        lambda: dict(model=normed(), stats="textbook", acc_dtype=torch.bfloat16),
+    ),
+    "advisor.choose": (advisor.choose, lambda: dict(table=sensitivity_table(), budget=0.5, by="flops")),
+    "advisor.quantized": (quantized_layers, lambda: dict(model=tiny(), names=["encoder"], recipe="mxfp8")),
+    "advisor.causal_lm_loss": (advisor.causal_lm_loss, lambda: dict(model=TinyLM(), batch=token_ids())),
+    "advisor.hidden_state_error": (
+        advisor.hidden_state_error,
+        lambda: dict(reference=TinyLM(), batches=[token_ids(), token_ids(seed=1)]),
+    ),
+    "advisor.layer_sensitivity": (
+        with_underscored(advisor.layer_sensitivity),
+        lambda: dict(
+            model=tiny(), _batches=[x()], recipe="mxfp8", loss_fn=square_loss, layers=["head"], progress=False
+        ),
+    ),
+    "advisor.group_sensitivity": (
+        with_underscored(advisor.group_sensitivity),
+        lambda: dict(
+            model=tiny(),
+            _batches=[x()],
+            recipe="nvfp4",
+            groups={"all": ["encoder", "head"]},
+            loss_fn=square_loss,
+            progress=False,
+        ),
+    ),
+    "advisor.advise": (
+        with_underscored(advisor.advise),
+        lambda: dict(
+            model=tiny(), _batches=[x()], recipe="mxfp8", budget=0.5, by="layers", loss_fn=square_loss
+        ),
+    ),
+    "probes.gradient_noise_floor": (
+        with_underscored(probes.gradient_noise_floor),
+        lambda: dict(
+            model=tiny(), _batches=[x()], _other_batches=[x(seed=1)], loss_fn=square_loss, names=["head"]
+        ),
+    ),
 }
 
 
@@ -688,6 +996,22 @@ def _variants(value) -> list[tuple[str, str, object]]:
         return [(WRONG_KIND, "an int", 3), (WRONG_KIND, "a recipe", R.get_recipe("mxfp8")), *none]
     if isinstance(value, Q.QTensor):
         return [(WRONG_KIND, "a tensor", torch.ones(4, 32)), (WRONG_KIND, "a string", "q"), *none]
+    if isinstance(value, R.Recipe):
+        return [
+            (WRONG_KIND, "an int", 3),
+            (WRONG_KIND, "a spec", Q.SPECS["mxfp8"]),
+            (MAYBE, "its preset's name", value.name),
+            (MAYBE, "an unknown name", "no such recipe"),
+            *none,
+        ]
+    if isinstance(value, torch.device):
+        return [
+            (WRONG_KIND, "a list", [str(value)]),
+            (WRONG_KIND, "a float", 0.5),
+            (SAME, "its name", str(value)),
+            (MAYBE, "an unknown name", "no such device"),
+            *none,
+        ]
     if isinstance(value, pd.DataFrame):
         return [(WRONG_KIND, "a dict", {"v": [1.0]}), (MAYBE, "empty frame", value.iloc[:0]), *none]
     if isinstance(value, dict):
@@ -704,7 +1028,10 @@ def _variants(value) -> list[tuple[str, str, object]]:
             (MAYBE, "a bool tensor", torch.ones(2, dtype=torch.bool)),
             *none,
         ]
-    return none
+    if value is None or isinstance(value, type):
+        return none
+    # any other object (a TrainConfig, Moments, ...): values of other kinds
+    return [(WRONG_KIND, "a string", type(value).__name__), (WRONG_KIND, "a dict", {"value": 1}), *none]
 
 
 def _same(a, b) -> bool:
@@ -865,32 +1192,31 @@ NOT_GENERATED = {
         nn.highest_matmul_precision nn.check_linear_arguments nn.check_gemm nn.is_conv1d
         nn.oriented_weight nn.why_not_converted nn.linear_sharing_parameters nn.rebuild_source
         nn.replace_linears nn.conversion_report nn.plain_linears nn.set_submodule nn.QlabLinear""",
-    "they train, run notebooks, servers or processes (bad input listed in tests/test_bad_input.py)": """
-        train.loop.train train.loop.build_model train.loop.Batches train.loop.evaluate
-        train.loop.gradient_fidelity train.loop.autocast_for train.loop.make_optimizer
-        train.loop.compiled_step_model train.launch.add_arguments train.launch.run train.launch.main
-        notebooks.list_notebooks notebooks.resolve_notebook notebooks.notebook_parameters
-        notebooks.check_parameters notebooks.run_notebook notebooks.strip_outputs
-        notebooks.sync_notebooks sweep.run_sweep runs.run_many runs.plan runs.usable_cores runs.task
-        runs.describe runs.cache_key runs.check_address lab.tracked_notebook lab.clean_for_saving
-        lab.install_lab_settings lab.lab_arguments lab.main cli.main advisor.main advisor.advise
-        advisor.layer_sensitivity advisor.group_sensitivity advisor.quantized advisor.causal_lm_loss
-        advisor.hidden_state_error advisor.choose seed_model.train seed_model.ddp_audit
-        sparse.train_digits sparse.backward_seconds sparse.pass_seconds models.fine_tune
-        ablation.capture_operands ablation.gemm_outputs ablation.without ablation.uses
-        ablation.switched_off numerics.check_layer_norm_grads numerics.norm_input_conditions
-        numerics.use_stats_layer_norms numerics.layer_norm_swapped_affine_grads numerics.merge_moments
-        probes.gradient_noise_floor session.start host.progress host.headless host.machine
-        session.parameters_source session.notebook_defaults session.notebook_annotations
-        session.changed_parameters session.interactive_dir lab.kernel_language_info lab.executed_copy
-        models.quiet_loading""",
-    "pretrained models: load reads a 135M model; model_path and cache_dir locate its files for load, "
-    "which checks the name; shakespeare_batches needs its tokenizer (tests/test_models.py)": """
-        models.load models.model_path models.cache_dir models.shakespeare_batches""",
+    "command lines: argv parsed (add_arguments fills the parser), then training, torchrun or a server "
+    "(tests/test_cli.py)": """
+        cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main""",
+    "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
+        notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep""",
+    "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
+    "tests/test_compile.py)": """
+        seed_model.ddp_audit train.loop.compiled_step_model""",
+    "their arguments reach torch unchecked: fine_tune's model='x' raises AttributeError inside it; train's "
+    "width, vocab or tokens of 2**62 fail inside torch and a depth of 2**62 builds blocks for hours "
+    "(tests/test_models.py, tests/test_seed_model.py)": """
+        models.fine_tune seed_model.train""",
+    "it sets this process's QLAB_RESULTS_DIR and QLAB_PROFILE, so that what the calls after it write goes "
+    "to the repository (tests/test_session_and_lab.py)": """
+        session.start""",
+    "pretrained models: load reads a 135M model, and so does advisor.main (`qlab advise`); model_path and "
+    "cache_dir locate its files for load, which checks the name; shakespeare_batches needs its tokenizer "
+    "(tests/test_models.py)": """
+        models.load models.model_path models.cache_dir models.shakespeare_batches advisor.main""",
     "training checkpoints, written and read by train.loop.train's runs (tests/test_train.py)": """
         train.loop.save_checkpoint train.loop.load_checkpoint""",
-    "no arguments to generate: where results go, and the plotting style (tests/test_plotting.py)": """
-        paths.results_root paths.data_dir paths.figures_dir plotting.use_paper_style""",
+    "no arguments to generate: where results go, the plotting style, the notebooks and cores there are, "
+    "whether a runner without a browser drives this process, the kernel's language, quiet model loading": """
+        paths.results_root paths.data_dir paths.figures_dir plotting.use_paper_style notebooks.list_notebooks
+        runs.usable_cores host.headless lab.kernel_language_info models.quiet_loading""",
     "any values make a claim key (each written with str()); the atomic writer is reached through the "
     "writers above": """
         claims.key_for paths.written_atomically""",
@@ -930,7 +1256,8 @@ def _generated_names() -> set[str]:
         if module.startswith("qlab.") and "<lambda>" not in qualname:
             names.add(f"{module.removeprefix('qlab.')}.{qualname}")
     names |= {"nn.QuantLinear", "probes.weight_gradients"}  # called through a lambda above
-    names |= {"plotting.subplots", "paths.environment"}  # called through a helper above
+    names |= {"plotting.subplots", "paths.environment", "advisor.quantized", "sparse.pass_seconds",
+              "sparse.backward_seconds"}  # called through a helper above  # fmt: skip
     return names
 
 

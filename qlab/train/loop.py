@@ -85,10 +85,19 @@ def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
     return dist.get_rank(), world_size, device
 
 
+def _check_config(config) -> None:
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {checks.shown(config)}")
+
+
 def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 0) -> nn.Module:
     """The config's model, initialized from ``config.seed`` (torch's global RNG is left as it was),
     quantized by its recipe (kept layers excepted). Stochastic rounding is seeded per rank, as each
     GPU has its own generator: rank r's layers draw from seed + 10000·r."""
+    _check_config(config)
+    if vocab_size is not None or config.task == "shakespeare":
+        checks.integer("vocab_size", vocab_size, low=1)
+    checks.integer("rank", rank, low=0, high=(2**63 - 1 - config.seed) // 10_000)  # the seeds stay seeds
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         if config.task == "shakespeare":
@@ -134,8 +143,7 @@ def _expand(model: nn.Module, pattern: str) -> list[str]:
 
 def learning_rate(config: TrainConfig, step: int) -> float:
     """Linear warmup over ``warmup_steps``, then cosine from lr to lr·min_lr_ratio at ``steps``."""
-    if not isinstance(config, TrainConfig):
-        raise TypeError(f"config must be a TrainConfig, got {checks.shown(config)}")
+    _check_config(config)
     checks.integer("step", step, low=0)
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
@@ -147,6 +155,8 @@ def learning_rate(config: TrainConfig, step: int) -> float:
 def autocast_for(config: TrainConfig, device: torch.device):
     """The context-manager factory a training forward runs under: torch.autocast to bf16 for the bf16
     recipe, to ``config.autocast``'s dtype where set, else a null context."""
+    _check_config(config)
+    device = resolve_device(device, argument="device")
     name = "bf16" if config.recipe == "bf16" else config.autocast
     if not name:
         return contextlib.nullcontext
@@ -155,6 +165,8 @@ def autocast_for(config: TrainConfig, device: torch.device):
 
 def make_optimizer(config: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     """AdamW (or SGD) with weight decay on the matrices only; ``learning_rate`` sets the lr each step."""
+    _check_config(config)
+    checks.module("model", model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [
@@ -221,6 +233,7 @@ class Batches:
     """Stateless batches: ``train(step, micro, rank)`` depends only on (seed, step), never on history."""
 
     def __init__(self, config: TrainConfig):
+        _check_config(config)
         self.config = config
         if config.task == "shakespeare":
             corpus = D.shakespeare()
@@ -286,14 +299,57 @@ def _loss(
     return F.cross_entropy(logits.flatten(0, -2), targets.flatten()), logits
 
 
+_CLASS_INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _checked_loss(model, inputs, targets, autocast, names=("inputs", "targets")):
+    """``_loss`` on a batch the caller gave, refused naming the argument it came from (``names``) where
+    the model cannot run the inputs or the targets are no class index per output row."""
+    checks.tensor(names[0], inputs)
+    checks.tensor(names[1], targets, dtypes=_CLASS_INDEX_DTYPES)
+    with autocast():
+        try:
+            logits = model(inputs)
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            raise ValueError(
+                f"{names[0]} {tuple(inputs.shape)} {inputs.dtype}: the model cannot run it: {err}"
+            ) from err
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"{names[1]} must hold a class index per row of the model's output for {names[0]}, shape "
+            f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    classes = logits.shape[-1]
+    low, high = (int(targets.min()), int(targets.max())) if targets.numel() else (0, 0)
+    if low < 0 or high >= classes:
+        raise ValueError(f"{names[1]} must hold class indices in [0, {classes}), got {low} to {high}")
+    logits = logits.float()
+    return F.cross_entropy(logits.flatten(0, -2), targets.long().flatten()), logits
+
+
+def _check_pair(name: str, batch) -> tuple:
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TypeError(f"{name} must be an (inputs, targets) pair of tensors, got {checks.shown(batch)}")
+    return tuple(batch)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches, autocast, device) -> dict[str, float]:
-    """Mean cross-entropy (nats per token or per image) over ``batches``; accuracy for images."""
+    """Mean cross-entropy (nats per token or per image) over ``batches`` of (inputs, targets); accuracy for
+    images."""
+    checks.module("model", model)
+    batches = checks.batches("batches", batches)
+    pairs = [_check_pair(f"batches[{index}]", batch) for index, batch in enumerate(batches)]
+    checks.function("autocast", autocast, "a context-manager factory (autocast_for's)")
+    device = resolve_device(device, argument="device")
     was_training = model.training
     model.eval()
     losses, correct, count = [], 0, 0
-    for inputs, targets in batches:
-        loss, logits = _loss(model, inputs.to(device), targets.to(device), autocast)
+    for index, (inputs, targets) in enumerate(pairs):
+        names = (f"batches[{index}][0]", f"batches[{index}][1]")
+        checks.tensor(names[0], inputs)
+        checks.tensor(names[1], targets)
+        loss, logits = _checked_loss(model, inputs.to(device), targets.to(device), autocast, names)
         losses.append(loss.item())
         correct += (logits.argmax(-1) == targets.to(device)).sum().item()
         count += targets.numel()
@@ -324,6 +380,10 @@ def gradient_fidelity(
 
     Works on deep copies: the model, its gradients and its stochastic-rounding generators are untouched.
     """
+    checks.module("model", model)
+    checks.function("autocast", autocast, "a context-manager factory (autocast_for's)")
+    if other_batch is not None:
+        other_batch = _check_pair("other_batch", other_batch)
     measured = copy.deepcopy(model)
     exact = copy.deepcopy(model)
     plain_linears(exact, TopKLinear)
@@ -335,7 +395,7 @@ def gradient_fidelity(
     passes = [(measured, inputs, targets, autocast), (exact, inputs, targets, autocast)]
     passes.append((reference, inputs, targets, contextlib.nullcontext))
     if other_batch is not None:
-        passes.append((reference, *other_batch, contextlib.nullcontext))
+        passes.append((reference, *other_batch, contextlib.nullcontext, ("other_batch[0]", "other_batch[1]")))
     measured, exact, fp32, *other = [_weight_gradients(*one_pass) for one_pass in passes]
     tables = {"": gradient_agreement(measured, fp32), "exact_": gradient_agreement(measured, exact)}
     if other:
@@ -350,10 +410,11 @@ def gradient_fidelity(
     return rows
 
 
-def _weight_gradients(model: nn.Module, inputs, targets, autocast) -> dict[str, torch.Tensor]:
-    """Every Linear weight's gradient (float64) of the loss on one batch."""
+def _weight_gradients(model: nn.Module, inputs, targets, autocast, names=("inputs", "targets")) -> dict:
+    """Every Linear weight's gradient (float64) of the loss on one batch (``names``: the arguments it came
+    from, which a refusal names)."""
     model.zero_grad(set_to_none=True)
-    _loss(model, inputs, targets, autocast)[0].backward()
+    _checked_loss(model, inputs, targets, autocast, names)[0].backward()
     return {
         name: module.weight.grad.double()
         for name, module in model.named_modules()
@@ -547,7 +608,9 @@ def train(config: TrainConfig, *, probes=None) -> TrainResult:
     """Train ``config``'s model; see the module docstring. ``probes``: a callable model → ProbeSet,
     attached for the run (param grads recorded after unscaling on sampled steps)."""
     if not isinstance(config, TrainConfig):
-        raise TypeError(f"train expects a TrainConfig, got {type(config).__name__}")
+        raise TypeError(f"train expects a TrainConfig as config, got {checks.shown(config)}")
+    if probes is not None:
+        checks.function("probes", probes, "a function model → ProbeSet")
     run = _start(config, probes)
     elapsed = run.metrics[-1]["time_s"] if run.metrics else 0.0
     progress = _progress(config, run.rank, run.start)
