@@ -240,6 +240,22 @@ def shakespeare_batches(
     return [stream[row[:, None] + torch.arange(tokens)] for row in starts]
 
 
+def _check_token_ids(name: str, batch, model: torch.nn.Module) -> None:
+    """Token ids ``model`` takes: an integer tensor (batch, tokens) on its device, within its vocabulary."""
+    checks.tensor(name, batch, dtypes=(torch.int64, torch.int32))
+    if batch.dim() != 2 or batch.numel() == 0:
+        raise ValueError(f"{name} must be token ids shaped (batch, tokens), got shape {tuple(batch.shape)}")
+    parameter = next(model.parameters(), None)
+    if parameter is not None:
+        checks.same_device(name, batch, "the model", parameter)
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    vocab = getattr(embeddings, "num_embeddings", None)
+    if vocab is not None and (int(batch.min()) < 0 or int(batch.max()) >= vocab):
+        raise ValueError(
+            f"{name} must hold token ids in [0, {vocab}), got {int(batch.min())}…{int(batch.max())}"
+        )
+
+
 def fine_tune(
     model, batches, steps: int, *, lr: float = 1e-4, autocast: str | None = None, loss_fn=None
 ) -> list[float]:
@@ -247,11 +263,16 @@ def fine_tune(
     ``batches`` (token ids), optionally under bf16 autocast (on the batches' device); returns each
     step's training loss.
     Deterministic on the CPU for the same model, batches and arguments."""
+    checks.module("model", model)
     checks.integer("steps", steps, low=1)
     checks.number("lr", lr, low=0, open_low=True)
     checks.choice("autocast", autocast, (None, "bf16"))
-    checks.batches("batches", batches)
-    loss_fn = loss_fn or (lambda m, b: m(input_ids=b, labels=b).loss)
+    batches = checks.batches("batches", batches)
+    if loss_fn is None:  # the batches are token ids for the model's own loss; a loss_fn checks its own
+        for index, batch in enumerate(batches):
+            _check_token_ids(f"batches[{index}]", batch, model)
+        loss_fn = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
+    checks.function("loss_fn", loss_fn)
     device_type = batches[0].device.type if isinstance(batches[0], torch.Tensor) else "cpu"
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     model.train()

@@ -1200,9 +1200,9 @@ NOT_GENERATED = {
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
         seed_model.ddp_audit train.loop.compiled_step_model""",
-    "their arguments reach torch unchecked: fine_tune's model='x' raises AttributeError inside it; train's "
-    "width, vocab or tokens of 2**62 fail inside torch and a depth of 2**62 builds blocks for hours "
-    "(tests/test_models.py, tests/test_seed_model.py)": """
+    "trainings whose size arguments have no bound: fine_tune's steps of 2**62 trains for hours (its model "
+    "and batches are checked); seed_model.train's width, vocab or tokens of 2**62 fail inside torch and a "
+    "depth of 2**62 builds blocks for hours (tests/test_models.py, tests/test_seed_model.py)": """
         models.fine_tune seed_model.train""",
     "it sets this process's QLAB_RESULTS_DIR and QLAB_PROFILE, so that what the calls after it write goes "
     "to the repository (tests/test_session_and_lab.py)": """
