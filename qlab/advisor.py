@@ -21,39 +21,17 @@ import pandas as pd
 import torch
 from torch import nn
 
-from qlab import checks
+from qlab import checks, models
 from qlab.nn import QuantLinear, is_conv1d, linear_layers, set_submodule
 from qlab.recipe import get_recipe
 
 BUDGET_UNITS = ("layers", "flops")
 
 
-def _check_token_ids(name: str, batch, model: nn.Module) -> torch.Tensor:
-    """Token ids ``model`` (a Hugging Face model) takes: an integer tensor (batch, tokens) on its device,
-    ids within its vocabulary, no more tokens than its positions; returned as int64."""
-    checks.tensor(name, batch, dtypes=(torch.int64, torch.int32))
-    if batch.dim() != 2 or batch.numel() == 0:
-        raise ValueError(f"{name} must be token ids shaped (batch, tokens), got shape {tuple(batch.shape)}")
-    parameter = next(model.parameters(), None)
-    if parameter is not None:
-        checks.same_device(name, batch, "the model", parameter)
-    try:
-        vocab = model.get_input_embeddings().num_embeddings
-    except (AttributeError, NotImplementedError):
-        vocab = None
-    low, high = int(batch.min()), int(batch.max())
-    if vocab is not None and (low < 0 or high >= vocab):
-        raise ValueError(f"{name} must hold token ids in [0, {vocab}), got ids from {low} to {high}")
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(positions, int) and batch.shape[1] > positions:
-        raise ValueError(f"{name} has {batch.shape[1]} tokens a row; the model takes at most {positions}")
-    return batch.long()
-
-
 def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a Hugging Face causal LM on token ids (batch, tokens)."""
     checks.module("model", model)
-    batch = _check_token_ids("batch", batch, model)
+    batch = models.check_token_ids("batch", batch, model)
     return model(input_ids=batch, labels=batch).loss
 
 
@@ -233,7 +211,9 @@ def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
     ``reference`` gives on the same batch (0 for the unquantized model), computed once up front."""
     checks.module("reference", reference)
     batches = checks.batches("batches", batches)
-    ids = [_check_token_ids(f"batches[{index}]", batch, reference) for index, batch in enumerate(batches)]
+    ids = [
+        models.check_token_ids(f"batches[{index}]", batch, reference) for index, batch in enumerate(batches)
+    ]
     with torch.no_grad():  # keyed by the caller's batch objects, which the closure keeps alive
         expected = {id(batch): reference(input_ids=i).last_hidden_state for batch, i in zip(batches, ids)}
 
@@ -249,7 +229,6 @@ def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
 
 def main(args) -> int:
     """``qlab advise``: measured keep-in-high-precision advice for a packaged model (qlab.models)."""
-    from qlab import models
 
     model, tokenizer = models.load(args.model)
     batches = models.shakespeare_batches(tokenizer, batch_size=args.batch_size, tokens=args.tokens,

@@ -240,20 +240,26 @@ def shakespeare_batches(
     return [stream[row[:, None] + torch.arange(tokens)] for row in starts]
 
 
-def _check_token_ids(name: str, batch, model: torch.nn.Module) -> None:
-    """Token ids ``model`` takes: an integer tensor (batch, tokens) on its device, within its vocabulary."""
+def check_token_ids(name: str, batch, model: torch.nn.Module) -> torch.Tensor:
+    """Token ids ``model`` (a Hugging Face model) takes: an integer tensor (batch, tokens) on its device,
+    ids within its vocabulary, no more tokens than its positions; returned as int64."""
     checks.tensor(name, batch, dtypes=(torch.int64, torch.int32))
     if batch.dim() != 2 or batch.numel() == 0:
         raise ValueError(f"{name} must be token ids shaped (batch, tokens), got shape {tuple(batch.shape)}")
     parameter = next(model.parameters(), None)
     if parameter is not None:
         checks.same_device(name, batch, "the model", parameter)
-    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
-    vocab = getattr(embeddings, "num_embeddings", None)
-    if vocab is not None and (int(batch.min()) < 0 or int(batch.max()) >= vocab):
-        raise ValueError(
-            f"{name} must hold token ids in [0, {vocab}), got {int(batch.min())}…{int(batch.max())}"
-        )
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        vocab = None
+    low, high = int(batch.min()), int(batch.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        raise ValueError(f"{name} must hold token ids in [0, {vocab}), got ids from {low} to {high}")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(positions, int) and batch.shape[1] > positions:
+        raise ValueError(f"{name} has {batch.shape[1]} tokens a row; the model takes at most {positions}")
+    return batch.long()
 
 
 def fine_tune(
@@ -270,7 +276,7 @@ def fine_tune(
     batches = checks.batches("batches", batches)
     if loss_fn is None:  # the batches are token ids for the model's own loss; a loss_fn checks its own
         for index, batch in enumerate(batches):
-            _check_token_ids(f"batches[{index}]", batch, model)
+            check_token_ids(f"batches[{index}]", batch, model)
         loss_fn = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
     checks.function("loss_fn", loss_fn)
     device_type = batches[0].device.type if isinstance(batches[0], torch.Tensor) else "cpu"

@@ -123,7 +123,7 @@ def test_the_narration_patterns_catch_process_phrases(text):
         '@pytest.fixture(scope="session")',
         "one forward and backward pass per micro-batch",
         "a second pa" + "ss over the block, Σ(x − mean)²",
-        "two-pass variance; the first pass computes the mean",
+        "two-pa" + "ss variance; the first pa" + "ss computes the mean",
         "the median over rounds of its step / the unprobed step of the same round",
         "round 0 is a warm-up",
         "values that round to zero stay −0",
