@@ -262,21 +262,31 @@ def check_token_ids(name: str, batch, model: torch.nn.Module) -> torch.Tensor:
     return batch.long()
 
 
+MAX_FINE_TUNE_STEPS = 10**6  # steps of one fine_tune call: notebook 06 runs at most 300
+MAX_FINE_TUNE_LR = 1e6  # past any rate that trains; AdamW's first step (10·lr) stays a float32
+
+
 def fine_tune(
     model, batches, steps: int, *, lr: float = 1e-4, autocast: str | None = None, loss_fn=None
 ) -> list[float]:
-    """A short fine-tune: AdamW (no weight decay) at ``lr`` for ``steps`` steps, cycling through
-    ``batches`` (token ids), optionally under bf16 autocast (on the batches' device); returns each
-    step's training loss.
-    Deterministic on the CPU for the same model, batches and arguments."""
+    """A short fine-tune: AdamW (no weight decay) at ``lr`` (at most ``MAX_FINE_TUNE_LR``, 10⁶) for
+    ``steps`` steps (at most ``MAX_FINE_TUNE_STEPS``, 10⁶), cycling through ``batches`` (token ids;
+    with a ``loss_fn``, whatever it takes), optionally under bf16 autocast (on the batches' device);
+    returns each step's training loss. Deterministic on the CPU for the same model, batches and
+    arguments."""
     checks.module("model", model)
-    checks.integer("steps", steps, low=1)
-    checks.number("lr", lr, low=0, open_low=True)
+    checks.integer("steps", steps, low=1, high=MAX_FINE_TUNE_STEPS)
+    checks.number("lr", lr, low=0, high=MAX_FINE_TUNE_LR, open_low=True)
     checks.choice("autocast", autocast, (None, "bf16"))
     batches = checks.batches("batches", batches)
     if loss_fn is None:  # the batches are token ids for the model's own loss; a loss_fn checks its own
         for index, batch in enumerate(batches):
-            check_token_ids(f"batches[{index}]", batch, model)
+            try:
+                check_token_ids(f"batches[{index}]", batch, model)
+            except (TypeError, ValueError) as err:
+                raise type(err)(
+                    f"{err}; loss_fn is None, so the batches are token ids for the model's own loss"
+                ) from None
         loss_fn = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
     checks.function("loss_fn", loss_fn)
     device_type = batches[0].device.type if isinstance(batches[0], torch.Tensor) else "cpu"

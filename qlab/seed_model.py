@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     import pandas as pd
 
 MODES = ("as_written", "corrected")
+MAX_STEPS = 10**6  # training steps of one call: notebook 01 runs at most 3000, a default step 0.1 s
+MAX_MICROBATCHES = 10_000  # micro-batches of one step
+MAX_DEPTH = 1000  # blocks of a SeedTransformer: the seed's has 2
+MAX_LR = 1e6  # past any rate that trains; an optimizer step's lr (Adam's: up to 10·lr) stays a float32
+MAX_LOSS_SCALE = torch.finfo(torch.float32).max  # GradScaler keeps its scale in float32
 
 
 class SeedQuantizerFunction(torch.autograd.Function):
@@ -154,20 +159,31 @@ class Block(nn.Module):
         return x + self.fc2(nn.functional.gelu(self.fc1(self.norm2(x))))
 
 
+def _check_sizes(
+    *, vocab: int, width: int, depth: int, heads: int, tokens: int, batch: int | None = None
+) -> None:
+    """Refuse, before anything is built, sizes of a SeedTransformer (and of a ``batch`` of its input)
+    that are not positive ints, a ``depth`` above ``MAX_DEPTH``, a width that ``heads`` does not divide,
+    and weights or activations larger than this machine's memory."""
+    for name, value in (("vocab", vocab), ("width", width), ("heads", heads), ("tokens", tokens)):
+        checks.integer(name, value, low=1)
+    checks.integer("depth", depth, low=1, high=MAX_DEPTH)
+    if width % heads:
+        raise ValueError(f"width {width} must be divisible by heads {heads}")
+    checks.allocatable("vocab × width, tokens × width", (max(vocab, tokens), width))
+    checks.allocatable("depth × width²", (depth, 12 * width * width))  # 12·width² weights a block
+    if batch is not None:
+        checks.integer("batch", batch, low=1)
+        # the widest activations: fc1's output (4·width) or the logits (vocab), and the attention scores
+        checks.allocatable("batch × tokens × max(4·width, vocab)", (batch, tokens, max(4 * width, vocab)))
+        checks.allocatable("batch × heads × tokens²", (batch, heads, tokens, tokens))
+
+
 class SeedTransformer(nn.Module):
     """A small causal transformer whose linears are SeedLinear (vocab → width → vocab)."""
 
     def __init__(self, vocab=32, width=64, depth=2, heads=4, tokens=32, mode="as_written", seed=0):
-        for name, value in (
-            ("vocab", vocab),
-            ("width", width),
-            ("depth", depth),
-            ("heads", heads),
-            ("tokens", tokens),
-        ):
-            checks.integer(name, value, low=1)
-        if width % heads:
-            raise ValueError(f"width {width} must be divisible by heads {heads}")
+        _check_sizes(vocab=vocab, width=width, depth=depth, heads=heads, tokens=tokens)
         checks.choice("mode", mode, MODES)
         super().__init__()
         torch.manual_seed(checks.seed("seed", seed))
@@ -240,28 +256,42 @@ def train(
     (``fp16_matmul``, fp32 accumulation as on a GPU; the other ops stay fp32); pair it with
     ``loss_scale`` (GradScaler), as the seed did. ``eps`` is Adam's ε; ``bits`` the grids' width (the
     seed does not state its own).
+
+    Bounds, checked before anything is built: steps ≤ ``MAX_STEPS`` (10⁶), microbatches ≤
+    ``MAX_MICROBATCHES`` (10⁴), depth ≤ ``MAX_DEPTH`` (1000), lr ≤ ``MAX_LR`` (10⁶), loss_scale ≤ the
+    largest float32; weights and activations of the sizes given must fit in this machine's memory.
     """
     import pandas as pd
 
     from qlab.probes import GradientAudit, ProbeSet
 
+    checks.choice("mode", mode, MODES)
     checks.choice("optimizer", optimizer, ("adam", "sgd"))
     checks.choice("precision", precision, ("fp32", "fp16"))
     checks.number("eps", eps, low=0, open_low=True)
     checks.boolean("audit", audit)
     checks.integer("bits", bits, low=2, high=16)
-    for name, value in (
-        ("steps", steps),
-        ("growth_interval", growth_interval),
-        ("microbatches", microbatches),
+    checks.integer("steps", steps, low=1, high=MAX_STEPS)
+    checks.integer("growth_interval", growth_interval, low=1)
+    checks.integer("microbatches", microbatches, low=1, high=MAX_MICROBATCHES)
+    for name, value, high in (
+        ("lr", lr, MAX_LR),
+        ("loss_scale", loss_scale, MAX_LOSS_SCALE),
+        ("clip_norm", clip_norm, None),
     ):
-        checks.integer(name, value, low=1)
-    for name, value in (("lr", lr), ("loss_scale", loss_scale), ("clip_norm", clip_norm)):
         if value is not None:
-            checks.number(name, value, low=0, open_low=True)
+            checks.number(name, value, low=0, high=high, open_low=True)
+    checks.seed("seed", seed)
     if not isinstance(watch, str):
         raise TypeError(f"watch must be a module name (str), got {checks.shown(watch)}")
+    # heads=4: SeedTransformer's default, which train keeps
+    _check_sizes(vocab=vocab, width=width, depth=depth, heads=4, tokens=tokens, batch=batch)
     model = SeedTransformer(vocab=vocab, width=width, depth=depth, tokens=tokens, mode=mode, seed=seed)
+    names = [name for name, _ in model.named_modules() if name]
+    if watch not in names:
+        raise ValueError(
+            f"watch {watch!r} is no module of the model; closest names: {checks.closest(watch, names)}"
+        )
     linears = [m for m in model.modules() if isinstance(m, SeedLinear)]
     for layer in linears:
         layer.fp16, layer.bits = precision == "fp16", bits
@@ -277,11 +307,6 @@ def train(
         else None
     )
     generator = torch.Generator().manual_seed(seed + 1)
-    names = [name for name, _ in model.named_modules() if name]
-    if watch not in names:
-        raise ValueError(
-            f"watch {watch!r} is no module of the model; closest names: {checks.closest(watch, names)}"
-        )
     watched = model.get_submodule(watch)
     rows = []
     for step in range(steps):
@@ -378,9 +403,10 @@ def _ddp_worker(rank: int, world_size: int, init_file: str, result_file: str, st
 
 def ddp_audit(world_size: int = 2, steps: int = 5, seed: int = 0) -> pd.DataFrame:
     """Train the corrected SeedTransformer under DDP (gloo, ``world_size`` CPU processes) and audit
-    every step on every rank: the local gradient against the averaged ``param.grad``."""
+    every step on every rank: the local gradient against the averaged ``param.grad``.
+    steps ≤ ``MAX_STEPS``."""
     checks.integer("world_size", world_size, low=2)
-    checks.integer("steps", steps, low=1)
+    checks.integer("steps", steps, low=1, high=MAX_STEPS)
     checks.seed("seed", seed)
     import tempfile
 

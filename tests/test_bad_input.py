@@ -1042,6 +1042,26 @@ CASES = [
     ("advise model str", lambda: advisor.layer_sensitivity("m", [x32(2, 8)], "mxfp8"), TypeError, "model"),
     ("models.load unknown", lambda: qlab_models.load("gpt5"), ValueError, "name"),
     (
+        "fine_tune steps over the bound",
+        lambda: qlab_models.fine_tune(
+            tiny(), [x32(2, 8)], qlab_models.MAX_FINE_TUNE_STEPS + 1, loss_fn=lambda m, b: m(b).sum()
+        ),
+        ValueError,
+        "steps",
+    ),
+    (
+        "fine_tune lr 1e300",
+        lambda: qlab_models.fine_tune(tiny(), [x32(2, 8)], 1, lr=1e300, loss_fn=lambda m, b: m(b).sum()),
+        ValueError,
+        "lr",
+    ),
+    (
+        "fine_tune float batches without a loss_fn",
+        lambda: qlab_models.fine_tune(tiny(), [x32(2, 8)], 1),
+        TypeError,
+        "loss_fn is None",
+    ),
+    (
         "shakespeare_batches tokens 1",
         lambda: qlab_models.shakespeare_batches(None, tokens=1),
         ValueError,
@@ -1078,6 +1098,38 @@ CASES = [
         "microbatches",
     ),
     ("seed train watch typo", lambda: seed_model.train(steps=1, watch="blocks.0.fc3"), ValueError, "watch"),
+    (
+        "seed train steps over the bound",
+        lambda: seed_model.train(steps=seed_model.MAX_STEPS + 1),
+        ValueError,
+        "steps",
+    ),
+    (
+        "seed train microbatches over the bound",
+        lambda: seed_model.train(steps=1, microbatches=seed_model.MAX_MICROBATCHES + 1),
+        ValueError,
+        "microbatches",
+    ),
+    (
+        "seed train depth over the bound",
+        lambda: seed_model.train(steps=1, depth=seed_model.MAX_DEPTH + 1),
+        ValueError,
+        "depth",
+    ),
+    ("seed train width 2**62", lambda: seed_model.train(steps=1, width=2**62), ValueError, "width"),
+    ("seed train vocab 2**62", lambda: seed_model.train(steps=1, vocab=2**62), ValueError, "vocab"),
+    ("seed train tokens 2**62", lambda: seed_model.train(steps=1, tokens=2**62), ValueError, "tokens"),
+    ("seed train batch 2**62", lambda: seed_model.train(steps=1, batch=2**62), ValueError, "batch"),
+    ("seed train lr 1e300", lambda: seed_model.train(steps=1, lr=1e300), ValueError, "lr"),
+    (
+        "seed train loss_scale 1e300",
+        lambda: seed_model.train(steps=1, loss_scale=1e300),
+        ValueError,
+        "loss_scale",
+    ),
+    ("seed train seed < 0", lambda: seed_model.train(steps=1, seed=-1), ValueError, "seed"),
+    ("SeedTransformer width 2**62", lambda: seed_model.SeedTransformer(width=2**62), ValueError, "width"),
+    ("SeedTransformer depth 2**62", lambda: seed_model.SeedTransformer(depth=2**62), ValueError, "depth"),
     ("seed_quantize bits 1", lambda: seed_model.seed_quantize(x32(), bits=1), ValueError, "bits"),
     ("SeedLinear mode", lambda: seed_model.SeedLinear(4, 4, mode="x"), ValueError, "mode"),
     ("SeedTransformer heads", lambda: seed_model.SeedTransformer(width=30, heads=4), ValueError, "heads"),
@@ -1089,6 +1141,12 @@ CASES = [
         "generator",
     ),
     ("ddp_audit world_size 1", lambda: seed_model.ddp_audit(world_size=1), ValueError, "world_size"),
+    (
+        "ddp_audit steps over the bound",
+        lambda: seed_model.ddp_audit(steps=seed_model.MAX_STEPS + 1),
+        ValueError,
+        "steps",
+    ),
     # --- qlab.train: config -----------------------------------------------------------------------
     ("config task", lambda: C.TrainConfig(task="mnist"), ValueError, "task"),
     ("config recipe", lambda: C.TrainConfig(recipe="fp4"), ValueError, "recipe"),

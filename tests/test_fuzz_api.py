@@ -712,7 +712,7 @@ ENTRY_POINTS = {
     ),
     "host.machine": (host.machine, lambda: dict(device=torch.device("cpu"))),
     "host.progress": (host.progress, lambda: dict(iterable=[1, 2, 3], desc="fuzz", total=3, disable=True)),
-    # --- training: a tiny MLP on the digits -------------------------------------------------------------
+    # --- training: a tiny MLP on the digits, the seed model, fine-tunes of tiny models ------------------
     "train.loop.train": (
         TL.train,
         lambda: dict(config=train_config(), probes=lambda model: probes.ProbeSet(model, stats=("amax",))),
@@ -749,6 +749,40 @@ ENTRY_POINTS = {
         ),
     ),
     "sparse.train_digits": (sparse.train_digits, lambda: dict(config=train_config(), split=1)),
+    "seed_model.train": (  # two steps of a one-block, width-8 SeedTransformer, loss-scaled, clipped, audited
+        seed_model.train,
+        lambda: dict(
+            mode="corrected",
+            optimizer="adam",
+            steps=2,
+            lr=3e-3,
+            loss_scale=2.0**10,
+            growth_interval=1,
+            microbatches=2,
+            clip_norm=1.0,
+            batch=2,
+            tokens=4,
+            vocab=8,
+            width=8,
+            depth=1,
+            seed=0,
+            watch="blocks.0.fc1",
+            precision="fp32",
+            eps=1e-8,
+            audit=True,
+            bits=8,
+        ),
+    ),
+    "models.fine_tune": (  # its own loss: the batches are token ids the model takes
+        qlab_models.fine_tune,
+        lambda: dict(
+            model=TinyLM(), batches=[token_ids(), token_ids(seed=1)], steps=2, lr=1e-3, autocast="bf16"
+        ),
+    ),
+    "models.fine_tune loss_fn": (  # the batches go to the caller's loss_fn, which checks them
+        with_underscored(qlab_models.fine_tune),
+        lambda: dict(model=tiny(), _batches=[x()], steps=2, lr=1e-3, autocast=None, loss_fn=square_loss),
+    ),
     "sparse.pass_seconds": (
         pass_count,
         lambda: dict(
@@ -1200,10 +1234,6 @@ NOT_GENERATED = {
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
         seed_model.ddp_audit train.loop.compiled_step_model""",
-    "trainings whose size arguments have no bound: fine_tune's steps of 2**62 trains for hours (its model "
-    "and batches are checked); seed_model.train's width, vocab or tokens of 2**62 fail inside torch and a "
-    "depth of 2**62 builds blocks for hours (tests/test_models.py, tests/test_seed_model.py)": """
-        models.fine_tune seed_model.train""",
     "it sets this process's QLAB_RESULTS_DIR and QLAB_PROFILE, so that what the calls after it write goes "
     "to the repository (tests/test_session_and_lab.py)": """
         session.start""",
