@@ -589,7 +589,7 @@ class QuantLinear(QlabLinear):
                 amax = tensor.detach().abs().amax().float()
                 if reduce and self.recipe.reduce_amax and _distributed():  # every rank the same scales
                     torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX)
-                self.scalers[role].observe(amax.cpu())
+                self.scalers[role].observe(amax)  # stays on the device: no host synchronisation
                 self.scalers[role].step()
 
     def deliver_wgrad(self, dy, x, is_first_microbatch):
@@ -645,6 +645,12 @@ class QuantLinear(QlabLinear):
             return t
         scale = self._delayed_scale(role, scales)
         generator = self._generator(t.device) if spec.rounding == "stochastic" and noise is None else None
+        if scale is not None and kernels.covers(spec, fixed_scale=True):
+            # the scaler's scale is finite and positive by construction (DelayedScaling.step keeps the
+            # previous one otherwise): no check that would read it back from the device every call
+            compute = None if tensor_cores else _compute_dtype(t)
+            scale = scale.to(t.device)
+            return kernels.fp8_with_scale(t, spec, axis, scale, codes=tensor_cores, dtype=compute)
         if tensor_cores:
             return kernels.quantize(t, spec, axis, scale=scale, generator=generator, noise=noise)
         compute = _compute_dtype(t)  # dequantized values stay in the GEMM's dtype, not rounded to 16 bits

@@ -176,6 +176,10 @@ class DelayedScaling:
     max-reduced); ``step()`` rolls the history once, puts the step's amax first and recomputes
     ``scale = (fmt_max / amax_hist) / 2^margin`` with amax_hist the history's max ("max") or its
     newest entry ("most_recent"). A zero or non-finite amax_hist keeps the previous scale. Starts at 1.
+
+    History and scale live on the device of the amaxes observed (they move there at the first step
+    that saw one), and ``step`` decides with tensor ops: on a GPU no call reads a value back to the
+    host, as TE keeps its amax history on the device.
     """
 
     def __init__(self, fmt="e4m3", history_len: int = 1024, algorithm: str = "max", margin: int = 0):
@@ -192,17 +196,21 @@ class DelayedScaling:
         if not isinstance(amax, torch.Tensor):
             checks.number("amax", amax, low=0, finite=False)
         amax = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
+        if self._step_amax is not None and amax.device != self._step_amax.device:
+            amax = amax.to(self._step_amax.device)
         self._step_amax = amax if self._step_amax is None else torch.maximum(self._step_amax, amax)
 
     def step(self) -> torch.Tensor:
         """Roll the history with this step's amax (0 if none was observed); return the new scale."""
-        newest = self._step_amax if self._step_amax is not None else torch.tensor(0.0)
-        self.history = torch.cat([newest.reshape(1), self.history[:-1]])
+        device = self._step_amax.device if self._step_amax is not None else self.history.device
+        history, previous = self.history.to(device), self.scale.to(device)
+        newest = self._step_amax if self._step_amax is not None else history.new_zeros(())
+        self.history = torch.cat([newest.reshape(1), history[:-1]])
         self._step_amax = None
         amax = self.history.max() if self.algorithm == "max" else self.history[0]
         candidate = _divide(self.fmt.max, amax) / 2.0**self.margin
-        if torch.isfinite(amax) and amax > 0 and torch.isfinite(candidate):
-            self.scale = candidate.float()
+        usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate)
+        self.scale = torch.where(usable, candidate.float(), previous)
         return self.scale
 
 

@@ -175,3 +175,51 @@ def test_every_cuda_path_gives_the_cpu_bits(spec_name):
                     if a is not None and not torch.equal(_bits(a), _bits(b.cpu())):
                         differences.append(f"quantize {part}, {case}, axis {axis}")
     assert not differences, f"{spec_name}: " + "; ".join(differences)
+
+
+DELAYED = ("fp8_e4m3", "fp8_e4m3/torchao", "fp8_e5m2", "fp8_e5m2/torchao")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (runs in benchmarks/gpu_session.sh tests)")
+@pytest.mark.parametrize("spec_name", DELAYED)
+def test_delayed_scaling_on_cuda_runs_the_kernel_with_the_cpu_bits(monkeypatch, spec_name):
+    """A fixed per-tensor scale (delayed scaling) on a CUDA tensor runs the FP8 kernel: kernels.qdq (in
+    x's dtype and in bfloat16), kernels.quantize and kernels.fp8_with_scale give the CPU reference's
+    values and codes, for scales that fit (current scaling's, float32's max for a subnormal amax),
+    flush to zero and saturate (overflowing float32 too)."""
+    from qlab import kernels
+    from qlab.kernels import fp8_triton
+
+    launches = []
+    kernel = fp8_triton.fp8_fixed_scale
+    monkeypatch.setattr(fp8_triton, "fp8_fixed_scale", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    spec, differences = SPECS[spec_name], []
+    for case, x in CASES.items():
+        fitted = scaling.fp8_current_scale(x.float().abs().max(), spec.element)  # finite: float32 max at most
+        for scale in (torch.tensor(0.37), torch.tensor(2.0**-20), torch.tensor(2.0**20), fitted):
+            held = scale.float().reshape(()).cuda()
+            for axis in (-1, 0):
+                for dtype in (None, torch.bfloat16):
+                    expected = _bits(Q.qdq(x, spec, axis, scale=scale, dtype=dtype))
+                    paths = {
+                        "qdq": kernels.qdq(x.cuda(), spec, axis, scale=held, dtype=dtype),
+                        "fp8_with_scale": kernels.fp8_with_scale(
+                            x.cuda(), spec, axis, held, codes=False, dtype=dtype
+                        ),
+                    }
+                    for path, got in paths.items():
+                        wrong = int((_bits(got.cpu()) != expected).sum())
+                        if wrong:
+                            differences.append(
+                                f"{path}, {case}, scale {scale.item()}, {dtype}: {wrong} values"
+                            )
+                ref = Q.quantize(x, spec, axis, scale=scale)
+                quantized = {
+                    "quantize": kernels.quantize(x.cuda(), spec, axis, scale=held),
+                    "fp8_with_scale codes": kernels.fp8_with_scale(x.cuda(), spec, axis, held, codes=True),
+                }
+                for path, q in quantized.items():
+                    if not torch.equal(q.codes.cpu(), ref.codes):
+                        differences.append(f"{path}, {case}, scale {scale.item()}, axis {axis}")
+    assert not differences, f"{spec_name}: " + "; ".join(differences)
+    assert len(launches) == len(CASES) * 4 * 2 * 6

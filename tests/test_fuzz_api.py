@@ -400,6 +400,12 @@ ENTRY_POINTS = {
     "kernels.fp8_qdq": (kernels.fp8_qdq, lambda: dict(x=x(), spec="fp8_e4m3", axis=-1, backend="cpu")),
     "kernels.nvfp4_qdq": (kernels.nvfp4_qdq, lambda: dict(x=x(), spec="nvfp4", axis=-1, seed=0, offset=0)),
     "kernels.quantize": (kernels.quantize, lambda: dict(x=x(), spec="mxfp8", axis=-1, backend="cpu")),
+    "kernels.fp8_with_scale": (
+        kernels.fp8_with_scale,
+        lambda: dict(
+            x=x(), spec="fp8_e4m3", axis=-1, scale=torch.tensor(0.37), codes=False, dtype=torch.float32
+        ),
+    ),
     "kernels.layer_norm": (
         kernels.layer_norm,
         lambda: dict(
@@ -1208,8 +1214,8 @@ NOT_GENERATED = {
         kernels.cpu_qdq.stochastic_noise kernels.cpu_qdq.draws_like_torch kernels.cpu_qdq.tensor_stats
         kernels.cpu_qdq.tensor_stats_function kernels.fp8_gemm.is_fp8_spec
         kernels.fp8_gemm.unsupported_reason kernels.fp8_gemm.fp8_matmul kernels.fp8_triton.tensor_amax
-        kernels.fp8_triton.fp8_current_scaling kernels.layernorm_triton.forward
-        kernels.layernorm_triton.backward kernels.mx_triton.mx_qdq_last_axis
+        kernels.fp8_triton.fp8_current_scaling kernels.fp8_triton.fp8_fixed_scale
+        kernels.layernorm_triton.forward kernels.layernorm_triton.backward kernels.mx_triton.mx_qdq_last_axis
         kernels.mx_triton.mx_quantize_last_axis kernels.noise_triton.noise_from_bits
         kernels.nvfp4_triton.nvfp4_qdq_last_axis kernels.triton_math.encode_constants
         kernels.triton_math.Tuned formats.cast_unchecked formats.encode_float formats.decode_unchecked

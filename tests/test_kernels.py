@@ -7,6 +7,7 @@ multiple of the 16-row tile, a partial last block), both axes and the special va
 """
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 
 from qlab import kernels, numerics
 from qlab import quantize as Q
+from qlab.formats import get_format
 from qlab.kernels import fp8_qdq, layer_norm, mx_qdq, noise, nvfp4_qdq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -245,6 +247,191 @@ def test_fp8_per_tensor_nan_gives_scale_one_and_keeps_nan():
     assert torch.equal(_bits(values.cpu()), _bits(ref_values))
 
 
+# --- FP8 delayed scaling: a per-tensor scale fixed in advance ------------------------------------
+
+DELAYED_SPECS = [Q.TensorwiseSpec(e, convention=c) for e in ("e4m3", "e5m2") for c in ("nvidia", "torchao")]
+
+
+def _delayed_inputs(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """x of ``shape`` with NaN, ±inf, ±0, float32 subnormals, float16 subnormals and a value near float32's
+    max (inf in float16) in its first row, spanning four decades along the rows."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=generator) * torch.logspace(-2, 2, shape[-1])
+    x[0, :10] = torch.tensor([math.nan, math.inf, -math.inf, -0.0, 0.0, 1e-40, -3e-39, 3e-6, -5e-7, 3e38])
+    return x.to(dtype)
+
+
+def _delayed_scales(x: torch.Tensor, element: str) -> list:
+    """Fixed scales as callers give them: numbers, 0-d and 1-element tensors; fmt_max / amax (the
+    current-scaling scale), a tiny one (values flush to zero) and a large one (values saturate)."""
+    finite = x.float()[torch.isfinite(x.float())]
+    fitted = get_format(element).max / finite.abs().max()
+    return [0.37, fitted.reshape(()), 2.0**-20, torch.tensor([2.0**20]), torch.tensor([[1.5]])]
+
+
+def _on(scale, device):
+    return scale.to(device) if isinstance(scale, torch.Tensor) else scale
+
+
+@pytest.mark.parametrize("shape", [(3, 40), (64, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", DELAYED_SPECS, ids=lambda spec: f"{spec.element}-{spec.convention}")
+def test_fp8_fixed_scale_kernel_matches_the_reference(spec, dtype, shape):
+    """Delayed scaling on the kernel: kernels.quantize / kernels.qdq with a fixed per-tensor scale, and
+    fp8_with_scale, give the reference's codes, scales and values bit for bit, along either axis.
+    bfloat16 qdq values are checked on a GPU only: under the interpreter a float32 → bfloat16 store
+    truncates (a GPU rounds to nearest even, as the reference does)."""
+    x = _delayed_inputs(shape, dtype)
+    for scale in _delayed_scales(x, spec.element):
+        device_scale = _on(scale, DEVICE)
+        for axis in (0, -1):
+            where = (scale, axis)
+            ref = Q.quantize(x, spec, axis, scale=scale)
+            q = kernels.quantize(x.to(DEVICE), spec, axis, scale=device_scale, backend="triton")
+            _assert_same_qtensor(q, ref)
+            assert q.scales.shape == ref.scales.shape and q.codes.shape == x.shape, where
+            assert torch.equal(_bits(q.fixed_scale.cpu()), _bits(ref.fixed_scale)), where
+            for out_dtype in (None, torch.float32, torch.float16, torch.bfloat16):
+                if torch.bfloat16 in (out_dtype or dtype,) and DEVICE == "cpu":
+                    continue  # the interpreter's bfloat16 store truncates
+                want = Q.qdq(x, spec, axis, scale=scale, dtype=out_dtype)
+                got = kernels.qdq(
+                    x.to(DEVICE), spec, axis, scale=device_scale, dtype=out_dtype, backend="triton"
+                )
+                assert got.dtype == want.dtype and got.shape == want.shape, where
+                assert torch.equal(_bits(got.cpu()), _bits(want)), (where, out_dtype)
+            if isinstance(scale, torch.Tensor):  # fp8_with_scale takes the device tensor only
+                held = scale.to(DEVICE)
+                _assert_same_qtensor(kernels.fp8_with_scale(x.to(DEVICE), spec, axis, held, codes=True), ref)
+                _assert_same_qtensor(
+                    kernels.fp8_with_scale(x.to(DEVICE), spec, axis, held, codes=True, backend="triton"), ref
+                )
+                want = Q.qdq(x, spec, axis, scale=scale, dtype=torch.float32)
+                for backend in ("auto", "triton", "reference"):
+                    got = kernels.fp8_with_scale(
+                        x.to(DEVICE), spec, axis, held, codes=False, dtype=torch.float32, backend=backend
+                    )
+                    assert torch.equal(_bits(got.cpu()), _bits(want)), (where, backend)
+
+
+def test_fp8_fixed_scale_runs_one_launch_and_saturates_or_flushes(monkeypatch):
+    """Per-tensor delayed scaling runs the scale-cast kernel alone (no amax pass); a large scale
+    saturates at the format's max and a tiny one flushes to ±0, signs kept."""
+    from qlab.kernels import fp8_triton
+
+    amax_passes = []
+    monkeypatch.setattr(fp8_triton, "tensor_amax", lambda flat: amax_passes.append(flat))
+    x = torch.tensor([[1.0, -1.0, 3e-3, -3e-3, 0.0, -0.0, 400.0, -400.0]], device=DEVICE)
+    big = kernels.quantize(x, "fp8_e4m3", scale=2.0**20, backend="triton")
+    tiny = kernels.qdq(x, "fp8_e4m3", scale=torch.tensor(2.0**-20, device=DEVICE), backend="triton")
+    assert not amax_passes
+    top = get_format("e4m3").max
+    assert (Q.dequantize(big).cpu() * 2.0**20).tolist() == [[top, -top, top, -top, 0.0, 0.0, top, -top]]
+    assert torch.equal(torch.signbit(tiny.cpu()), torch.signbit(x.cpu())) and not tiny.any()
+
+
+def test_fp8_fixed_scale_of_more_dimensions_than_x_runs_the_reference():
+    # the reference broadcasts x · scale to the scale's dimensions; the kernel keeps x's shape, so such a
+    # scale runs the reference (and backend "triton" is refused for it, as for any call it cannot take)
+    x = _delayed_inputs((3, 40), torch.float32)[1]
+    scale = torch.tensor([[0.5]])
+    ref = Q.quantize(x, "fp8_e4m3", scale=scale)
+    assert ref.codes.shape == (1, 40)
+    _assert_same_qtensor(kernels.quantize(x, "fp8_e4m3", scale=scale), ref)
+    with pytest.raises(ValueError, match="backend 'triton'"):
+        kernels.quantize(x.to(DEVICE), "fp8_e4m3", scale=scale.to(DEVICE), backend="triton")
+    want = Q.qdq(x, "fp8_e4m3", scale=scale)
+    assert torch.equal(
+        _bits(kernels.qdq(x.to(DEVICE), "fp8_e4m3", scale=scale.to(DEVICE)).cpu()), _bits(want)
+    )
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_fixed_scales_the_reference_refuses_are_refused_alike(backend):
+    x = _delayed_inputs((3, 40), torch.float32)
+    bad_scales = [
+        0.0,
+        -1.0,
+        math.nan,
+        math.inf,
+        torch.tensor(0.0),
+        torch.tensor(-2.0),
+        torch.tensor([math.nan]),
+        torch.tensor(math.inf),
+        torch.tensor([1.0, 2.0]),
+        torch.ones(3, 1),
+        "2.0",
+        torch.tensor(True),
+    ]
+    for bad in bad_scales:
+        with pytest.raises((TypeError, ValueError)) as reference:
+            Q.quantize(x, "fp8_e4m3", scale=bad)
+        for call in (kernels.quantize, kernels.qdq):
+            with pytest.raises(type(reference.value)) as ours:
+                call(x.to(DEVICE), "fp8_e4m3", scale=_on(bad, DEVICE), backend=backend)
+            assert str(ours.value) == str(reference.value), (bad, call.__name__)
+
+
+def test_fp8_with_scale_checks_shapes_dtypes_and_devices_but_not_the_value():
+    x = _delayed_inputs((3, 40), torch.float32).to(DEVICE)
+    scale = torch.tensor(0.5, device=DEVICE)
+    refusals = [
+        (dict(scale=scale.double()), TypeError, "scale must have dtype float32"),
+        (dict(scale=scale.half()), TypeError, "scale must have dtype float32"),
+        (dict(scale=torch.ones(2, device=DEVICE)), ValueError, "scale must hold one value"),
+        (dict(scale=torch.ones(1, 1, 1, device=DEVICE)), ValueError, "at most x's 2 dimensions"),
+        (dict(scale=torch.empty((), device="meta")), ValueError, "scale is a meta tensor"),
+        (dict(scale=0.5), TypeError, "scale must be a torch.Tensor"),
+        (dict(spec="fp8_e4m3_rowwise"), TypeError, "spec must be a TensorwiseSpec of granularity 'tensor'"),
+        (dict(spec="mxfp8"), TypeError, "spec must be a TensorwiseSpec"),
+        (dict(spec=Q.TensorwiseSpec(rounding="stochastic")), TypeError, "rne rounding"),
+        (dict(codes=1), TypeError, "codes must be a bool"),
+        (dict(codes=True, dtype=torch.float32), ValueError, "dtype is the dtype of qdq values"),
+        (dict(dtype=torch.int32), TypeError, "dtype must be a floating torch.dtype"),
+        (dict(x=x.double()), TypeError, "x must be a float32, bfloat16 or float16 tensor"),
+        (dict(axis=2), ValueError, "axis must be in"),
+        (dict(backend="gpu"), ValueError, "unknown backend"),
+        (dict(x=x[:0], codes=True), ValueError, "non-empty tensor x"),
+    ]
+    if torch.cuda.is_available():
+        refusals.append((dict(scale=scale.cpu()), ValueError, "scale is on cpu but x is on cuda"))
+    valid = dict(x=x, spec="fp8_e4m3", axis=-1, scale=scale, codes=False)
+    for changes, error, message in refusals:
+        with pytest.raises(error, match=message):
+            kernels.fp8_with_scale(**{**valid, **changes})
+    assert kernels.fp8_with_scale(x[:0], "fp8_e4m3", -1, scale, codes=False).shape == (0, 40)
+    for unchecked in (0.0, -1.0, math.nan):  # the caller's guarantee: not read, so not refused
+        value = torch.tensor(unchecked, device=DEVICE)
+        for backend in ("triton", "reference"):
+            assert (
+                kernels.fp8_with_scale(x, "fp8_e4m3", -1, value, codes=False, backend=backend).shape
+                == x.shape
+            )
+            assert (
+                kernels.fp8_with_scale(x, "fp8_e4m3", 0, value, codes=True, backend=backend).codes.shape
+                == x.shape
+            )
+    with pytest.raises(ValueError, match="finite and positive"):
+        kernels.quantize(x, "fp8_e4m3", scale=torch.tensor(0.0, device=DEVICE))
+
+
+def test_fixed_scale_coverage():
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        spec = Q.get_spec(name)
+        assert kernels.covers(spec, fixed_scale=True) and kernels.quantize_covers(spec, fixed_scale=True)
+    for spec in (
+        "fp8_e4m3_rowwise",
+        Q.TensorwiseSpec(rounding="stochastic"),
+        "mxfp8",
+        "int8",
+        "fp8_blockwise",
+    ):
+        assert not kernels.covers(spec, fixed_scale=True)
+        assert not kernels.quantize_covers(Q.get_spec(spec), fixed_scale=True)
+    with pytest.raises(TypeError, match="fixed_scale must be a bool"):
+        kernels.covers("fp8_e4m3", fixed_scale="yes")
+
+
 # --- LayerNorm with selectable statistics -------------------------------------------------------
 
 STATS = ["welford", "two_pass", "textbook"]
@@ -459,15 +646,15 @@ def test_fp8_kernel_codes_for_every_element_and_nan(element):
 
 def test_quantize_runs_the_reference_for_what_no_kernel_covers_and_triton_refuses_it():
     """kernels.quantize is the entry point for every spec: what no kernel covers (NVFP4, stochastic
-    rounding, MX blocks of 16, a fixed scale) gives the reference's QTensor; forcing the Triton
-    backend on such a call is refused, naming the backend."""
+    rounding, MX blocks of 16, a fixed per-row scale) gives the reference's QTensor; forcing the
+    Triton backend on such a call is refused, naming the backend."""
     x = torch.randn(4, 32)
     generator = torch.Generator().manual_seed(3)
     for spec, kwargs in (
         ("nvfp4", {}),
         (Q.TensorwiseSpec("e4m3", rounding="stochastic"), {"generator": generator}),
         (Q.MXSpec("e4m3", block_size=16), {}),
-        ("fp8_e4m3", {"scale": 2.0}),
+        ("fp8_e4m3_rowwise", {"scale": 2.0}),
     ):
         generator.manual_seed(3)
         ours = kernels.quantize(x, spec, **kwargs)
@@ -598,5 +785,8 @@ def test_every_autotuned_tile_gives_the_reference_bits(monkeypatch, name, index)
         else:
             got = fp8_qdq(x.to(DEVICE), spec, backend="triton")
             want = fp8_qdq(x, spec, backend="reference")
+            if name == "fp8 per tensor":  # delayed scaling: the same kernel, the scale given
+                fixed = kernels.qdq(x.to(DEVICE), spec, scale=0.37, backend="triton")
+                assert torch.equal(_bits(fixed.cpu()), _bits(Q.qdq(x, spec, scale=0.37))), spec
         for got_part, want_part in zip(got, want):
             assert torch.equal(_bits(got_part.cpu()), _bits(want_part)), (spec, got_part.shape)

@@ -1005,6 +1005,21 @@ def test_delayed_scaling_table():
         assert ds.step().item() == 112.0, bad
 
 
+def test_delayed_scaling_never_reads_a_value_back_and_follows_the_amax_device():
+    """Meta tensors hold no values: a step that asked for one on the host (a Python `if` on a tensor,
+    .item(), .cpu()) would raise here. History and scale move to the device of the amaxes observed, as
+    a GPU run keeps them on the GPU (no synchronisation per step)."""
+    ds = scaling.DelayedScaling("e4m3", history_len=4)
+    for _ in range(3):
+        ds.observe(torch.empty((), device="meta"))
+        ds.observe(torch.empty((), device="meta"))
+        scale = ds.step()
+    assert scale.device.type == ds.history.device.type == "meta"
+    assert ds.history.shape == (4,) and scale.shape == ()
+    ds.step()  # a step without an observation rolls in a zero on the same device
+    assert ds.history.device.type == "meta"
+
+
 def test_delayed_scale_feeds_tensorwise_quantize():
     ds = scaling.DelayedScaling("e4m3")
     ds.observe(torch.tensor(7.0))

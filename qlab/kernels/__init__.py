@@ -3,8 +3,11 @@ reference in ``qlab.quantize`` (the eager torch definition) by the fastest path 
 
     qdq(x, spec, axis, ...)        qlab.quantize.qdq's result: Triton on a GPU, the C kernel or the
                                    compiled path on the CPU, else the reference
-    quantize(x, spec, axis, ...)   qlab.quantize.quantize's QTensor: Triton kernels for MX and FP8
-                                   current scaling on a GPU, else the reference
+    quantize(x, spec, axis, ...)   qlab.quantize.quantize's QTensor: Triton kernels for MX, FP8 current
+                                   scaling and FP8 per-tensor delayed scaling (a fixed ``scale``) on a
+                                   GPU, else the reference
+    fp8_with_scale(x, spec, axis, scale, codes=...)   FP8 delayed scaling by a scale kept on the device:
+                                   quantize's QTensor or qdq's values, the scale's value unread
     stochastic_noise(shape, generator, device)   qlab.formats.stochastic_noise's draws, fast
     mx_qdq(x, spec, axis)          MX block quantize-dequantize → (values, E8M0 bytes)
     fp8_qdq(x, spec, axis)         FP8 current scaling per tensor, row or 1×128 tile → (values, scales)
@@ -29,7 +32,7 @@ import torch
 
 from qlab import checks, scaling
 from qlab import quantize as Q
-from qlab.formats import get_format
+from qlab.formats import encode_float, get_format
 from qlab.kernels import compiled, cpu_qdq
 from qlab.kernels.noise import stochastic_noise
 
@@ -73,12 +76,113 @@ def mx_qdq(
     return values.movedim(-1, axis), codes
 
 
-def quantize_covers(spec) -> bool:
-    """Whether ``quantize`` has a Triton kernel for ``spec`` (see there)."""
+def quantize_covers(spec, *, fixed_scale: bool = False) -> bool:
+    """Whether ``quantize`` has a Triton kernel for ``spec`` (see there); ``fixed_scale``: for a call
+    given a fixed scale (delayed scaling), which the kernel takes for per-tensor TensorwiseSpec, RNE."""
+    if checks.boolean("fixed_scale", fixed_scale):
+        return _fixed_scale_spec(spec)
     if isinstance(spec, Q.MXSpec):
         return spec.block_size == 32 and spec.rounding == "rne" and not spec.block_2d and not spec.hadamard
     blockwise = isinstance(spec, Q.BlockwiseSpec) and not spec.block_2d
     return (isinstance(spec, Q.TensorwiseSpec) or blockwise) and spec.rounding == "rne"
+
+
+def _fixed_scale_spec(spec) -> bool:
+    """Whether the FP8 kernel takes a fixed (delayed-scaling) scale for ``spec``: per tensor, RNE."""
+    return isinstance(spec, Q.TensorwiseSpec) and spec.granularity == "tensor" and spec.rounding == "rne"
+
+
+def _fixed_scale_fits(x: torch.Tensor, scale) -> bool:
+    """Whether the per-tensor kernel gives the reference's shapes for this fixed scale: no more
+    dimensions than x (the reference's x · scale broadcasts to the scale's dimensions). Its number of
+    values is the reference's to check (one, per tensor)."""
+    return not isinstance(scale, torch.Tensor) or scale.dim() <= x.dim()
+
+
+def _fixed_scale_kernel(x: torch.Tensor, spec, axis: int, scale: torch.Tensor, *, codes: bool, dtype=None):
+    """The FP8 kernel with a fixed per-tensor scale (checked as the caller's contract says):
+    quantize's QTensor (``codes``) or qdq's values in ``dtype``. The codes keep x's shape whatever the
+    axis, as the reference's per-tensor layout does; the QTensor holds ``scale`` itself, as the
+    reference's does."""
+    from qlab.kernels.fp8_triton import fp8_fixed_scale
+
+    out, _ = fp8_fixed_scale(
+        x,
+        get_format(spec.element),
+        scale.to(device=x.device, dtype=torch.float32),
+        emit_codes=codes,
+        out_dtype=None if codes else dtype,
+        convention=spec.convention,
+    )
+    if not codes:
+        return out
+    return Q.QTensor(
+        codes=out, scales=scale, spec=spec, axis=axis, shape=x.shape, dtype=x.dtype, fixed_scale=scale
+    )
+
+
+def fp8_with_scale(
+    x: torch.Tensor,
+    spec,
+    axis: int,
+    scale: torch.Tensor,
+    *,
+    codes: bool,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+):
+    """FP8 delayed scaling by a scale the caller keeps on the device: ``quantize(x, spec, axis,
+    scale=scale)``'s QTensor (``codes=True``) or ``qdq(x, spec, axis, scale=scale, dtype=dtype)``'s
+    values (``codes=False``), bit for bit, without reading the scale on the host.
+
+    ``spec``: a TensorwiseSpec (or preset name) of granularity "tensor" with rne rounding; ``scale``: a
+    float32 tensor holding one value, on x's device, with at most x's dimensions. Its shape, dtype and
+    device are checked; its value is NOT: the caller guarantees it finite and positive (``quantize``
+    and ``qdq`` check it, which for a CUDA scale waits for the device every call); any other value
+    gives unspecified results. x is checked as ``quantize`` checks it. ``dtype`` (qdq values only):
+    the result's dtype, default x's.
+
+    The Triton kernel runs for a CUDA x eagerly ("auto"), or wherever "triton" forces it; the CPU,
+    traced code and the "cpu" and "reference" backends run the reference's eager ops."""
+    spec = Q.get_spec(spec)
+    if not _fixed_scale_spec(spec):
+        raise TypeError(
+            f"spec must be a TensorwiseSpec of granularity 'tensor' with rne rounding for fp8_with_scale, "
+            f"got {spec!r}"
+        )
+    axis = Q.check_input(x, spec, axis)  # x's dtype, the axis, and NaN for a format without NaN
+    checks.boolean("codes", codes)
+    checks.floating_dtype("dtype", dtype)
+    checks.tensor("scale", scale, dtypes=(torch.float32,))
+    if scale.numel() != 1 or scale.dim() > x.dim():
+        raise ValueError(
+            f"scale must hold one value, with at most x's {x.dim()} dimensions, "
+            f"got shape {tuple(scale.shape)}"
+        )
+    checks.same_device("scale", scale, "x", x)
+    if codes and dtype is not None:
+        raise ValueError("dtype is the dtype of qdq values: give it with codes=False only")
+    if codes and x.numel() == 0:
+        raise ValueError(f"quantize needs a non-empty tensor x, got shape {tuple(x.shape)}")
+    checks.choice("backend", backend, BACKENDS)
+    dtype = dtype or x.dtype
+    if x.numel() == 0:
+        return x.to(dtype).clone()
+    eager = not torch.compiler.is_compiling()
+    if eager and _resolve(x, backend) == "triton":
+        return _fixed_scale_kernel(x, spec, axis, scale, codes=codes, dtype=dtype)
+    if not codes:
+        return Q.qdq_unchecked(x, spec, axis, None, scale, dtype)
+    parts, _ = spec.quantize_layout(Q.to_layout(x, spec, axis), None, scale)
+    return Q.QTensor(
+        codes=encode_float(parts["values"], get_format(spec.element)),
+        scales=parts["scales"],
+        spec=spec,
+        axis=axis,
+        shape=x.shape,
+        dtype=x.dtype,
+        fixed_scale=scale,
+    )
 
 
 def _check_mx_kernel_spec(spec: Q.MXSpec) -> None:
@@ -188,24 +292,32 @@ def quantize(
 ) -> Q.QTensor:
     """``qlab.quantize.quantize(x, spec, axis, ..., keep_source=False)``: the same QTensor (codes in
     the blocked layout, scales, E8M0 bytes), bit for bit. The Triton kernels cover MXSpec (block 32,
-    1-D, RNE, every scale mode), TensorwiseSpec current scaling (RNE, per tensor or per row) and 1-D
-    BlockwiseSpec (RNE) on a GPU, eagerly; every other call (a fixed ``scale``, stochastic rounding,
-    another spec, the CPU, traced code) runs the reference. The result keeps no high-precision source
-    (``QTensor.along`` needs the original tensor)."""
+    1-D, RNE, every scale mode), TensorwiseSpec current scaling (RNE, per tensor or per row), a
+    TensorwiseSpec per tensor with a fixed ``scale`` (delayed scaling; RNE; one value, with at most x's
+    dimensions, checked finite and positive as the reference checks it) and 1-D BlockwiseSpec (RNE) on
+    a GPU, eagerly; every other call (another fixed scale, stochastic rounding, another spec, the CPU,
+    traced code) runs the reference. The result keeps no high-precision source (``QTensor.along``
+    needs the original tensor)."""
     spec = Q.get_spec(spec)
     checks.choice("backend", backend, BACKENDS)
-    covered = quantize_covers(spec) and scale is None and noise is None and generator is None
-    if backend == "triton" and not covered:
-        raise ValueError(
-            f"backend 'triton': the quantize kernels cover MX (block 32, 1-D, RNE), FP8 current scaling "
-            f"and 1-D blockwise specs with rne rounding and no fixed scale or noise; got {spec}"
-        )
+    fixed = scale is not None
+    covered = quantize_covers(spec, fixed_scale=fixed) and noise is None and generator is None
     eager = not torch.compiler.is_compiling()  # traced code fuses the reference's ops itself
     if covered and eager:
         Q.check_input(x, spec, axis, values=False)
+        covered = _fixed_scale_fits(x, scale)
+    if backend == "triton" and not covered:
+        raise ValueError(
+            f"backend 'triton': the quantize kernels cover MX (block 32, 1-D, RNE), FP8 current scaling, "
+            f"FP8 per-tensor scaling by a fixed scale of one value and 1-D blockwise specs with rne "
+            f"rounding and no noise; got {spec}"
+        )
     if not (covered and eager) or x.numel() == 0 or _resolve(x, backend) in ("cpu", "reference"):
         return Q.quantize(x, spec, axis, generator=generator, scale=scale, noise=noise, keep_source=False)
     axis = Q.check_input(x, spec, axis)  # the reference's refusals (NaN without a NaN encoding, ...)
+    if fixed:  # the reference's refusals of the scale (its value too: finite and positive)
+        scale = Q.check_qdq_arguments(x, spec, axis, None, None, scale, None, None, values=False)[3]
+        return _fixed_scale_kernel(x, spec, axis, scale, codes=True)
     if isinstance(spec, Q.MXSpec):
         from qlab.kernels.mx_triton import mx_quantize_last_axis
 
@@ -322,11 +434,14 @@ def nvfp4_qdq(
     return values.movedim(-1, axis), scales, global_scale
 
 
-def covers(spec) -> bool:
+def covers(spec, *, fixed_scale: bool = False) -> bool:
     """Whether ``qdq`` has a Triton kernel for ``spec``: MX (1-D blocks of 32), TensorwiseSpec, 1-D
     BlockwiseSpec, NVFP4 with its global scale — all with RNE and without the Hadamard transform
-    (stochastic rounding keeps its generator semantics in ``qlab.quantize``)."""
+    (stochastic rounding keeps its generator semantics in ``qlab.quantize``). ``fixed_scale``: for a
+    call given a fixed scale (delayed scaling), which the kernel takes for per-tensor TensorwiseSpec."""
     spec = Q.get_spec(spec)
+    if checks.boolean("fixed_scale", fixed_scale):
+        return _fixed_scale_spec(spec)
     if spec.rounding != "rne" or spec.hadamard:
         return False
     if isinstance(spec, Q.MXSpec):
@@ -353,7 +468,9 @@ def qdq(
     """``qlab.quantize.qdq`` with the same arguments: the same bits, in the same (contiguous) layout,
     by the fastest path that covers the call —
 
-    - a CUDA tensor: the Triton kernel where ``covers(spec)`` (RNE, no fixed ``scale``), eagerly;
+    - a CUDA tensor: the Triton kernel where ``covers(spec)`` (RNE), eagerly; with a fixed ``scale``
+      where ``covers(spec, fixed_scale=True)`` (per-tensor TensorwiseSpec; a scale of one value with
+      at most x's dimensions);
     - a CPU tensor: the C kernel ``cpu_qdq`` where it covers the spec, at any size, eagerly and inside
       torch.compile (stochastic rounding takes its draws from ``stochastic_noise`` up front), else
       ``compiled``'s fused qdq for inputs of at least ``compiled.COMPILE_MIN_NUMEL`` elements (any
@@ -367,8 +484,12 @@ def qdq(
         x, spec, axis, generator, noise, scale, dtype, out, values=False
     )
     eager = not torch.compiler.is_compiling()
-    if backend != "reference" and x.numel() and eager and scale is None and _triton_covers(x, spec, backend):
-        values = _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
+    if backend != "reference" and x.numel() and eager and _triton_covers(x, spec, backend, scale):
+        if scale is None:
+            values = _KERNEL_QDQ[type(spec)](x, spec, axis, dtype=dtype, backend=backend)[0]
+        else:
+            Q.check_input(x, spec, axis)  # the values, once (NaN without a NaN encoding)
+            values = _fixed_scale_kernel(x, spec, axis, scale, codes=False, dtype=dtype)
         # Along a non-last axis the kernels hand back a transposed view. A GEMM given that view may run
         # another cuBLAS algorithm than for the reference's contiguous result (1-4 ulp in every element
         # of a QuantLinear's output on an H100), so the copy keeps the two paths' GEMMs identical too.
@@ -398,11 +519,13 @@ def _fused_cpu_qdq(x: torch.Tensor, spec, axis: int, dtype) -> torch.Tensor:
     return qdq(x, spec, axis, dtype=dtype, backend="reference" if x.is_cuda else "auto")
 
 
-def _triton_covers(x: torch.Tensor, spec, backend: str) -> bool:
-    """Whether ``qdq`` runs a Triton kernel for x (``backend`` "auto" or "triton"; a call no kernel
-    covers runs the other paths, whatever the backend)."""
+def _triton_covers(x: torch.Tensor, spec, backend: str, scale: torch.Tensor | None = None) -> bool:
+    """Whether ``qdq`` runs a Triton kernel for x, with the fixed ``scale`` if given (``backend``
+    "auto" or "triton"; a call no kernel covers runs the other paths, whatever the backend)."""
     tiles_need_2d = isinstance(spec, Q.NVFP4Spec) and spec.block_2d and x.dim() != 2
-    return covers(spec) and not tiles_need_2d and _resolve(x, backend) == "triton"
+    fixed = scale is not None
+    fits = not fixed or _fixed_scale_fits(x, scale)
+    return covers(spec, fixed_scale=fixed) and fits and not tiles_need_2d and _resolve(x, backend) == "triton"
 
 
 def _cpu_kernel_covers(x: torch.Tensor, spec, axis: int, dtype: torch.dtype) -> bool:

@@ -89,9 +89,7 @@ def _rows_and_inverse_scales(q: Q.QTensor, which: str) -> tuple[torch.Tensor, to
     if len(q.shape) != 2:
         raise ValueError(f"fp8_matmul takes 2-D operands, got shape {tuple(q.shape)} for operand {which}")
     codes = q.codes.view(TORCH_FLOAT8[q.spec.element])
-    inverse = torch.reciprocal(q.scales.float()).to(
-        codes.device
-    )  # delayed scaling keeps its scale on the CPU
+    inverse = torch.reciprocal(q.scales.float()).to(codes.device)  # a fixed scale may be a CPU number
     if q.spec.granularity == "tensor":
         return (codes if q.axis == 1 else codes.T).contiguous(), inverse.reshape(())
     return codes.contiguous(), inverse.reshape(-1)  # per row: quantize already moved the axis last

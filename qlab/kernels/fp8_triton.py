@@ -1,4 +1,4 @@
-"""Triton kernels: FP8 current scaling (TransformerEngine semantics), bit-exact with
+"""Triton kernels: FP8 current and delayed scaling (TransformerEngine semantics), bit-exact with
 ``qlab.quantize.quantize`` (element codes + scales) and ``qdq(x, TensorwiseSpec(...))``.
 
 Per tensor, two launches and no host synchronisation: ``_amax_kernel`` max-reduces |x| into one
@@ -8,7 +8,9 @@ division; 0/inf/NaN amax → 1; overflow → float32 max; optional power-of-two 
 cast(x · scale) · fl(1/scale) (qdq; / scale in torchao's convention) or the codes of cast(x · scale)
 (quantize; for E4M3/E5M2 the bytes of torch.float8_e4m3fn / float8_e5m2). Per row (granularity
 "axis", the last axis; also FP8 blockwise 1×128 tiles, each tile a row): the same kernel with PER_ROW,
-one program per row, two passes over the row's chunks.
+one program per row, two passes over the row's chunks. A scale fixed in advance (delayed scaling,
+``fp8_fixed_scale``): the same kernel with GIVEN_SCALE, one launch, each program loading the scale
+from the device instead of computing it; the cast is the one above.
 """
 
 from __future__ import annotations
@@ -84,11 +86,14 @@ def _scale_cast_kernel(
     EMIT_CODES: tl.constexpr,
     NVIDIA: tl.constexpr,
     PER_ROW: tl.constexpr,
+    GIVEN_SCALE: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """Per tensor: one program per CHUNK of the n elements, scaled by the amax and NaN flag at amax_ptr
-    and nan_ptr; program 0 stores the scale. PER_ROW: one program per row of n elements, which first
-    reduces the row's amax, then casts it chunk by chunk; each row stores its scale."""
+    and nan_ptr; program 0 stores the scale. GIVEN_SCALE (per tensor only): each program loads the
+    scale at scale_ptr instead, and nothing is stored there. PER_ROW: one program per row of n
+    elements, which first reduces the row's amax, then casts it chunk by chunk; each row stores its
+    scale."""
     program = tl.program_id(0)
     if PER_ROW:
         start = program.to(tl.int64) * n
@@ -100,12 +105,14 @@ def _scale_cast_kernel(
             x = tl.load(x_ptr + offsets, mask=offsets < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
             has_nan = tl.maximum(has_nan, tl.max((x != x).to(tl.int32), axis=0))
+        scale = _current_scale(amax, has_nan, FMT_MAX, EPS, POW2)
     else:
         start = program.to(tl.int64) * CHUNK
         end = tl.minimum(start + CHUNK, n)
-        amax = tl.load(amax_ptr)
-        has_nan = tl.load(nan_ptr)
-    scale = _current_scale(amax, has_nan, FMT_MAX, EPS, POW2)
+        if GIVEN_SCALE:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = _current_scale(tl.load(amax_ptr), tl.load(nan_ptr), FMT_MAX, EPS, POW2)
     for chunk in range(start, end, CHUNK):
         offsets = chunk + tl.arange(0, CHUNK)
         inside = offsets < end
@@ -121,7 +128,7 @@ def _scale_cast_kernel(
         tl.store(out_ptr + offsets, out, mask=inside)
     if PER_ROW:
         tl.store(scale_ptr + program, scale)
-    else:
+    elif not GIVEN_SCALE:
         tl.store(scale_ptr, scale, mask=program == 0)
 
 
@@ -133,6 +140,25 @@ _scale_cast_tuned = Tuned(
 _row_tuned = Tuned(
     _scale_cast_kernel, ("CHUNK", "num_warps"), (1024, 4), (2048, 4), (4096, 8), (8192, 16), key=["n"]
 )
+
+
+def _constants(element, *, eps: float, pow2: bool, emit_codes: bool, convention: str) -> dict:
+    """The constexprs of ``_scale_cast_kernel`` that do not depend on where the scale comes from."""
+    return dict(
+        FMT_MAX=float(element.max),
+        EPS=float(eps),
+        POW2=bool(pow2),
+        MIN_BIASED=128 - element.bias,
+        EMIT_CODES=emit_codes,
+        NVIDIA=convention == "nvidia",
+        **encode_constants(element),
+    )
+
+
+def _output(flat: torch.Tensor, emit_codes: bool, out_dtype: torch.dtype | None) -> torch.Tensor:
+    return torch.empty(
+        flat.shape, dtype=torch.uint8 if emit_codes else out_dtype or flat.dtype, device=flat.device
+    )
 
 
 def fp8_current_scaling(
@@ -150,24 +176,47 @@ def fp8_current_scaling(
     per tensor or (..., 1) per row). ``convention``: dequantize by values · fl(1/scale) ("nvidia") or
     values / scale ("torchao")."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(flat.shape, dtype=torch.uint8 if emit_codes else out_dtype or x.dtype, device=x.device)
-    constants = dict(
-        FMT_MAX=float(element.max),
-        EPS=float(eps),
-        POW2=bool(pow2),
-        MIN_BIASED=128 - element.bias,
-        EMIT_CODES=emit_codes,
-        NVIDIA=convention == "nvidia",
-        **encode_constants(element),
-    )
+    out = _output(flat, emit_codes, out_dtype)
+    constants = _constants(element, eps=eps, pow2=pow2, emit_codes=emit_codes, convention=convention)
     if per_row:  # no tensor amax: each row reduces its own
         scales = torch.empty(flat.shape[0], dtype=torch.float32, device=x.device)
-        _row_tuned[(flat.shape[0],)](flat, out, None, None, scales, flat.shape[1], PER_ROW=True, **constants)
+        _row_tuned[(flat.shape[0],)](
+            flat, out, None, None, scales, flat.shape[1], PER_ROW=True, GIVEN_SCALE=False, **constants
+        )
         return out.reshape(x.shape), scales.reshape(*x.shape[:-1], 1)
     amax, has_nan = tensor_amax(flat)
     scale = torch.empty(1, dtype=torch.float32, device=x.device)
     n = flat.numel()
     _scale_cast_tuned[lambda meta: (triton.cdiv(n, meta["CHUNK"]),)](
-        flat, out, amax, has_nan, scale, n, PER_ROW=False, **constants
+        flat, out, amax, has_nan, scale, n, PER_ROW=False, GIVEN_SCALE=False, **constants
+    )
+    return out.reshape(x.shape), scale.reshape(())
+
+
+def fp8_fixed_scale(
+    x: torch.Tensor,
+    element,
+    scale: torch.Tensor,
+    *,
+    emit_codes: bool = False,
+    out_dtype: torch.dtype | None = None,
+    convention: str = "nvidia",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scaling by a scale fixed in advance (delayed scaling): (qdq values in ``out_dtype``
+    (default x's), or uint8 codes, in x's shape; ``scale`` as shape ()). ``scale``: a float32 tensor
+    holding one value, on x's device; read on the device only (no host synchronisation, no amax
+    pass), and assumed finite and positive: its value is not checked. The cast is the current-scaling
+    kernel's, cast(x · scale), dequantized as ``convention`` says."""
+    if scale.dtype != torch.float32 or scale.numel() != 1 or scale.device != x.device:
+        raise ValueError(
+            f"scale must be a float32 tensor holding one value on x's device ({x.device}), got a "
+            f"{scale.dtype} tensor of shape {tuple(scale.shape)} on {scale.device}"
+        )
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = _output(flat, emit_codes, out_dtype)
+    constants = _constants(element, eps=0.0, pow2=False, emit_codes=emit_codes, convention=convention)
+    n = flat.numel()
+    _scale_cast_tuned[lambda meta: (triton.cdiv(n, meta["CHUNK"]),)](
+        flat, out, None, None, scale, n, PER_ROW=False, GIVEN_SCALE=True, **constants
     )
     return out.reshape(x.shape), scale.reshape(())
