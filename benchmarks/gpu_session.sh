@@ -4,6 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [profile] [fp8err]
 #                                         [kernels] [linear] [cudagraphs] [runs] [bits] [cudagraph_tests]
+#                                         [hostprofile] [cudagraph_variants]
 #   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
@@ -86,6 +87,13 @@ for part in $parts; do
         run_part kernels 240 $py benchmarks/bench_kernels_gpu.py ;;
     linear)
         run_part linear 240 $py benchmarks/bench_linear.py --device cuda --dtype bfloat16 ;;
+    hostprofile)  # host against device time of a LayerNorm, a Linear and a quantize call, with profiles
+        run_part hostprofile 150 $py benchmarks/profile_gpu.py layernorm linear quantize ;;
+    cudagraph_variants)  # nvfp4 under CUDA graphs with inductor's other partitioning choices, side by side
+        run_part cudagraph_variants 330 bash -c "for v in no_reordering no_partitions; do \
+            $py benchmarks/profile_gpu.py cudagraphs --variant \$v --results $out/variant_\$v \
+            > $out/cudagraphs_\$v.log 2>&1 & done; wait; tail -n 4 $out/cudagraphs_*.log; \
+            $py benchmarks/profile_gpu.py --merge $out/variant_*" ;;
     *) echo "unknown part $part" ;;
     esac
 done
