@@ -1216,7 +1216,8 @@ NOT_GENERATED = {
         kernels.fp8_gemm.unsupported_reason kernels.fp8_gemm.fp8_matmul kernels.fp8_triton.tensor_amax
         kernels.fp8_triton.fp8_current_scaling kernels.fp8_triton.fp8_fixed_scale
         kernels.layernorm_triton.forward kernels.layernorm_triton.backward kernels.mx_triton.mx_qdq_last_axis
-        kernels.mx_triton.mx_quantize_last_axis kernels.noise_triton.noise_from_bits
+        kernels.mx_triton.mx_quantize_last_axis kernels.mx_triton.fp8_cast
+        kernels.noise_triton.noise_from_bits
         kernels.nvfp4_triton.nvfp4_qdq_last_axis kernels.triton_math.encode_constants
         kernels.triton_math.Tuned formats.cast_unchecked formats.encode_float formats.decode_unchecked
         formats.torch_stochastic_noise kernels.noise.register_noise_source kernels.noise.drawn_noise

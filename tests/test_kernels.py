@@ -147,14 +147,39 @@ def _assert_same_qtensor(q: Q.QTensor, ref: Q.QTensor) -> None:
         assert torch.equal(q.scale_codes.cpu(), ref.scale_codes)
 
 
+@pytest.mark.parametrize("conversion", ["float8 cast", "from the bits"])
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
 @pytest.mark.parametrize("element", ELEMENTS)
-def test_mx_kernel_emits_the_codes_quantize_emits(element, mode):
+def test_mx_kernel_emits_the_codes_quantize_emits(element, mode, conversion, monkeypatch):
+    """FP8 codes by the float8 conversion (GPUs from compute capability 8.9) and by encode_float (older
+    GPUs, and every FP4/FP6 element) give quantize's bytes."""
+    from qlab.kernels import mx_triton
+
+    if conversion == "from the bits":
+        monkeypatch.setattr(mx_triton, "fp8_cast", lambda element, device: "")
+    elif get_format(element).name not in ("e4m3", "e5m2"):
+        pytest.skip("FP4/FP6 codes always come from the bits")
     x = _special_blocks()  # 72 columns: the third block is partial, its padding code 0
     spec = Q.MXSpec(element, mode=mode)
     q = kernels.quantize(x.to(DEVICE), spec, backend="triton")
     _assert_same_qtensor(q, Q.quantize(x, spec))
     assert torch.equal(_bits(Q.dequantize(q).cpu()), _bits(mx_qdq(x, spec, backend="reference")[0]))
+
+
+@pytest.mark.parametrize("element, float8", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_mx_kernel_float8_cast_writes_every_finite_code(element, float8):
+    """Every finite E4M3/E5M2 value (subnormals and -0 included), 32 to a block with the format's max in
+    each, so the scale is 1: the kernel's float8 conversion must write each value's own byte."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(float8).float()
+    finite = values[torch.isfinite(values)]
+    blocks = finite[: finite.numel() // 31 * 31].reshape(-1, 31)
+    top = torch.full((blocks.shape[0], 1), get_format(element).max)
+    x = torch.cat([blocks, top], dim=1).reshape(1, -1)
+    q = kernels.quantize(x.to(DEVICE), Q.MXSpec(element), backend="triton")
+    _assert_same_qtensor(q, Q.quantize(x, Q.MXSpec(element)))
+    assert torch.equal(q.scale_codes.cpu(), torch.full_like(q.scale_codes.cpu(), 127))  # 2^0
+    assert torch.equal(q.codes.cpu().reshape(-1), x.to(float8).view(torch.uint8).reshape(-1))
 
 
 @pytest.mark.parametrize("axis", [0, 1])
