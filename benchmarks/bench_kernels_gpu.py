@@ -286,13 +286,13 @@ def _qdq_cases(x: torch.Tensor) -> dict:
             lambda: kernels.quantize(x, Q.SPECS["mxfp8_rceil"], backend="triton"),
             lambda: mx_quantize_last_axis(x, e4m3, "rceil"),
             lambda: Q.quantize(x, Q.SPECS["mxfp8_rceil"], keep_source=False),
-            code_bytes + n // 32,
+            code_bytes + 5 * n // 32,  # E8M0 bytes and their float32 values, one each per block
         ),
         "mxfp8 quantize → codes (e4m3, floor)": (
             lambda: kernels.quantize(x, "mxfp8", backend="triton"),
             lambda: mx_quantize_last_axis(x, e4m3, "floor"),
             lambda: Q.quantize(x, "mxfp8", keep_source=False),
-            code_bytes + n // 32,
+            code_bytes + 5 * n // 32,  # E8M0 bytes and their float32 values, one each per block
         ),
         "fp8 qdq per-tensor (e4m3)": (
             lambda: fp8_qdq(x, "fp8_e4m3", backend="triton"),

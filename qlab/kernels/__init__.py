@@ -321,10 +321,11 @@ def quantize(
     if isinstance(spec, Q.MXSpec):
         from qlab.kernels.mx_triton import mx_quantize_last_axis
 
-        codes, scale_codes = mx_quantize_last_axis(x.movedim(axis, -1), get_format(spec.element), spec.mode)
+        element = get_format(spec.element)
+        codes, scale_codes, scales = mx_quantize_last_axis(x.movedim(axis, -1), element, spec.mode)
         return Q.QTensor(
             codes=codes,
-            scales=scaling.mx_scale_values_unchecked(scale_codes),
+            scales=scales,
             spec=spec,
             axis=axis,
             shape=x.shape,

@@ -37,6 +37,7 @@ def _mx_kernel(
     x_ptr,
     out_ptr,
     codes_ptr,
+    scale_values_ptr,
     n_rows,
     n_cols,
     n_blocks,
@@ -101,11 +102,10 @@ def _mx_kernel(
     else:
         values = tl.where(finite[:, :, None], values * scale[:, :, None], float("nan"))
         tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside)
-    tl.store(
-        codes_ptr + rows[:, None].to(tl.int64) * n_blocks + blocks[None, :],
-        code.to(tl.uint8),
-        mask=block_inside,
-    )
+    scale_offsets = rows[:, None].to(tl.int64) * n_blocks + blocks[None, :]
+    tl.store(codes_ptr + scale_offsets, code.to(tl.uint8), mask=block_inside)
+    if EMIT_CODES:  # the QTensor's float32 scales too: E8M0's value, NaN for byte 0xFF
+        tl.store(scale_values_ptr + scale_offsets, tl.where(finite, scale, float("nan")), mask=block_inside)
 
 
 # Tiles of ROWS rows × GROUPS blocks; the first is the one the CPU interpreter runs.
@@ -134,14 +134,19 @@ def fp8_cast(element, device: torch.device) -> str:
     return element.name
 
 
-def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_codes: bool) -> torch.Tensor:
+def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_codes: bool):
+    """(E8M0 bytes (n_rows, n_blocks), and with ``emit_codes`` their float32 values, else None)."""
     n_rows, n_cols = rows.shape
     n_blocks = triton.cdiv(n_cols, BLOCK)
     scale_codes = torch.empty((n_rows, n_blocks), dtype=torch.uint8, device=rows.device)
+    scale_values = (
+        torch.empty(scale_codes.shape, dtype=torch.float32, device=rows.device) if emit_codes else None
+    )
     _mx_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]), triton.cdiv(n_blocks, meta["GROUPS"]))](
         rows,
         out,
         scale_codes,
+        scale_values if emit_codes else scale_codes,  # read only when emitting codes
         n_rows,
         n_cols,
         n_blocks,
@@ -154,7 +159,7 @@ def _launch(rows: torch.Tensor, out: torch.Tensor, element, mode: str, emit_code
         **encode_constants(element),
         BLOCK=BLOCK,
     )
-    return scale_codes
+    return scale_codes, scale_values
 
 
 def mx_qdq_last_axis(
@@ -164,15 +169,20 @@ def mx_qdq_last_axis(
     qdq), E8M0 bytes of shape (..., ceil(K/32))) for x (..., K)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=out_dtype or x.dtype, device=x.device)
-    scale_codes = _launch(rows, out, element, mode, emit_codes=False)
+    scale_codes, _ = _launch(rows, out, element, mode, emit_codes=False)
     return out.reshape(x.shape), scale_codes.reshape(*x.shape[:-1], -1)
 
 
-def mx_quantize_last_axis(x: torch.Tensor, element, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 element codes of shape (..., n_blocks, 32), E8M0 bytes of shape (..., n_blocks)) for
-    x (..., K), n_blocks = ceil(K/32): QTensor's blocked layout, padding included."""
+def mx_quantize_last_axis(
+    x: torch.Tensor, element, mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(uint8 element codes of shape (..., n_blocks, 32), E8M0 bytes of shape (..., n_blocks), their
+    float32 values, as ``qlab.scaling.mx_scale_values`` gives them) for x (..., K), n_blocks =
+    ceil(K/32): QTensor's blocked layout, padding included. One launch: the values come from the kernel,
+    not from torch ops on the bytes afterwards."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     n_blocks = triton.cdiv(rows.shape[1], BLOCK)
     out = torch.empty((rows.shape[0], n_blocks * BLOCK), dtype=torch.uint8, device=x.device)
-    scale_codes = _launch(rows, out, element, mode, emit_codes=True)
-    return out.reshape(*x.shape[:-1], n_blocks, BLOCK), scale_codes.reshape(*x.shape[:-1], n_blocks)
+    scale_codes, scale_values = _launch(rows, out, element, mode, emit_codes=True)
+    blocks = (*x.shape[:-1], n_blocks)
+    return out.reshape(*blocks, BLOCK), scale_codes.reshape(blocks), scale_values.reshape(blocks)
