@@ -13,7 +13,10 @@ per micro-batch under gradient accumulation).
 FP8 tensor cores (``gemm=``): "auto" (the default) runs a GEMM whose two operands are E4M3/E5M2
 TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise FP8) through ``torch._scaled_mm``
 (qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU whose kernels take it; "scaled_mm" insists
-(also on the CPU: PyTorch's CPU implementation, for tests); "emulated" never. The two agree within
+(also on the CPU: PyTorch's CPU implementation, for tests); "emulated" never. With per-tensor RNE specs
+on tensor cores the backward takes the forward's codes of x and W, and wgrad dgrad's codes of dy
+(``keeps_forward_codes``: the codes do not depend on the axis), so each tensor is quantized once a step
+and x is kept in FP8. The two agree within
 float32 accumulation order on the CPU (the GPU's FP8 accumulator keeps fewer bits), see
 tests/test_fp8_gemm.py; with stochastic rounding along axis 0 they draw the same noise but may give
 it to different elements (see ``qlab.quantize.qdq``).
@@ -228,8 +231,12 @@ class _LinearFunction(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         if rolls:
             layer.record_amaxes({"input": x, "weight": weight})
+        ctx.kept = layer.keeps_forward_codes(x, weight, y)
         if layer.saves_dequantized:  # the forward's operands, dequantized
             ctx.save_for_backward(_as_tensor(x_op, x), _as_tensor(w_op, weight))
+        elif ctx.kept:  # their FP8 codes, which the backward's GEMMs take along the other axis
+            ctx.save_for_backward(x_op.codes, x_op.scales, w_op.codes, w_op.scales)
+            ctx.codes_of = tuple((q.spec, q.shape, q.dtype) for q in (x_op, w_op))  # no tensors
         else:  # None re-quantizes from high precision along the backward GEMMs' axes
             ctx.save_for_backward(x, weight)
         ctx.layer, ctx.scales, ctx.is_first_microbatch = layer, scales, is_first_microbatch
@@ -244,22 +251,44 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x_saved, w_saved = ctx.saved_tensors
+        if ctx.kept:  # the forward's codes, to be contracted along axis 0 (W for dgrad, x for wgrad)
+            x_codes, x_scales, w_codes, w_scales = ctx.saved_tensors
+            x_saved = _along_axis_0(x_codes, x_scales, *ctx.codes_of[0])
+            w_saved = _along_axis_0(w_codes, w_scales, *ctx.codes_of[1])
+        else:
+            x_saved, w_saved = ctx.saved_tensors
         layer, scales = ctx.layer, ctx.scales
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         quantized = layer.quantized_backward
         dx = dw = db = None
+        dy_wgrad = dy
         if need_x:
-            dx = _matmul("dgrad", *layer.gemm_operands("dgrad", dy, w_saved, scales, quantized=quantized))
-            dx = dx.to(ctx.dtypes[0])
+            dy_op, w_op = layer.gemm_operands("dgrad", dy, w_saved, scales, quantized=quantized)
+            dx = _matmul("dgrad", dy_op, w_op).to(ctx.dtypes[0])
+            if ctx.kept:  # the same codes serve wgrad, along the tokens
+                dy_wgrad = _along_axis_0(dy_op.codes, dy_op.scales, dy_op.spec, dy_op.shape, dy_op.dtype)
         if need_w:  # drawn after dgrad's noise, as eager code draws it
-            dy_op, x_op = layer.gemm_operands("wgrad", dy, x_saved, scales, quantized=quantized, after=dx)
+            dy_op, x_op = layer.gemm_operands(
+                "wgrad", dy_wgrad, x_saved, scales, quantized=quantized, after=dx
+            )
             dw = layer.deliver_wgrad(dy_op, x_op, ctx.is_first_microbatch)
         if need_b:
             db = _bias_grad(dy, ctx.dtypes[2])
         if quantized:  # all-reduced only after a training-mode forward, as the forward's are
             layer.record_amaxes({"grad_output": dy}, reduce=ctx.training)
         return dx, dw, db, None, None
+
+
+def _same_codes_along_any_axis(spec) -> bool:
+    """Whether quantizing along either axis gives the same codes: one scale for the whole tensor and
+    round to nearest (no draws), as TE's FP8 tensor and its transpose share their bytes."""
+    return isinstance(spec, Q.TensorwiseSpec) and spec.granularity == "tensor" and spec.rounding == "rne"
+
+
+def _along_axis_0(codes, scales, spec, shape, dtype) -> Q.QTensor:
+    """A per-tensor quantized tensor (codes in the tensor's own layout, one scale) as a QTensor to be
+    contracted along axis 0: what ``quantize`` along axis 0 gives for the same codes and scale."""
+    return Q.QTensor(codes=codes, scales=scales, spec=spec, axis=0, shape=shape, dtype=dtype)
 
 
 def _recomputing() -> bool:
@@ -573,12 +602,29 @@ class QuantLinear(QlabLinear):
         if not quantized:
             return a, b
         operands = [(a, *GEMM_OPERANDS[gemm][0]), (b, *GEMM_OPERANDS[gemm][1])]
-        tensor_cores = self._runs_on_tensor_cores(gemm, a, b)
+        kept = isinstance(a, Q.QTensor) or isinstance(b, Q.QTensor)  # codes kept only for tensor cores
+        tensor_cores = kept or self._runs_on_tensor_cores(gemm, a, b)
         noises = self._draw_noise(operands, tensor_cores, a if after is None else after)
         return tuple(
             self._operand(tensor, role, axis, scales, noise, tensor_cores)
             for (tensor, role, axis), noise in zip(operands, noises)
         )
+
+    def keeps_forward_codes(self, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> bool:
+        """Whether backward takes the forward's FP8 codes of x and W, and wgrad dgrad's codes of dy,
+        instead of quantizing each again along its other axis: every GEMM on tensor cores (``y`` stands
+        for dy's shape) and each tensor's roles one spec whose codes do not depend on the axis
+        (per tensor, RNE). The codes are the ones quantizing again would give (tests/test_fp8_gemm.py)."""
+        if not self.quantized_backward:
+            return False
+        for first, second in (("input", "wgrad_input"), ("weight", "dgrad_weight")) + (
+            ("dgrad_grad_output", "wgrad_grad_output"),
+        ):
+            spec = self.recipe.spec(first)
+            if spec is None or spec != self.recipe.spec(second) or not _same_codes_along_any_axis(spec):
+                return False
+        gemms = (("fprop", x, weight), ("dgrad", y, weight), ("wgrad", y, x))
+        return all(self._runs_on_tensor_cores(gemm, a, b) for gemm, a, b in gemms)
 
     def record_amaxes(self, tensors: dict[str, torch.Tensor], *, reduce: bool = True) -> None:
         """Delayed scaling: record each role's amax and roll its history (once per forward/backward).
@@ -641,7 +687,7 @@ class QuantLinear(QlabLinear):
     def _operand(self, t, role: str, axis: int, scales, noise, tensor_cores: bool):
         """One GEMM operand: ``t`` quantized by the role's spec along ``axis`` (see gemm_operands)."""
         spec = self.recipe.spec(role)
-        if spec is None:
+        if spec is None or isinstance(t, Q.QTensor):  # a QTensor: codes kept for this GEMM already
             return t
         scale = self._delayed_scale(role, scales)
         generator = self._generator(t.device) if spec.rounding == "stochastic" and noise is None else None

@@ -284,3 +284,58 @@ def test_forced_scaled_mm_names_the_gemm_it_cannot_run(monkeypatch):
     layer = QuantLinear(40, 16, recipe="fp8_tensorwise", gemm="scaled_mm")
     with pytest.raises(ValueError, match="fprop GEMM: the reduction length K=40"):
         layer(torch.randn(16, 40))
+
+
+@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_delayed"])
+def test_backward_keeps_the_forwards_codes_with_the_bits_of_quantizing_again(recipe, monkeypatch):
+    """Per-tensor RNE codes do not depend on the axis, so on tensor cores the backward takes the
+    forward's codes of x and W and dgrad's codes of dy (TE's FP8 tensor and its transpose) instead of
+    quantizing them again: y, dx, dW and db keep their bits over three steps (delayed scaling rolls its
+    histories alike), with three quantize calls a step instead of six."""
+    import qlab.nn as qnn
+
+    calls = []
+
+    def counting(function):
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return function(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(qnn.kernels, "quantize", counting(qnn.kernels.quantize))
+    monkeypatch.setattr(qnn.kernels, "fp8_with_scale", counting(qnn.kernels.fp8_with_scale))
+    _, keeping = _twin_layers(get_recipe(recipe))
+    _, again = _twin_layers(get_recipe(recipe))
+    again.keeps_forward_codes = lambda x, weight, y: False
+    for step in range(3):
+        x, dy = _inputs(step)
+        for layer in (keeping, again):
+            layer.weight.grad = layer.bias.grad = None
+        calls.clear()
+        kept = _run(keeping, x, dy)
+        assert len(calls) == 3  # x and W in the forward, dy once in the backward
+        calls.clear()
+        quantized_again = _run(again, x, dy)
+        assert len(calls) == 6
+        for a, b in zip(kept, quantized_again):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_backward_quantizes_again_where_codes_depend_on_the_axis():
+    """Row-wise scales differ along the two axes: nothing is kept, and neither is anything for the
+    backward overrides or for emulated GEMMs."""
+    x, _ = _inputs(0)
+    layer = QuantLinear(64, 48, recipe=ROWWISE, gemm="scaled_mm").to(DEVICE)
+    y = torch.empty(32, 48, device=DEVICE)
+    if unsupported_reason(E4M3_ROW, E4M3_ROW, 64, 48, torch.device(DEVICE)) is None:
+        assert not layer.keeps_forward_codes(x, layer.weight, y)
+    for recipe, gemm in (
+        ("fp8_tensorwise", "emulated"),
+        (get_recipe("fp8_tensorwise", backward_override="dequantized"), "scaled_mm"),
+    ):
+        layer = QuantLinear(64, 48, recipe=recipe, gemm=gemm).to(DEVICE)
+        assert not layer.keeps_forward_codes(x, layer.weight, y)
+    assert QuantLinear(64, 48, recipe="fp8_tensorwise", gemm="scaled_mm").keeps_forward_codes(
+        x.cpu(), torch.ones(48, 64), y.cpu()
+    )
