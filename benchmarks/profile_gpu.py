@@ -20,7 +20,8 @@ inductor's partitioning choices: ``partitions`` (what TrainConfig does), ``no_re
 (partitions, without inductor's reordering to fewer partitions) or ``no_partitions`` (a graph holding
 the noise op runs without CUDA graphs). It prints whether each trains, the first step's seconds and the
 steady step time, and the full error otherwise (with the allocation history of tensors the CUDA-graph
-pool holds). Rows go to ``benchmarks/results/profile_gpu.csv``.
+pool holds). Rows go to ``benchmarks/results/profile_gpu.csv``. (gpu_session.sh runs two variants side
+by side on one GPU: their step times then compete; whether each trains is the point.)
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def main() -> int:
         import pandas as pd
 
         for folder in args.merge:
-            rows = pd.read_csv(os.path.join(folder, "profile_gpu.csv"), keep_default_na=False)
+            rows = pd.read_csv(os.path.join(folder, "profile_gpu.csv"), dtype=str, keep_default_na=False)
             record("profile_gpu", rows.to_dict("records"), args.results)
         return 0
     unknown = set(args.parts) - {*PARTS, "cudagraphs"}

@@ -279,6 +279,10 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
 def _same_codes_along_any_axis(spec) -> bool:
     """Whether quantizing along either axis gives the same codes: one scale for the whole tensor and
     round to nearest (no draws), as TE's FP8 tensor and its transpose share their bytes."""
@@ -519,8 +523,8 @@ class QuantLinear(QlabLinear):
             "generators": {
                 str(device): generator.get_state() for device, generator in self._generators.items()
             },
-            "scalers": {
-                role: {"history": scaler.history.clone(), "scale": scaler.scale.clone()}
+            "scalers": {  # CPU copies (the live ones stay on the layer's device): one read per checkpoint
+                role: {"history": _cpu_copy(scaler.history), "scale": _cpu_copy(scaler.scale)}
                 for role, scaler in self.scalers.items()
             },
         }
@@ -563,10 +567,15 @@ class QuantLinear(QlabLinear):
                         f"state['scalers'][{role!r}][{key!r}] has shape {tuple(value.shape)}, this layer's "
                         f"{tuple(getattr(current, key).shape)}"
                     )
+            scale = saved["scale"].float()
+            if not (torch.isfinite(scale).all() and (scale > 0).all()):  # the forward trusts it unread
+                raise ValueError(
+                    f"state['scalers'][{role!r}]['scale'] must be finite and positive, got {scale.tolist()}"
+                )
         self._generators.update(restored)  # every part checked before any is applied
-        for role, saved in scalers.items():
-            self.scalers[role].history = saved["history"].clone()
-            self.scalers[role].scale = saved["scale"].clone()
+        for role, saved in scalers.items():  # float32, as DelayedScaling keeps them
+            self.scalers[role].history = saved["history"].float().clone()
+            self.scalers[role].scale = saved["scale"].float().clone()
 
     # --- what _LinearFunction calls ---
 
@@ -691,7 +700,7 @@ class QuantLinear(QlabLinear):
             return t
         scale = self._delayed_scale(role, scales)
         generator = self._generator(t.device) if spec.rounding == "stochastic" and noise is None else None
-        if scale is not None and kernels.covers(spec, fixed_scale=True):
+        if scale is not None and t.is_cuda and kernels.covers(spec, fixed_scale=True):
             # the scaler's scale is finite and positive by construction (DelayedScaling.step keeps the
             # previous one otherwise): no check that would read it back from the device every call
             compute = None if tensor_cores else _compute_dtype(t)

@@ -175,7 +175,9 @@ class DelayedScaling:
     ``observe(amax)`` records an amax during a step (several calls per step, e.g. micro-batches, are
     max-reduced); ``step()`` rolls the history once, puts the step's amax first and recomputes
     ``scale = (fmt_max / amax_hist) / 2^margin`` with amax_hist the history's max ("max") or its
-    newest entry ("most_recent"). A zero or non-finite amax_hist keeps the previous scale. Starts at 1.
+    newest entry ("most_recent"). A zero or non-finite amax_hist, or a scale that would not be finite
+    and positive (a margin so large it underflows to 0), keeps the previous scale: the scale is always
+    finite and positive. Starts at 1.
 
     History and scale live on the device of the amaxes observed (they move there at the first step
     that saw one), and ``step`` decides with tensor ops: on a GPU no call reads a value back to the
@@ -209,7 +211,7 @@ class DelayedScaling:
         self._step_amax = None
         amax = self.history.max() if self.algorithm == "max" else self.history[0]
         candidate = _divide(self.fmt.max, amax) / 2.0**self.margin
-        usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate)
+        usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
         self.scale = torch.where(usable, candidate.float(), previous)
         return self.scale
 

@@ -1349,6 +1349,17 @@ CASES = [
         ValueError,
         "history",
     ),
+    *[
+        (
+            f"load_quant_state scale {bad}",
+            lambda bad=bad: _delayed_layer().load_quant_state(
+                {"scalers": {"input": {"history": torch.zeros(1024), "scale": torch.tensor(bad)}}}
+            ),
+            ValueError,
+            "finite and positive",
+        )
+        for bad in (0.0, -1.0, float("nan"), float("inf"))
+    ],
     (
         "load_quant_state generator bytes",
         lambda: _delayed_layer().load_quant_state({"generators": {"cpu": torch.zeros(3)}}),

@@ -339,3 +339,47 @@ def test_backward_quantizes_again_where_codes_depend_on_the_axis():
     assert QuantLinear(64, 48, recipe="fp8_tensorwise", gemm="scaled_mm").keeps_forward_codes(
         x.cpu(), torch.ones(48, 64), y.cpu()
     )
+
+
+def test_a_quant_state_is_a_cpu_copy_and_loads_as_float32():
+    """Checkpoints hold CPU copies of the delayed-scaling state (the live tensors stay on the layer's
+    device); a float64 state loads as the float32 the scaler keeps, with the same values."""
+    layer = QuantLinear(64, 48, recipe="fp8_delayed").to(DEVICE)
+    x, dy = _inputs(0)
+    _run(layer, x, dy)
+    state = layer.quant_state()
+    for role, saved in state["scalers"].items():
+        assert saved["history"].device.type == saved["scale"].device.type == "cpu"
+        assert saved["scale"].data_ptr() != layer.scalers[role].scale.data_ptr()
+    wide = {
+        "scalers": {
+            role: {key: value.double() for key, value in saved.items()}
+            for role, saved in state["scalers"].items()
+        }
+    }
+    fresh = QuantLinear(64, 48, recipe="fp8_delayed").to(DEVICE)
+    fresh.load_state_dict(layer.state_dict())
+    fresh.load_quant_state(wide)
+    for role, scaler in fresh.scalers.items():
+        assert scaler.scale.dtype == scaler.history.dtype == torch.float32
+        assert torch.equal(scaler.scale.cpu(), state["scalers"][role]["scale"])
+    assert torch.equal(_run(fresh, x, dy)[0], _run(layer, x, dy)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host synchronisations exist on CUDA only")
+@pytest.mark.parametrize("gemm", ["scaled_mm", "emulated"])
+def test_delayed_scaling_steps_read_nothing_back_from_the_gpu(gemm):
+    """After the first step (whose scale of 1 starts on the CPU), forward and backward of an fp8_delayed
+    layer make no host synchronisation: its amax history and scale stay on the GPU and the kernel takes
+    the scale unread."""
+    layer = QuantLinear(64, 48, recipe="fp8_delayed", gemm=gemm).to("cuda")
+    x, dy = _inputs(0)
+    for _ in range(2):
+        _run(layer, x, dy)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x.requires_grad_(True))
+        y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1003,6 +1003,10 @@ def test_delayed_scaling_table():
         ds.step()
         ds.observe(torch.tensor(bad))
         assert ds.step().item() == 112.0, bad
+    # a margin so large that the scale would underflow to 0 keeps the previous one: always finite, > 0
+    ds = scaling.DelayedScaling("e4m3", margin=200)
+    ds.observe(torch.tensor(4.0))
+    assert ds.step().item() == 1.0
 
 
 def test_delayed_scaling_never_reads_a_value_back_and_follows_the_amax_device():
