@@ -9,6 +9,9 @@
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
 # so a part cut off keeps what it printed and the next part still runs. No part is a pass/fail gate.
+# One call of about ten minutes (the device tool's limit per call), trimmed limits:
+#   PART_LIMIT_bits=120 PART_LIMIT_hostprofile=100 PART_LIMIT_cudagraph_variants=230 PART_LIMIT_kernels=200 \
+#   bash benchmarks/gpu_session.sh OUT bits hostprofile cudagraph_variants kernels
 set -u
 out=${1:?usage: gpu_session.sh OUTDIR [parts...]}
 shift
@@ -91,9 +94,9 @@ for part in $parts; do
         run_part hostprofile 150 $py benchmarks/profile_gpu.py layernorm linear quantize ;;
     cudagraph_variants)  # nvfp4 under CUDA graphs with inductor's other partitioning choices, side by side
         run_part cudagraph_variants 330 bash -c "for v in no_reordering no_partitions; do \
-            $py benchmarks/profile_gpu.py cudagraphs --variant \$v --results $out/variant_\$v \
+            $py benchmarks/profile_gpu.py cudagraphs --variant \$v --results /tmp/variant_\$v \
             > $out/cudagraphs_\$v.log 2>&1 & done; wait; tail -n 4 $out/cudagraphs_*.log; \
-            $py benchmarks/profile_gpu.py --merge $out/variant_*" ;;
+            $py benchmarks/profile_gpu.py --merge /tmp/variant_*" ;;
     *) echo "unknown part $part" ;;
     esac
 done
