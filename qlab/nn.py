@@ -13,10 +13,10 @@ per micro-batch under gradient accumulation).
 FP8 tensor cores (``gemm=``): "auto" (the default) runs a GEMM whose two operands are E4M3/E5M2
 TensorwiseSpec (fp8_tensorwise, fp8_delayed, row-wise FP8) through ``torch._scaled_mm``
 (qlab.kernels.fp8_gemm) when the layer is on a CUDA GPU whose kernels take it; "scaled_mm" insists
-(also on the CPU: PyTorch's CPU implementation, for tests); "emulated" never. With per-tensor RNE specs
-on tensor cores the backward takes the forward's codes of x and W, and wgrad dgrad's codes of dy
-(``keeps_forward_codes``: the codes do not depend on the axis), so each tensor is quantized once a step
-and x is kept in FP8. The two agree within
+(also on the CPU: PyTorch's CPU implementation, for tests); "emulated" never. With per-tensor RNE
+current scaling on tensor cores the backward takes the forward's codes of x and W, and wgrad dgrad's
+codes of dy (``keeps_forward_codes``: the codes do not depend on the axis), so each tensor is quantized
+once a step and x is kept in FP8. The two agree within
 float32 accumulation order on the CPU (the GPU's FP8 accumulator keeps fewer bits), see
 tests/test_fp8_gemm.py; with stochastic rounding along axis 0 they draw the same noise but may give
 it to different elements (see ``qlab.quantize.qdq``).
@@ -231,12 +231,15 @@ class _LinearFunction(torch.autograd.Function):
             y = y + bias.to(y.dtype)
         if rolls:
             layer.record_amaxes({"input": x, "weight": weight})
-        ctx.kept = layer.keeps_forward_codes(x, weight, y)
+        need_x, need_w = ctx.needs_input_grad[:2]
+        ctx.kept = layer.keeps_forward_codes(x, weight, y, need_x=need_x, need_w=need_w)
         if layer.saves_dequantized:  # the forward's operands, dequantized
             ctx.save_for_backward(_as_tensor(x_op, x), _as_tensor(w_op, weight))
-        elif ctx.kept:  # their FP8 codes, which the backward's GEMMs take along the other axis
-            ctx.save_for_backward(x_op.codes, x_op.scales, w_op.codes, w_op.scales)
-            ctx.codes_of = tuple((q.spec, q.shape, q.dtype) for q in (x_op, w_op))  # no tensors
+        elif ctx.kept:  # their FP8 codes, which the backward's GEMMs take along the other axis: x's for
+            # wgrad, W's for dgrad, each only where that GEMM runs
+            x_kept, w_kept = (x_op if need_w else None), (w_op if need_x else None)
+            ctx.save_for_backward(*_parts(x_kept), *_parts(w_kept))
+            ctx.codes_of = tuple(None if q is None else (q.spec, q.shape, q.dtype) for q in (x_kept, w_kept))
         else:  # None re-quantizes from high precision along the backward GEMMs' axes
             ctx.save_for_backward(x, weight)
         ctx.layer, ctx.scales, ctx.is_first_microbatch = layer, scales, is_first_microbatch
@@ -253,19 +256,19 @@ class _LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         if ctx.kept:  # the forward's codes, to be contracted along axis 0 (W for dgrad, x for wgrad)
             x_codes, x_scales, w_codes, w_scales = ctx.saved_tensors
-            x_saved = _along_axis_0(x_codes, x_scales, *ctx.codes_of[0])
-            w_saved = _along_axis_0(w_codes, w_scales, *ctx.codes_of[1])
+            x_saved = None if x_codes is None else _along_axis_0(x_codes, x_scales, *ctx.codes_of[0])
+            w_saved = None if w_codes is None else _along_axis_0(w_codes, w_scales, *ctx.codes_of[1])
         else:
             x_saved, w_saved = ctx.saved_tensors
         layer, scales = ctx.layer, ctx.scales
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        quantized = layer.quantized_backward
+        quantized = ctx.kept or layer.quantized_backward  # kept codes: the forward decided
         dx = dw = db = None
         dy_wgrad = dy
         if need_x:
             dy_op, w_op = layer.gemm_operands("dgrad", dy, w_saved, scales, quantized=quantized)
             dx = _matmul("dgrad", dy_op, w_op).to(ctx.dtypes[0])
-            if ctx.kept:  # the same codes serve wgrad, along the tokens
+            if ctx.kept and need_w:  # the same codes serve wgrad, along the tokens
                 dy_wgrad = _along_axis_0(dy_op.codes, dy_op.scales, dy_op.spec, dy_op.shape, dy_op.dtype)
         if need_w:  # drawn after dgrad's noise, as eager code draws it
             dy_op, x_op = layer.gemm_operands(
@@ -279,14 +282,34 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _parts(q: Q.QTensor | None) -> tuple:
+    """A kept QTensor's two tensors for save_for_backward (None, None when nothing is kept)."""
+    return (None, None) if q is None else (q.codes, q.scales)
+
+
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def _same_codes_along_any_axis(spec) -> bool:
-    """Whether quantizing along either axis gives the same codes: one scale for the whole tensor and
-    round to nearest (no draws), as TE's FP8 tensor and its transpose share their bytes."""
-    return isinstance(spec, Q.TensorwiseSpec) and spec.granularity == "tensor" and spec.rounding == "rne"
+def _codes_serve_both_axes(recipe: Recipe) -> bool:
+    """Whether one quantization of x, of W and of dy serves both GEMMs that take each: current scaling,
+    and each tensor's two roles one spec with one scale for the whole tensor and round to nearest (no
+    draws), so quantizing along either axis gives the same codes, as TE's FP8 tensor and its transpose
+    share their bytes. Decided once per layer, not while torch.compile traces (with dynamic shapes
+    Dynamo cannot compare specs)."""
+    if recipe.delayed:
+        return False
+    for first, second in (("input", "wgrad_input"), ("weight", "dgrad_weight")) + (
+        ("dgrad_grad_output", "wgrad_grad_output"),
+    ):
+        spec = recipe.spec(first)
+        if not (
+            isinstance(spec, Q.TensorwiseSpec) and spec.granularity == "tensor" and spec.rounding == "rne"
+        ):
+            return False
+        if spec != recipe.spec(second):
+            return False
+    return True
 
 
 def _along_axis_0(codes, scales, spec, shape, dtype) -> Q.QTensor:
@@ -405,6 +428,7 @@ class QuantLinear(QlabLinear):
         self._dummy: torch.Tensor | None = None
         self._forward_scales: dict | None = None  # the last training forward's (delayed scaling)
         self.scalers: dict[str, DelayedScaling] = {}
+        self._codes_serve_both_axes = _codes_serve_both_axes(self.recipe)
         for role in ROLES:  # Hadamard matrices built now, not while torch.compile traces
             spec = self.recipe.spec(role)
             if spec is not None and spec.hadamard:
@@ -425,6 +449,7 @@ class QuantLinear(QlabLinear):
     def __setstate__(self, state):
         super().__setstate__(state)
         self._noise_source = register_noise_source(self._generator)  # a copy draws from its own generators
+        self._codes_serve_both_axes = _codes_serve_both_axes(self.recipe)  # also for layers pickled before it
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe="bf16", **options) -> QuantLinear:
@@ -568,9 +593,11 @@ class QuantLinear(QlabLinear):
                         f"{tuple(getattr(current, key).shape)}"
                     )
             scale = saved["scale"].float()
-            if not (torch.isfinite(scale).all() and (scale > 0).all()):  # the forward trusts it unread
+            normal = torch.isfinite(scale) & (scale >= torch.finfo(torch.float32).tiny)
+            if not normal.all():  # the forward trusts it unread, and divides by it
                 raise ValueError(
-                    f"state['scalers'][{role!r}]['scale'] must be finite and positive, got {scale.tolist()}"
+                    f"state['scalers'][{role!r}]['scale'] must be finite and positive (a normal float32), "
+                    f"got {scale.tolist()}"
                 )
         self._generators.update(restored)  # every part checked before any is applied
         for role, saved in scalers.items():  # float32, as DelayedScaling keeps them
@@ -619,21 +646,26 @@ class QuantLinear(QlabLinear):
             for (tensor, role, axis), noise in zip(operands, noises)
         )
 
-    def keeps_forward_codes(self, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor) -> bool:
-        """Whether backward takes the forward's FP8 codes of x and W, and wgrad dgrad's codes of dy,
-        instead of quantizing each again along its other axis: every GEMM on tensor cores (``y`` stands
-        for dy's shape) and each tensor's roles one spec whose codes do not depend on the axis
-        (per tensor, RNE). The codes are the ones quantizing again would give (tests/test_fp8_gemm.py)."""
-        if not self.quantized_backward:
+    def keeps_forward_codes(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        need_x: bool = True,
+        need_w: bool = True,
+    ) -> bool:
+        """Whether backward takes the forward's FP8 codes of x (for wgrad) and W (for dgrad), and wgrad
+        dgrad's codes of dy, instead of quantizing each again along its other axis: a backward will run
+        (``need_x``/``need_w``: which gradients it computes), its GEMMs and the forward's run on tensor
+        cores (``y`` stands for dy's shape), and the recipe gives each tensor's roles one current-scaling
+        spec whose codes do not depend on the axis (per tensor, RNE). The codes are the ones quantizing
+        again would give (tests/test_fp8_gemm.py). Delayed scaling quantizes again: a forward recomputed
+        under activation checkpointing would take the latest forward's scales, not its own."""
+        if not (need_x or need_w) or not self.quantized_backward or not self._codes_serve_both_axes:
             return False
-        for first, second in (("input", "wgrad_input"), ("weight", "dgrad_weight")) + (
-            ("dgrad_grad_output", "wgrad_grad_output"),
-        ):
-            spec = self.recipe.spec(first)
-            if spec is None or spec != self.recipe.spec(second) or not _same_codes_along_any_axis(spec):
-                return False
-        gemms = (("fprop", x, weight), ("dgrad", y, weight), ("wgrad", y, x))
-        return all(self._runs_on_tensor_cores(gemm, a, b) for gemm, a, b in gemms)
+        gemms = [("fprop", x, weight)] + [("dgrad", y, weight)] * need_x + [("wgrad", y, x)] * need_w
+        return all(self._runs_on_tensor_cores(gemm, a, b, strict=False) for gemm, a, b in gemms)
 
     def record_amaxes(self, tensors: dict[str, torch.Tensor], *, reduce: bool = True) -> None:
         """Delayed scaling: record each role's amax and roll its history (once per forward/backward).
@@ -699,12 +731,13 @@ class QuantLinear(QlabLinear):
         if spec is None or isinstance(t, Q.QTensor):  # a QTensor: codes kept for this GEMM already
             return t
         scale = self._delayed_scale(role, scales)
+        if scale is not None:  # the scaler's device may differ from t's (a model moved after training)
+            scale = scale.to(t.device)
         generator = self._generator(t.device) if spec.rounding == "stochastic" and noise is None else None
         if scale is not None and t.is_cuda and kernels.covers(spec, fixed_scale=True):
-            # the scaler's scale is finite and positive by construction (DelayedScaling.step keeps the
-            # previous one otherwise): no check that would read it back from the device every call
+            # the scaler's scale is a normal positive float32 by construction (DelayedScaling.step keeps
+            # the previous one otherwise): no check that would read it back from the device every call
             compute = None if tensor_cores else _compute_dtype(t)
-            scale = scale.to(t.device)
             return kernels.fp8_with_scale(t, spec, axis, scale, codes=tensor_cores, dtype=compute)
         if tensor_cores:
             return kernels.quantize(t, spec, axis, scale=scale, generator=generator, noise=noise)
@@ -718,8 +751,9 @@ class QuantLinear(QlabLinear):
         scaler = _SCALER_OF_ROLE[role]
         return scales[scaler] if scales and scaler in scales else self.scalers[scaler].scale
 
-    def _runs_on_tensor_cores(self, gemm: str, a: torch.Tensor, b: torch.Tensor) -> bool:
-        """Whether ``gemm`` runs through torch._scaled_mm (see ``gemm`` in the module docstring)."""
+    def _runs_on_tensor_cores(self, gemm: str, a: torch.Tensor, b: torch.Tensor, strict: bool = True) -> bool:
+        """Whether ``gemm`` runs through torch._scaled_mm (see ``gemm`` in the module docstring);
+        ``strict``: with gemm="scaled_mm", a GEMM its kernels refuse raises."""
         if self.gemm == "emulated" or (self.gemm == "auto" and a.device.type != "cuda"):
             return False
         (role_a, axis_a), (role_b, axis_b) = GEMM_OPERANDS[gemm]
@@ -728,7 +762,7 @@ class QuantLinear(QlabLinear):
             return False
         k, n = a.shape[axis_a], b.shape[0 if axis_b == -1 else 1]  # reduction length, output width
         reason = fp8_gemm.unsupported_reason(spec_a, spec_b, k, n, a.device)
-        if reason is not None and self.gemm == "scaled_mm":
+        if reason is not None and self.gemm == "scaled_mm" and strict:
             raise ValueError(f"gemm='scaled_mm' cannot run this layer's {gemm} GEMM: {reason}")
         return reason is None
 

@@ -175,9 +175,10 @@ class DelayedScaling:
     ``observe(amax)`` records an amax during a step (several calls per step, e.g. micro-batches, are
     max-reduced); ``step()`` rolls the history once, puts the step's amax first and recomputes
     ``scale = (fmt_max / amax_hist) / 2^margin`` with amax_hist the history's max ("max") or its
-    newest entry ("most_recent"). A zero or non-finite amax_hist, or a scale that would not be finite
-    and positive (a margin so large it underflows to 0), keeps the previous scale: the scale is always
-    finite and positive. Starts at 1.
+    newest entry ("most_recent"). A zero or non-finite amax_hist, or a scale that would not be a finite
+    normal float32 (a margin so large that it becomes subnormal or 0, whose reciprocal overflows), keeps
+    the previous scale: the scale is always a finite, positive, normal float32. Starts at 1. ``margin``
+    is at most 127 (2^margin a float32).
 
     History and scale live on the device of the amaxes observed (they move there at the first step
     that saw one), and ``step`` decides with tensor ops: on a GPU no call reads a value back to the
@@ -189,7 +190,7 @@ class DelayedScaling:
         checks.integer("history_len", history_len, low=1)
         checks.allocatable("history_len", (history_len,))
         self.algorithm = checks.choice("algorithm", algorithm, AMAX_ALGORITHMS)
-        self.margin = checks.integer("margin", margin, low=0)
+        self.margin = checks.integer("margin", margin, low=0, high=127)
         self.history = torch.zeros(history_len, dtype=torch.float32)
         self.scale = torch.tensor(1.0)
         self._step_amax: torch.Tensor | None = None
@@ -211,7 +212,8 @@ class DelayedScaling:
         self._step_amax = None
         amax = self.history.max() if self.algorithm == "max" else self.history[0]
         candidate = _divide(self.fmt.max, amax) / 2.0**self.margin
-        usable = torch.isfinite(amax) & (amax > 0) & torch.isfinite(candidate) & (candidate > 0)
+        normal = torch.isfinite(candidate) & (candidate >= torch.finfo(torch.float32).tiny)
+        usable = torch.isfinite(amax) & (amax > 0) & normal
         self.scale = torch.where(usable, candidate.float(), previous)
         return self.scale
 

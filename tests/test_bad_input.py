@@ -227,6 +227,7 @@ CASES = [
     ("fp8_current_scale float amax", lambda: scaling.fp8_current_scale(3.0), TypeError, "amax"),
     ("DelayedScaling margin str", lambda: scaling.DelayedScaling(margin="2"), TypeError, "margin"),
     ("DelayedScaling margin < 0", lambda: scaling.DelayedScaling(margin=-1), ValueError, "margin"),
+    ("DelayedScaling margin 128", lambda: scaling.DelayedScaling(margin=128), ValueError, "margin"),
     ("DelayedScaling history 0", lambda: scaling.DelayedScaling(history_len=0), ValueError, "history_len"),
     (
         "DelayedScaling history bool",
@@ -1358,7 +1359,7 @@ CASES = [
             ValueError,
             "finite and positive",
         )
-        for bad in (0.0, -1.0, float("nan"), float("inf"))
+        for bad in (0.0, -1.0, float("nan"), float("inf"), 1e-40)
     ],
     (
         "load_quant_state generator bytes",

@@ -286,12 +286,13 @@ def test_forced_scaled_mm_names_the_gemm_it_cannot_run(monkeypatch):
         layer(torch.randn(16, 40))
 
 
-@pytest.mark.parametrize("recipe", ["fp8_tensorwise", "fp8_delayed"])
-def test_backward_keeps_the_forwards_codes_with_the_bits_of_quantizing_again(recipe, monkeypatch):
+@pytest.mark.parametrize("recipe, kept", [("fp8_tensorwise", True), ("fp8_delayed", False)])
+def test_backward_keeps_the_forwards_codes_with_the_bits_of_quantizing_again(recipe, kept, monkeypatch):
     """Per-tensor RNE codes do not depend on the axis, so on tensor cores the backward takes the
     forward's codes of x and W and dgrad's codes of dy (TE's FP8 tensor and its transpose) instead of
-    quantizing them again: y, dx, dW and db keep their bits over three steps (delayed scaling rolls its
-    histories alike), with three quantize calls a step instead of six."""
+    quantizing them again: y, dx, dW and db keep their bits over three steps, with three quantize calls
+    a step instead of six. Delayed scaling quantizes again (a recomputed forward would take the latest
+    forward's scales)."""
     import qlab.nn as qnn
 
     calls = []
@@ -307,18 +308,18 @@ def test_backward_keeps_the_forwards_codes_with_the_bits_of_quantizing_again(rec
     monkeypatch.setattr(qnn.kernels, "fp8_with_scale", counting(qnn.kernels.fp8_with_scale))
     _, keeping = _twin_layers(get_recipe(recipe))
     _, again = _twin_layers(get_recipe(recipe))
-    again.keeps_forward_codes = lambda x, weight, y: False
+    again.keeps_forward_codes = lambda *args, **kwargs: False
     for step in range(3):
         x, dy = _inputs(step)
         for layer in (keeping, again):
             layer.weight.grad = layer.bias.grad = None
         calls.clear()
-        kept = _run(keeping, x, dy)
-        assert len(calls) == 3  # x and W in the forward, dy once in the backward
+        from_kept = _run(keeping, x, dy)
+        assert len(calls) == (3 if kept else 6)  # kept: x and W in the forward, dy once in the backward
         calls.clear()
         quantized_again = _run(again, x, dy)
         assert len(calls) == 6
-        for a, b in zip(kept, quantized_again):
+        for a, b in zip(from_kept, quantized_again):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
@@ -339,6 +340,45 @@ def test_backward_quantizes_again_where_codes_depend_on_the_axis():
     assert QuantLinear(64, 48, recipe="fp8_tensorwise", gemm="scaled_mm").keeps_forward_codes(
         x.cpu(), torch.ones(48, 64), y.cpu()
     )
+
+
+def test_keeping_codes_asks_only_about_the_gemms_that_will_run(monkeypatch):
+    """Without a backward nothing is kept, and a backward GEMM that will not run (no weight gradient)
+    is not asked about: with gemm="scaled_mm" a forward under no_grad or with a frozen weight runs
+    where the wgrad GEMM could not (here K = 10 tokens, refused as on a GPU)."""
+
+    def gpu_rule(spec_a, spec_b, k, n, device, out_dtype=torch.float32):
+        return None if k % 16 == 0 and n % 16 == 0 else f"K={k} and N={n} must be multiples of 16"
+
+    monkeypatch.setattr(fp8_gemm, "unsupported_reason", gpu_rule)
+    layer = QuantLinear(64, 48, recipe="fp8_tensorwise", gemm="scaled_mm")
+    x = torch.randn(10, 64)
+    y = torch.empty(10, 48)
+    assert not layer.keeps_forward_codes(x, layer.weight, y, need_x=False, need_w=False)
+    assert not layer.keeps_forward_codes(x, layer.weight, y)  # wgrad over 10 tokens: quantize again
+    assert layer.keeps_forward_codes(x, layer.weight, y, need_x=True, need_w=False)
+    with torch.no_grad():
+        layer(x)
+    layer.weight.requires_grad_(False)
+    x.requires_grad_(True)
+    layer(x).backward(torch.randn(10, 48))
+    assert x.grad is not None and layer.weight.grad is None
+
+
+def test_kept_codes_compile_with_dynamic_shapes():
+    """The decision is made when the layer is built: Dynamo tracing with dynamic shapes never compares
+    specs; the compiled layer gives the eager bits."""
+    torch.manual_seed(0)
+    layer = QuantLinear(64, 48, recipe="fp8_tensorwise", gemm="scaled_mm")
+    compiled = torch.compile(layer, dynamic=True, backend="aot_eager")
+    for tokens in (32, 48):
+        x, dy = torch.randn(tokens, 64), torch.randn(tokens, 48)
+        eager = _run(layer, x, dy)
+        layer.weight.grad = layer.bias.grad = None
+        traced = _run(compiled, x, dy)
+        layer.weight.grad = layer.bias.grad = None
+        for a, b in zip(eager, traced):
+            assert torch.equal(a, b)
 
 
 def test_a_quant_state_is_a_cpu_copy_and_loads_as_float32():

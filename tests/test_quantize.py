@@ -1003,10 +1003,12 @@ def test_delayed_scaling_table():
         ds.step()
         ds.observe(torch.tensor(bad))
         assert ds.step().item() == 112.0, bad
-    # a margin so large that the scale would underflow to 0 keeps the previous one: always finite, > 0
-    ds = scaling.DelayedScaling("e4m3", margin=200)
-    ds.observe(torch.tensor(4.0))
+    # a scale that would be subnormal (its reciprocal inf) or 0 keeps the previous one: always normal
+    ds = scaling.DelayedScaling("e4m3", history_len=1, margin=127)
+    ds.observe(torch.tensor(1e4))  # 448 / 1e4 / 2^127 ≈ 2.6e-40, subnormal in float32
     assert ds.step().item() == 1.0
+    ds.observe(torch.tensor(1e-30))  # 448e30 / 2^127 ≈ 2.6e-6: normal, taken
+    assert ds.step().item() == f32(f32(448 / f32(1e-30)) / 2.0**127)
 
 
 def test_delayed_scaling_never_reads_a_value_back_and_follows_the_amax_device():
