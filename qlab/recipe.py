@@ -111,7 +111,7 @@ class Recipe:
         checks.integer("amax_history_len", self.amax_history_len, low=1)
         checks.boolean("reduce_amax", self.reduce_amax)
         checks.choice("amax_algorithm", self.amax_algorithm, AMAX_ALGORITHMS)
-        checks.integer("margin", self.margin, low=0)
+        checks.integer("margin", self.margin, low=0, high=127)  # 2^margin a float32 (DelayedScaling)
         if self.delayed:
             used = [getattr(self, role) for role in ROLES if getattr(self, role) is not None]
             if not all(isinstance(spec, TensorwiseSpec) and spec.granularity == "tensor" for spec in used):

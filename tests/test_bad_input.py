@@ -632,6 +632,7 @@ CASES = [
     ("Recipe amax_algorithm", lambda: R.Recipe(amax_algorithm="mean"), ValueError, "amax_algorithm"),
     ("Recipe margin str", lambda: R.Recipe(margin="1"), TypeError, "margin"),
     ("Recipe margin < 0", lambda: R.Recipe(margin=-1), ValueError, "margin"),
+    ("Recipe margin 128", lambda: R.Recipe(margin=128), ValueError, "margin"),
     ("Recipe reduce_amax str", lambda: R.Recipe(reduce_amax="yes"), TypeError, "reduce_amax"),
     ("Recipe override", lambda: R.Recipe(backward_override="hp"), ValueError, "backward_override"),
     ("Recipe unknown input spec", lambda: R.Recipe(input="mxfp9"), ValueError, "input"),
