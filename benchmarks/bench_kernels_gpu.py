@@ -17,6 +17,7 @@ version (the docs' table is generated from that file).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_results_argument, record  # noqa: E402
+from timing import add_results_argument, forward_backward, record  # noqa: E402
 
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "L40S": 864.0, "RTX 4090": 1008.0}
 
@@ -104,11 +105,7 @@ def main() -> int:
     dy = torch.randn_like(h)
 
     def fwd_bwd(fn):
-        def run():
-            h.grad = w.grad = b.grad = None
-            fn().backward(dy)
-
-        return run
+        return forward_backward(fn, dy, h, w, b)
 
     torch_ms = triton.testing.do_bench(fwd_bwd(lambda: torch.nn.functional.layer_norm(h, (hidden,), w, b)))
     print(f"\nLayerNorm forward+backward, {tokens}×{hidden} bf16 (F.layer_norm {torch_ms:.3f} ms):\n")
@@ -204,12 +201,7 @@ def _bench_fp8_gemms(tokens: int, features: int) -> list[dict]:
     linear = torch.nn.Linear(features, features, device="cuda", dtype=torch.bfloat16)
 
     def fwd_bwd(layer):
-        def run():
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
-            layer(x).backward(dy)
-
-        return run
+        return forward_backward(functools.partial(layer, x), dy, x, *layer.parameters())
 
     flops = 3 * 2 * tokens * features * features
     base_ms = triton.testing.do_bench(fwd_bwd(linear))

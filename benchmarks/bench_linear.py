@@ -14,6 +14,7 @@ with the machine, device, date, torch and commit.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import warnings
@@ -22,19 +23,18 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_results_argument, add_thread_argument, machine, median_seconds, record, set_threads  # noqa: E402
+from timing import (  # noqa: E402
+    add_results_argument,
+    add_thread_argument,
+    forward_backward,
+    machine,
+    median_seconds,
+    record,
+    set_threads,
+)
 
 from qlab.nn import QuantLinear, highest_matmul_precision  # noqa: E402
 from qlab.recipe import BACKWARD_OVERRIDES, PRESETS, get_recipe  # noqa: E402
-
-
-def forward_backward(layer, x, dy):
-    def run():
-        x.grad = None
-        layer.zero_grad(set_to_none=True)
-        layer(x).backward(dy)
-
-    return run
 
 
 def main() -> None:
@@ -56,7 +56,11 @@ def main() -> None:
     dy = torch.randn(args.tokens, args.features, device=device, dtype=dtype)
     linear = nn.Linear(args.features, args.features, device=device, dtype=dtype)
     with highest_matmul_precision():
-        baseline = median_seconds(forward_backward(linear, x, dy), args.repeats, synchronize=sync)
+        baseline = median_seconds(
+            forward_backward(functools.partial(linear, x), dy, x, *linear.parameters()),
+            args.repeats,
+            synchronize=sync,
+        )
 
     print(
         f"machine: {machine(device)}; {args.tokens}×{args.features} → {args.features} {args.dtype}, "
@@ -71,7 +75,11 @@ def main() -> None:
             if preset == "fp8_delayed" and override is not None:
                 continue  # refused by design
             layer = QuantLinear.from_linear(linear, get_recipe(preset, backward_override=override))
-            seconds = median_seconds(forward_backward(layer, x, dy), args.repeats, synchronize=sync)
+            seconds = median_seconds(
+                forward_backward(functools.partial(layer, x), dy, x, *layer.parameters()),
+                args.repeats,
+                synchronize=sync,
+            )
             print(f"| {preset} | {override} | {seconds * 1e3:.2f} | {seconds / baseline:.2f} |", flush=True)
             rows.append(
                 {

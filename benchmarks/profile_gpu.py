@@ -27,6 +27,7 @@ by side on one GPU: their step times then compete; whether each trains is the po
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -35,7 +36,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from timing import add_results_argument, record  # noqa: E402
+from timing import add_results_argument, forward_backward, record  # noqa: E402
 
 PARTS = ("layernorm", "linear", "quantize")
 VARIANTS = ("partitions", "no_reordering", "no_partitions")
@@ -78,17 +79,14 @@ def layernorm_cases() -> dict:
     b = torch.randn(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(h)
 
-    def forward_backward(function):
-        def run():
-            h.grad = w.grad = b.grad = None
-            function().backward(dy)
-
-        return run
-
-    cases = {"F.layer_norm": forward_backward(lambda: torch.nn.functional.layer_norm(h, (4096,), w, b))}
+    cases = {
+        "F.layer_norm": forward_backward(
+            lambda: torch.nn.functional.layer_norm(h, (4096,), w, b), dy, h, w, b
+        )
+    }
     for stats in ("welford", "two_pass"):
-        call = lambda stats=stats: layer_norm(h, (4096,), w, b, stats=stats, backend="triton")  # noqa: E731
-        cases[f"qlab {stats}"] = forward_backward(call)
+        call = functools.partial(layer_norm, h, (4096,), w, b, stats=stats, backend="triton")
+        cases[f"qlab {stats}"] = forward_backward(call, dy, h, w, b)
     return cases
 
 
@@ -99,18 +97,13 @@ def linear_cases() -> dict:
     dy = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
     linear = torch.nn.Linear(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
-    def forward_backward(layer):
-        def run():
-            x.grad = None
-            layer.zero_grad(set_to_none=True)
-            layer(x).backward(dy)
+    def forward_backward_of(layer):
+        return forward_backward(functools.partial(layer, x), dy, x, *layer.parameters())
 
-        return run
-
-    cases = {"nn.Linear (bf16)": forward_backward(linear)}
+    cases = {"nn.Linear (bf16)": forward_backward_of(linear)}
     for recipe in ("fp8_tensorwise", "fp8_delayed"):
         layer = QuantLinear.from_linear(linear, recipe=recipe, gemm="scaled_mm")
-        cases[f"{recipe}, gemm=scaled_mm"] = forward_backward(layer)
+        cases[f"{recipe}, gemm=scaled_mm"] = forward_backward_of(layer)
     return cases
 
 

@@ -80,6 +80,18 @@ def record(name: str, rows: list[dict], folder=RESULTS, device=None) -> Path | N
     return path
 
 
+def forward_backward(call, dy: torch.Tensor, *leaves: torch.Tensor):
+    """A function that runs ``call()`` and its backward of ``dy``, each leaf's .grad cleared first (the
+    inputs and parameters: every run starts from no gradient, as a training step does)."""
+
+    def run():
+        for leaf in leaves:
+            leaf.grad = None
+        call().backward(dy)
+
+    return run
+
+
 def add_thread_argument(parser) -> None:
     parser.add_argument(
         "--threads", default="auto", help="torch threads: a number, or 'auto' = the cores not already busy"
