@@ -232,7 +232,9 @@ class _LinearFunction(torch.autograd.Function):
         if rolls:
             layer.record_amaxes({"input": x, "weight": weight})
         need_x, need_w = ctx.needs_input_grad[:2]
-        ctx.kept = layer.keeps_forward_codes(x, weight, y, need_x=need_x, need_w=need_w)
+        # the forward ran on tensor cores where its operands are QTensors
+        kept = layer.keeps_forward_codes(x, weight, y, need_x=need_x, need_w=need_w)
+        ctx.kept = kept and isinstance(x_op, Q.QTensor)
         if layer.saves_dequantized:  # the forward's operands, dequantized
             ctx.save_for_backward(_as_tensor(x_op, x), _as_tensor(w_op, weight))
         elif ctx.kept:  # their FP8 codes, which the backward's GEMMs take along the other axis: x's for
@@ -655,16 +657,16 @@ class QuantLinear(QlabLinear):
         need_x: bool = True,
         need_w: bool = True,
     ) -> bool:
-        """Whether backward takes the forward's FP8 codes of x (for wgrad) and W (for dgrad), and wgrad
-        dgrad's codes of dy, instead of quantizing each again along its other axis: a backward will run
-        (``need_x``/``need_w``: which gradients it computes), its GEMMs and the forward's run on tensor
-        cores (``y`` stands for dy's shape), and the recipe gives each tensor's roles one current-scaling
-        spec whose codes do not depend on the axis (per tensor, RNE). The codes are the ones quantizing
-        again would give (tests/test_fp8_gemm.py). Delayed scaling quantizes again: a forward recomputed
-        under activation checkpointing would take the latest forward's scales, not its own."""
+        """Whether, after a forward on tensor cores, backward takes that forward's FP8 codes of x (for
+        wgrad) and W (for dgrad), and wgrad dgrad's codes of dy, instead of quantizing each again along
+        its other axis: a backward will run (``need_x``/``need_w``: which gradients it computes), its
+        GEMMs run on tensor cores (``y`` stands for dy's shape), and the recipe gives each tensor's roles
+        one current-scaling spec whose codes do not depend on the axis (per tensor, RNE). The codes are
+        the ones quantizing again would give (tests/test_fp8_gemm.py). Delayed scaling quantizes again:
+        a forward recomputed under activation checkpointing would take the latest forward's scales."""
         if not (need_x or need_w) or not self.quantized_backward or not self._codes_serve_both_axes:
             return False
-        gemms = [("fprop", x, weight)] + [("dgrad", y, weight)] * need_x + [("wgrad", y, x)] * need_w
+        gemms = [("dgrad", y, weight)] * need_x + [("wgrad", y, x)] * need_w
         return all(self._runs_on_tensor_cores(gemm, a, b, strict=False) for gemm, a, b in gemms)
 
     def record_amaxes(self, tensors: dict[str, torch.Tensor], *, reduce: bool = True) -> None:

@@ -791,10 +791,18 @@ def quantize(
     axis = check_input(x, spec, axis)
     if x.numel() == 0:
         raise ValueError(f"quantize needs a non-empty tensor x, got shape {tuple(x.shape)}")
-    generator = _randomness(x, spec, axis, generator, noise, blocked=True)
+    randomness = _randomness(x, spec, axis, generator, noise, blocked=True)
     scale = _check_scale(scale, spec, x, axis)
     checks.boolean("keep_source", keep_source)
-    parts, _ = spec.quantize_layout(to_layout(x, spec, axis), generator, scale)
+    return quantize_unchecked(x, spec, axis, randomness, scale, keep_source)
+
+
+def quantize_unchecked(
+    x: torch.Tensor, spec: Spec, axis: int, randomness, scale, keep_source: bool
+) -> QTensor:
+    """``quantize`` of arguments already checked (``randomness``: the generator or drawn noise,
+    ``scale`` as ``_check_scale`` returns it), as ``qdq_unchecked`` is ``qdq``'s."""
+    parts, _ = spec.quantize_layout(to_layout(x, spec, axis), randomness, scale)
     values = parts.pop("values")
     fmt = get_format(spec.element)
     codes = encode_float(values, fmt) if isinstance(fmt, FloatFormat) else values.to(fmt.code_dtype)

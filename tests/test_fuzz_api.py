@@ -1223,7 +1223,8 @@ NOT_GENERATED = {
         formats.torch_stochastic_noise kernels.noise.register_noise_source kernels.noise.drawn_noise
         formats.check_noise_arguments formats.random_bits kernels.compiled.compilable
         kernels.compiled.compiled_qdq kernels.compiled.give_up kernels.compiled.compile_enabled
-        kernels.quantize_covers quantize.check_qdq_arguments quantize.qdq_unchecked compat.moved
+        kernels.quantize_covers quantize.check_qdq_arguments quantize.qdq_unchecked
+        quantize.quantize_unchecked compat.moved
         scaling.nvfp4_block_scales_nvidia quantize.block_scales quantize.check_input
         quantize.from_layout quantize.draws_float32_noise ops.define
         formats.cast_rne_float32 formats.check_codes formats.fast_path_applies

@@ -32,7 +32,7 @@ import torch
 
 from qlab import checks, scaling
 from qlab import quantize as Q
-from qlab.formats import encode_float, get_format
+from qlab.formats import get_format
 from qlab.kernels import compiled, cpu_qdq
 from qlab.kernels.noise import stochastic_noise
 
@@ -173,16 +173,7 @@ def fp8_with_scale(
         return _fixed_scale_kernel(x, spec, axis, scale, codes=codes, dtype=dtype)
     if not codes:
         return Q.qdq_unchecked(x, spec, axis, None, scale, dtype)
-    parts, _ = spec.quantize_layout(Q.to_layout(x, spec, axis), None, scale)
-    return Q.QTensor(
-        codes=encode_float(parts["values"], get_format(spec.element)),
-        scales=parts["scales"],
-        spec=spec,
-        axis=axis,
-        shape=x.shape,
-        dtype=x.dtype,
-        fixed_scale=scale,
-    )
+    return Q.quantize_unchecked(x, spec, axis, None, scale, keep_source=False)
 
 
 def _check_mx_kernel_spec(spec: Q.MXSpec) -> None:
