@@ -333,7 +333,7 @@ def time_comparison(key: str) -> str:
     claim = timing[key]
     ratio = f"×{math.exp(claim.value):.3f} [{math.exp(claim.low):.3f}, {math.exp(claim.high):.3f}]"
     test = (f"paired t on the log ratios over {claim.n} interleaved repeats, Holm-adjusted p {claim.p_text()} over "
-            f"{claim.family_size} comparisons")
+            f"{claim.family_size} comparisons; {claim.sign_flip_text()}")
     if claim.resolved():
         return f"{ratio} (resolved: {test})"
     return f"{ratio} (not resolved: {test}; these repeats detect a ratio of ×{math.exp(claim.detectable):.3f} at 80 % power)"

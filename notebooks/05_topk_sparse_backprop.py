@@ -50,7 +50,8 @@ hidden: int = 500  # hidden width of the digits MLP (two hidden layers; meProp's
 digits_steps: int = 300  # optimizer steps per digits run
 text_steps: int = 200  # optimizer steps per Shakespeare run
 text_fractions: list[float] = [0.05, 0.16, 0.5]  # k for the Shakespeare model
-text_seeds: int = 5  # Shakespeare runs per k
+text_seeds: int = 10  # Shakespeare runs per k
+text_margin: float = 0.005  # nats, declared before the data: each k's TOST margin against dense
 timing_tokens: int = 512  # rows of x and dy in the timing
 timing_width: int = 2048  # width of the square Linear layer timed
 timing_repeats: int = 15  # passes timed per point (median and quartiles)
@@ -125,7 +126,9 @@ print(f"digits MLP 64 → {hidden} → {hidden} → 10, k ∈ {fractions} of eac
 # For reference, not reproduced here: meProp's MNIST MLP (500 hidden units, Adam, top-80) reaches
 # 98.27 % test accuracy against 98.20 % dense, with a 5.9× faster backward on CPU (the results table
 # in the authors' repository, github.com/lancopku/meProp, for Sun et al., ICML 2017). MNIST trained
-# for epochs is not scikit-learn's 8-by-8 digits trained for `digits_steps` steps.
+# for epochs is not scikit-learn's 8-by-8 digits trained for `digits_steps` steps, so the losses
+# measured below do not contradict that report: the setting differs (data set, epochs, optimizer
+# schedule), and which of these differences accounts for the gap is not tested here.
 
 # %%
 MODES = ("shared", "row")
@@ -347,24 +350,14 @@ for mode in MODES:
         differences = digits_deltas[(digits_deltas["mode"] == mode) & (digits_deltas.k_fraction == k)].sort_values("seed")
         key = f"digits.{mode}.{k:g}"
         claims.paired(key, differences.points, text=f"{mode}, k = {pct(k)}: accuracy − dense", family=f"digits.{mode}",
-                      unit="points", digits=2)
-        claims.equivalence(f"{key}.same", differences.points, margin=margin, unit="points", digits=2,
-                           text=f"{mode}, k = {pct(k)}: accuracy − dense, within ±{margin:g} points")
+                      unit="points", digits=2, margin=margin)
         digits_keys[mode] += [key, f"{key}.same"]
     claims.holm(f"digits.{mode}")
     paired_keys = digits_keys[mode][::2]
-    claims.value(f"digits.{mode}.lower", sum(claims[key].resolved() and claims[key].value < 0 for key in paired_keys),
-                 test="computed", digits=0, headline=True,
-                 text=f"k values (of {len(fractions)}) at which the {mode} index set lowers digits accuracy, "
-                      "Holm-corrected paired t")
-    claims.value(f"digits.{mode}.higher", sum(claims[key].resolved() and claims[key].value > 0 for key in paired_keys),
-                 test="computed", digits=0,
-                 text=f"k values (of {len(fractions)}) at which the {mode} index set raises digits accuracy, "
-                      "Holm-corrected paired t")
-    claims.value(f"digits.{mode}.equivalent", sum(claims[f"{key}.same"].resolved() for key in paired_keys),
-                 test="computed", digits=0,
-                 text=f"k values (of {len(fractions)}) at which the {mode} index set is shown within ±{margin:g} "
-                      "points of dense (TOST)")
+    claims.tally(f"digits.{mode}.lower", paired_keys, direction="lower", headline=True,
+                 text=f"k values (of {len(fractions)}) at which the {mode} index set lowers digits accuracy")
+    claims.tally(f"digits.{mode}.higher", paired_keys, direction="higher",
+                 text=f"k values (of {len(fractions)}) at which the {mode} index set raises digits accuracy")
 
 claims.mean("text.dense", text_runs[text_runs.run == "dense"].sort_values("seed").val_loss, unit="nats/char",
             digits=3, text=f"dense CharGPT validation loss after {text_steps} steps ({text_seeds} seeds)")
@@ -372,13 +365,11 @@ text_keys = []
 for k in text_fractions:
     differences = text_deltas[text_deltas.k_fraction == k].sort_values("seed").difference
     claims.paired(f"text.{k:g}", differences, text=f"CharGPT, k = {pct(k)}: validation loss − dense", family="text",
-                  unit="nats", digits=3)
+                  unit="nats", digits=3, margin=text_margin)
     text_keys.append(f"text.{k:g}")
 claims.holm("text")
-claims.value("text.higher", sum(claims[key].resolved() and claims[key].value > 0 for key in text_keys),
-             test="computed", digits=0, headline=True,
-             text=f"k values (of {len(text_fractions)}) at which top-k raises the CharGPT's validation loss, "
-                  "Holm-corrected paired t")
+claims.tally("text.higher", text_keys, direction="higher", headline=True,
+             text=f"k values (of {len(text_fractions)}) at which top-k raises the CharGPT's validation loss")
 
 for (optimizer, k), row in late_means.iterrows():
     if k == 1.0:
@@ -421,7 +412,7 @@ save_csv(timing_claims.frame(), f"{NAME}_claims_timing")
 
 save_metrics(NAME, seeds=seeds, dense_accuracy_percent=claims["digits.dense"].value,
              **{f"{mode}_k_lower": int(claims[f"digits.{mode}.lower"].value) for mode in MODES},
-             **{f"{mode}_k_equivalent": int(claims[f"digits.{mode}.equivalent"].value) for mode in MODES},
+             **{f"{mode}_k_equivalent": int(claims[f"digits.{mode}.lower"].equivalent) for mode in MODES},
              text_k_higher=int(claims["text.higher"].value))
 
 # %%
@@ -431,11 +422,9 @@ validates on split s). Against the dense run of the same seed:
 
 - the **shared** index set (one set of k features per batch, gathered GEMMs) lowers accuracy at
   {{digits.shared.lower:value}} and raises it at {{digits.shared.higher:value}} of the {len(fractions)} k values
-  (paired t, Holm over the k values), and is shown within ±{margin:g} points of dense (TOST) at
-  {{digits.shared.equivalent:value}};
+  ({{digits.shared.lower:verdict}});
 - **per-example** index sets (`topk_mode="row"`, meProp's own setting) lower it at
-  {{digits.row.lower:value}}, raise it at {{digits.row.higher:value}} and are shown within ±{margin:g} points
-  at {{digits.row.equivalent:value}}.
+  {{digits.row.lower:value}} and raise it at {{digits.row.higher:value}} ({{digits.row.lower:verdict}}).
 
 A k value that is neither lower nor shown within the margin is not settled by these seeds: its row
 below gives the effect they could have detected. Each k, paired t and TOST:
@@ -444,7 +433,7 @@ below gives the effect they could have detected. Each k, paired t and TOST:
 # %%
 display(Markdown(claims.render(f"""
 **The character model.** Dense ends at {{text.dense}} ({{text.dense:verdict}}). Top-k raises the
-validation loss at {{text.higher:value}} of the {len(text_fractions)} k values (paired t, Holm over the k values):
+validation loss at {{text.higher:value}} of the {len(text_fractions)} k values ({{text.higher:verdict}}):
 """) + "\n" + claims.table(text_keys)))
 
 # %%
@@ -459,9 +448,9 @@ a non-zero gradient at k = {pct(FOOTPRINT_K[0])} and {sgd_moved} % move; over ev
 top-k runs the two fractions differ by at most {{updates.sgd.gap:value}} points. With AdamW,
 {adamw[FOOTPRINT_K[0]][0]} % have a gradient and {adamw[FOOTPRINT_K[0]][1]} % move at k = {pct(FOOTPRINT_K[0])};
 {adamw[FOOTPRINT_K[-1]][0]} % and {adamw[FOOTPRINT_K[-1]][1]} % at k = {pct(FOOTPRINT_K[-1])}.
-""" + ("""AdamW moves more weights than have a gradient: its update is built from its moments, which stay
-non-zero for weights that had a gradient on earlier steps. meProp's "only k rows are updated"
-describes SGD here, not AdamW.""" if adamw_moves_more else ""))))
+""" + ("""AdamW moves more weights than have a gradient (its update is built from its moments, which
+can carry earlier steps' gradients; the moments themselves are not measured here), so meProp's "only
+k rows are updated" describes SGD here, not AdamW.""" if adamw_moves_more else ""))))
 
 # %%
 lines = []

@@ -50,7 +50,7 @@ model_name: str = "smollm2-135m"  # a packaged causal LM (qlab.models)
 batch_size: int = 2  # sequences per batch
 tokens: int = 128  # tokens per sequence
 seeds: int = 4  # held-out batches, one per seed: the pairs of every paired test
-scan_seeds: int = 3  # training-play batches, one per seed, that the sensitivity scan measures on
+scan_seeds: int = 5  # training-play batches, one per seed, that the sensitivity scan measures on
 fidelity_seeds: int = 3  # held-out batches (the first ones) whose weight gradients section 4 compares
 sensitivity_recipe: str = "nvfp4"  # the recipe of the one-group-at-a-time sensitivity scan
 keep_fraction: float = 0.15  # the budget of layers kept in high precision (the usual rule: the last ones)
@@ -59,6 +59,7 @@ margin: float = 0.01  # nats: two keep sets are called equivalent only where TOS
 fidelity_recipes: list[str] = ["mxfp8", "nvfp4"]  # recipes of the backward-mode comparison
 finetune_recipes: list[str] = ["fp8_tensorwise", "mxfp8", "nvfp4"]  # fine-tuned beside the BF16 baseline
 finetune_steps: int = 6  # fine-tune steps per recipe (a GPU can run hundreds)
+finetune_seeds: int = 3  # fine-tunes per recipe, each on its own training-play batches (seed + i): the pairs of its tests
 finetune_tokens: int = 64  # tokens per sequence in the fine-tune
 finetune_lr: float = 1e-4  # AdamW learning rate of the fine-tune
 
@@ -88,6 +89,7 @@ if profile == "paper":  # 16 seeds of 4 × 512 tokens; 300 fine-tune steps per r
     finetune_steps, finetune_tokens = 300, 256
 if smoke:
     batch_size, tokens, seeds, scan_seeds, fidelity_seeds, finetune_steps, finetune_tokens = 1, 16, 2, 2, 2, 1, 16
+    finetune_seeds = 2
     fidelity_recipes, finetune_recipes = fidelity_recipes[:1], finetune_recipes[:1]
     keep_recipes = [sensitivity_recipe] if sensitivity_recipe in keep_recipes else keep_recipes[:1]
 fidelity_seeds = min(fidelity_seeds, seeds)
@@ -397,56 +399,71 @@ save_figure(fig, f"{NAME}_backward_modes")
 # ## 5. A short fine-tune per recipe
 #
 # Each recipe fine-tunes a fresh copy of the model on training-play batches (`lm_head` in high
-# precision), beside a BF16-autocast baseline from the same weights on the same batches; then the
-# held-out loss of each fine-tuned model on every held-out batch. One fine-tune per recipe: the
-# held-out seeds vary the text it is judged on, not the fine-tune itself (its spread from run to run
-# is not measured here). The default length is kept short for a 2-core CPU; `finetune_steps` runs it
-# longer on a GPU.
+# precision), beside a BF16-autocast baseline from the same weights on the same batches; each is
+# judged on every held-out batch before and after. A recipe starts from its own quantized forward,
+# which already costs loss before any step, so a fine-tune is measured two ways: where it ends
+# against BF16's end, and how far it moved from its own start against how far BF16 moved from its
+# own. `finetune_seeds` fine-tunes per recipe, each on other training batches, are the pairs of the
+# tests (the held-out batches are averaged within a fine-tune). The default length is kept short for
+# a 2-core CPU; `finetune_steps` runs it longer on a GPU.
 
 # %%
-train_batches = [b.to(device) for b in models.shakespeare_batches(tokenizer, batch_size, finetune_tokens, 4,
-                                                                  split="train", seed=seed)]
 rows, curves = [], []
-for recipe_name in session.progress(["bf16"] + list(finetune_recipes), desc="fine-tunes"):
-    candidate, _ = models.load(model_name)
-    candidate = candidate.to(device)
-    if recipe_name != "bf16":
-        quantize_model(candidate, recipe_name, keep_high_precision="lm_head")
-    autocast = "bf16" if recipe_name == "bf16" else None
-    train_losses = models.fine_tune(candidate, train_batches, finetune_steps, lr=finetune_lr, autocast=autocast)
-    with torch.no_grad():
-        rows += [{"recipe": recipe_name, "seed": s, "held_out_before": baseline[s],
-                  "held_out_after": float(candidate(input_ids=b, labels=b).loss)} for s, b in held_out.items()]
-    curves += [{"recipe": recipe_name, "step": step + 1, "train_loss": loss} for step, loss in enumerate(train_losses)]
+for finetune_seed in session.progress(range(seed, seed + finetune_seeds), desc="fine-tune seeds"):
+    train_batches = [b.to(device) for b in models.shakespeare_batches(tokenizer, batch_size, finetune_tokens, 4,
+                                                                      split="train", seed=finetune_seed)]
+    for recipe_name in ["bf16"] + list(finetune_recipes):
+        candidate, _ = models.load(model_name)
+        candidate = candidate.to(device)
+        if recipe_name != "bf16":
+            quantize_model(candidate, recipe_name, keep_high_precision="lm_head")
+        autocast = "bf16" if recipe_name == "bf16" else None
+        with torch.no_grad():
+            before = {s: float(candidate(input_ids=b, labels=b).loss) for s, b in held_out.items()}
+        train_losses = models.fine_tune(candidate, train_batches, finetune_steps, lr=finetune_lr, autocast=autocast)
+        with torch.no_grad():
+            rows += [{"recipe": recipe_name, "finetune_seed": finetune_seed, "seed": s, "held_out_before": before[s],
+                      "held_out_after": float(candidate(input_ids=b, labels=b).loss)} for s, b in held_out.items()]
+        curves += [{"recipe": recipe_name, "finetune_seed": finetune_seed, "step": step + 1, "train_loss": loss}
+                   for step, loss in enumerate(train_losses)]
 finetune = pd.DataFrame(rows)
-bf16_after = finetune[finetune.recipe == "bf16"].set_index("seed").held_out_after
-finetune["after_minus_bf16"] = finetune.held_out_after - finetune.seed.map(bf16_after)
+finetune["moved"] = finetune.held_out_after - finetune.held_out_before
 curves = pd.DataFrame(curves)
 save_csv(finetune, f"{NAME}_finetune")
 save_csv(curves, f"{NAME}_finetune_curves")
-fig, axes = subplots(1, 2, width="text", aspect=0.5)
-reference_curve = curves[curves.recipe == "bf16"].set_index("step").train_loss
-gaps = stats.summarize(finetune[finetune.recipe != "bf16"], "after_minus_bf16", ["recipe"])
+# one number per fine-tune: the mean over the held-out batches; then each recipe minus BF16, same fine-tune seed
+per_finetune = finetune.groupby(["recipe", "finetune_seed"], sort=False)[["held_out_before", "held_out_after",
+                                                                          "moved"]].mean().reset_index()
+against_bf16 = per_finetune.merge(per_finetune[per_finetune.recipe == "bf16"], on="finetune_seed", suffixes=("", "_bf16"))
+for column in ("held_out_before", "held_out_after", "moved"):
+    against_bf16[f"{column}_minus_bf16"] = against_bf16[column] - against_bf16[f"{column}_bf16"]
+against_bf16 = against_bf16[against_bf16.recipe != "bf16"]
+# before any step every fine-tune of a recipe starts from the same weights: its cost varies with the text only
+before = finetune[finetune.finetune_seed == seed].pivot_table(index="seed", columns="recipe", values="held_out_before")
+fig, axes = subplots(1, 2, width="text", aspect=0.6)
 for i, recipe_name in enumerate(finetune_recipes):
-    part = curves[curves.recipe == recipe_name].set_index("step").train_loss
-    axes[0].plot(part.index, part - reference_curve, marker="o", markersize=3, label=recipe_name, color=f"C{i}")
-    row = gaps[gaps.recipe == recipe_name].iloc[0]
-    axes[1].errorbar([i], [row["mean"]], yerr=[[row["mean"] - row.low], [row.high - row["mean"]]], fmt="o",
-                     color=f"C{i}", capsize=2)
+    part = against_bf16[against_bf16.recipe == recipe_name]
+    start = before[recipe_name] - before["bf16"]
+    for offset, (values, label, marker) in enumerate(((start, f"before ({seeds} held-out batches)", "o"),
+                                                      (part.held_out_after_minus_bf16,
+                                                       f"after ({finetune_seeds} fine-tunes)", "s"))):
+        mean, low, high = stats.mean_interval(values)
+        axes[0].errorbar([i + 0.15 * (2 * offset - 1)], [mean], yerr=[[mean - low], [high - mean]], fmt=marker,
+                         color=f"C{i}", capsize=2, label=label if i == 0 else None, mfc="white" if offset else None)
+    mean, low, high = stats.mean_interval(part["moved_minus_bf16"])
+    axes[1].errorbar([i], [mean], yerr=[[mean - low], [high - mean]], fmt="o", color=f"C{i}", capsize=2)
 for ax in axes:
     ax.axhline(0, color="k", linewidth=0.6)
-axes[0].set_xlabel("fine-tune step")
-axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
-axes[0].set_xlim(0.5, finetune_steps + 0.5)
-axes[0].set_ylabel("train loss − BF16's (nats)")
-axes[0].set_title("one fine-tune per recipe (single runs)", fontsize=7)
+    ax.set_xticks(range(len(finetune_recipes)), finetune_recipes, fontsize=7)
+    ax.set_xlim(-0.5, len(finetune_recipes) - 0.5)
+axes[0].set_ylabel("held-out loss − BF16's (nats)")
+axes[0].set_title("before and after the fine-tune", fontsize=7)
 axes[0].legend(fontsize=7)
-axes[1].set_xticks(range(len(finetune_recipes)), finetune_recipes, fontsize=7)
-axes[1].set_xlim(-0.5, len(finetune_recipes) - 0.5)
-axes[1].set_ylabel("held-out loss after − BF16's (nats)")
-axes[1].set_title(f"after the fine-tune: mean and 95 % interval\nover {seeds} held-out batches (seeds)", fontsize=7)
+axes[1].set_ylabel("(after − before) − BF16's (nats)")
+axes[1].set_title(f"how far the fine-tune moved it, against BF16\n({finetune_seeds} fine-tunes)", fontsize=7)
+fig.suptitle(f"Fine-tunes of {finetune_steps} steps against BF16's: mean and 95 % interval", fontsize=8)
 save_figure(fig, f"{NAME}_finetune")
-finetune.pivot_table(index="recipe", columns="seed", values="held_out_after", sort=False)
+per_finetune.pivot_table(index="recipe", columns="finetune_seed", values="held_out_after", sort=False)
 
 # %% [markdown]
 # ## 6. What the 4-bit grid does to weight results
@@ -612,14 +629,21 @@ for recipe_name in fidelity_recipes:
                   digits=3, text=f"{recipe_name}: own backward − high_precision, error against the quantized forward's")
 claims.holm("grad")
 
-# 5. fine-tune: one run per recipe, judged on every held-out batch
-wide = finetune.pivot_table(index="seed", columns="recipe", values="held_out_after")
-claims.paired("finetune.bf16.gain", wide["bf16"] - pd.Series(baseline), unit="nats",
+# 5. fine-tune: finetune_seeds runs per recipe, each the mean over the held-out batches; paired by fine-tune seed
+bf16_runs = per_finetune[per_finetune.recipe == "bf16"].sort_values("finetune_seed")
+claims.paired("finetune.bf16.gain", bf16_runs.moved, unit="nats",
               text="BF16 fine-tune: held-out loss after − before")
 for recipe_name in finetune_recipes:
-    claims.paired(f"finetune.{recipe_name}", wide[recipe_name] - wide["bf16"], family="finetune", unit="nats",
+    part = against_bf16[against_bf16.recipe == recipe_name].sort_values("finetune_seed")
+    claims.paired(f"finetune.{recipe_name}.start", (before[recipe_name] - before["bf16"]).sort_index(),
+                  family="finetune.start", unit="nats",
+                  text=f"{recipe_name} − BF16, held-out loss before the fine-tune (the forward's cost; pairs: held-out batches)")
+    claims.paired(f"finetune.{recipe_name}", part.held_out_after_minus_bf16, family="finetune", unit="nats",
                   text=f"{recipe_name} fine-tune − BF16 fine-tune, held-out loss after it")
-claims.holm("finetune")
+    claims.paired(f"finetune.{recipe_name}.moved", part.moved_minus_bf16, family="finetune.moved", unit="nats",
+                  text=f"{recipe_name} − BF16, how far the fine-tune moved the held-out loss from each one's own start")
+for family in ("finetune.start", "finetune", "finetune.moved"):
+    claims.holm(family)
 
 # 6. the 4-bit grid and the weights
 claims.value("grid.smollm.levels", int(smollm_weights.max_levels_per_block.max()), test="computed", digits=0,
@@ -702,10 +726,12 @@ if shares and others:
     share_text += f" Under {', '.join(others)} the rule's gain is not resolved, and no share is stated."
 in_sample_text = ""
 if sensitivity_recipe in keep_recipes:
-    in_sample_text = (f"**The selection effect.** Under {sensitivity_recipe}, on the held-out windows the measured set "
-                      f"against the rule is {{keep.{sensitivity_recipe}.measured-rule}} "
+    in_sample_text = (f"**Where the set was chosen.** Under {sensitivity_recipe}, on the held-out windows the measured "
+                      f"set against the rule is {{keep.{sensitivity_recipe}.measured-rule}} "
                       f"({{keep.{sensitivity_recipe}.measured-rule:verdict}}); on the scan windows it was chosen on, the "
-                      "same comparison reads {insample.measured-rule} ({insample.measured-rule:verdict}).")
+                      "same comparison reads {insample.measured-rule} ({insample.measured-rule:verdict}). The two are "
+                      "measured on different windows and their difference is not tested, so no selection effect is "
+                      "claimed.")
 display(Markdown(claims.render(f"""
 **Keep sets** (judged on the {seeds} held-out windows, paired by seed; every projection outside the kept layers
 quantized; each question Holm-corrected over the recipes): first what quantizing everything costs and what the
@@ -729,11 +755,14 @@ weights of ‖g − g_ref‖ / ‖g_ref‖, then the mean over batches):
     "first exceeds the second for the recipe's own backward, and whether the recipe's backward and "
     "`high_precision` differ (Holm over these):")
     + "\n" + claims.table(grad_tests) + "\n\n" + claims.render(f"""
-**Fine-tune** (one run per recipe: {finetune_steps} step{"s" if finetune_steps != 1 else ""} of {batch_size}×{finetune_tokens} training-play
-tokens; each fine-tuned model judged on the {seeds} held-out batches, so the intervals cover the text, not
-the spread between fine-tunes). BF16's own fine-tune moves the held-out loss by {{finetune.bf16.gain}}
-({{finetune.bf16.gain:verdict}}). Each recipe against BF16, Holm over the recipes:
-""") + "\n" + claims.table([f"finetune.{r}" for r in finetune_recipes])))
+**Fine-tune** ({finetune_seeds} fine-tunes per recipe, each {finetune_steps} step{"s" if finetune_steps != 1 else ""} of {batch_size}×{finetune_tokens}
+training-play tokens on its own batches; each judged by its mean held-out loss over the {seeds} held-out
+batches, so the pairs are fine-tunes and the intervals cover the spread between them). BF16's own
+fine-tune moves the held-out loss by {{finetune.bf16.gain}} ({{finetune.bf16.gain:verdict}}). Each recipe
+against BF16 before the fine-tune (its forward's cost; every fine-tune of a recipe starts from the same
+weights, so these pairs are the held-out batches), after it, and in how far the fine-tune moved it from
+its own start (Holm over the recipes within each question):
+""") + "\n" + claims.table([f"finetune.{r}{part}" for r in finetune_recipes for part in (".start", "", ".moved")])))
 
 # %%
 on_grid = claims["grid.smollm.changed"].value == 0 and claims["grid.smollm.levels"].value <= 16

@@ -34,17 +34,35 @@ from qlab import checks, paths, stats
 
 ALPHA = 0.05
 COLUMNS = (
-    "key", "text", "value", "low", "high", "n", "test", "p", "p_adjusted", "family", "margin", "detectable",
+    "key", "text", "value", "low", "high", "n", "test", "p", "p_adjusted", "p_sign_flip",
+    "p_sign_flip_adjusted", "family", "margin", "low_90", "high_90", "detectable", "equivalent", "undecided",
     "unit", "digits", "headline",
 )  # fmt: skip
+TESTS = (
+    "paired t",
+    "TOST",
+    "tally",
+    "observed",
+    "computed",
+    "",
+)  # "" with n > 0: a mean over n, 95 % interval
+DIRECTIONS = ("lower", "higher")
 _KEY = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _PLACEHOLDER = re.compile(r"\{([A-Za-z0-9_.+-]+)(?::([a-z_]+))?\}")
-PARTS = ("value", "interval", "p", "n", "verdict", "text", "both")
+MEASURED = "measured [95 % interval]"  # the column every claims table shows value and interval in
+PARTS = ("value", "interval", "interval90", "p", "n", "verdict", "text", "both")
 
 
 @dataclass
 class Claim:
-    """One stated number: its value, 95 % interval, sample size, the test behind it and its p."""
+    """One stated number: its value, 95 % interval (low, high), sample size, the test behind it and its p.
+
+    test is "paired t" (with the exact sign-flip test beside it), "TOST" (equivalence within ±margin;
+    low/high stay the 95 % interval, low_90/high_90 hold the 90 % interval the test reads), "tally" (a
+    count over a family of paired comparisons, each with its TOST: value resolved, equivalent and
+    undecided of n, detectable the largest effect the undecided ones could have found; "tally lower" or
+    "tally higher" counts only the resolved ones of that sign), "observed" (a single observation) or
+    "computed" (exact arithmetic, no sampling)."""
 
     key: str
     text: str
@@ -52,12 +70,18 @@ class Claim:
     low: float = math.nan
     high: float = math.nan
     n: int = 0
-    test: str = ""  # "paired t", "TOST", "observed" (a single observation), "computed" (exact)
+    test: str = ""
     p: float = math.nan
     p_adjusted: float = math.nan
+    p_sign_flip: float = math.nan
+    p_sign_flip_adjusted: float = math.nan
     family: str = ""
     margin: float = math.nan
+    low_90: float = math.nan
+    high_90: float = math.nan
     detectable: float = math.nan
+    equivalent: float = math.nan
+    undecided: float = math.nan
     unit: str = ""
     digits: int = 4
     headline: bool = False
@@ -67,7 +91,21 @@ class Claim:
         for name in ("key", "text", "test", "family", "unit"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a str, got {checks.shown(getattr(self, name))}")
-        for name in ("value", "low", "high", "p", "p_adjusted", "margin", "detectable"):
+        for name in (
+            "value",
+            "low",
+            "high",
+            "p",
+            "p_adjusted",
+            "p_sign_flip",
+            "p_sign_flip_adjusted",
+            "margin",
+            "low_90",
+            "high_90",
+            "detectable",
+            "equivalent",
+            "undecided",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, float) and math.isnan(value)):  # NaN: not stated
                 checks.number(name, value, finite=False)
@@ -75,6 +113,11 @@ class Claim:
             checks.integer(name, getattr(self, name), low=0)
         checks.integer("digits", self.digits, low=0, high=17)
         checks.boolean("headline", self.headline)
+        if self.test not in TESTS and self.test.removeprefix("tally ") not in DIRECTIONS:
+            raise ValueError(
+                f"test must be one of {', '.join(map(repr, TESTS))} or 'tally lower'/'tally higher', got "
+                f"{self.test!r}"
+            )
 
     def number(self, x: float, signed: bool) -> str:
         if not math.isfinite(x):
@@ -82,41 +125,59 @@ class Claim:
         text = f"{x:+.{self.digits}f}" if signed else f"{x:.{self.digits}f}"
         out_of_range = abs(x) >= 10 ** (self.digits + 2) or (x != 0 and abs(x) < 10 ** (-self.digits))
         if self.digits > 0 and out_of_range:  # digits=0: a count, written out whatever its size
-            text = f"{x:+.{self.digits - 1}e}" if signed else f"{x:.{self.digits - 1}e}"
+            significant = max(self.digits - 1, 2)  # 1.49e-07, never 1e-07: as many digits as it carries
+            text = f"{x:+.{significant}e}" if signed else f"{x:.{significant}e}"
         return text.replace("-", "−")
 
     @property
     def signed(self) -> bool:
         return self.test in ("paired t", "TOST")
 
-    def interval(self) -> str:
-        if not (math.isfinite(self.low) and math.isfinite(self.high)):
+    def interval(self, level: int = 95) -> str:
+        low, high = (self.low, self.high) if level == 95 else (self.low_90, self.high_90)
+        if not (math.isfinite(low) and math.isfinite(high)):
             return ""
-        return f"[{self.number(self.low, self.signed)}, {self.number(self.high, self.signed)}]"
+        return f"[{self.number(low, self.signed)}, {self.number(high, self.signed)}]"
 
     def both(self) -> str:
         shown = self.number(self.value, self.signed)
         interval = self.interval()
-        unit = f" {self.unit}" if self.unit else ""
+        unit = f" {self.unit}" if self.unit and not self.test.startswith("tally") else ""
         return f"{shown} {interval}{unit}" if interval else f"{shown}{unit}"
 
-    def p_text(self) -> str:
-        p = self.p_adjusted if math.isfinite(self.p_adjusted) else self.p
+    def p_text(self, p: float | None = None) -> str:
+        if p is None:
+            p = self.p_adjusted if math.isfinite(self.p_adjusted) else self.p
         if not math.isfinite(p):
             return "—"
         return "< 0.001" if p < 0.001 else f"= {p:.3f}"
 
+    def sign_flip_text(self) -> str:
+        """The exact sign-flip test beside the t-test, and whether the two disagree at α."""
+        adjusted = math.isfinite(self.p_sign_flip_adjusted)
+        p = self.p_sign_flip_adjusted if adjusted else self.p_sign_flip
+        if not math.isfinite(p):
+            return ""
+        t_p = self.p_adjusted if math.isfinite(self.p_adjusted) else self.p
+        which = "Holm-adjusted " if adjusted else ""
+        text = f"exact sign-flip {which}p {self.p_text(p)}"
+        if (p <= ALPHA) != (t_p <= ALPHA):
+            floor = 2.0 / 2**self.n if self.n else math.nan
+            text += " — the two tests disagree" + (
+                f" ({self.n} seeds cannot give a sign-flip p below {floor:.3g})" if floor > ALPHA else ""
+            )
+        return text
+
     def verdict(self) -> str:
         unit = f" {self.unit}" if self.unit else ""
         if self.test == "TOST":
-            if self.p <= ALPHA:
-                return (
-                    f"equivalent within ±{self.margin:g}{unit} (TOST over {self.n} seeds, p {self.p_text()})"
-                )
-            return (
-                f"not shown equivalent within ±{self.margin:g}{unit} (TOST over {self.n} seeds, p "
-                f"{self.p_text()})"
-            )
+            shown = "equivalent" if self.p <= ALPHA else "not shown equivalent"
+            interval = self.interval(90)
+            interval = f"; 90 % interval {interval}" if interval else ""
+            tested = f"TOST over {self.n} seeds, p {self.p_text()}{interval}"
+            return f"{shown} within ±{self.margin:g}{unit} ({tested})"
+        if self.test.startswith("tally"):
+            return self.tally_text()
         if self.test == "paired t":
             adjusted = math.isfinite(self.p_adjusted)
             comparisons = "comparison" if self.family_size == 1 else "comparisons"
@@ -124,10 +185,12 @@ class Claim:
             if adjusted:
                 which = f"Holm-adjusted p {self.p_text()} over {self.family_size} {comparisons}"
             p = self.p_adjusted if adjusted else self.p
+            flips = self.sign_flip_text()
+            flips = f"; {flips}" if flips else ""
             if p <= ALPHA:
-                return f"resolved: paired t over {self.n} seeds, {which}"
+                return f"resolved: paired t over {self.n} seeds, {which}{flips}"
             return (
-                f"not resolved: paired t over {self.n} seeds, {which}; these seeds detect "
+                f"not resolved: paired t over {self.n} seeds, {which}{flips}; these seeds detect "
                 f"{self.number(self.detectable, False)}{unit} at 80 % power"
             )
         if self.test == "observed":
@@ -135,6 +198,22 @@ class Claim:
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
+
+    def tally_text(self) -> str:
+        """What a tally's tests found: resolved, equivalent and undecided, each of n."""
+        unit = f" {self.unit}" if self.unit else ""
+        direction = self.test.removeprefix("tally").strip()
+        resolved = f"resolved {direction}" if direction else "resolved"
+        text = (
+            f"{self.number(self.value, False)} of {self.n} {resolved} after Holm (paired t); "
+            f"{self.equivalent:.0f} of {self.n} equivalent within ±{self.margin:g}{unit} (TOST)"
+        )
+        if self.undecided > 0:
+            text += (
+                f"; {self.undecided:.0f} undecided (these seeds detect up to "
+                f"{self.detectable:.3g}{unit} at 80 % power)".replace("-", "−")
+            )
+        return text
 
     def resolved(self) -> bool:
         """A paired claim whose (adjusted) p is at most α, or an equivalence shown by TOST."""
@@ -145,6 +224,7 @@ class Claim:
         return {
             "value": lambda: self.number(self.value, self.signed),
             "interval": self.interval,
+            "interval90": lambda: self.interval(90),
             "p": self.p_text,
             "n": lambda: str(self.n),
             "verdict": self.verdict,
@@ -204,22 +284,72 @@ class Claims:
                           headline=headline)  # fmt: skip
 
     def paired(self, key: str, differences, *, text: str, family: str = "", unit: str = "", digits: int = 4,
-               headline: bool = False) -> Claim:  # fmt: skip
-        """A paired difference (one value per seed): the paired t-test, its interval and the effect
-        these seeds detect at 80 % power; ``family`` groups it for ``holm``."""
+               headline: bool = False, margin: float | None = None) -> Claim:  # fmt: skip
+        """A paired difference (one value per seed): the paired t-test, its 95 % interval, the exact
+        sign-flip test beside it and the effect these seeds detect at 80 % power; ``family`` groups it
+        for ``holm``. Given ``margin`` (declared before the data), also the TOST claim ``<key>.same``."""
+        differences = list(differences)
         test = stats.paired_test(differences)
+        flips = stats.sign_flip_test(differences)
         detectable = stats.detectable_effect(test["sd"], test["n"])
-        return self._add(Claim(key, text, test["mean"], test["low"], test["high"], test["n"], "paired t",
-                               test["p"], family=family, detectable=detectable, unit=unit, digits=digits,
-                               headline=headline))  # fmt: skip
+        claim = self._add(Claim(key, text, test["mean"], test["low"], test["high"], test["n"], "paired t",
+                                test["p"], p_sign_flip=flips["p"], family=family, detectable=detectable,
+                                unit=unit, digits=digits, headline=headline))  # fmt: skip
+        if margin is not None:
+            within = f"{text}, within ±{margin:g}{' ' + unit if unit else ''}"
+            self.equivalence(f"{key}.same", differences, margin=margin, unit=unit, digits=digits, text=within)
+        return claim
 
     def equivalence(self, key: str, differences, *, margin: float, text: str, unit: str = "", digits: int = 4,
                     headline: bool = False) -> Claim:  # fmt: skip
-        """ "No difference" as a TOST equivalence test against ``margin``, stated up front."""
+        """ "No difference" as a TOST equivalence test against ``margin``, stated up front: low/high hold
+        the 95 % interval, low_90/high_90 the 90 % interval the test reads."""
+        differences = list(differences)
         result = stats.tost(differences, margin)
-        test = stats.paired_test(differences, alpha=0.1)  # the (1 − 2α) interval TOST reads
-        return self._add(Claim(key, text, result["mean"], test["low"], test["high"], result["n"], "TOST",
-                               result["p"], margin=margin, unit=unit, digits=digits,
+        interval_95 = stats.paired_test(differences)
+        interval_90 = stats.paired_test(differences, alpha=0.1)  # the (1 − 2α) interval TOST reads
+        return self._add(Claim(key, text, result["mean"], interval_95["low"], interval_95["high"],
+                               result["n"], "TOST", result["p"], margin=margin, low_90=interval_90["low"],
+                               high_90=interval_90["high"], unit=unit, digits=digits,
+                               headline=headline))  # fmt: skip
+
+    def tally(
+        self, key: str, keys, *, text: str, direction: str | None = None, headline: bool = False
+    ) -> Claim:
+        """A count a headline can state: of the paired claims ``keys`` (each Holm-adjusted, each with its
+        ``<key>.same`` TOST at one margin), how many are resolved (of ``direction``'s sign, "lower" or
+        "higher", when given), how many equivalent within the margin and how many neither (undecided,
+        with the largest effect those seeds could have detected)."""
+        keys = list(keys)
+        if not keys:
+            raise ValueError(f"tally {key!r} needs at least one paired claim, got none")
+        if direction is not None:
+            checks.choice("direction", direction, DIRECTIONS)
+        members, same = [self[k] for k in keys], []
+        for member in members:
+            if member.test != "paired t":
+                raise ValueError(
+                    f"tally {key!r}: {member.key!r} is a {member.test or 'plain'} claim, not a paired t"
+                )
+            if f"{member.key}.same" not in self:
+                raise ValueError(
+                    f"tally {key!r}: {member.key!r} has no equivalence test {member.key + '.same'!r}; give "
+                    "the comparison a margin declared before the data"
+                )
+            same.append(self[f"{member.key}.same"])
+        margins = {claim.margin for claim in same}
+        if len(margins) != 1:
+            raise ValueError(f"tally {key!r}: its comparisons' margins differ ({sorted(margins)}); use one")
+        sign = {None: 0, "lower": -1, "higher": 1}[direction]
+        resolved = [m for m in members if m.resolved() and (sign == 0 or math.copysign(1, m.value) == sign)]
+        equivalent = [s for s in same if s.resolved()]
+        undecided = [m for m, s in zip(members, same) if not m.resolved() and not s.resolved()]
+        detectable = max((m.detectable for m in undecided), default=math.nan)
+        unit = members[0].unit
+        return self._add(Claim(key, text, float(len(resolved)), n=len(members),
+                               test="tally" if direction is None else f"tally {direction}",
+                               margin=margins.pop(), detectable=detectable, equivalent=float(len(equivalent)),
+                               undecided=float(len(undecided)), unit=unit, digits=0,
                                headline=headline))  # fmt: skip
 
     def paired_family(self, frame: pd.DataFrame, value: str, *, family: str, pairs, text: str,
@@ -240,13 +370,9 @@ class Claims:
                     continue
                 key = key_for(family, group, f"{a}-{b}")
                 label = text.format(group=group, a=a, b=b)
-                self.paired(key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits)
-                if margin is not None:
-                    within = f"{label}, within ±{margin:g}{' ' + unit if unit else ''}"
-                    difference = rows[a] - rows[b]
-                    self.equivalence(
-                        f"{key}.same", difference, margin=margin, unit=unit, digits=digits, text=within
-                    )
+                self.paired(
+                    key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits, margin=margin
+                )
                 keys.append(key)
         if keys:
             self.holm(family)
@@ -259,6 +385,9 @@ class Claims:
             raise ValueError(f"family {family!r} has no paired claims")
         for claim, adjusted in zip(members, stats.holm([c.p for c in members])):
             claim.p_adjusted, claim.family_size = adjusted, len(members)
+        if all(math.isfinite(c.p_sign_flip) for c in members):
+            for claim, adjusted in zip(members, stats.holm([c.p_sign_flip for c in members])):
+                claim.p_sign_flip_adjusted = adjusted
         return members
 
     def table(self, keys) -> str:
@@ -267,9 +396,9 @@ class Claims:
         from qlab.results import markdown_table
 
         rows = [
-            {"comparison": self[k].text, "measured": self[k].both(), "test": self[k].verdict()} for k in keys
+            {"comparison": self[k].text, MEASURED: self[k].both(), "test": self[k].verdict()} for k in keys
         ]
-        return markdown_table(pd.DataFrame(rows, columns=["comparison", "measured", "test"]))
+        return markdown_table(pd.DataFrame(rows, columns=["comparison", MEASURED, "test"]))
 
     def frame(self) -> pd.DataFrame:
         rows = [{name: asdict(c)[name] for name in COLUMNS} for c in self._claims.values()]
@@ -377,6 +506,32 @@ def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def headline_problems(frame: pd.DataFrame) -> list[str]:
+    """What a reviewer would refuse in a claims file's headlines, one line each: a count (digits 0)
+    with no test behind it ("computed" or no test — a count headline is a tally of tested
+    comparisons), a paired difference that is not resolved and has no TOST beside it (a null
+    stated without an equivalence test), a tally without a margin. [] when every headline states its test."""
+    checks.frame_columns("frame", frame, list(COLUMNS))
+    problems, keys = [], set(frame.key)
+    for row in frame.itertuples():
+        if str(row.headline).lower() != "true":
+            continue
+        claim = from_row(pd.Series(row._asdict()))
+        if claim.digits == 0 and claim.test in ("computed", ""):
+            problems.append(
+                f"{claim.key}: a count headline whose verdict is {claim.verdict()!r}, with no test"
+            )
+        if claim.test == "paired t" and not claim.resolved():
+            same = frame[(frame.key == f"{claim.key}.same") & (frame.test == "TOST")]
+            if f"{claim.key}.same" not in keys or same.empty:
+                problems.append(
+                    f"{claim.key}: an unresolved difference headline with no TOST {claim.key + '.same'!r}"
+                )
+        if claim.test.startswith("tally") and not math.isfinite(claim.margin):
+            problems.append(f"{claim.key}: a tally with no equivalence margin")
+    return problems
+
+
 # --- the README's findings table, generated from the committed claims files ------------------------
 
 FINDINGS_START = "<!-- findings: generated by `qlab findings` from data/*_claims.csv; do not edit -->"
@@ -402,7 +557,7 @@ def findings_table(data_dir) -> str:
             if claim.family and claim.family in family_sizes:
                 claim.family_size = int(family_sizes[claim.family])
             if claim.headline:
-                rows.append({"notebook": notebook[:2], "claim": claim.text, "measured": claim.both(),
+                rows.append({"notebook": notebook[:2], "claim": claim.text, MEASURED: claim.both(),
                              "test": claim.verdict()})  # fmt: skip
     if not rows:
         return "No claims files in data/ yet.\n"

@@ -122,8 +122,9 @@ def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
 
 def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_name: str, second_name: str):
     """Each comparison of ``notebook`` estimated on both machines from the seeds both ran: key, a, b,
-    n, <machine>_mean/_low/_high (paired t, 95 %), shift (second − first) and verdicts_differ (the
-    interval excludes zero on one machine and not on the other)."""
+    n, <machine>_mean/_low/_high (paired t, 95 %), shift (second − first), shift_low/shift_high (the 95 %
+    interval of the shift over the seeds, paired t on each seed's shift) and verdicts_differ (the interval
+    excludes zero on one machine and not on the other)."""
     checks.choice("notebook", notebook, NOTEBOOKS)
     checks.frame_columns("first", first, RUN_COLUMNS)
     checks.frame_columns("second", second, RUN_COLUMNS)
@@ -139,7 +140,7 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
     both = set(second.config)
     for key, a, b in comparison_pairs(notebook, [c for c in dict.fromkeys(first.config) if c in both]):
         row = {"notebook": notebook, "key": key, "a": a, "b": b, "n": len(seeds)}
-        excludes = []
+        excludes, per_seed = [], []
         for name, runs in ((first_name, first), (second_name, second)):
             wide = runs[runs.seed.isin(seeds)].pivot_table(index="seed", columns="config", values="val_loss")
             test = stats.paired_test(wide[a] - wide[b])
@@ -147,7 +148,10 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
                 {f"{name}_mean": test["mean"], f"{name}_low": test["low"], f"{name}_high": test["high"]}
             )
             excludes.append(test["low"] > 0 or test["high"] < 0)
+            per_seed.append((wide[a] - wide[b]).sort_index())
         row["shift"] = row[f"{second_name}_mean"] - row[f"{first_name}_mean"]
+        shift = stats.paired_test(per_seed[1] - per_seed[0])
+        row["shift_low"], row["shift_high"] = shift["low"], shift["high"]
         row["verdicts_differ"] = excludes[0] != excludes[1]
         rows.append(row)
     return pd.DataFrame(rows)
@@ -155,13 +159,16 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
 
 def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """For each committed claim that resolves a comparison (paired t, adjusted p ≤ 0.05) or shows it
-    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval moved by the
-    comparison's shift, and whether the moved interval still excludes zero (resolved) or still lies
-    within ±margin (equivalent). Columns: key, kind, value, low, high, shift, moved_low, moved_high,
-    survives."""
-    checks.frame_columns("committed", committed, ["key", "test", "value", "low", "high", "p", "p_adjusted"])
-    checks.frame_columns("measured", measured, ["key", "shift"])
-    shifts = measured.set_index("key")["shift"]
+    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval (95 % for a
+    paired t, the 90 % one TOST reads for an equivalence) moved by the whole 95 % interval of the
+    comparison's shift — low + shift_low, high + shift_high, so the shift's spread over seeds widens
+    it — and whether the moved interval still excludes zero (resolved) or still lies within ±margin
+    (equivalent). Columns: key, kind, value, low, high, shift, shift_low, shift_high, moved_low,
+    moved_high, survives."""
+    checks.frame_columns("committed", committed, ["key", "test", "value", "low", "high", "low_90", "high_90",
+                                                  "p", "p_adjusted"])  # fmt: skip
+    checks.frame_columns("measured", measured, ["key", "shift", "shift_low", "shift_high"])
+    shifts = measured.set_index("key")[["shift", "shift_low", "shift_high"]]
     rows = []
     for claim in committed.itertuples():
         p = (
@@ -171,18 +178,33 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         )
         if not (isinstance(p, float) and math.isfinite(p) and p <= ALPHA):
             continue
-        if claim.test == "paired t" and claim.key in shifts:
-            kind, shift = "resolved", shifts[claim.key]
-        elif claim.test == "TOST" and claim.key.removesuffix(".same") in shifts:
-            kind, shift = "equivalent", shifts[claim.key.removesuffix(".same")]
+        if claim.test == "paired t" and claim.key in shifts.index:
+            kind, shift, (low, high) = "resolved", shifts.loc[claim.key], (claim.low, claim.high)
+        elif claim.test == "TOST" and claim.key.removesuffix(".same") in shifts.index:
+            kind, shift = "equivalent", shifts.loc[claim.key.removesuffix(".same")]
+            low, high = claim.low_90, claim.high_90
         else:
             continue
-        low, high = claim.low + shift, claim.high + shift
+        interval = (low, high)
+        low, high = low + shift["shift_low"], high + shift["shift_high"]
         survives = (
             (low > 0 or high < 0) if kind == "resolved" else (-claim.margin < low and high < claim.margin)
         )
-        rows.append({"key": claim.key, "kind": kind, "value": claim.value, "low": claim.low,
-                     "high": claim.high, "shift": shift, "moved_low": low, "moved_high": high,
+        rows.append({"key": claim.key, "kind": kind, "value": claim.value, "low": interval[0],
+                     "high": interval[1], "shift": shift["shift"], "shift_low": shift["shift_low"],
+                     "shift_high": shift["shift_high"], "moved_low": low, "moved_high": high,
                      "survives": bool(survives)})  # fmt: skip
-    columns = ["key", "kind", "value", "low", "high", "shift", "moved_low", "moved_high", "survives"]
+    columns = [
+        "key",
+        "kind",
+        "value",
+        "low",
+        "high",
+        "shift",
+        "shift_low",
+        "shift_high",
+        "moved_low",
+        "moved_high",
+        "survives",
+    ]
     return pd.DataFrame(rows, columns=columns)

@@ -4,21 +4,24 @@
     mean, low, high = mean_interval(values, method="bootstrap")  # percentile bootstrap of the mean
     frame = paired_differences(runs, "val_loss", baseline="fp32", by="recipe", pair="seed")
     test = paired_test(differences)                    # mean, 95 % interval, t, df, two-sided p
+    flips = sign_flip_test(differences)                # exact permutation p of the same hypothesis
     adjusted = holm([0.01, 0.04, 0.03])                 # Holm's step-down adjusted p-values
     equivalent = tost(differences, margin=0.01)         # p of "|true mean| < margin" (two one-sided tests)
     mde = detectable_effect(sd=0.0056, n=5)             # smallest paired mean difference 80 % power finds
 
 The t interval is mean ± t·s/√n with s the sample standard deviation (n − 1) and t the two-sided
-95 % quantile of Student's t with n − 1 degrees of freedom, from the standard table (no scipy). The
-bootstrap interval is the 2.5 % and 97.5 % quantiles (inverted CDF: the smallest mean whose cumulative
-share reaches the level) of the means of resamples with replacement — every one of the nⁿ resamples
-when nⁿ ≤ 10⁶ (exact, no randomness), else ``resamples`` seeded draws. It assumes no normality, but
-with few seeds it is too narrow: prefer t for ≤ 10 seeds. One value has no interval (NaN bounds): a
-single observation is reported as such.
+95 % quantile of Student's t with n − 1 degrees of freedom, computed to full double precision (no
+table, no scipy). The bootstrap interval is the 2.5 % and 97.5 % quantiles (inverted CDF: the
+smallest mean whose cumulative share reaches the level) of the means of resamples with replacement —
+every one of the nⁿ resamples when nⁿ ≤ 10⁶ (exact, no randomness), else ``resamples`` seeded draws.
+It assumes no normality, but with few seeds it is too narrow: prefer t for ≤ 10 seeds. One value has
+no interval (NaN bounds): a single observation is reported as such.
 
-Tests (Student's t, two-sided at α = 0.05 unless given): the t distribution's CDF comes from the
-regularized incomplete beta function (Lentz's continued fraction, double precision), its quantiles
-from bisection on that CDF; the published table above is what the tests hold them to.
+Tests (two-sided at α = 0.05 unless given): the t distribution's CDF comes from the regularized
+incomplete beta function (Lentz's continued fraction, double precision), its quantiles from bisection
+on that CDF to the last representable digits. The sign-flip test assumes only that each difference is
+as likely positive as negative under H0 (no normality): it is exact, and its smallest p over n pairs
+is 2/2ⁿ (0.0625 at n = 5, 6.1e-5 at n = 15).
 """
 
 from __future__ import annotations
@@ -31,19 +34,11 @@ import pandas as pd
 
 from qlab import checks
 
-# two-sided 95 % quantiles t_{0.975, df} of Student's t (standard tables, 3 decimals), df = 1 … 30
-T_975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-Z_975 = 1.960  # beyond 30 degrees of freedom the normal quantile (t_{0.975, 30} = 2.042 is within 4 %)
-
 
 def t_quantile_975(degrees_of_freedom: int) -> float:
-    """t_{0.975} with the given degrees of freedom (≥ 1): the table above, 1.960 beyond 30."""
+    """t_{0.975} with the given degrees of freedom (an integer ≥ 1): the two-sided 95 % quantile."""
     checks.integer("degrees_of_freedom", degrees_of_freedom, low=1)
-    return T_975[degrees_of_freedom - 1] if degrees_of_freedom <= len(T_975) else Z_975
+    return t_quantile(0.975, degrees_of_freedom)
 
 
 METHODS = ("t", "bootstrap")
@@ -188,18 +183,26 @@ def t_cdf(t: float, degrees_of_freedom: float) -> float:
 
 
 def t_quantile(probability: float, degrees_of_freedom: float) -> float:
-    """The t with P(T ≤ t) = ``probability`` (in (0, 1)), by bisection on ``t_cdf`` to 1e-12."""
+    """The t with P(T ≤ t) = ``probability`` (in (0, 1)), by bisection on ``t_cdf`` until the bracket
+    holds no other double (relative error about 1e-15 where ``t_cdf`` is that exact)."""
     checks.number("probability", probability, low=0, high=1, open_low=True, open_high=True)
-    low, high = -1e6, 1e6
-    for _ in range(200):
+    checks.number("degrees_of_freedom", degrees_of_freedom, low=0, open_low=True)
+    if probability == 0.5:
+        return 0.0
+    if probability < 0.5:  # the distribution is symmetric: bisect in the upper tail, where it is exact
+        return -t_quantile(1.0 - probability, degrees_of_freedom)
+    low, high = 0.0, 1.0
+    while t_cdf(high, degrees_of_freedom) < probability:
+        low, high = high, high * 2
+    for _ in range(2000):
         middle = (low + high) / 2
+        if middle in (low, high):
+            break
         if t_cdf(middle, degrees_of_freedom) < probability:
             low = middle
         else:
             high = middle
-        if high - low < 1e-12 * max(1.0, abs(middle)):
-            break
-    return (low + high) / 2
+    return high
 
 
 def _finite_values(name: str, values) -> np.ndarray:
@@ -240,6 +243,36 @@ def paired_test(differences, alpha: float = 0.05) -> dict:
         "df": n - 1,
         "p": p,
     }
+
+
+EXACT_SIGN_FLIPS_MAX = 20  # up to 2**20 sign patterns enumerated exactly; more pairs draw seeded patterns
+
+
+def sign_flip_test(differences, *, resamples: int = 100_000, seed: int = 0) -> dict:
+    """The paired permutation test of H0 "each difference is as likely positive as negative": the share
+    of the 2ⁿ sign patterns whose |mean| is at least the observed |mean| (two-sided; ties within
+    1e-12 of the largest |difference| times n count as at least). Exact for n ≤ 20 pairs; beyond, the
+    share over ``resamples`` seeded patterns with the observed one counted ((k + 1) / (resamples + 1)).
+    Returns n, mean, p, patterns (how many were counted) and exact."""
+    values = _finite_values("differences", differences)
+    checks.integer("resamples", resamples, low=100, high=10**7)
+    checks.integer("seed", seed, low=0)
+    n = len(values)
+    if n < 1:
+        raise ValueError("a sign-flip test needs at least 1 difference (seed), got none")
+    observed = abs(float(values.sum()))
+    tolerance = 1e-12 * n * float(np.abs(values).max())
+    if n <= EXACT_SIGN_FLIPS_MAX:
+        sums = np.zeros(1)
+        for value in values:  # every pattern's sum, one difference at a time: 2, 4, … 2ⁿ sums
+            sums = np.concatenate([sums + value, sums - value])
+        at_least = int(np.count_nonzero(np.abs(sums) >= observed - tolerance))
+        return {"n": n, "mean": float(values.mean()), "p": at_least / len(sums), "patterns": len(sums),
+                "exact": True}  # fmt: skip
+    signs = np.random.default_rng(seed).integers(0, 2, size=(resamples, n)) * 2 - 1
+    at_least = int(np.count_nonzero(np.abs(signs @ values) >= observed - tolerance))
+    return {"n": n, "mean": float(values.mean()), "p": (at_least + 1) / (resamples + 1),
+            "patterns": resamples, "exact": False}  # fmt: skip
 
 
 def holm(p_values) -> list[float]:

@@ -29,7 +29,12 @@ def test_paired_claims_state_their_test_and_holm_adjustment():
     assert [a.p_adjusted, b.p_adjusted] == pytest.approx(stats.holm(raw), rel=1e-12)
     text = claims.render("A: {gap.a} ({gap.a:verdict}). B: {gap.b:value} ({gap.b:verdict}).")
     assert "A: +0.0110 [+0.0090, +0.0130] nats (resolved: paired t over 5 seeds, Holm-adjusted p" in text
-    assert "over 2 comparisons)" in text
+    assert "over 2 comparisons; exact sign-flip Holm-adjusted p = " in text
+    # 5 seeds: the sign-flip test cannot go below 2/2⁵ = 0.0625, so the verdict says the tests disagree
+    flips = [stats.sign_flip_test(resolved)["p"], stats.sign_flip_test(unresolved)["p"]]
+    assert flips[0] == 2 / 2**5 and [a.p_sign_flip, b.p_sign_flip] == flips
+    assert [a.p_sign_flip_adjusted, b.p_sign_flip_adjusted] == pytest.approx(stats.holm(flips), rel=1e-12)
+    assert "the two tests disagree (5 seeds cannot give a sign-flip p below 0.0625)" in text
     detectable = stats.detectable_effect(stats.paired_test(unresolved)["sd"], 5)
     assert f"these seeds detect {detectable:.4f} nats at 80 % power" in text
     assert "B: +0.0000 (not resolved" in text or "B: −0.0001" in text or "B: +0.0001" in text
@@ -154,4 +159,74 @@ def test_a_count_is_written_out_whatever_its_size():
     count = claims_module.Claim("rows", "LayerNorm rows", 186880.0, test="computed", digits=0)
     assert count.number(count.value, False) == "186880"
     small = claims_module.Claim("ratio", "a small ratio", 0.00012, test="computed", digits=2)
-    assert small.number(small.value, False) == "1.2e−04"  # the minus sign typeset (U+2212)
+    assert small.number(small.value, False) == "1.20e−04"  # the minus sign typeset (U+2212)
+    # three significant digits at least: 1.49e−07 never reads as 1e−07
+    tiny = claims_module.Claim("share", "a share", 1.4876e-7, test="observed", digits=1)
+    assert tiny.number(tiny.value, False) == "1.49e−07"
+
+
+def test_a_tost_claim_shows_its_95_interval_and_its_90_interval_apart():
+    claims = Claims(_run())
+    differences = [0.0012, -0.0008, 0.0021, 0.0003, -0.0011, 0.0009]
+    claim = claims.equivalence("same", differences, margin=0.01, text="x − y", unit="nats")
+    at_95, at_90 = stats.paired_test(differences), stats.paired_test(differences, alpha=0.1)
+    assert (claim.low, claim.high) == (at_95["low"], at_95["high"])
+    assert (claim.low_90, claim.high_90) == (at_90["low"], at_90["high"])
+    assert claim.high - claim.low > claim.high_90 - claim.low_90
+    assert claims.render("{same}") == f"{claim.number(claim.value, True)} {claim.interval()} nats\n"
+    assert f"90 % interval {claim.interval(90)})" in claim.verdict()
+
+
+def test_a_tally_counts_resolved_equivalent_and_undecided_comparisons():
+    claims = Claims(_run())
+    far = [0.05, 0.052, 0.049, 0.051, 0.05, 0.048]  # resolved, not within ±0.01
+    near = [0.0005, -0.0004, 0.0002, 0.0001, -0.0003, 0.0]  # equivalent, not resolved
+    noisy = [0.03, -0.04, 0.02, -0.035, 0.01, 0.005]  # neither
+    for key, values in (("a", far), ("b", near), ("c", noisy)):
+        claims.paired(key, values, text=key, family="f", unit="nats", margin=0.01)
+    claims.holm("f")
+    tally = claims.tally("count", ["a", "b", "c"], text="pairs that differ", headline=True)
+    assert (tally.value, tally.n, tally.equivalent, tally.undecided) == (1, 3, 1, 1)
+    assert tally.detectable == claims["c"].detectable and tally.margin == 0.01
+    verdict = tally.verdict()
+    assert verdict.startswith(
+        "1 of 3 resolved after Holm (paired t); 1 of 3 equivalent within ±0.01 nats (TOST)"
+    )
+    assert (
+        f"1 undecided (these seeds detect up to {claims['c'].detectable:.3g} nats at 80 % power)" in verdict
+    )
+    assert claims.tally("lower", ["a", "b", "c"], text="x", direction="lower").value == 0
+    # round trip through the claims file keeps the verdict
+    row = claims.frame().set_index("key").loc["count"].to_dict() | {"key": "count"}
+    assert claims_module.from_row(pd.Series(row)).verdict() == verdict
+    claims.paired("d", far, text="d", family="g")
+    claims.holm("g")
+    with pytest.raises(ValueError, match="no equivalence test 'd.same'"):
+        claims.tally("bad", ["d"], text="x")
+    with pytest.raises(ValueError, match="not a paired t"):
+        claims.tally("bad", ["a.same"], text="x")
+    with pytest.raises(ValueError, match="direction"):
+        claims.tally("bad", ["a"], text="x", direction="down")
+
+
+def test_headline_problems_catch_untested_counts_and_nulls_without_tost():
+    claims = Claims(_run())
+    claims.value("count", 3, text="things that differ", test="computed", digits=0, headline=True)
+    claims.paired("gap", [0.002, -0.003, 0.001, -0.001], text="gap", unit="nats", headline=True)
+    claims.paired(
+        "gap2", [0.002, -0.003, 0.001, -0.001], text="gap2", unit="nats", headline=True, margin=0.01
+    )
+    claims.value("rows", 186880, text="rows measured", test="observed", digits=0, headline=True)
+    problems = claims_module.headline_problems(claims.frame())
+    assert len(problems) == 2
+    assert problems[0].startswith("count: a count headline") and problems[1].startswith("gap: an unresolved")
+
+
+def test_every_committed_headline_states_its_test():
+    # the committed findings: no count headline without a test, no null headline without its TOST
+    problems = [
+        f"{path.name}: {problem}"
+        for path in sorted((paths.ROOT / "data").glob("[0-9][0-9]_*_claims.csv"))
+        for problem in claims_module.headline_problems(claims_module.load(path))
+    ]
+    assert problems == []

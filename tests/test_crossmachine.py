@@ -8,7 +8,9 @@ import pytest
 
 from qlab import claims, crossmachine, paths
 
-T_975_2 = 4.302652729911275  # Student t, 97.5 % quantile, 2 degrees of freedom (published tables: 4.303)
+T_975_2 = math.sqrt(
+    1.805 / 0.0975
+)  # Student t, 97.5 % quantile, df 2, from its closed-form CDF (tables: 4.303)
 
 
 def runs(values: dict) -> pd.DataFrame:
@@ -49,24 +51,47 @@ def test_the_same_verdict_on_both_machines_is_not_flagged():
     ]
 
 
-def test_survival_moves_the_committed_interval_by_the_measured_shift():
+def test_survival_moves_the_committed_interval_by_the_whole_interval_of_the_shift():
+    nan = math.nan
     committed = pd.DataFrame([
-        {"key": "train.nvfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "p": 0.001,
-         "p_adjusted": 0.01, "margin": math.nan},
-        {"key": "train.mxfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "p": 0.001,
-         "p_adjusted": 0.01, "margin": math.nan},
-        {"key": "ablation.x.none-all.same", "test": "TOST", "value": 0.0, "low": -0.004, "high": 0.004,
-         "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
-        {"key": "train.bf16", "test": "paired t", "value": 0.0, "low": -0.01, "high": 0.01, "p": 0.9,
-         "p_adjusted": 1.0, "margin": math.nan},  # not resolved: not a finding to test
+        {"key": "train.nvfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "low_90": nan,
+         "high_90": nan, "p": 0.001, "p_adjusted": 0.01, "margin": nan},
+        {"key": "train.mxfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "low_90": nan,
+         "high_90": nan, "p": 0.001, "p_adjusted": 0.01, "margin": nan},
+        {"key": "ablation.x.none-all.same", "test": "TOST", "value": 0.0, "low": -0.006, "high": 0.006,
+         "low_90": -0.004, "high_90": 0.004, "p": 0.01, "p_adjusted": nan, "margin": 0.01},
+        {"key": "train.bf16", "test": "paired t", "value": 0.0, "low": -0.01, "high": 0.01, "low_90": nan,
+         "high_90": nan, "p": 0.9, "p_adjusted": 1.0, "margin": nan},  # not resolved: not a finding to test
     ])  # fmt: skip
     measured = pd.DataFrame({"key": ["train.nvfp4", "train.mxfp4", "ablation.x.none-all", "train.bf16"],
-                             "shift": [-0.003, -0.005, 0.007, 0.0]})  # fmt: skip
+                             "shift": [-0.001, -0.001, 0.001, 0.0],
+                             "shift_low": [-0.003, -0.005, -0.001, 0.0],
+                             "shift_high": [0.001, 0.003, 0.003, 0.0]})  # fmt: skip
     result = crossmachine.survival(committed, measured).set_index("key")
     assert list(result.index) == ["train.nvfp4", "train.mxfp4", "ablation.x.none-all.same"]
-    assert result.survives["train.nvfp4"]  # [0.001, 0.013] still excludes 0
-    assert not result.survives["train.mxfp4"]  # [−0.001, 0.011] does not
-    assert not result.survives["ablation.x.none-all.same"]  # [0.003, 0.011] leaves ±0.01
+    assert result.survives["train.nvfp4"]  # [0.004 − 0.003, 0.016 + 0.001] = [0.001, 0.017] excludes 0
+    # the mean shift alone (−0.001) would keep [0.003, 0.015]; its interval's low end −0.005 reaches 0
+    assert not result.survives["train.mxfp4"]
+    assert result.moved_low["train.mxfp4"] == pytest.approx(-0.001)
+    # an equivalence moves its 90 % interval: [−0.004 − 0.001, 0.004 + 0.003] = [−0.005, 0.007] within ±0.01
+    assert result.survives["ablation.x.none-all.same"]
+    assert (result.low["ablation.x.none-all.same"], result.high["ablation.x.none-all.same"]) == (
+        -0.004,
+        0.004,
+    )
+
+
+def test_comparisons_give_the_interval_of_the_shift_over_seeds():
+    # per-seed shifts of nvfp4 − fp32: +1, +1, +1 (no spread) and then +0.5, +1, +1.5 (sd 0.5)
+    first = runs({"fp32": [0.0, 0.0, 0.0], "nvfp4": [1.0, 2.0, 3.0]})
+    row = crossmachine.comparisons(
+        "07_recipe_ablations", first, runs({"fp32": [0.0] * 3, "nvfp4": [2.0, 3.0, 4.0]}), "a", "b"
+    ).iloc[0]
+    assert row.shift_low == pytest.approx(1.0) and row.shift_high == pytest.approx(1.0)
+    row = crossmachine.comparisons(
+        "07_recipe_ablations", first, runs({"fp32": [0.0] * 3, "nvfp4": [1.5, 3.0, 4.5]}), "a", "b"
+    ).iloc[0]
+    assert row.shift_high - 1.0 == pytest.approx(T_975_2 * 0.5 / math.sqrt(3))
 
 
 def test_every_committed_comparison_claim_is_one_the_module_rebuilds():

@@ -321,11 +321,16 @@ TIMING = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|µs|ns|[GT]B/s|TFLOP/s)(?!
 TIMING_COLUMN = re.compile(r"^\|.*\((?:ms|µs|ns|s|GB/s)\)", re.M)
 
 
+def _prose(text: str) -> str:
+    """A page's markdown without fenced code blocks (directives too) and inline code."""
+    text = re.sub(r"^(`{3,}|~{3,}).*?^\1", "", text, flags=re.M | re.S)
+    return re.sub(r"(`+).+?\1", "", text, flags=re.S)
+
+
 def typed_timings(text: str) -> list[str]:
     """Timings typed into a page's markdown: a number with ms, µs, ns, GB/s, TB/s or TFLOP/s, or a table
     column headed "(ms)", "(s)" …, outside fenced code blocks and inline code."""
-    text = re.sub(r"^(`{3,}|~{3,}).*?^\1", "", text, flags=re.M | re.S)  # fenced blocks, directives too
-    text = re.sub(r"(`+).+?\1", "", text, flags=re.S)  # inline code
+    text = _prose(text)
     return [m.group(0) for m in TIMING.finditer(text)] + [
         m.group(0)[:60] for m in TIMING_COLUMN.finditer(text)
     ]
@@ -345,6 +350,40 @@ def typed_timings(text: str) -> list[str]:
 )
 def test_the_timing_pattern(text, found):
     assert bool(typed_timings(text)) is found, typed_timings(text)
+
+
+RESULT = re.compile(r"(?<![\w.±])[−-]?\d+(?:\.\d+)?\s?(?:dB|nats(?:/char)?|bits/char)(?![\w/])")
+
+
+def typed_results(text: str) -> list[str]:
+    """Measured results typed into a page's markdown: a number in dB, nats or nats/char outside code
+    (a declared margin, written ±x, is a parameter, not a result)."""
+    return [m.group(0) for m in RESULT.finditer(_prose(text))]
+
+
+@pytest.mark.parametrize(
+    "text, found",
+    [
+        ("a tensor can read 38 dB while a tenth flushes", True),
+        ("unigram entropy 3.311 nats/char", True),
+        ("NVIDIA's keeps 18–20 dB", True),
+        ("equivalence within ±0.005 nats (TOST)", False),
+        ("SQNR in dB, losses in nats", False),
+        ("```\nloss 2.41 nats\n```\n", False),
+    ],
+)
+def test_the_result_pattern(text, found):
+    assert bool(typed_results(text)) is found, typed_results(text)
+
+
+def test_no_page_types_a_result():
+    """Results reach the pages from data/ (findings tables, claims); no page types one."""
+    found = [
+        f"{path.relative_to(ROOT)}: {number}"
+        for path in sorted((ROOT / "docs").glob("*.md"))
+        for number in typed_results(path.read_text())
+    ]
+    assert not found, "typed results (generate them from data/ instead):\n" + "\n".join(found)
 
 
 def test_no_page_types_a_benchmark_timing():

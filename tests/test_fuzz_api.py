@@ -167,10 +167,10 @@ def runs_folder() -> Path:
 
 def committed_claims() -> pd.DataFrame:
     return pd.DataFrame([
-        {"key": "train.nvfp4", "test": "paired t", "value": 0.2, "low": 0.1, "high": 0.3, "p": 0.001,
-         "p_adjusted": 0.01, "margin": math.nan},
-        {"key": "train.nvfp4/no_SR.same", "test": "TOST", "value": 0.0, "low": -0.004, "high": 0.004,
-         "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
+        {"key": "train.nvfp4", "test": "paired t", "value": 0.2, "low": 0.1, "high": 0.3, "low_90": math.nan,
+         "high_90": math.nan, "p": 0.001, "p_adjusted": 0.01, "margin": math.nan},
+        {"key": "train.nvfp4/no_SR.same", "test": "TOST", "value": 0.0, "low": -0.005, "high": 0.005,
+         "low_90": -0.004, "high_90": 0.004, "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
     ])  # fmt: skip
 
 
@@ -652,7 +652,14 @@ ENTRY_POINTS = {
         crossmachine.survival,
         lambda: dict(
             committed=committed_claims(),
-            measured=pd.DataFrame({"key": ["train.nvfp4", "train.nvfp4/no_SR"], "shift": [-0.003, 0.001]}),
+            measured=pd.DataFrame(
+                {
+                    "key": ["train.nvfp4", "train.nvfp4/no_SR"],
+                    "shift": [-0.003, 0.001],
+                    "shift_low": [-0.004, 0.0],
+                    "shift_high": [-0.002, 0.002],
+                }
+            ),
         ),
     ),
     "paths.shown": (paths.shown, lambda: dict(path=scratch() / "x.csv")),

@@ -17,18 +17,91 @@ from torch import nn  # noqa: E402
 
 from qlab import plotting, stats  # noqa: E402
 
+# exact two-sided 95 % quantiles from the closed-form CDFs: df 1 (Cauchy) tan(0.475 π); df 2 √(1.805/0.0975)
+T_975_DF1 = math.tan(0.475 * math.pi)  # 12.7062047361747 (tables: 12.706)
+T_975_DF2 = math.sqrt(1.805 / 0.0975)  # 4.30265272974946 (tables: 4.303)
 
-def test_t_quantiles_are_the_published_table_values():
-    # Student's t, two-sided 95 % (any statistics table): df 1 → 12.706, 2 → 4.303, 4 → 2.776, 9 → 2.262,
-    # 30 → 2.042; beyond the table the normal 1.960
-    for df, expected in [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (30, 2.042), (200, 1.960)]:
-        assert stats.t_quantile_975(df) == expected
+
+def test_t_quantiles_agree_with_scipy_to_1e_10_over_df_1_to_1000():
+    # scipy.stats.t.ppf is the independent reference; every integer df 1 … 1000 at the levels the
+    # intervals (95 %, 90 %), the power statement (80 %) and small tails use, and a few fractional df
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in [*range(1, 1001), 0.5, 2.5, 17.25]:
+        for probability in (0.975, 0.95, 0.8, 0.6, 0.995, 0.025):
+            expected = scipy_stats.t.ppf(probability, df)
+            assert stats.t_quantile(probability, df) == pytest.approx(expected, rel=1e-10, abs=1e-12), (
+                df,
+                probability,
+            )
+        assert stats.t_quantile_975(df) == stats.t_quantile(0.975, df) if float(df).is_integer() else True
+    # the published 3-decimal table agrees when rounded (df 1 → 12.706, 3 → 3.182, 30 → 2.042)
+    for df, table in [(1, 12.706), (3, 3.182), (9, 2.262), (30, 2.042)]:
+        assert round(stats.t_quantile_975(df), 3) == table
+
+
+def test_t_cdf_agrees_with_scipy_to_1e_12():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 3, 7, 30, 200, 1000):
+        for t in (-40.0, -3.0, -0.7, 0.0, 0.3, 1.96, 12.7):
+            assert stats.t_cdf(t, df) == pytest.approx(scipy_stats.t.cdf(t, df), rel=1e-12, abs=1e-15)
+
+
+def _enumerated_sign_flip_p(values):
+    """The two-sided sign-flip p by listing every sign pattern with itertools: the definition itself."""
+    import itertools
+
+    observed = abs(sum(values))
+    patterns = list(itertools.product((1, -1), repeat=len(values)))
+    at_least = sum(abs(sum(s * v for s, v in zip(signs, values))) >= observed - 1e-12 for signs in patterns)
+    return at_least / len(patterns)
+
+
+def test_sign_flip_test_is_exact_against_enumeration_for_n_up_to_12():
+    rng = np.random.default_rng(1)
+    for n in range(1, 13):
+        for _ in range(3):
+            values = rng.standard_t(3, size=n).tolist()  # heavy-tailed, as per-seed differences can be
+            result = stats.sign_flip_test(values)
+            assert result["exact"] and result["patterns"] == 2**n
+            assert result["p"] == _enumerated_sign_flip_p(values), (n, values)
+    # small integers, where ties are exact: [1, 2, 3] — |±1 ±2 ±3| ≥ 6 only for all + or all −
+    assert stats.sign_flip_test([1.0, 2.0, 3.0])["p"] == 2 / 8
+    assert stats.sign_flip_test([1.0, -1.0])["p"] == 1.0  # the observed sum 0 is matched by every pattern
+    # the smallest p n pairs can give is 2/2ⁿ: 0.0625 at 5 seeds, 2/2¹⁵ at 15
+    assert stats.sign_flip_test([0.1, 0.2, 0.3, 0.4, 0.5])["p"] == 0.0625
+    assert stats.sign_flip_test(np.linspace(1, 2, 15).tolist())["p"] == 2 / 2**15
+
+
+def test_sign_flip_test_agrees_with_scipy_permutation_test():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rng = np.random.default_rng(2)
+    for n in (4, 9, 12):
+        x, y = rng.normal(size=n), rng.normal(0.4, 1.0, size=n)
+        reference = scipy_stats.permutation_test(
+            (x, y), lambda a, b: np.mean(a - b), permutation_type="samples", n_resamples=10**6
+        )
+        assert stats.sign_flip_test((x - y).tolist())["p"] == pytest.approx(reference.pvalue, rel=1e-12)
+
+
+def test_sign_flip_test_draws_patterns_beyond_20_pairs_and_is_seeded():
+    values = np.random.default_rng(3).normal(0.3, 1.0, size=24).tolist()
+    first = stats.sign_flip_test(values, resamples=20_000, seed=5)
+    assert not first["exact"] and first["patterns"] == 20_000
+    assert first == stats.sign_flip_test(values, resamples=20_000, seed=5)
+    # the drawn share estimates the exact one: standard error √(p(1 − p)/20000) < 0.004
+    exact_25 = _enumerated_sign_flip_p(values[:12])  # a checkable sub-case, exact and drawn both
+    assert stats.sign_flip_test(values[:12])["p"] == exact_25
+    assert 0 < first["p"] < 1
+    with pytest.raises(ValueError, match="at least 1 difference"):
+        stats.sign_flip_test([])
+    with pytest.raises(ValueError, match="finite"):
+        stats.sign_flip_test([1.0, math.inf])
 
 
 def test_mean_interval_of_hand_computed_samples():
     # [1, 2, 3]: mean 2, s = 1, half-width 4.303 / √3
     mean, low, high = stats.mean_interval([1.0, 2.0, 3.0])
-    assert mean == 2.0 and high - mean == pytest.approx(4.303 / math.sqrt(3), rel=1e-12)
+    assert mean == 2.0 and high - mean == pytest.approx(T_975_DF2 / math.sqrt(3), rel=1e-12)
     assert mean - low == pytest.approx(high - mean, rel=1e-12)
     # [5, 5]: zero spread, zero width; one value: no interval
     assert stats.mean_interval([5.0, 5.0]) == (5.0, 5.0, 5.0)
@@ -109,7 +182,7 @@ def test_mean_band_draws_the_mean_and_the_interval_of_each_x():
     summary = plotting.mean_band(ax, frame, "x", "y")
     line = ax.get_lines()[0]
     assert line.get_ydata().tolist() == [1.5, 4.0]
-    half = [12.706 * 1.0 / 2, 12.706 * 2.0 / 2]
+    half = [T_975_DF1 * 1.0 / 2, T_975_DF1 * 2.0 / 2]
     assert summary["high"].tolist() == pytest.approx([1.5 + half[0], 4.0 + half[1]], rel=1e-12)
     band = ax.collections[0].get_paths()[0].vertices[:, 1]
     for bound in (1.5 - half[0], 1.5 + half[0], 4.0 - half[1], 4.0 + half[1]):  # the band's corners
@@ -124,8 +197,8 @@ def test_mean_band_on_a_log_axis_is_the_geometric_mean_and_a_multiplicative_inte
     summary = plotting.mean_band(ax, frame, "x", "y", log=True)
     assert ax.get_yscale() == "log"
     assert ax.get_lines()[0].get_ydata().tolist() == pytest.approx([10.0], rel=1e-12)
-    assert summary["low"].iloc[0] == pytest.approx(10.0 ** (1 - 12.706), rel=1e-9)
-    assert summary["high"].iloc[0] == pytest.approx(10.0 ** (1 + 12.706), rel=1e-9)
+    assert summary["low"].iloc[0] == pytest.approx(10.0 ** (1 - T_975_DF1), rel=1e-9)
+    assert summary["high"].iloc[0] == pytest.approx(10.0 ** (1 + T_975_DF1), rel=1e-9)
     with pytest.raises(ValueError, match="positive 'y'"):
         plotting.mean_band(ax, pd.DataFrame({"x": [0, 0], "y": [1.0, 0.0]}), "x", "y", log=True)
     plt.close(fig)
@@ -147,7 +220,7 @@ def test_delta_band_subtracts_the_same_seed_and_step_of_the_baseline():
     assert by_recipe == {"a": [0.5, 0.0], "b": [0.0, 0.0]}
     # b at step 2: differences −0.25 and +0.25 → mean 0, s = 0.25·√2, half-width 12.706 · 0.25
     row = summary[(summary.recipe == "b") & (summary.step == 2)].iloc[0]
-    assert row["high"] == pytest.approx(12.706 * 0.25, rel=1e-12)
+    assert row["high"] == pytest.approx(T_975_DF1 * 0.25, rel=1e-12)
     plt.close(fig)
 
 
@@ -186,11 +259,8 @@ def test_t_cdf_equals_the_closed_forms_of_one_and_two_degrees_of_freedom():
     assert stats.t_cdf(math.inf, 3) == 1.0 and stats.t_cdf(-math.inf, 3) == 0.0
 
 
-def test_t_quantiles_are_the_published_two_and_one_sided_table_values():
-    # two-sided 95 % (the table in qlab.stats, from any statistics table) and one-sided 80 %:
-    # df 2 → 1.061, 4 → 0.941, 9 → 0.883, 29 → 0.854 (3 decimals in the tables)
-    for df in (1, 2, 4, 9, 30):
-        assert stats.t_quantile(0.975, df) == pytest.approx(stats.t_quantile_975(df), abs=5e-4)
+def test_t_quantiles_are_the_published_one_sided_table_values():
+    # one-sided 80 %: df 2 → 1.061, 4 → 0.941, 9 → 0.883, 29 → 0.854 (3 decimals in the tables)
     for df, expected in [(2, 1.061), (4, 0.941), (9, 0.883), (29, 0.854)]:
         assert stats.t_quantile(0.8, df) == pytest.approx(expected, abs=5e-4)
     assert stats.t_quantile(0.025, 9) == pytest.approx(-stats.t_quantile(0.975, 9), abs=1e-10)

@@ -92,13 +92,13 @@ def claims_markdown(path: Path) -> str:
         rows.append(
             {
                 "claim": claim.text + (" **(headline)**" if claim.headline else ""),
-                "measured": claim.both(),
+                qclaims.MEASURED: claim.both(),
                 "test": claim.verdict(),
             }
         )
     import pandas as pd
 
-    table = markdown_table(pd.DataFrame(rows, columns=["claim", "measured", "test"]))
+    table = markdown_table(pd.DataFrame(rows, columns=["claim", qclaims.MEASURED, "test"]))
     return table.replace("{", "&#123;").replace("}", "&#125;")
 
 
