@@ -340,7 +340,7 @@ seed:
 display(Markdown(claims.render("""
 With Adam (ε=1e-8) the loss as written ends {bug.adam_eps1e-8} above the corrected one
 ({bug.adam_eps1e-8:verdict}); as a ratio of the two final losses, {bug.ratio.adam_eps1e-8}
-({bug.ratio.adam_eps1e-8:verdict}), whose width comes from dividing by corrected losses close to zero.
+({bug.ratio.adam_eps1e-8:verdict}).
 """) + ("" if parted is None else claims.render("The paired gap has p < 0.05 at every logged step "
                                                  "from step {bug.parting_step:value} on.")) + "\n\n" + claims.render("""
 **Adam's ε.** The final loss as written with a smaller ε against ε=1e-8, paired by seed, tested for a

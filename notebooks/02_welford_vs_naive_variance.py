@@ -805,8 +805,10 @@ Markdown(markdown_table(ln_table, "{:.5f}"))
 # %%
 fig, ax = subplots(width="column", aspect=0.7)
 delta_band(ax, ln_curves, "step", "val_loss", baseline=TORCH_LN, by="variant", linewidth=0.9)
+for bound in (-margin, margin):  # the equivalence margin declared in the parameters
+    ax.axhline(bound, color="0.5", linestyle=":", linewidth=0.7, label="±margin (TOST)" if bound > 0 else None)
 ax.set_xlabel("step")
-ax.set_ylabel("Δ val. loss vs torch LayerNorm")
+ax.set_ylabel("Δ val. loss vs torch LayerNorm (nats/char)")
 ax.set_title(f"bf16 LayerNorm statistics: mean and\n95 % interval over {ln_train_seeds} seeds")
 ax.legend(loc="lower right")
 save_figure(fig, f"{NAME}_ln_training")

@@ -297,7 +297,8 @@ spread = [cost_table.step_ms - cost_table.step_ms_q25, cost_table.step_ms_q75 - 
 axes[0].barh(cost_table.method, cost_table.step_ms, color=colors, xerr=spread, error_kw={"linewidth": 0.8})
 axes[0].set_xlabel(f"time per micro-batch (ms), median and\nquartiles of {timing_steps}")
 axes[1].barh(cost_table.method, cost_table.allocated_mib, color=colors)
-axes[1].set_xlabel("allocated per micro-batch (MiB)")
+axes[1].set_xlabel("allocated per micro-batch (MiB)" + ("\nBF16 rows: as the CPU runs bf16 (its kernels' own\n"
+                   "buffers), not a GPU's footprint" if device == "cpu" else ""))
 axes[1].set_yticks([])
 for ax in axes:
     ax.invert_yaxis()

@@ -37,7 +37,7 @@
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, 5 seeds: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
-seeds: int = 15  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
+seeds: int = 5  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
 tokens: int = 512  # tokens of the synthetic operands (the wgrad reduction length)
 features: int = 256  # input and output features of the synthetic operands
 capture_steps: int = 150  # FP32 training steps before the real operands are captured
@@ -67,7 +67,7 @@ from IPython.display import Markdown, display
 
 from qlab import ablation, models, session, stats
 from qlab.claims import Claims, key_for
-from qlab.plotting import save_figure, subplots, use_paper_style
+from qlab.plotting import mean_band, save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
 from qlab.results import markdown_table, save_csv, save_metrics
 from qlab.runs import run_many
@@ -186,7 +186,8 @@ for row, family in enumerate(FAMILIES):
             ax.set_title(gemm)
         if row == len(FAMILIES) - 1:
             ax.set_xlabel("relative error vs float64")
-axes[0][-1].legend(fontsize=5, loc="lower right")
+handles, labels = axes[0][-1].get_legend_handles_labels()
+fig.legend(handles, labels, loc="outside lower center", ncols=len(labels), fontsize=5)
 fig.suptitle(f"GEMM-output error per recipe variant ({seeds} seeds; real operands: one batch)")
 save_figure(fig, f"{NAME}_gemm_error")
 
@@ -194,34 +195,48 @@ save_figure(fig, f"{NAME}_gemm_error")
 # ## 2. What stochastic rounding buys
 #
 # RNE's error is the same every time; SR's draws differ. If SR's draws were unbiased and independent,
-# the error of the mean of n draws of the wgrad GEMM would fall as 1/√n from one draw's (the dashed
-# line); where it levels off instead, what is left is shared by every draw — a bias of the rounding
-# or of the parts of the recipe the draws do not change (the Hadamard signs are fixed). Real operands
-# of the first captured layer, one batch; MXFP4 backward with RHT, SR on vs off.
+# the mean squared error of the mean of n draws of the wgrad GEMM would be one draw's over n: its
+# error would fall as the draws' root-mean-square error over √n (the dashed line). Where it levels
+# off instead, what is left is shared by every draw — a bias of the rounding or of the parts of the
+# recipe the draws do not change (the Hadamard signs are fixed). Every captured CharGPT layer (one
+# batch each), `seeds` independent sequences of draws per layer; MXFP4 backward with RHT, SR on vs off.
+# The excess is the error of the mean of all the draws over that prediction: 1 for unbiased draws.
 
 # %%
 layer_name = next(iter(real))
-x, w, dy = real[layer_name]
+SR_VARIANTS = {variant: FAMILIES["mxfp4_training"][variant] for variant in ("mxfp4_training", "no SR")}
 sr_rows = []
-for variant in ("mxfp4_training", "no SR"):
-    recipe = FAMILIES["mxfp4_training"][variant]
+for layer, (x, w, dy) in real.items():
     exact = dy.double().T @ x.double()
-    total = torch.zeros_like(exact)
-    for draw in range(sr_draws):
-        total += ablation.gemm_outputs(recipe, x, w, dy, seed=1000 + draw)["wgrad"].double()
-        mean_error = float(((total / (draw + 1)) - exact).norm() / exact.norm())
-        sr_rows.append(dict(variant=variant, draws=draw + 1, wgrad_rel_error_of_mean=mean_error))
+    for sequence in range(seeds):
+        # RNE gives the same product every time: its first sequence says all
+        variants = SR_VARIANTS if sequence == 0 else {"mxfp4_training": SR_VARIANTS["mxfp4_training"]}
+        for variant, recipe in variants.items():
+            total, squared = torch.zeros_like(exact), 0.0
+            for draw in range(sr_draws):
+                wgrad = ablation.gemm_outputs(recipe, x, w, dy, seed=1000 + sr_draws * sequence + draw)["wgrad"]
+                total += wgrad.double()
+                squared += float((wgrad.double() - exact).norm() / exact.norm()) ** 2
+                sr_rows.append(dict(layer=layer, sequence=sequence, variant=variant, draws=draw + 1,
+                                    wgrad_rel_error_of_mean=float(((total / (draw + 1)) - exact).norm() / exact.norm()),
+                                    draw_rms_error=(squared / (draw + 1)) ** 0.5))
 sr_bias = pd.DataFrame(sr_rows)
 save_csv(sr_bias, f"{NAME}_sr_bias")
+sr_last = sr_bias[(sr_bias.variant == "mxfp4_training") & (sr_bias.draws == sr_draws)].copy()
+sr_last["excess"] = sr_last.wgrad_rel_error_of_mean / (sr_last.draw_rms_error / np.sqrt(sr_draws))
+# the sequences are the independent units: each one's excess averaged over the layers
+sr_excess = sr_last.groupby("sequence").excess.mean()
+
 fig, ax = subplots()
-for variant, part in sr_bias.groupby("variant", sort=False):
-    label = "SR (mxfp4_training)" if variant == "mxfp4_training" else "RNE (no SR)"
-    ax.plot(part.draws, part.wgrad_rel_error_of_mean, marker="o", markersize=2, label=label)
-first_draw = sr_bias[sr_bias.variant == "mxfp4_training"].wgrad_rel_error_of_mean.iloc[0]
-draws_axis = np.arange(1, sr_draws + 1)
-ax.plot(draws_axis, first_draw / np.sqrt(draws_axis), "k--", linewidth=0.7, label="one SR draw / √n")
+sr_first = sr_bias[(sr_bias.layer == layer_name) & (sr_bias.variant == "mxfp4_training")]
+mean_band(ax, sr_first, "draws", "wgrad_rel_error_of_mean", log=True, color="C0",
+          label=f"SR (mxfp4_training): geometric mean and 95 % interval over {seeds} sequences")
+rne = sr_bias[(sr_bias.layer == layer_name) & (sr_bias.variant == "no SR")]
+ax.plot(rne.draws, rne.wgrad_rel_error_of_mean, marker="o", markersize=2, color="C1", label="RNE (no SR)")
+predicted = sr_first.assign(predicted=sr_first.draw_rms_error.groupby(sr_first.sequence).transform("last")
+                            / np.sqrt(sr_first.draws)).groupby("draws").predicted.mean()
+ax.plot(predicted.index, predicted, "k--", linewidth=0.7, label="SR draws' rms error / √n")
 ax.set_xscale("log", base=2)
-ax.set_yscale("log")
 ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
 ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
 ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -230,7 +245,7 @@ ax.set_ylabel("wgrad relative error of the mean")
 ax.set_title(f"Mean of n draws against float64: {layer_name}")
 ax.legend(fontsize=6)
 save_figure(fig, f"{NAME}_sr_bias")
-sr_bias.groupby("variant").wgrad_rel_error_of_mean.agg(["first", "last"]).round(4)
+sr_last.groupby("layer")[["wgrad_rel_error_of_mean", "draw_rms_error", "excess"]].mean().round(4)
 
 # %% [markdown]
 # ## 3. Training: validation loss relative to FP32
@@ -311,16 +326,19 @@ save_metrics(NAME, **metrics)
 
 # %%
 claims = Claims(this_run)
-sr_runs = sr_bias.set_index(["variant", "draws"]).wgrad_rel_error_of_mean
-claims.value("sr.one_draw", sr_runs["mxfp4_training", 1], test="observed", digits=3,
-             text=f"wgrad error of one SR draw ({layer_name})")
-claims.value("sr.rne", sr_runs["no SR", 1], test="observed", digits=3, text=f"wgrad error with RNE ({layer_name})")
-claims.value("sr.mean", sr_runs["mxfp4_training", sr_draws], test="observed", digits=3,
-             text=f"wgrad error of the mean of {sr_draws} SR draws ({layer_name})")
-claims.value("sr.predicted", sr_runs["mxfp4_training", 1] / np.sqrt(sr_draws), test="computed", digits=3,
-             text=f"one draw's error / √{sr_draws}: what unbiased independent draws would reach")
-claims.value("sr.excess", claims["sr.mean"].value / claims["sr.predicted"].value, test="computed", digits=1,
-             text=f"mean of {sr_draws} draws ÷ the 1/√n prediction (one layer, one batch, one draw sequence)")
+first_layer = sr_last[sr_last.layer == layer_name].sort_values("sequence")
+claims.mean("sr.one_draw", first_layer.draw_rms_error, digits=3,
+            text=f"rms wgrad error of one SR draw ({layer_name}, per sequence of draws)")
+claims.value("sr.rne", sr_bias[(sr_bias.layer == layer_name) & (sr_bias.variant == "no SR")].wgrad_rel_error_of_mean.iloc[0],
+             test="observed", digits=3, text=f"wgrad error with RNE ({layer_name})")
+claims.mean("sr.mean", first_layer.wgrad_rel_error_of_mean, digits=3,
+            text=f"wgrad error of the mean of {sr_draws} SR draws ({layer_name}, per sequence of draws)")
+claims.mean("sr.excess", sr_excess, digits=2, headline=True,
+            text=f"error of the mean of {sr_draws} SR draws ÷ the unbiased prediction (rms draw error / √{sr_draws}), "
+                 f"mean over the {sr_last.layer.nunique()} captured layers per sequence of draws")
+claims.paired("sr.excess.log", np.log(sr_excess), digits=3, family="sr",
+              text="log of that excess, against 0 (unbiased, independent draws)")
+claims.holm("sr")
 
 blockwise = gemm_summary[gemm_summary.variant == "fp8_blockwise"].set_index(["operands", "gemm"])["mean"]
 mxfp8 = gemm_summary[gemm_summary.variant == "mxfp8"].set_index(["operands", "gemm"])["mean"]
@@ -347,9 +365,9 @@ for preset in ("nvfp4", "mxfp4_training"):
 rht = pd.DataFrame(rht_rows)
 for preset, keys in rht_keys.items():
     claims.holm(f"rht.{preset}")
-    for direction, verb in (("lower", "lowers"), ("higher", "raises")):
-        claims.tally(f"rht.{preset}.{verb}", keys, direction=direction, headline=True,
-                     text=f"{preset}: layers (of {len(keys)}) whose wgrad error over SR seeds the RHT {verb}")
+    claims.tally(f"rht.{preset}.lowers", keys, direction="lower", headline=True,
+                 text=f"{preset}: operand sets (of {len(keys)}: synthetic and captured layers) whose wgrad error over "
+                      "SR seeds the RHT lowers")
 if len(rht):
     rht["Holm-adjusted p"] = [claims[key].p_adjusted for keys in rht_keys.values() for key in keys]
 
@@ -374,22 +392,22 @@ claims.save()
 
 
 display(Markdown(claims.render(f"""
-**What SR buys.** On `{layer_name}`'s wgrad (one batch: a single observation), one SR draw errs
-{{sr.one_draw:value}} where RNE errs {{sr.rne:value}}. The mean of {sr_draws} draws errs {{sr.mean:value}}:
-{{sr.excess:value}} times the {{sr.predicted:value}} that unbiased, independent draws would reach — one
-layer, one batch and one sequence of draws, so a description of this case, not a tested rate.
+**What SR buys.** On `{layer_name}`'s wgrad (one batch), one SR draw errs {{sr.one_draw}} (root mean
+square over the draws, mean over {seeds} sequences) where RNE errs {{sr.rne:value}}; the mean of
+{sr_draws} draws errs {{sr.mean}}. Over every captured layer, the mean of {sr_draws} draws errs
+{{sr.excess}} times what unbiased, independent draws would reach ({{sr.excess:verdict}} over the
+sequences of draws; the log of the excess against 0: {{sr.excess.log:verdict}}). The layers come from
+one batch each.
 
 **FP8 block sizes.** The {{fp8.blockwise_vs_mxfp8:text}} is {{fp8.blockwise_vs_mxfp8:value}} (every
 operand source and GEMM).
 """)))
 if len(rht):
-    display(Markdown(claims.render("""
-**The Hadamard transform on the wgrad operands**, tested per layer over the SR seeds (paired t on the
-log of the error ratio, Holm within each recipe, TOST within ±5 %; captured operands: one batch each).
-NVFP4: the RHT lowers the error in {rht.nvfp4.lowers:value} of its layers and raises it in
-{rht.nvfp4.raises:value} ({rht.nvfp4.lowers:verdict}). MXFP4 training: it lowers the error in
-{rht.mxfp4_training.lowers:value} and raises it in {rht.mxfp4_training.raises:value}
-({rht.mxfp4_training.lowers:verdict}). Per layer, the means over the SR seeds:
+    display(Markdown(claims.render(f"""
+**The Hadamard transform on the wgrad operands**, tested per operand set over the SR seeds (paired t on
+the log of the error ratio, Holm within each recipe, TOST on that log within ±{rht_margin:g}; captured
+operands: one batch each; the synthetic operands count as one set). NVFP4: {{rht.nvfp4.lowers:verdict}}.
+MXFP4 training: {{rht.mxfp4_training.lowers:verdict}}. Per operand set, the means over the SR seeds:
 """) + "\n" + markdown_table(rht, "{:.3g}")))
 display(Markdown(claims.render("""
 **Training.** Each variant's final loss against FP32's, paired by seed, tested for a difference

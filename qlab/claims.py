@@ -59,10 +59,11 @@ class Claim:
 
     test is "paired t" (with the exact sign-flip test beside it), "TOST" (equivalence within ±margin;
     low/high stay the 95 % interval, low_90/high_90 hold the 90 % interval the test reads), "tally" (a
-    count over a family of paired comparisons, each with its TOST: value resolved, equivalent and
-    undecided of n, detectable the largest effect the undecided ones could have found; "tally lower" or
-    "tally higher" counts only the resolved ones of that sign), "observed" (a single observation) or
-    "computed" (exact arithmetic, no sampling)."""
+    count over a family of n paired comparisons, each with its TOST, in disjoint classes: value resolved
+    (Holm), equivalent the unresolved ones TOST shows within the margin, undecided the rest, detectable
+    the largest effect an undecided one could have found; "tally lower" or "tally higher" counts in value
+    only the resolved ones of that sign, the n − value − equivalent − undecided others resolved the
+    other way), "observed" (a single observation) or "computed" (exact arithmetic, no sampling)."""
 
     key: str
     text: str
@@ -113,7 +114,7 @@ class Claim:
             checks.integer(name, getattr(self, name), low=0)
         checks.integer("digits", self.digits, low=0, high=17)
         checks.boolean("headline", self.headline)
-        if self.test not in TESTS and self.test.removeprefix("tally ") not in DIRECTIONS:
+        if self.test not in TESTS and not (self.test.startswith("tally ") and self.test[6:] in DIRECTIONS):
             raise ValueError(
                 f"test must be one of {', '.join(map(repr, TESTS))} or 'tally lower'/'tally higher', got "
                 f"{self.test!r}"
@@ -160,7 +161,8 @@ class Claim:
             return ""
         t_p = self.p_adjusted if math.isfinite(self.p_adjusted) else self.p
         which = "Holm-adjusted " if adjusted else ""
-        text = f"exact sign-flip {which}p {self.p_text(p)}"
+        exact = self.n <= stats.EXACT_SIGN_FLIPS_MAX  # beyond, the p is a share of seeded drawn patterns
+        text = f"{'exact sign-flip' if exact else 'sign-flip (drawn patterns)'} {which}p {self.p_text(p)}"
         if (p <= ALPHA) != (t_p <= ALPHA):
             floor = 2.0 / 2**self.n if self.n else math.nan
             text += " — the two tests disagree" + (
@@ -200,19 +202,27 @@ class Claim:
         return self.test or "computed"
 
     def tally_text(self) -> str:
-        """What a tally's tests found: resolved, equivalent and undecided, each of n."""
+        """What a tally's tests found, in disjoint classes of its n comparisons."""
         unit = f" {self.unit}" if self.unit else ""
         direction = self.test.removeprefix("tally").strip()
-        resolved = f"resolved {direction}" if direction else "resolved"
-        text = (
-            f"{self.number(self.value, False)} of {self.n} {resolved} after Holm (paired t); "
-            f"{self.equivalent:.0f} of {self.n} equivalent within ±{self.margin:g}{unit} (TOST)"
+        count = self.number(self.value, False)
+        if direction:
+            other = {"lower": "higher", "higher": "lower"}[direction]
+            opposite = self.n - self.value - self.equivalent - self.undecided
+            text = (
+                f"{count} of {self.n} resolved {direction} and {opposite:.0f} {other} after Holm (paired t)"
+            )
+        else:
+            text = f"{count} of {self.n} resolved after Holm (paired t)"
+        text += (
+            f"; of the rest, {self.equivalent:.0f} equivalent within ±{self.margin:g}{unit} (TOST, each at "
+            f"α = 0.05 unadjusted)"
         )
         if self.undecided > 0:
             text += (
-                f"; {self.undecided:.0f} undecided (these seeds detect up to "
-                f"{self.detectable:.3g}{unit} at 80 % power)".replace("-", "−")
-            )
+                f" and {self.undecided:.0f} undecided (these seeds detect up to {self.detectable:.3g}{unit} "
+                "at 80 % power, unadjusted α)"
+            ).replace("-", "−")
         return text
 
     def resolved(self) -> bool:
@@ -331,6 +341,10 @@ class Claims:
                 raise ValueError(
                     f"tally {key!r}: {member.key!r} is a {member.test or 'plain'} claim, not a paired t"
                 )
+            if not math.isfinite(member.p_adjusted):
+                raise ValueError(
+                    f"tally {key!r}: {member.key!r} is not Holm-adjusted yet; call holm on its family"
+                )
             if f"{member.key}.same" not in self:
                 raise ValueError(
                     f"tally {key!r}: {member.key!r} has no equivalence test {member.key + '.same'!r}; give "
@@ -342,7 +356,7 @@ class Claims:
             raise ValueError(f"tally {key!r}: its comparisons' margins differ ({sorted(margins)}); use one")
         sign = {None: 0, "lower": -1, "higher": 1}[direction]
         resolved = [m for m in members if m.resolved() and (sign == 0 or math.copysign(1, m.value) == sign)]
-        equivalent = [s for s in same if s.resolved()]
+        equivalent = [s for m, s in zip(members, same) if not m.resolved() and s.resolved()]
         undecided = [m for m, s in zip(members, same) if not m.resolved() and not s.resolved()]
         detectable = max((m.detectable for m in undecided), default=math.nan)
         unit = members[0].unit

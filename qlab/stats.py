@@ -26,6 +26,7 @@ is 2/2ⁿ (0.0625 at n = 5, 6.1e-5 at n = 15).
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -38,7 +39,13 @@ from qlab import checks
 def t_quantile_975(degrees_of_freedom: int) -> float:
     """t_{0.975} with the given degrees of freedom (an integer ≥ 1): the two-sided 95 % quantile."""
     checks.integer("degrees_of_freedom", degrees_of_freedom, low=1)
-    return t_quantile(0.975, degrees_of_freedom)
+    return _t_quantile_cached(0.975, int(degrees_of_freedom))
+
+
+@functools.lru_cache(maxsize=4096)
+def _t_quantile_cached(probability: float, degrees_of_freedom: int) -> float:
+    """``t_quantile`` remembered: intervals and power statements ask for the same few quantiles often."""
+    return t_quantile(probability, degrees_of_freedom)
 
 
 METHODS = ("t", "bootstrap")
@@ -176,6 +183,9 @@ def t_cdf(t: float, degrees_of_freedom: float) -> float:
     checks.number("degrees_of_freedom", degrees_of_freedom, low=0, open_low=True)
     if math.isinf(t):
         return 1.0 if t > 0 else 0.0
+    if t * t < degrees_of_freedom:  # near the centre: the share between −|t| and |t|, without cancellation
+        centre = 0.5 * _incomplete_beta(0.5, degrees_of_freedom / 2, t * t / (degrees_of_freedom + t * t))
+        return 0.5 + centre if t > 0 else 0.5 - centre
     tail = 0.5 * _incomplete_beta(
         degrees_of_freedom / 2, 0.5, degrees_of_freedom / (degrees_of_freedom + t * t)
     )
@@ -227,7 +237,7 @@ def paired_test(differences, alpha: float = 0.05) -> dict:
     if n < 2:
         raise ValueError(f"a paired test needs at least 2 differences (seeds), got {n}")
     mean, sd = float(values.mean()), float(values.std(ddof=1))
-    half = t_quantile(1 - alpha / 2, n - 1) * sd / math.sqrt(n)
+    half = _t_quantile_cached(1 - alpha / 2, n - 1) * sd / math.sqrt(n)
     if sd == 0:
         t, p = (math.copysign(math.inf, mean), 0.0) if mean != 0 else (0.0, 1.0)
     else:
@@ -269,8 +279,10 @@ def sign_flip_test(differences, *, resamples: int = 100_000, seed: int = 0) -> d
         at_least = int(np.count_nonzero(np.abs(sums) >= observed - tolerance))
         return {"n": n, "mean": float(values.mean()), "p": at_least / len(sums), "patterns": len(sums),
                 "exact": True}  # fmt: skip
-    signs = np.random.default_rng(seed).integers(0, 2, size=(resamples, n)) * 2 - 1
-    at_least = int(np.count_nonzero(np.abs(signs @ values) >= observed - tolerance))
+    generator, at_least = np.random.default_rng(seed), 0
+    for start in range(0, resamples, 10_000):  # in chunks: a pattern matrix of resamples × n could be GBs
+        signs = generator.integers(0, 2, size=(min(10_000, resamples - start), n)) * 2 - 1
+        at_least += int(np.count_nonzero(np.abs(signs @ values) >= observed - tolerance))
     return {"n": n, "mean": float(values.mean()), "p": (at_least + 1) / (resamples + 1),
             "patterns": resamples, "exact": False}  # fmt: skip
 
@@ -321,7 +333,7 @@ def detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8
     checks.integer("n", n, low=2)
     checks.number("alpha", alpha, low=0, high=1, open_low=True, open_high=True)
     checks.number("power", power, low=0, high=1, open_low=True, open_high=True)
-    return (t_quantile(1 - alpha / 2, n - 1) + t_quantile(power, n - 1)) * sd / math.sqrt(n)
+    return (_t_quantile_cached(1 - alpha / 2, n - 1) + _t_quantile_cached(power, n - 1)) * sd / math.sqrt(n)
 
 
 def seeds_for_effect(

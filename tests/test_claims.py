@@ -190,23 +190,36 @@ def test_a_tally_counts_resolved_equivalent_and_undecided_comparisons():
     assert tally.detectable == claims["c"].detectable and tally.margin == 0.01
     verdict = tally.verdict()
     assert verdict.startswith(
-        "1 of 3 resolved after Holm (paired t); 1 of 3 equivalent within ±0.01 nats (TOST)"
+        "1 of 3 resolved after Holm (paired t); of the rest, 1 equivalent within ±0.01 nats (TOST, each at "
+        "α = 0.05 unadjusted)"
     )
-    assert (
-        f"1 undecided (these seeds detect up to {claims['c'].detectable:.3g} nats at 80 % power)" in verdict
-    )
-    assert claims.tally("lower", ["a", "b", "c"], text="x", direction="lower").value == 0
+    detectable = f"{claims['c'].detectable:.3g}".replace("-", "−")
+    assert f"1 undecided (these seeds detect up to {detectable} nats at 80 % power, unadjusted α)" in verdict
+    # a direction counts the resolved ones of its sign and names the others: "a" is resolved higher
+    lower = claims.tally("lower", ["a", "b", "c"], text="x", direction="lower")
+    assert lower.value == 0 and lower.verdict().startswith("0 of 3 resolved lower and 1 higher after Holm")
+    assert claims.tally("higher", ["a", "b", "c"], text="x", direction="higher").value == 1
+    # a resolved comparison inside the margin counts as resolved, not also as equivalent (disjoint classes)
+    claims.paired("tiny", [0.001, 0.0011, 0.0009, 0.001, 0.00105, 0.00095], text="t", family="g", margin=0.01)
+    claims.holm("g")
+    both = claims.tally("both", ["tiny"], text="x")
+    assert claims["tiny"].resolved() and claims["tiny.same"].resolved()
+    assert (both.value, both.equivalent, both.undecided) == (1, 0, 0)
     # round trip through the claims file keeps the verdict
     row = claims.frame().set_index("key").loc["count"].to_dict() | {"key": "count"}
     assert claims_module.from_row(pd.Series(row)).verdict() == verdict
-    claims.paired("d", far, text="d", family="g")
-    claims.holm("g")
+    claims.paired("d", far, text="d", family="h")
+    with pytest.raises(ValueError, match="not Holm-adjusted yet"):
+        claims.tally("bad", ["d"], text="x")
+    claims.holm("h")
     with pytest.raises(ValueError, match="no equivalence test 'd.same'"):
         claims.tally("bad", ["d"], text="x")
     with pytest.raises(ValueError, match="not a paired t"):
         claims.tally("bad", ["a.same"], text="x")
     with pytest.raises(ValueError, match="direction"):
         claims.tally("bad", ["a"], text="x", direction="down")
+    with pytest.raises(ValueError, match="test must be one of"):
+        claims_module.Claim("x", "x", 1.0, test="lower")
 
 
 def test_headline_problems_catch_untested_counts_and_nulls_without_tost():

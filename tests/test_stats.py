@@ -39,6 +39,14 @@ def test_t_quantiles_agree_with_scipy_to_1e_10_over_df_1_to_1000():
         assert round(stats.t_quantile_975(df), 3) == table
 
 
+def test_t_quantile_near_the_centre_keeps_its_relative_precision():
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in (1, 3, 30):
+        for probability in (0.5 + 1e-12, 0.5 + 1e-6, 0.5 - 1e-9):
+            expected = scipy_stats.t.ppf(probability, df)
+            assert stats.t_quantile(probability, df) == pytest.approx(expected, rel=1e-6)
+
+
 def test_t_cdf_agrees_with_scipy_to_1e_12():
     scipy_stats = pytest.importorskip("scipy.stats")
     for df in (1, 2, 3, 7, 30, 200, 1000):
@@ -253,7 +261,8 @@ def test_gradient_noise_floor_is_the_agreement_of_two_batches_closed_form_gradie
 
 def test_t_cdf_equals_the_closed_forms_of_one_and_two_degrees_of_freedom():
     # df = 1 is the Cauchy distribution: 1/2 + atan(t)/π; df = 2: 1/2 + t / (2 √(2 + t²))
-    for t in [-30.0, -3.0, -1.0, -0.2, 0.0, 0.5, 2.0, 7.5, 100.0]:
+    # (and near the centre, where 1 − x would cancel: t = ±1e-9 keeps its digits)
+    for t in [-30.0, -3.0, -1.0, -0.2, -1e-9, 0.0, 1e-9, 0.5, 2.0, 7.5, 100.0]:
         assert stats.t_cdf(t, 1) == pytest.approx(0.5 + math.atan(t) / math.pi, abs=1e-13)
         assert stats.t_cdf(t, 2) == pytest.approx(0.5 + t / (2 * math.sqrt(2 + t * t)), abs=1e-13)
     assert stats.t_cdf(math.inf, 3) == 1.0 and stats.t_cdf(-math.inf, 3) == 0.0
