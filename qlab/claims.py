@@ -521,7 +521,7 @@ def _missing(value) -> bool:
 
 
 def headline_problems(frame: pd.DataFrame) -> list[str]:
-    """What a reviewer would refuse in a claims file's headlines, one line each: a count (digits 0)
+    """The headlines of a claims file that do not state their test, one line each: a count (digits 0)
     with no test behind it ("computed" or no test — a count headline is a tally of tested
     comparisons), a paired difference that is not resolved and has no TOST beside it (a null
     stated without an equivalence test), a tally without a margin. [] when every headline states its test."""

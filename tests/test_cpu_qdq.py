@@ -483,12 +483,14 @@ def test_inside_torch_compile_it_is_one_opaque_op_with_the_same_bits():
     x = torch.randn(64, 128) * 100
 
     def both_axes(t):
-        return kernels.qdq(torch.nn.functional.gelu(t), "mxfp8", 1) + kernels.qdq(t * 3, "mxfp4", 0)
+        activated = torch.nn.functional.gelu(t)
+        return kernels.qdq(activated, "mxfp8", 1) + kernels.qdq(t * 3, "mxfp4", 0), activated
 
     compiled = torch.compile(both_axes, fullgraph=True, backend="inductor")
-    assert_same_bits(
-        compiled(x), reference(torch.nn.functional.gelu(x), "mxfp8", 1) + reference(x * 3, "mxfp4", 0)
-    )
+    result, activated = compiled(x)
+    # the reference reads the compiled graph's own gelu: inductor's gelu may give −0.0 where eager's gives
+    # +0.0 (seen on some CPUs), which is the activation's arithmetic, not the quantizer's
+    assert_same_bits(result, reference(activated, "mxfp8", 1) + reference(x * 3, "mxfp4", 0))
     assert sum(counters["graph_break"].values()) == 0
 
 

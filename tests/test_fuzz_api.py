@@ -418,6 +418,7 @@ ENTRY_POINTS = {
     "stats.paired_test": (stats.paired_test, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2], alpha=0.05)),
     "stats.holm": (stats.holm, lambda: dict(p_values=[0.01, 0.04, 0.3])),
     "stats.tost": (stats.tost, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2], margin=0.5)),
+    "stats.sign_flip_test": (stats.sign_flip_test, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2])),
     "stats.detectable_effect": (stats.detectable_effect, lambda: dict(sd=1.0, n=5, alpha=0.05, power=0.8)),
     "stats.seeds_for_effect": (stats.seeds_for_effect, lambda: dict(sd=1.0, effect=0.5, most=100)),
     "stats.summarize": (
@@ -609,6 +610,7 @@ ENTRY_POINTS = {
     ),
     "claims.Claims": (claims.Claims, lambda: dict(run=notebook_run())),
     "claims.Claims save": (lambda run: claimed(run).save(), lambda: dict(run=notebook_run())),
+    "claims.headline_problems": (claims.headline_problems, lambda: dict(frame=claimed().frame())),
     "claims.load": (
         claims.load,
         lambda: dict(path=claims_folder() / "99_fuzz_claims.csv"),

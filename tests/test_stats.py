@@ -100,7 +100,7 @@ def test_sign_flip_test_draws_patterns_beyond_20_pairs_and_is_seeded():
     exact_25 = _enumerated_sign_flip_p(values[:12])  # a checkable sub-case, exact and drawn both
     assert stats.sign_flip_test(values[:12])["p"] == exact_25
     assert 0 < first["p"] < 1
-    with pytest.raises(ValueError, match="at least 1 difference"):
+    with pytest.raises(ValueError, match="differences must hold at least 1 value"):
         stats.sign_flip_test([])
     with pytest.raises(ValueError, match="finite"):
         stats.sign_flip_test([1.0, math.inf])
