@@ -269,7 +269,9 @@ def sign_flip_test(differences, *, resamples: int = 100_000, seed: int = 0) -> d
     checks.integer("seed", seed, low=0)
     n = len(values)
     if n < 1:
-        raise ValueError("differences must hold at least 1 value (one per seed) for a sign-flip test, got none")
+        raise ValueError(
+            "differences must hold at least 1 value (one per seed) for a sign-flip test, got none"
+        )
     observed = abs(float(values.sum()))
     tolerance = 1e-12 * n * float(np.abs(values).max())
     if n <= EXACT_SIGN_FLIPS_MAX:
