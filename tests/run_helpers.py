@@ -20,6 +20,12 @@ def fail_on(value: int, bad: int) -> int:
     return value * value
 
 
+def square_then_mark(value: int, folder: str) -> int:
+    """value squared, after leaving folder/done: a test waits for it before killing another worker."""
+    Path(folder, "done").write_text("")
+    return value * value
+
+
 def threads() -> int:
     return torch.get_num_threads()
 

@@ -80,7 +80,10 @@ def test_a_failing_training_run_names_its_configuration():
 
 def test_a_killed_worker_fails_its_run_and_keeps_the_finished_ones(tmp_path):
     killed = _kill_first_pid_in(tmp_path)
-    runs_ = [task(run_helpers.fail_on, 3, -1), task(run_helpers.pid_then_sleep, str(tmp_path), 60)]
+    runs_ = [
+        task(run_helpers.square_then_mark, 3, str(tmp_path)),
+        task(run_helpers.pid_then_sleep, str(tmp_path), 60),
+    ]
     with pytest.raises(RunsFailed, match="worker process died") as caught:
         run_many(runs_, max_workers=2, progress=False)
     killed.join()
@@ -88,12 +91,18 @@ def test_a_killed_worker_fails_its_run_and_keeps_the_finished_ones(tmp_path):
 
 
 def _kill_first_pid_in(folder, settle: float = 1.0) -> threading.Thread:
+    """Kill the worker that wrote its pid into folder, once the other run has left folder/done.
+
+    Waiting on the mark, not on a clock, keeps a loaded machine from killing before the other run
+    finished; settle gives its result time to reach the parent.
+    """
+
     def kill():
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            pids = list(folder.iterdir())
-            if pids:
-                time.sleep(settle)  # let the other run finish first
+            pids = [path for path in folder.iterdir() if path.name.isdigit()]
+            if pids and (folder / "done").exists():
+                time.sleep(settle)
                 os.kill(int(pids[0].name), signal.SIGKILL)
                 return
             time.sleep(0.05)
@@ -225,7 +234,10 @@ def test_ray_cluster_gives_the_serial_results_and_survives_a_killed_worker(tmp_p
         assert caught.value.results == [0, 1, None, 9]
 
         killed = _kill_first_pid_in(tmp_path, settle=2.0)
-        tasks = [task(run_helpers.fail_on, 3, -1), task(run_helpers.pid_then_sleep, str(tmp_path), 60)]
+        tasks = [
+            task(run_helpers.square_then_mark, 3, str(tmp_path)),
+            task(run_helpers.pid_then_sleep, str(tmp_path), 60),
+        ]
         with pytest.raises(RunsFailed, match="Ray worker running it died") as caught:
             run_many(tasks, executor="ray", threads_per_run=1, progress=False)
         killed.join()
