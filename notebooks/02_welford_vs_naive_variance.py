@@ -31,8 +31,8 @@
 # Every number in the text is computed from this run's results (the code cells that render it), and
 # the claims are saved to `data/02_welford_vs_naive_variance_claims.csv`. The numerical experiments
 # of sections 1–5 are deterministic functions of the seed: their errors are medians over the rows
-# drawn, not means over seeds. Section 7 measures one batch per model (a single observation per
-# model); section 8 trains `ln_train_seeds` seeds and pairs every comparison by seed.
+# drawn, not means over seeds. Section 7 measures one CharGPT on its validation batches and each
+# packaged model on one batch (a single observation per model); section 8 trains `ln_train_seeds` seeds and pairs every comparison by seed.
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
@@ -306,7 +306,7 @@ for label, _, acc_dtype in CONFIGS:
     for algorithm in ALGORITHMS:
         part = summary[(summary["config"] == label) & (summary["algorithm"] == algorithm)]
         claims.value(f"k50.{key_of(label)}.{algorithm}", first_kappa(part, "rel_error", ALL_DIGITS_LOST), n=trials,
-                     digits=2, text=f"{label}, {algorithm}: smallest κ whose median relative error of σ² "
+                     test="estimate", digits=2, text=f"{label}, {algorithm}: smallest κ whose median relative error of σ² "
                                     f"reaches {percent(ALL_DIGITS_LOST)} (none: inf)")
         row[algorithm] = shown(f"k50.{key_of(label)}.{algorithm}")
     rule_rows.append(row)
@@ -717,18 +717,18 @@ save_figure(fig, f"{NAME}_model_kappa")
 layer_norm_rows = norm_kappa[norm_kappa["kind"] == "LayerNorm"]
 rms_rows = norm_kappa[norm_kappa["kind"] == "RMSNorm"]
 ln_models = list(dict.fromkeys(layer_norm_rows["model"]))
+SEEN = f"CharGPT on its {len(validation)} validation batches, each packaged model on one batch"
 claims.value("model.rows", layer_norm_rows["rows"].sum(), test="computed", digits=1,
              text=f"LayerNorm input rows measured ({', '.join(ln_models)})")
 claims.value("model.layers", len(layer_norm_rows), test="computed", digits=1,
              text="LayerNorm calls measured (layer × batch)")
 claims.value("model.rows_ge_2", float((layer_norm_rows["bf16_textbook_fraction"] * layer_norm_rows["rows"]).sum()),
              test="observed", digits=0, headline=True,
-             text=f"LayerNorm input rows with κ ≥ 2, of {layer_norm_rows['rows'].sum()} (CharGPT and MiniLM, "
-                  "one batch each)")
+             text=f"LayerNorm input rows with κ ≥ 2, of {layer_norm_rows['rows'].sum()} ({SEEN})")
 claims.value("model.rows_ge_1000", float((layer_norm_rows["fp32_textbook_fraction"] * layer_norm_rows["rows"]).sum()),
              test="observed", digits=0, text="LayerNorm input rows with κ ≥ 10³")
 claims.value("model.kappa_max", layer_norm_rows["kappa_max"].max(), test="observed", digits=3, headline=True,
-             text="largest κ of any LayerNorm input row (CharGPT and MiniLM, one batch each)")
+             text=f"largest κ of any LayerNorm input row ({SEEN})")
 claims.value("model.kappa_median", layer_norm_rows["kappa_median"].max(), test="observed", digits=4,
              text="largest per-layer median κ of the LayerNorm input rows")
 if len(rms_rows):
@@ -755,10 +755,11 @@ On section 2's synthetic rows of κ up to the first target above that largest κ
 erred at most {model.textbook_fp32_error:value} (median).
 """
 if below:
-    text += """
+    text += f"""
 Welford's advantage is robustness to inputs with a large common offset, which the rows measured here
-do not have: one batch each of a small CharGPT after its FP32 training and of the packaged models
-above, not a large LayerNorm LLM in training, whose activations this does not measure.
+do not have: a small CharGPT after its FP32 training on its {len(validation)} validation batches and
+one batch of each packaged model above, not a large LayerNorm LLM in training, whose activations this
+does not measure.
 """
 if "model.rms_kappa_max" in claims:
     text += """

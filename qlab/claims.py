@@ -43,6 +43,7 @@ TESTS = (
     "TOST",
     "tally",
     "observed",
+    "estimate",
     "computed",
     "",
 )  # "" with n > 0: a mean over n, 95 % interval
@@ -63,7 +64,8 @@ class Claim:
     (Holm), equivalent the unresolved ones TOST shows within the margin, undecided the rest, detectable
     the largest effect an undecided one could have found; "tally lower" or "tally higher" counts in value
     only the resolved ones of that sign, the n − value − equivalent − undecided others resolved the
-    other way), "observed" (a single observation) or "computed" (exact arithmetic, no sampling)."""
+    other way), "observed" (a single observation), "estimate" (a statistic of sampled runs — a ratio,
+    an extreme, a median — stated without an interval) or "computed" (exact arithmetic, no sampling)."""
 
     key: str
     text: str
@@ -197,6 +199,9 @@ class Claim:
             )
         if self.test == "observed":
             return "a single observation"
+        if self.test == "estimate":
+            runs = f" from {self.n} sampled runs" if self.n else ""
+            return f"an estimate{runs}, no interval"
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
@@ -280,7 +285,8 @@ class Claims:
     def value(self, key: str, value, *, text: str, low=None, high=None, n: int = 0, test: str = "",
               unit: str = "", digits: int = 4, headline: bool = False) -> Claim:  # fmt: skip
         """A number stated as measured: a mean with its interval over ``n`` (low/high), a single
-        observation (``test="observed"``) or an exact computation (``test="computed"``)."""
+        observation (``test="observed"``), a statistic of sampled runs with no interval
+        (``test="estimate"``, over ``n``) or an exact computation (``test="computed"``)."""
         checks.number("value", value, finite=False)
         return self._add(Claim(key, text, float(value), math.nan if low is None else float(low),
                                math.nan if high is None else float(high), int(n), test, unit=unit,
@@ -522,7 +528,7 @@ def _missing(value) -> bool:
 
 def headline_problems(frame: pd.DataFrame) -> list[str]:
     """The headlines of a claims file that do not state their test, one line each: a count (digits 0)
-    with no test behind it ("computed" or no test — a count headline is a tally of tested
+    with no test behind it ("computed", "estimate" or no test — a count headline is a tally of tested
     comparisons), a paired difference that is not resolved and has no TOST beside it (a null
     stated without an equivalence test), a tally without a margin. [] when every headline states its test."""
     checks.frame_columns("frame", frame, list(COLUMNS))
@@ -531,7 +537,7 @@ def headline_problems(frame: pd.DataFrame) -> list[str]:
         if str(row.headline).lower() != "true":
             continue
         claim = from_row(pd.Series(row._asdict()))
-        if claim.digits == 0 and claim.test in ("computed", ""):
+        if claim.digits == 0 and claim.test in ("computed", "estimate", ""):
             problems.append(
                 f"{claim.key}: a count headline whose verdict is {claim.verdict()!r}, with no test"
             )

@@ -230,9 +230,22 @@ def test_headline_problems_catch_untested_counts_and_nulls_without_tost():
         "gap2", [0.002, -0.003, 0.001, -0.001], text="gap2", unit="nats", headline=True, margin=0.01
     )
     claims.value("rows", 186880, text="rows measured", test="observed", digits=0, headline=True)
+    claims.value("median", 4, text="median runs to a crossing", test="estimate", n=5, digits=0, headline=True)
     problems = claims_module.headline_problems(claims.frame())
-    assert len(problems) == 2
+    assert len(problems) == 3
     assert problems[0].startswith("count: a count headline") and problems[1].startswith("gap: an unresolved")
+    assert problems[2] == (
+        "median: a count headline whose verdict is "
+        "'an estimate from 5 sampled runs, no interval', with no test"
+    )
+
+
+def test_an_estimate_says_it_has_no_interval():
+    claims = Claims(_run())
+    ratio = claims.value("ratio", 6.25, text="floor ÷ error", test="estimate", n=15, digits=3)
+    assert ratio.verdict() == "an estimate from 15 sampled runs, no interval"
+    lowest = claims.value("lowest", 0.5, text="lowest cosine", test="estimate")
+    assert lowest.verdict() == "an estimate, no interval"
 
 
 def test_every_committed_headline_states_its_test():
