@@ -13,16 +13,20 @@ The model is left exactly as it came (every swapped layer is put back, Parameter
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 import torch
 from torch import nn
 
-from qlab import checks, models
-from qlab.nn import QuantLinear, is_conv1d, linear_layers, set_submodule
+from qlab import checks, models, paths, plan, stats
+from qlab.nn import QuantLinear, is_conv1d, linear_layers, oriented_weight, set_submodule
 from qlab.recipe import get_recipe
 
 BUDGET_UNITS = ("layers", "flops")
@@ -40,7 +44,7 @@ def quantized(model: nn.Module, names: Sequence[str], recipe):
     """For the duration, the named layers of ``model`` are QuantLinears of ``recipe`` (sharing their
     Parameters); afterwards the original modules are back in place."""
     convertible = [name for name, _, why in linear_layers(model) if why is None]
-    names = _check_layers("names", checks.patterns("names", names), convertible)
+    names = check_layers("names", checks.patterns("names", names), convertible)
     recipe = get_recipe(recipe)
     originals = {}
     try:
@@ -59,7 +63,7 @@ def _mean_loss(model, batches, loss_fn) -> float:
     return sum(float(loss_fn(model, batch)) for batch in batches) / len(batches)
 
 
-def _check_measurement(model, batches, loss_fn, progress) -> None:
+def check_measurement(model, batches, loss_fn, progress) -> None:
     checks.module("model", model)
     checks.batches("batches", batches)
     if not callable(loss_fn):
@@ -67,7 +71,7 @@ def _check_measurement(model, batches, loss_fn, progress) -> None:
     checks.boolean("progress", progress)
 
 
-def _check_layers(argument: str, names: list[str], convertible) -> list[str]:
+def check_layers(argument: str, names: list[str], convertible) -> list[str]:
     """``names``, each a convertible layer of the model; refused naming ``argument`` otherwise."""
     unknown = [name for name in names if name not in convertible]
     if unknown:
@@ -96,13 +100,13 @@ def group_sensitivity(
     model (nats for a cross-entropy). Columns: group, layers (count), flops (Σ in × out: multiply-adds
     per token), loss, delta, rank (1 = most sensitive), recipe, baseline_loss. The model runs in eval
     mode and comes back as it was."""
-    _check_measurement(model, batches, loss_fn, progress)
+    check_measurement(model, batches, loss_fn, progress)
     if not isinstance(groups, dict) or not groups:
         raise TypeError(f"groups must be a non-empty dict label -> layer names, got {checks.shown(groups)}")
     recipe = get_recipe(recipe)
     convertible = {name: module for name, module, why in linear_layers(model) if why is None}
     for label, names in groups.items():
-        _check_layers(f"groups[{label!r}]", checks.patterns(f"groups[{label!r}]", names), convertible)
+        check_layers(f"groups[{label!r}]", checks.patterns(f"groups[{label!r}]", names), convertible)
     was_training = model.training
     model.eval()
     try:
@@ -140,10 +144,10 @@ def layer_sensitivity(
     """``group_sensitivity`` with one layer per group: every convertible Linear-like layer (or each
     name in ``layers``) quantized alone. Columns: layer, in_features, out_features, flops, loss,
     delta, rank, recipe, baseline_loss."""
-    _check_measurement(model, batches, loss_fn, progress)
+    check_measurement(model, batches, loss_fn, progress)
     convertible = {name: module for name, module, why in linear_layers(model) if why is None}
     names = list(convertible) if layers is None else checks.patterns("layers", layers)
-    if not _check_layers("layers", names, convertible):
+    if not check_layers("layers", names, convertible):
         raise ValueError(f"layers must name at least one convertible layer of the model, got {layers!r}")
     table = group_sensitivity(model, batches, recipe, {name: [name] for name in names}, loss_fn=loss_fn,
                               progress=progress)  # fmt: skip
@@ -206,6 +210,188 @@ def advise(
     return choose(table, budget, by)
 
 
+# --- a format per layer: the scores a plan is chosen by (qlab.plan solves) -------------------------
+
+
+def _layer_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{name: (out_features, in_features)} of every convertible Linear-like layer."""
+    return {
+        name: tuple(oriented_weight(module).shape)
+        for name, module, why in linear_layers(model)
+        if why is None
+    }
+
+
+def layer_table(model: nn.Module, formats) -> pd.DataFrame:
+    """One row per (convertible layer, format): layer, format, elements (weight elements), bits
+    (``weight_bits``), in model order then formats' order. The score columns come from a score function."""
+    checks.module("model", model)
+    formats = plan.plan_formats(formats)
+    shapes = _layer_shapes(model)
+    if not shapes:
+        raise ValueError("model has no convertible Linear-like layer: there is nothing to plan")
+    rows = [
+        dict(layer=name, format=name_, elements=out * in_, bits=plan.weight_bits(name_, out, in_))
+        for name, (out, in_) in shapes.items()
+        for name_ in formats
+    ]
+    return pd.DataFrame(rows)
+
+
+def _rows_to_score(model, batches, formats, loss_fn, layers, progress) -> pd.DataFrame:
+    """The arguments of a score function checked; ``layer_table`` cut to ``layers`` (None: all)."""
+    check_measurement(model, batches, loss_fn, progress)
+    table = layer_table(model, formats)
+    if layers is None:
+        return table
+    names = checks.patterns("layers", layers)
+    check_layers("layers", names, list(dict.fromkeys(table.layer)))
+    return table[table.layer.isin(names)].reset_index(drop=True)
+
+
+def _with_scores(table: pd.DataFrame, values: dict, baseline: list[float], kind: str) -> pd.DataFrame:
+    """``table`` with score (mean of a (layer, format)'s per-batch values; 0 in high precision), low and
+    high (its 95 % interval; NaN from one batch), n, baseline_loss and kind."""
+    rows = []
+    for layer, name in table[["layer", "format"]].itertuples(index=False):
+        per_batch = [0.0] * len(baseline) if name == plan.HIGH_PRECISION else values[layer, name]
+        if len(per_batch) > 1:
+            mean, low, high = stats.mean_interval(per_batch)
+        else:
+            mean, low, high = per_batch[0], math.nan, math.nan
+        rows.append(dict(score=mean, low=low, high=high))
+    scored = pd.concat([table, pd.DataFrame(rows)], axis=1)
+    return scored.assign(n=len(baseline), baseline_loss=sum(baseline) / len(baseline), kind=kind)
+
+
+@torch.no_grad()
+def _batch_losses(model, batches, loss_fn) -> list[float]:
+    return [float(loss_fn(model, batch)) for batch in batches]
+
+
+def measured_scores(
+    model: nn.Module,
+    batches: Sequence,
+    formats,
+    *,
+    loss_fn: Callable = causal_lm_loss,
+    layers: Sequence[str] | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """``layer_table`` with the measured score of each (layer, format): the loss with that layer alone in
+    that format minus the unquantized model's, per batch (paired), in columns score (the mean over
+    batches), low, high (its 95 % interval; NaN with one batch), n (batches) and baseline_loss. A
+    ``plan.HIGH_PRECISION`` row scores exactly 0; ``loss_fn(model, batch)`` defaults to the causal-LM
+    loss.
+    The model runs in eval mode and comes back exactly as it was."""
+    table = _rows_to_score(model, batches, formats, loss_fn, layers, progress)
+    was_training = model.training
+    model.eval()
+    try:
+        baseline = _batch_losses(model, batches, loss_fn)
+        pairs = list(table[["layer", "format"]].itertuples(index=False))
+        if progress:
+            from qlab.host import progress as bar
+
+            pairs = bar(pairs, desc="measured scores")
+        differences = {}
+        for layer, format_name in pairs:
+            if format_name != plan.HIGH_PRECISION:
+                with quantized(model, [layer], format_name):
+                    losses = _batch_losses(model, batches, loss_fn)
+                differences[layer, format_name] = [a - b for a, b in zip(losses, baseline)]
+    finally:
+        model.train(was_training)
+    return _with_scores(table, differences, baseline, "measured")
+
+
+def approximated_scores(
+    model: nn.Module,
+    batches: Sequence,
+    formats,
+    *,
+    loss_fn: Callable = causal_lm_loss,
+    layers: Sequence[str] | None = None,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """``layer_table`` with a second-order estimate of each (layer, format)'s loss change, from one
+    forward and backward pass per batch: ½ Σᵢ gᵢ² Δyᵢ², with Δy the layer's output in that format minus
+    its output, on the input it received, and g = ∂loss/∂y (the Taylor term ½ ΔyᵀHΔy with the Hessian
+    replaced by the diagonal of the empirical Fisher information g gᵀ; ModelOpt's ``auto_quantize``
+    gradient score without its ½). Columns score (mean over batches), low, high (95 % interval), n,
+    baseline_loss and kind="approximated". No Parameter gradient is kept; the model comes back as it was."""
+    table = _rows_to_score(model, batches, formats, loss_fn, layers, progress)
+    chosen = list(dict.fromkeys(table.layer))
+    quantized_formats = [name for name in dict.fromkeys(table.format) if name != plan.HIGH_PRECISION]
+    per_batch = {(layer, name): [] for layer in chosen for name in quantized_formats}
+    variants = {}  # each layer in each format, built once and sharing the layer's Parameters
+    for layer in chosen:
+        module = model.get_submodule(layer)
+        for name in quantized_formats:
+            variants[layer, name] = QuantLinear.from_linear(module, get_recipe(name), seed=0).eval()
+
+    def record(layer):
+        def hook(module, inputs, output):
+            with torch.no_grad():
+                # forward, not __call__: a variant shares the layer's hook tables, this hook included
+                changes = {
+                    name: variants[layer, name].forward(*inputs) - output for name in quantized_formats
+                }
+
+            def on_gradient(gradient):
+                squared = gradient.detach().double() ** 2
+                for name, change in changes.items():
+                    per_batch[layer, name].append(float(0.5 * (squared * change.double() ** 2).sum()))
+
+            output.register_hook(on_gradient)
+
+        return hook
+
+    was_training = model.training
+    requires = {name: p.requires_grad for name, p in model.named_parameters()}
+    model.eval()
+    handles = [model.get_submodule(layer).register_forward_hook(record(layer)) for layer in chosen]
+    baseline = []
+    try:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        for p in embeddings.parameters() if embeddings is not None else model.parameters():
+            p.requires_grad_(True)  # a graph reaching every layer's output, no weight gradient kept
+        iterator = batches
+        if progress:
+            from qlab.host import progress as bar
+
+            iterator = bar(list(batches), desc="approximated scores")
+        for batch in iterator:
+            loss = loss_fn(model, batch)
+            baseline.append(float(loss.detach()))
+            gradients = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad],
+                                            allow_unused=True)  # fmt: skip
+            del gradients
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, p in model.named_parameters():
+            p.requires_grad_(requires[name])
+        model.train(was_training)
+    for (layer, _), values in per_batch.items():
+        if len(values) != len(baseline):
+            raise ValueError(f"loss_fn's graph does not reach layer {layer!r}: no output gradient came back")
+    return _with_scores(table, per_batch, baseline, "approximated")
+
+
+def config_hash(model: nn.Module) -> str:
+    """sha256 of the model's Hugging Face config (its JSON, sorted keys), else of its layer shapes."""
+    checks.module("model", model)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    else:
+        text = json.dumps({name: list(shape) for name, shape in _layer_shapes(model).items()})
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
     """A loss for encoders: the relative L2 error of ``model``'s last hidden states against those
     ``reference`` gives on the same batch (0 for the unquantized model), computed once up front."""
@@ -227,13 +413,57 @@ def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
     return loss
 
 
-def main(args) -> int:
-    """``qlab advise``: measured keep-in-high-precision advice for a packaged model (qlab.models)."""
+def _batches(args, tokenizer) -> list:
+    if args.text:
+        return models.text_batches(tokenizer, args.text, batch_size=args.batch_size, tokens=args.tokens,
+                                   count=args.batches, seed=args.seed)[0]  # fmt: skip
+    return models.shakespeare_batches(tokenizer, batch_size=args.batch_size, tokens=args.tokens,
+                                      count=args.batches, seed=args.seed)  # fmt: skip
 
-    model, tokenizer = models.load(args.model)
-    batches = models.shakespeare_batches(tokenizer, batch_size=args.batch_size, tokens=args.tokens,
-                                         count=args.batches, seed=args.seed)  # fmt: skip
-    loss_fn = causal_lm_loss if hasattr(model, "lm_head") else hidden_state_error(model, batches)
+
+def main(args) -> int:
+    """``qlab advise``: with ``--formats``, a plan (a format per layer under ``--effective-bits``, qlab.plan)
+    written to ``--plan-out``; without, the layers to keep in high precision for ``--recipe``. Every
+    argument is checked before the first loss evaluation."""
+    formats = plan.plan_formats(args.formats.split(",")) if args.formats else None
+    model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)
+    batches = _batches(args, tokenizer)
+    loss_fn = causal_lm_loss if kind == models.CAUSAL_LM else hidden_state_error(model, batches)
+    if formats is None:
+        return _keep_mode(args, model, batches, loss_fn)
+    table = layer_table(model, formats)
+    plan.check_budget(table, args.effective_bits)
+    score = measured_scores if args.score == "measured" else approximated_scores
+    table = score(model, batches, formats, loss_fn=loss_fn, progress=True)
+    chosen = plan.make_plan(
+        table,
+        effective_bits=args.effective_bits,
+        model=str(args.model),
+        model_config_sha256=config_hash(model),
+        text_sha256=plan.token_hash(batches),
+    )
+    table = table.assign(
+        chosen=[chosen.layers[layer] == name for layer, name in zip(table.layer, table.format)]
+    )
+    counts = table[table.chosen].format.value_counts().reindex(formats, fill_value=0)
+    print(f"{args.model}: {args.score} scores over {len(batches)} batches; {chosen.reached_bits:.4f} bits "
+          f"per weight element (budget {args.effective_bits:g})")  # fmt: skip
+    print("layers per format: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
+    print(table[table.chosen].sort_values("score", ascending=False).head(args.top)[
+        ["layer", "format", "score", "low", "high", "bits"]].to_string(index=False))  # fmt: skip
+    target = (
+        Path(args.plan_out) if args.plan_out else paths.RUNS_DIR / "plans" / f"{plan.slug(args.model)}.json"
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    print(f"plan written to {paths.shown(chosen.save(target))}: quantize_model(model, {str(target)!r})")
+    if args.out:
+        from qlab.results import write_csv
+
+        print(f"table written to {write_csv(table, args.out)}")
+    return 0
+
+
+def _keep_mode(args, model, batches, loss_fn) -> int:
     advice = advise(
         model, batches, args.recipe, budget=args.budget, by=args.by, loss_fn=loss_fn, progress=True
     )

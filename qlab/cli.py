@@ -9,6 +9,7 @@
     qlab findings [--check]                     README's findings table from data/*_claims.csv
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
+    qlab advise [--model M] [--text F ...] --formats nvfp4,mxfp8,bf16 [--effective-bits B]   a plan
     qlab advise [--model M] [--recipe R] [--budget F] [--by layers|flops]   keep-in-high-precision advice
     qlab train [--config F.yaml] [--set key=value ...] [--nproc N]   train a model (qlab.train)
 
@@ -88,19 +89,47 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
 
     # plain arguments: building the parser imports no torch (qlab.models / get_recipe check the names)
-    advise = sub.add_parser("advise", help="which layers to keep in high precision (qlab.advisor)")
-    advise.add_argument("--model", default="smollm2-135m", help="smollm2-135m or minilm-l6 (qlab.models)")
-    advise.add_argument("--recipe", default="nvfp4", help="a qlab.recipe preset")
-    advise.add_argument(
-        "--budget", type=float, default=0.15, help="fraction of the layers (or FLOPs) to keep"
+    advise = sub.add_parser(
+        "advise",
+        help="a format per layer under a bit budget, or the layers to keep in high precision (qlab.plan, "
+        "qlab.advisor)",
     )
-    advise.add_argument("--by", choices=("layers", "flops"), default="layers")
-    advise.add_argument("--batches", type=int, default=2, help="held-out Shakespeare batches")
-    advise.add_argument("--batch-size", type=int, default=2)
-    advise.add_argument("--tokens", type=int, default=64)
-    advise.add_argument("--seed", type=int, default=0)
+    advise.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="a packaged model (smollm2-135m, minilm-l6), a checkpoint folder, or a hub id in the local "
+        "Hugging Face cache (never downloaded)",
+    )
+    advise.add_argument("--tokenizer", help="a folder or cached hub id to take the tokenizer from")
+    advise.add_argument("--text", nargs="+", help="UTF-8 text files to calibrate on (default: Shakespeare)")
+    advise.add_argument(
+        "--formats", help="plan mode: comma-separated weight formats, e.g. nvfp4,mxfp8,bf16 (qlab.plan)"
+    )
+    advise.add_argument(
+        "--effective-bits",
+        type=float,
+        default=6.0,
+        help="plan mode: mean bits per weight element, scales counted",
+    )
+    advise.add_argument(
+        "--score", choices=_plan_score_kinds(), default="measured",
+        help="plan mode: measured loss changes, or the one-backward Fisher-weighted estimate",
+    )  # fmt: skip
+    advise.add_argument("--recipe", default="nvfp4", help="keep mode: a qlab.recipe preset")
+    advise.add_argument(
+        "--budget", type=float, default=0.15, help="keep mode: fraction of the layers (or FLOPs) to keep"
+    )
+    advise.add_argument(
+        "--by", choices=("layers", "flops"), default="layers", help="keep mode: the budget's unit"
+    )
+    advise.add_argument("--batches", type=int, default=2, help="calibration batches")
+    advise.add_argument("--batch-size", type=int, default=2, help="windows per batch")
+    advise.add_argument("--tokens", type=int, default=64, help="tokens per window")
+    advise.add_argument("--seed", type=int, default=0, help="which windows are drawn")
+    advise.add_argument("--dtype", choices=("float32", "bf16"), default="float32", help="the model's dtype")
     advise.add_argument("--top", type=int, default=15, help="rows of the table to print")
     advise.add_argument("--out", help="write the whole table to this CSV file")
+    advise.add_argument("--plan-out", help="plan mode: where the plan goes (default runs/plans/<model>.json)")
 
     sub.add_parser(
         "lab", help="JupyterLab on the repository root (qlab.lab); further options go to jupyter lab"
@@ -230,6 +259,12 @@ def _cmd_sync(args) -> int:
     for path in notebooks.sync_notebooks():
         print(f"synced {path.name}")
     return 0
+
+
+def _plan_score_kinds() -> tuple[str, ...]:
+    from qlab.plan import SCORE_KINDS
+
+    return SCORE_KINDS
 
 
 def _cmd_advise(args) -> int:

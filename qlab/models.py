@@ -172,6 +172,173 @@ def load(name: str, dtype: str = "float32"):
     return copy.deepcopy(model).to(DTYPES[dtype]), tokenizer
 
 
+CAUSAL_LM, ENCODER = "causal LM", "encoder"
+KINDS = (CAUSAL_LM, ENCODER)  # what the advisor and the plan know how to score
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")  # fmt: skip
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
+
+
+def _cached_hub_snapshot(repo_id: str) -> Path:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache; never goes online."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    cache = constants.HF_HUB_CACHE  # read now: HF_HOME may have changed since the import
+    try:
+        with paths.environment(HF_HUB_OFFLINE="1"):
+            return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
+    except Exception as error:  # LocalEntryNotFoundError, or an id the hub library refuses
+        raise ValueError(
+            f"model {repo_id!r} is neither a packaged model ({', '.join(PACKAGED)}), a checkpoint folder, "
+            f"nor a hub id in the local Hugging Face cache ({cache}); qlab never downloads: "
+            f"on a machine with a network run `hf download {repo_id}` and copy the cache here, or pass the "
+            f"checkpoint's folder ({type(error).__name__})"
+        ) from None
+
+
+def checkpoint_folder(model: str) -> Path:
+    """The folder of a Hugging Face checkpoint named by a path or by a hub id in the local cache: it
+    holds config.json and weights (safetensors or bin). ValueError naming what is missing."""
+    if not isinstance(model, str | Path) or not str(model):
+        raise TypeError(f"model must be a packaged name, a folder or a hub id, got {checks.shown(model)}")
+    folder = Path(model).expanduser()
+    if not folder.exists():
+        if str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
+            near = ", ".join(checks.closest(str(model), PACKAGED))
+            raise ValueError(
+                f"model {str(model)!r} is neither a packaged model (closest: {near}), an existing checkpoint "
+                f"folder, nor a hub id (owner/name)"
+            )
+        folder = _cached_hub_snapshot(str(model))
+    if not folder.is_dir():
+        raise ValueError(f"model {str(model)!r} must be a checkpoint folder, got a file")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{str(folder)!r} is not a Hugging Face checkpoint: it has no config.json")
+    if not any((folder / name).is_file() for name in _WEIGHT_FILES):
+        raise ValueError(
+            f"{str(folder)!r} has a config.json but no weights: expected one of {', '.join(_WEIGHT_FILES)}"
+        )
+    return folder
+
+
+_ENCODER_TYPES = frozenset(
+    {"bert", "roberta", "distilbert", "xlm-roberta", "electra", "deberta", "deberta-v2", "mpnet", "albert",
+     "camembert", "modernbert"}
+)  # fmt: skip
+
+
+def model_kind(config) -> str:
+    """``CAUSAL_LM`` (next-token loss) or ``ENCODER`` (hidden-state error) for a transformers config;
+    ValueError naming the supported kinds for any other head."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures):
+        return CAUSAL_LM
+    if any(name.endswith(("Model", "ForMaskedLM")) for name in architectures) or not architectures:
+        if (
+            getattr(config, "is_decoder", False) is False
+            and getattr(config, "model_type", "") in _ENCODER_TYPES
+        ):
+            return ENCODER
+    raise ValueError(
+        f"the checkpoint's architectures {architectures or '(none)'} (model_type "
+        f"{getattr(config, 'model_type', '?')!r}) are not a kind qlab scores: a causal LM (…ForCausalLM, "
+        f"…LMHeadModel) or an encoder ({', '.join(sorted(_ENCODER_TYPES))})"
+    )
+
+
+def load_any(model: str, dtype: str = "float32", *, tokenizer: str | None = None):
+    """(model, tokenizer, kind) for a packaged name, a checkpoint folder or a cached hub id, in eval mode
+    and ``dtype``, without touching the network. ``tokenizer`` names a folder (or cached hub id) to take
+    the tokenizer from when the checkpoint has none. A causal LM loads with its LM head, an encoder as
+    its base model (``model_kind``)."""
+    checks.choice("dtype", dtype, tuple(DTYPES))
+    if isinstance(model, str) and model in PACKAGED:
+        loaded, packaged_tokenizer = load(model, dtype)
+        kind = CAUSAL_LM if PACKAGED[model].architecture.endswith("ForCausalLM") else ENCODER
+        return loaded, packaged_tokenizer, kind
+    import transformers
+
+    folder = checkpoint_folder(model)
+    tokenizer_folder = folder if tokenizer is None else checkpoint_folder_or_tokenizer(tokenizer)
+    if not any((tokenizer_folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{str(tokenizer_folder)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): pass "
+            f"--tokenizer FOLDER (tokenizer=) naming one"
+        )
+    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        kind = model_kind(config)
+        model_class = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
+        loaded = model_class.from_pretrained(folder, dtype=DTYPES[dtype], local_files_only=True)
+        loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
+    return loaded.eval(), loaded_tokenizer, kind
+
+
+def checkpoint_folder_or_tokenizer(name: str) -> Path:
+    """A folder (or cached hub id) to read a tokenizer from: it need not hold weights."""
+    folder = Path(str(name)).expanduser()
+    if folder.is_dir():
+        return folder
+    if str(name).count("/") == 1 and not folder.exists():
+        return _cached_hub_snapshot(str(name))
+    raise ValueError(f"tokenizer {str(name)!r} must be a folder holding a tokenizer or a cached hub id")
+
+
+def _read_text(path) -> str:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"text file {str(path)!r} does not exist")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"text file {str(path)!r} is not UTF-8: byte {error.start} is {data[error.start]:#04x}"
+        ) from None
+    if not text.strip():
+        raise ValueError(f"text file {str(path)!r} holds no text")
+    return text
+
+
+def text_batches(
+    tokenizer,
+    files,
+    *,
+    batch_size: int = 4,
+    tokens: int = 128,
+    count: int = 8,
+    held_out: int = 0,
+    seed: int = 0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(calibration, held-out) batches (batch_size, tokens) of int64 token ids from UTF-8 text files:
+    the files' text joined, tokenized by ``tokenizer``, cut into non-overlapping windows of ``tokens``,
+    the windows shuffled by ``seed``; the first ``count`` × batch_size windows calibrate, the next
+    ``held_out`` × batch_size are held out, so the two never share a token. ValueError when the text
+    holds fewer windows than asked, saying how many it holds."""
+    files = [files] if isinstance(files, str | Path) else list(files)
+    if not files:
+        raise ValueError("files must name at least one text file, got none")
+    checks.integer("batch_size", batch_size, low=1, high=2**20)
+    checks.integer("tokens", tokens, low=2, high=2**24)
+    checks.integer("count", count, low=1, high=2**20)
+    checks.integer("held_out", held_out, low=0, high=2**20)
+    checks.seed("seed", seed)
+    text = "\n".join(_read_text(path) for path in files)
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    windows = len(ids) // tokens
+    wanted = (count + held_out) * batch_size
+    if windows < wanted:
+        raise ValueError(
+            f"the text holds {len(ids)} tokens, {windows} windows of {tokens}; {count} + {held_out} batches "
+            f"of {batch_size} need {wanted}: give more text or ask for fewer or shorter windows"
+        )
+    stream = torch.tensor(ids[: windows * tokens], dtype=torch.long).reshape(windows, tokens)
+    order = torch.randperm(windows, generator=torch.Generator().manual_seed(seed))[:wanted]
+    chosen = stream[order].reshape(count + held_out, batch_size, tokens)
+    return list(chosen[:count]), list(chosen[count:])
+
+
 Q4_1_BLOCK = 32  # GGUF Q4_1: blocks of 32 consecutive weights along a row
 
 

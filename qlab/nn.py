@@ -50,6 +50,7 @@ from __future__ import annotations
 import inspect
 import math
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -1026,7 +1027,16 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     where a keep pattern matches it, restored to the layer it replaced ("kept").
     Returns a report, one dict per Linear-like module: name, class, action ("quantized", "requantized",
     "kept" or "skipped"), reason (why a layer was kept, skipped or requantized), in/out features, recipe.
+
+    recipe may be a ``qlab.plan.Plan`` (or the path of a saved one): each layer gets its planned format,
+    a layer planned in high precision is kept; the plan must name exactly the model's convertible layers.
     """
+    from qlab import plan as plans
+
+    if isinstance(recipe, Path) or (isinstance(recipe, str) and recipe.endswith(".json")):
+        recipe = plans.Plan.load(recipe)
+    if isinstance(recipe, plans.Plan):
+        return _quantize_by_plan(model, recipe, keep_high_precision, options)
     recipe = get_recipe(recipe)
     base_seed = checks.seed("seed", options.pop("seed", 0))  # layer i gets seed base + i: no shared SR noise
     layers = [
@@ -1055,6 +1065,42 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
             row["action"], row["reason"] = "requantized", f"was quantized with {before[row['name']]}"
         elif row["name"] in before and row["action"] == "kept":
             row["reason"] = f"matches a keep pattern; its {before[row['name']]} quantization removed"
+    return report
+
+
+def _quantize_by_plan(model: nn.Module, plan, keep_high_precision, options) -> list[dict]:
+    """quantize_model for a Plan: every convertible layer rebuilt in its planned format (or restored to
+    the layer it replaced where the plan keeps it high), all replacements built before any swap."""
+    from qlab import plan as plans
+
+    if checks.patterns("keep_high_precision", keep_high_precision):
+        raise ValueError(
+            "keep_high_precision must be empty with a plan: the plan says which layers stay high"
+        )
+    plan.check_layers([name for name, _, why in linear_layers(model) if why is None])
+    base_seed = checks.seed("seed", options.pop("seed", 0))
+    layers = [
+        (name, module, None if isinstance(module, QuantLinear) else why)
+        for name, module, why in linear_layers(model)
+    ]
+    replacements, chosen = {}, []
+    for index, (name, module, _) in enumerate(layer for layer in layers if layer[2] is None):
+        source = rebuild_source(module) if isinstance(module, QuantLinear) else module
+        planned = plan.layers[name]
+        high = planned == plans.HIGH_PRECISION
+        recipe = get_recipe(planned)
+        replacements[name] = (
+            source if high else QuantLinear.from_linear(source, recipe, seed=base_seed + index, **options)
+        )
+        chosen.append((name, module, not high))
+    for name, replacement in replacements.items():
+        set_submodule(model, name, replacement)
+    report = conversion_report(layers, chosen, "quantized")
+    for row in report:
+        if row["name"] in plan.layers:
+            row["recipe"] = plan.layers[row["name"]]
+            if row["action"] == "kept":
+                row["reason"] = "the plan keeps it in high precision"
     return report
 
 

@@ -17,6 +17,7 @@ PACKAGE = Path(qlab.__file__).resolve().parent
 LAYERS = {
     "foundation": {
         "qlab", "qlab.checks", "qlab.paths", "qlab.ops", "qlab.host", "qlab.results", "qlab.compat",
+        "qlab.stats",
     },
     "reference numerics": {
         "qlab.formats", "qlab.scaling", "qlab.quantize", "qlab.numerics", "qlab.synthetic",
@@ -24,11 +25,11 @@ LAYERS = {
     "kernels": {"qlab.kernels"},
     "models and training": {
         "qlab.recipe", "qlab.nn", "qlab.probes", "qlab.sparse", "qlab.ablation", "qlab.seed_model",
-        "qlab.models", "qlab.advisor", "qlab.train",
+        "qlab.models", "qlab.advisor", "qlab.plan", "qlab.train",
     },
     "notebook bench": {
         "qlab.session", "qlab.notebooks", "qlab.sweep", "qlab.runs", "qlab.lab", "qlab.cli", "qlab.plotting",
-        "qlab.stats", "qlab.claims", "qlab.crossmachine",
+        "qlab.claims", "qlab.crossmachine",
     },
 }  # fmt: skip
 # names moved up a layer, still reachable at their old place with a DeprecationWarning

@@ -64,6 +64,7 @@ from qlab import (  # noqa: E402
 )
 from qlab import models as qlab_models  # noqa: E402
 from qlab import nn as qnn  # noqa: E402
+from qlab import plan as qlab_plan  # noqa: E402
 from qlab import quantize as Q  # noqa: E402
 from qlab import recipe as R  # noqa: E402
 from qlab import runs as qlab_runs  # noqa: E402
@@ -288,6 +289,11 @@ def token_ids(seed=0) -> torch.Tensor:
 def sensitivity_table() -> pd.DataFrame:
     return pd.DataFrame({"layer": ["encoder", "head", "mid"], "flops": [512, 64, 256],
                          "delta": [0.02, 0.1, -0.01]})  # fmt: skip
+
+
+def plan_table() -> pd.DataFrame:
+    """tiny()'s layers in two formats with scores: what qlab.plan's solver takes."""
+    return advisor.layer_table(tiny(), ["mxfp8", "bf16"]).assign(score=[0.3, 0.0, 0.2, 0.0])
 
 
 def with_underscored(fn):
@@ -882,6 +888,56 @@ ENTRY_POINTS = {
             model=tiny(), _batches=[x()], recipe="mxfp8", budget=0.5, by="layers", loss_fn=square_loss
         ),
     ),
+    "plan.plan_formats": (
+        qlab_plan.plan_formats,
+        lambda: dict(formats=["nvfp4", "bf16"], argument="formats"),
+    ),
+    "plan.weight_bits": (
+        qlab_plan.weight_bits,
+        lambda: dict(format_name="nvfp4", out_features=32, in_features=64),
+    ),
+    "advisor.layer_table": (advisor.layer_table, lambda: dict(model=tiny(), formats=["mxfp8", "bf16"])),
+    "plan.cheapest_bits": (qlab_plan.cheapest_bits, lambda: dict(table=plan_table())),
+    "plan.check_budget": (qlab_plan.check_budget, lambda: dict(table=plan_table(), effective_bits=12.0)),
+    "plan.solve": (qlab_plan.solve, lambda: dict(table=plan_table(), effective_bits=12.0)),
+    "plan.effective_bits_of": (
+        qlab_plan.effective_bits_of,
+        lambda: dict(table=plan_table(), assignment={"encoder": "mxfp8", "head": "bf16"}),
+    ),
+    "plan.make_plan": (
+        qlab_plan.make_plan,
+        lambda: dict(
+            table=plan_table(), effective_bits=12.0, model="tiny", model_config_sha256="", text_sha256=""
+        ),
+    ),
+    "plan.Plan": (
+        qlab_plan.Plan,
+        lambda: dict(
+            layers={"encoder": "mxfp8", "head": "bf16"},
+            model="tiny",
+            formats=("mxfp8", "bf16"),
+            effective_bits=12.0,
+            reached_bits=8.5,
+            kind="measured",
+        ),  # fmt: skip
+    ),
+    "advisor.config_hash": (advisor.config_hash, lambda: dict(model=tiny())),
+    "plan.token_hash": (qlab_plan.token_hash, lambda: dict(batches=[token_ids(), token_ids(seed=1)])),
+    "plan.slug": (qlab_plan.slug, lambda: dict(model="someone/tiny-llama")),
+    **{
+        f"advisor.{score.__name__}": (
+            with_underscored(score),
+            lambda: dict(
+                model=tiny(),
+                _batches=[x(), x(seed=1)],
+                formats=["mxfp8", "bf16"],
+                loss_fn=square_loss,
+                layers=["head"],
+                progress=False,
+            ),  # fmt: skip
+        )
+        for score in (advisor.measured_scores, advisor.approximated_scores)
+    },
     "probes.gradient_noise_floor": (
         with_underscored(probes.gradient_noise_floor),
         lambda: dict(
@@ -1258,6 +1314,13 @@ NOT_GENERATED = {
     "cache_dir locate its files for load, which checks the name; shakespeare_batches needs its tokenizer "
     "(tests/test_models.py)": """
         models.load models.model_path models.cache_dir models.shakespeare_batches advisor.main""",
+    "checkpoints and text read from files: built, saved and read in tests/test_your_model.py (folders, a "
+    "hub cache, no network, non-UTF-8 and short text)": """
+        models.load_any models.checkpoint_folder models.checkpoint_folder_or_tokenizer models.model_kind
+        models.text_batches""",
+    "the advisor's argument checks, reached through layer_sensitivity, group_sensitivity and the plan's "
+    "score functions above": """
+        advisor.check_measurement advisor.check_layers""",
     "training checkpoints, written and read by train.loop.train's runs (tests/test_train.py)": """
         train.loop.save_checkpoint train.loop.load_checkpoint""",
     "no arguments to generate: where results go, the plotting style, the notebooks and cores there are, "

@@ -1,0 +1,314 @@
+"""A mixed-format plan: one weight format per layer, the summed score smallest under a bit budget.
+
+    scores = advisor.measured_scores(model, batches, ["nvfp4", "mxfp8", "bf16"])  # (layer, format) rows
+    chosen = plan.make_plan(scores, effective_bits=5.0)  # exact: a 0/1 program solved by HiGHS
+    quantize_model(model, chosen)                        # or chosen.save("plan.json")
+
+**Bits as stored.** ``weight_bits`` counts every code of the quantized weight at its element's width
+(padding to whole blocks included, as the codes are stored) and every scale the format keeps: E8M0
+(MX) and E4M3 (NVFP4) block scales 8 bits, FP32 scales (tensorwise, blockwise, per-row INT8, NVFP4's
+global scale) 32. ``effective_bits`` is ModelOpt's ``auto_quantize`` budget: the weight-count-weighted
+mean of bits per weight element, scales counted. A layer in ``HIGH_PRECISION`` ("bf16") is a layer
+left unquantized and stored in bfloat16: 16 bits an element. For a 4096 × 4096 weight: nvfp4 (16 × 16
+weight tiles) 4 + 8/256 + 32/4096², mxfp8 8 + 8/32, fp8_blockwise 8 + 32/128², fp8_tensorwise
+8 + 32/4096², int8_per_token 8 + 32/4096.
+
+**Scores** come from ``qlab.advisor``: ``measured_scores`` (the loss change with that layer alone in
+that format, per calibration batch, paired with the unquantized model) or ``approximated_scores`` (a
+second-order estimate from one forward and backward pass per batch), each with its 95 % interval.
+
+**Solving.** The assignment minimising the summed score with mean bits ≤ ``effective_bits`` is a
+multiple-choice knapsack. It is solved as a 0/1 integer program by HiGHS (``scipy.optimize.milp``,
+relative gap 0), not by dynamic programming: a DP's table grows with the budget in units of the gcd of
+the layers' bit counts, which for real shapes is unbounded, while HiGHS's branch and bound proves
+optimality directly. The bit constraint is then checked in exact integer arithmetic; a solution over
+budget by HiGHS's feasibility tolerance is tightened and solved again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qlab import checks
+from qlab.formats import get_format
+from qlab.quantize import IntSpec, MXSpec, NVFP4Spec
+from qlab.recipe import PRESETS, get_recipe
+
+HIGH_PRECISION = "bf16"  # the layer left unquantized, its weight counted at bfloat16's 16 bits
+HIGH_PRECISION_BITS = 16
+SCORE_KINDS = ("measured", "approximated")
+PLAN_VERSION = 1  # the plan file's layout
+MAX_LAYERS = 100_000  # layers one plan may hold
+
+
+def plan_formats(formats, argument: str = "formats") -> list[str]:
+    """``formats`` checked: recipe presets whose forward quantizes the weight, or ``HIGH_PRECISION``;
+    errors name ``argument``."""
+    if not isinstance(argument, str):
+        raise TypeError(f"argument must be a str naming the checked argument, got {checks.shown(argument)}")
+    formats = checks.patterns(argument, formats)  # a bare string is one name
+    if not formats:
+        raise ValueError(f"{argument} must name at least one format, got none")
+    for name in formats:
+        if name not in PRESETS:
+            near = ", ".join(checks.closest(name, PRESETS))
+            raise ValueError(f"{argument} names {name!r}, not a recipe preset; closest: {near}")
+        if name != HIGH_PRECISION and get_recipe(name, backward_override=None).weight is None:
+            raise ValueError(
+                f"{argument} names {name!r}, whose forward does not quantize the weight: a plan chooses "
+                f"weight formats (presets with a weight spec, or {HIGH_PRECISION!r})"
+            )
+    if len(set(formats)) != len(formats):
+        raise ValueError(f"{argument} must name each format once, got {formats}")
+    return formats
+
+
+def weight_bits(format_name: str, out_features: int, in_features: int) -> int:
+    """Bits that store an (out_features × in_features) weight in ``format_name``: its codes (padded to
+    whole blocks and tiles, as stored) and its scales. ``HIGH_PRECISION``: 16 bits an element."""
+    if not isinstance(format_name, str):
+        raise TypeError(f"format_name must be a str, got {checks.shown(format_name)}")
+    (format_name,) = plan_formats([format_name], "format_name")
+    checks.integer("out_features", out_features, low=1, high=2**40)
+    checks.integer("in_features", in_features, low=1, high=2**40)
+    if format_name == HIGH_PRECISION:
+        return HIGH_PRECISION_BITS * out_features * in_features
+    spec = get_recipe(format_name, backward_override=None).weight
+    element_bits = spec.bits if isinstance(spec, IntSpec) else get_format(spec.element).bits
+    rows, columns, scales = out_features, in_features, 1
+    if spec.block_size is not None:
+        tile = spec.tile_rows
+        columns = math.ceil(in_features / spec.block_size) * spec.block_size
+        rows = math.ceil(out_features / tile) * tile
+        scales = (rows // tile) * (columns // spec.block_size)
+    elif spec.granularity == "axis":  # one scale per output row
+        scales = out_features
+    scale_bits = 8 if isinstance(spec, MXSpec | NVFP4Spec) else 32  # E8M0 / E4M3 codes, else FP32
+    global_bits = 32 if isinstance(spec, NVFP4Spec) and spec.global_scale else 0
+    return rows * columns * element_bits + scales * scale_bits + global_bits
+
+
+def _check_layout(table: pd.DataFrame) -> pd.DataFrame:
+    """A ``layer_table``-shaped frame: one row per (layer, format), one element count per layer."""
+    checks.frame_columns("table", table, ["layer", "format", "elements", "bits"])
+    if table.empty:
+        raise ValueError("table has no rows: there are no layers to plan")
+    if table.duplicated(["layer", "format"]).any():
+        first = table[table.duplicated(["layer", "format"])].iloc[0]
+        raise ValueError(f"table holds ({first.layer!r}, {first.format!r}) more than once")
+    for column in ("elements", "bits"):
+        values = pd.to_numeric(table[column], errors="coerce")
+        if values.isna().any() or (values <= 0).any() or (values != values.round()).any():
+            raise ValueError(f"table's {column} column must hold positive whole numbers")
+    if (table.groupby("layer").elements.nunique() > 1).any():
+        raise ValueError("table must give each layer one element count across its formats")
+    return table
+
+
+def _check_scores(table: pd.DataFrame) -> pd.DataFrame:
+    checks.frame_columns("table", _check_layout(table), ["score"])
+    scores = pd.to_numeric(table.score, errors="coerce").to_numpy(dtype=float)
+    if not np.isfinite(scores).all():
+        raise ValueError("table's score column must be finite for every (layer, format)")
+    return table
+
+
+def cheapest_bits(table: pd.DataFrame) -> float:
+    """The smallest effective bits any assignment of ``table`` reaches: each layer in its fewest bits."""
+    table = _check_layout(table)
+    by_layer = table.groupby("layer", sort=False)
+    return float(by_layer.bits.min().sum() / by_layer.elements.first().sum())
+
+
+def check_budget(table: pd.DataFrame, effective_bits: float) -> float:
+    """``effective_bits`` if some assignment of ``table`` fits it, else ValueError naming the smallest
+    budget that does (run before any score is measured)."""
+    table = _check_layout(table)
+    checks.number("effective_bits", effective_bits, low=0, open_low=True)
+    by_layer = table.groupby("layer", sort=False)
+    if int(by_layer.bits.min().sum()) > math.floor(effective_bits * int(by_layer.elements.first().sum())):
+        raise ValueError(
+            f"effective_bits={effective_bits:g} is below the {cheapest_bits(table):.4g} bits per element "
+            f"that the cheapest format of every layer needs: no plan fits"
+        )
+    return effective_bits
+
+
+def slug(model: str) -> str:
+    """A file name for a model named by a packaged name, a folder or a hub id."""
+    if not isinstance(model, str | Path):
+        raise TypeError(f"model must be a name, a folder or a hub id, got {checks.shown(model)}")
+    text = str(model).rstrip("/").replace("\\", "/")
+    text = "--".join(part for part in text.split("/")[-2:] if part not in ("", ".", ".."))
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "model"
+
+
+def solve(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:
+    """{layer: format} minimising the summed score with Σ bits ≤ effective_bits · Σ elements, each layer
+    given exactly one of its rows' formats. Exact: a 0/1 integer program solved by HiGHS at relative
+    gap 0, its bit constraint checked in integers. ValueError when no assignment fits the budget."""
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    table = _check_scores(table).reset_index(drop=True)
+    layers = list(dict.fromkeys(table.layer))
+    elements = table.groupby("layer", sort=False).elements.first()
+    total_elements = int(elements.sum())
+    check_budget(table, effective_bits)
+    capacity = math.floor(effective_bits * total_elements)  # integer bits the plan may spend
+    one_each = np.zeros((len(layers), len(table)))
+    for column, layer in enumerate(table.layer):
+        one_each[layers.index(layer), column] = 1
+    bits = table.bits.to_numpy(dtype=np.int64)
+    scale = float(total_elements)  # the bit row in bits per element keeps HiGHS's tolerances meaningful
+    slack = 0
+    for _ in range(8):
+        result = milp(
+            c=table.score.to_numpy(dtype=float),
+            integrality=np.ones(len(table)),
+            bounds=Bounds(0, 1),
+            constraints=[
+                LinearConstraint(one_each, 1, 1),
+                LinearConstraint((bits / scale)[None, :], -np.inf, (capacity - slack) / scale),
+            ],
+            options={"mip_rel_gap": 0.0, "presolve": True},
+        )
+        if result.x is None:
+            raise ValueError(f"no plan fits effective_bits={effective_bits:g} (HiGHS: {result.message})")
+        chosen = np.round(result.x).astype(bool)
+        spent = int(bits[chosen].sum())
+        if spent <= capacity:
+            return dict(zip(table.layer[chosen], table.format[chosen]))
+        slack += spent - capacity  # over by the solver's tolerance: ask for that much less
+    raise RuntimeError("HiGHS kept returning plans over the bit budget")
+
+
+def effective_bits_of(table: pd.DataFrame, assignment: dict[str, str]) -> float:
+    """The mean bits per weight element of ``assignment`` over ``table``'s layers."""
+    table = _check_layout(table)
+    if not isinstance(assignment, dict):
+        raise TypeError(f"assignment must be a dict layer -> format, got {checks.shown(assignment)}")
+    chosen = table[[assignment.get(layer) == name for layer, name in zip(table.layer, table.format)]]
+    if len(chosen) != table.layer.nunique():
+        missing = sorted(set(table.layer) - set(chosen.layer))
+        raise ValueError(f"assignment gives no format offered in the table to {missing[:5]}")
+    return float(chosen.bits.sum() / chosen.elements.sum())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A weight format per convertible layer, with what it was chosen on: ``model`` (a name or path),
+    ``model_config_sha256`` (``config_hash``), ``text_sha256`` (of the calibration token ids),
+    ``formats`` offered, ``effective_bits`` asked and reached, the score ``kind`` and qlab's version.
+    ``quantize_model(model, plan)`` applies it; ``save``/``load`` keep it as JSON."""
+
+    layers: dict[str, str]
+    model: str = ""
+    model_config_sha256: str = ""
+    text_sha256: str = ""
+    formats: tuple[str, ...] = ()
+    effective_bits: float = math.nan
+    reached_bits: float = math.nan
+    kind: str = "measured"
+    qlab_version: str = field(default_factory=lambda: __import__("qlab").__version__)
+
+    def __post_init__(self):
+        if not isinstance(self.layers, dict) or not self.layers:
+            raise TypeError(
+                f"layers must be a non-empty dict layer -> format, got {checks.shown(self.layers)}"
+            )
+        if len(self.layers) > MAX_LAYERS:
+            raise ValueError(f"layers must hold at most {MAX_LAYERS} layers, got {len(self.layers)}")
+        for layer, format_name in self.layers.items():
+            if not isinstance(layer, str) or not isinstance(format_name, str):
+                raise TypeError(f"layers must map str to str, got {layer!r}: {format_name!r}")
+        plan_formats(sorted(set(self.layers.values())))
+        for name in ("model", "model_config_sha256", "text_sha256", "kind", "qlab_version"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a str, got {checks.shown(getattr(self, name))}")
+        checks.choice("kind", self.kind, SCORE_KINDS)
+        for name in ("effective_bits", "reached_bits"):
+            value = getattr(self, name)
+            if not (isinstance(value, float) and math.isnan(value)):  # NaN: not stated
+                checks.number(name, value, low=0)
+        if not isinstance(self.formats, list | tuple):
+            raise TypeError(f"formats must be a list or tuple of names, got {checks.shown(self.formats)}")
+        if self.formats:
+            plan_formats(list(self.formats))
+        object.__setattr__(self, "formats", tuple(self.formats))
+
+    def save(self, path) -> Path:
+        """Write the plan as JSON (sorted keys: the same plan gives the same bytes); return the path."""
+        path = Path(path)
+        content = dict(dataclasses.asdict(self), formats=list(self.formats), plan_version=PLAN_VERSION)
+        path.write_text(json.dumps(content, indent=1, sort_keys=True, allow_nan=True) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path) -> Plan:
+        """A plan written by ``save``; a file that is not one is a ValueError naming what is wrong."""
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"plan file {str(path)!r} does not exist")
+        try:
+            content = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"plan file {str(path)!r} is not JSON: {error}") from None
+        if not isinstance(content, dict) or content.pop("plan_version", None) != PLAN_VERSION:
+            raise ValueError(f"plan file {str(path)!r} is not a qlab plan (plan_version {PLAN_VERSION})")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(content) - known:
+            raise ValueError(f"plan file {str(path)!r} has unknown fields {sorted(set(content) - known)}")
+        return cls(**content)
+
+    def check_layers(self, have: Sequence[str]) -> None:
+        """ValueError naming the plan's layers not in ``have`` (a model's convertible layers) and the
+        layers in ``have`` the plan gives no format."""
+        have = list(have)
+        missing = [name for name in self.layers if name not in have]
+        extra = [name for name in have if name not in self.layers]
+        if missing or extra:
+            raise ValueError(
+                f"the plan does not fit this model: {len(missing)} planned layers are not convertible layers "
+                f"of the model {missing[:5]}, {len(extra)} of the model's layers have no format in the plan "
+                f"{extra[:5]}" + (f" (the plan was made for {self.model!r})" if self.model else "")
+            )
+
+
+def make_plan(table: pd.DataFrame, *, effective_bits: float, model: str = "", model_config_sha256: str = "",
+              text_sha256: str = "") -> Plan:  # fmt: skip
+    """``solve`` ``table``; keep the result with what it was chosen on (score kind, formats, budget)."""
+    assignment = solve(table, effective_bits=effective_bits)
+    kinds = set(table["kind"]) if "kind" in table else {"measured"}
+    if len(kinds) != 1:
+        raise ValueError(f"table mixes score kinds {sorted(kinds)}: a plan is chosen by one kind")
+    return Plan(
+        layers=assignment,
+        model=model,
+        model_config_sha256=model_config_sha256,
+        text_sha256=text_sha256,
+        formats=tuple(dict.fromkeys(table.format)),
+        effective_bits=float(effective_bits),
+        reached_bits=effective_bits_of(table, assignment),
+        kind=kinds.pop(),
+    )
+
+
+def token_hash(batches: Sequence[torch.Tensor]) -> str:
+    """sha256 of the token ids of ``batches`` (int64 bytes, in order): which text a plan was chosen on."""
+    batches = checks.batches("batches", batches)
+    for index, batch in enumerate(batches):
+        checks.tensor(f"batches[{index}]", batch, dtypes=(torch.int64, torch.int32))
+    digest = hashlib.sha256()
+    for batch in batches:
+        digest.update(batch.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,247 @@
+"""qlab.plan: bits as stored, an exact solver, measured scores and a plan file a model takes back."""
+
+import itertools
+import json
+import math
+import random
+from fractions import Fraction
+
+import pandas as pd
+import pytest
+import torch
+import transformers
+
+from qlab import advisor, plan, stats
+from qlab import quantize as Q
+from qlab.formats import get_format
+from qlab.nn import QuantLinear, linear_layers, quantize_model, set_submodule
+from qlab.recipe import get_recipe
+
+WEIGHT_FORMATS = ["fp8_tensorwise", "mxfp8", "mxfp8_2d", "fp8_blockwise", "mxfp4", "nvfp4", "int8_per_token"]
+
+
+def _stored_bits(spec, weight) -> int:
+    """What a QTensor of the weight holds: codes at the element's width, scale codes (8 bits) where the
+    format has them else FP32 scales, and NVFP4's FP32 global scale — counted from the tensors."""
+    q = Q.quantize(weight, spec, axis=-1)
+    element = spec.bits if isinstance(spec, Q.IntSpec) else get_format(spec.element).bits
+    scales = q.scale_codes.numel() * 8 if q.scale_codes is not None else q.scales.numel() * 32
+    return q.codes.numel() * element + scales + (32 if q.global_scale is not None else 0)
+
+
+@pytest.mark.parametrize("format_name", WEIGHT_FORMATS)
+@pytest.mark.parametrize("shape", [(48, 80), (64, 64), (16, 32), (33, 17), (130, 257)])
+def test_weight_bits_count_what_the_quantized_weight_stores(format_name, shape):
+    spec = get_recipe(format_name, backward_override=None).weight
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    assert plan.weight_bits(format_name, *shape) == _stored_bits(spec, weight)
+
+
+def test_weight_bits_of_a_large_layer_follow_the_formats_definitions():
+    # exact rational arithmetic from the formats' definitions, 4096 × 4096: bits per element
+    n = 4096
+    expected = {
+        "nvfp4": 4
+        + Fraction(8, 16 * 16)
+        + Fraction(32, n * n),  # E2M1, an E4M3 scale per 16×16 tile, FP32 global
+        "mxfp8": 8 + Fraction(8, 32),  # E4M3, an E8M0 scale per 32
+        "mxfp4": 4 + Fraction(8, 32),
+        "fp8_blockwise": 8 + Fraction(32, 128 * 128),  # an FP32 scale per 128×128 block
+        "fp8_tensorwise": 8 + Fraction(32, n * n),
+        "int8_per_token": 8 + Fraction(32, n),  # an FP32 scale per output row
+        "bf16": Fraction(16),
+    }
+    for name, bits in expected.items():
+        assert Fraction(plan.weight_bits(name, n, n), n * n) == bits, name
+
+
+def _random_table(rng: random.Random, layers: int, formats: int) -> pd.DataFrame:
+    rows = []
+    for layer in range(layers):
+        elements = rng.choice([64, 128, 256, 1024])
+        widths = sorted(rng.sample([4.25, 4.5, 8.25, 8.5, 16], formats))
+        for index, width in enumerate(widths):
+            bits, score = int(width * elements), rng.uniform(0, 1) / (index + 1)
+            rows.append(dict(layer=f"l{layer}", format=f"f{index}", elements=elements, bits=bits,
+                             score=score))  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _brute_force(table: pd.DataFrame, effective_bits: float):
+    """The smallest summed score over every assignment whose integer bits fit, by enumeration."""
+    layers = list(dict.fromkeys(table.layer))
+    options = [table[table.layer == layer].to_dict("records") for layer in layers]
+    capacity = effective_bits * table.groupby("layer").elements.first().sum()
+    best = None
+    for choice in itertools.product(*options):
+        if sum(row["bits"] for row in choice) <= capacity:
+            score = sum(row["score"] for row in choice)
+            best = score if best is None else min(best, score)
+    return best
+
+
+def test_the_solver_finds_what_enumeration_finds():
+    rng = random.Random(0)
+    for case in range(60):
+        table = _random_table(rng, layers=rng.randint(1, 6), formats=rng.randint(2, 3))
+        lowest = plan.cheapest_bits(table)
+        budget = rng.uniform(lowest, 16.5)
+        expected = _brute_force(table, budget)
+        chosen = plan.solve(table, effective_bits=budget)
+        picked = table[[chosen[layer] == name for layer, name in zip(table.layer, table.format)]]
+        assert len(picked) == table.layer.nunique(), case
+        assert picked.bits.sum() <= budget * table.groupby("layer").elements.first().sum(), case
+        # HiGHS's optimality is to its tolerances on the objective: far below these scores' gaps
+        assert picked.score.sum() == pytest.approx(expected, abs=1e-9), case
+        assert plan.effective_bits_of(table, chosen) <= budget
+
+
+def test_a_budget_below_every_layers_cheapest_format_is_refused():
+    table = _random_table(random.Random(1), layers=3, formats=2)
+    lowest = plan.cheapest_bits(table)
+    with pytest.raises(ValueError, match="below the .* bits per element that the cheapest format"):
+        plan.solve(table, effective_bits=lowest * 0.99)
+    plan.solve(table, effective_bits=lowest)  # exactly the cheapest: every layer at its fewest bits
+
+
+def _tiny_llama():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _batches(count=3):
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(64, (2, 16), generator=generator) for _ in range(count)]
+
+
+def test_measured_scores_are_the_paired_loss_changes_of_one_layer_at_a_time():
+    model, batches = _tiny_llama(), _batches()
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    table = advisor.measured_scores(
+        model, batches, ["nvfp4", "mxfp8", "bf16"], layers=["model.layers.0.mlp.up_proj"]
+    )
+    assert list(table.format) == ["nvfp4", "mxfp8", "bf16"] and (table.n == 3).all()
+    with torch.no_grad():
+        baseline = [float(model(input_ids=b, labels=b).loss) for b in batches]
+        layer = model.get_submodule("model.layers.0.mlp.up_proj")
+        set_submodule(model, "model.layers.0.mlp.up_proj", QuantLinear.from_linear(layer, "nvfp4", seed=0))
+        quantized = [float(model(input_ids=b, labels=b).loss) for b in batches]
+        set_submodule(model, "model.layers.0.mlp.up_proj", layer)
+    differences = [a - b for a, b in zip(quantized, baseline)]
+    mean, low, high = stats.mean_interval(differences)
+    row = table.iloc[0]
+    assert (row.score, row.low, row.high) == (mean, low, high)
+    assert table.iloc[2][["score", "low", "high"]].tolist() == [0.0, 0.0, 0.0]  # high precision: 0 exactly
+    assert row.bits == plan.weight_bits("nvfp4", 64, 32) and row.elements == 64 * 32
+    for name, p in model.state_dict().items():  # the model comes back as it was
+        assert torch.equal(p, before[name]), name
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_a_plan_round_trips_through_its_file_and_quantizes_each_layer_in_its_format(tmp_path):
+    model, batches = _tiny_llama(), _batches(2)
+    table = advisor.measured_scores(model, batches, ["nvfp4", "mxfp8", "bf16"])
+    hashes = dict(model_config_sha256=advisor.config_hash(model), text_sha256=plan.token_hash(batches))
+    chosen = plan.make_plan(table, effective_bits=8.0, model="tiny-llama", **hashes)
+    assert chosen.reached_bits <= 8.0 and chosen.kind == "measured"
+    assert set(chosen.layers) == {name for name, _, why in linear_layers(model) if why is None}
+    path = chosen.save(tmp_path / "plan.json")
+    assert plan.Plan.load(path) == chosen
+    assert chosen.save(tmp_path / "again.json").read_bytes() == path.read_bytes()
+
+    expected_model = _tiny_llama()  # each layer swapped by hand, seeds as quantize_model numbers them
+    for index, (name, module, _) in enumerate(
+        layer for layer in linear_layers(expected_model) if layer[2] is None
+    ):
+        if chosen.layers[name] != "bf16":
+            set_submodule(
+                expected_model, name, QuantLinear.from_linear(module, chosen.layers[name], seed=index)
+            )
+    report = quantize_model(model, path)
+    assert {row["name"]: row["recipe"] for row in report if row["name"] in chosen.layers} == chosen.layers
+    for name, planned in chosen.layers.items():
+        module = model.get_submodule(name)
+        assert isinstance(module, QuantLinear) == (planned != "bf16"), name
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=batches[0]).logits, expected_model(input_ids=batches[0]).logits)
+
+
+def test_a_plan_for_other_layers_or_a_hand_edited_file_is_refused_by_name(tmp_path):
+    model = _tiny_llama()
+    layers = {name: "mxfp8" for name, _, why in linear_layers(model) if why is None}
+    path = plan.Plan(layers=layers, model="tiny").save(tmp_path / "plan.json")
+    content = json.loads(path.read_text())
+    content["layers"]["model.layers.7.mlp.up_proj"] = content["layers"].pop("model.layers.0.mlp.up_proj")
+    path.write_text(json.dumps(content))
+    refused = r"1 planned layers are not convertible layers of the model \['model.layers.7.mlp.up_proj'\]"
+    with pytest.raises(ValueError, match=refused):
+        quantize_model(model, path)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())  # refused before any swap
+    content["layers"]["model.layers.7.mlp.up_proj"] = "nvfp5"
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match="'nvfp5', not a recipe preset; closest: nvfp4"):
+        plan.Plan.load(path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        plan.Plan.load(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        plan.Plan.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    "formats, match",
+    [
+        (["nvfp4", "mxfp9"], "'mxfp9', not a recipe preset"),
+        (["mxfp4_training"], "whose forward does not quantize the weight"),
+        (["mxfp8", "mxfp8"], "each format once"),
+        ([], "at least one format"),
+    ],
+)
+def test_formats_a_plan_cannot_choose_are_refused(formats, match):
+    with pytest.raises(ValueError, match=match):
+        plan.plan_formats(formats)
+
+
+def test_scores_that_cannot_make_a_plan_are_refused():
+    table = _random_table(random.Random(2), layers=2, formats=2)
+    with pytest.raises(ValueError, match="more than once"):
+        plan.solve(pd.concat([table, table.iloc[:1]]), effective_bits=16)
+    with pytest.raises(ValueError, match="finite"):
+        plan.solve(table.assign(score=math.nan), effective_bits=16)
+    with pytest.raises(ValueError, match="effective_bits"):
+        plan.solve(table, effective_bits=-1)
+
+
+def test_approximated_scores_are_half_the_fisher_weighted_squared_output_change():
+    model, batches = _tiny_llama(), _batches(2)
+    name = "model.layers.0.self_attn.o_proj"
+    table = advisor.approximated_scores(model, batches, ["mxfp4", "bf16"], layers=[name])
+    expected = []
+    layer = model.get_submodule(name)
+    variant = QuantLinear.from_linear(layer, "mxfp4", seed=0)
+    for batch in batches:  # the layer's input and output gradient by hand, float64 for the sum
+        seen = {}
+
+        def keep(module, inputs, output, seen=seen):
+            seen.update(x=inputs[0], y=output)
+            output.retain_grad()
+
+        handle = layer.register_forward_hook(keep)
+        loss = model(input_ids=batch, labels=batch).loss
+        handle.remove()
+        loss.backward()
+        with torch.no_grad():
+            change = variant.forward(seen["x"]).double() - seen["y"].double()
+        expected.append(float(0.5 * (seen["y"].grad.double() ** 2 * change**2).sum()))
+        model.zero_grad(set_to_none=True)
+    mean, low, high = stats.mean_interval(expected)
+    row = table.iloc[0]
+    # the same float32 forward and backward; only the float64 sums' order may differ
+    assert (row.score, row.low, row.high) == pytest.approx((mean, low, high), rel=1e-9)
+    assert row.kind == "approximated" and table.iloc[1].score == 0.0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for p in model.parameters())  # restored

@@ -1,0 +1,209 @@
+"""Any checkpoint, any text, offline: qlab.models.load_any and text_batches on tiny models saved here.
+
+The models are built with random weights and saved with save_pretrained; the tokenizer is a
+character-level BertTokenizer written from a vocabulary file. A hub id is served from a Hugging Face
+cache folder laid out as huggingface_hub lays it out, and every socket connection is refused.
+"""
+
+import socket
+
+import pytest
+import torch
+import transformers
+
+from qlab import advisor, models, plan
+from qlab.nn import linear_layers
+
+TEXT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n" * 40
+
+
+def _tokenizer(folder):
+    """A character-level fast tokenizer: every character of TEXT one token (``folder`` is unused)."""
+    import tokenizers
+
+    vocabulary = {token: index for index, token in enumerate(["[UNK]", *sorted(set(TEXT))])}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Split(
+        tokenizers.Regex(r"[\s\S]"), behavior="isolated"
+    )
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+
+
+def _save(model, folder, with_tokenizer=True):
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    if with_tokenizer:
+        _tokenizer(folder).save_pretrained(folder)
+    return folder
+
+
+SIZES = dict(vocab_size=64, max_position_embeddings=64, num_hidden_layers=1, intermediate_size=64)
+
+
+def _llama():
+    torch.manual_seed(0)
+    heads = dict(num_attention_heads=4, num_key_value_heads=2)
+    config = transformers.LlamaConfig(hidden_size=32, **heads, **SIZES)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, n_positions=64, vocab_size=64)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert():
+    torch.manual_seed(0)
+    heads = dict(num_attention_heads=2)
+    config = transformers.BertConfig(hidden_size=32, **heads, **SIZES)
+    return transformers.BertForMaskedLM(config)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a network connection was attempted")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.parametrize(
+    "build, kind, expected_class",
+    [(_llama, models.CAUSAL_LM, "LlamaForCausalLM"), (_gpt2, models.CAUSAL_LM, "GPT2LMHeadModel"),
+     (_bert, models.ENCODER, "BertModel")],
+)  # fmt: skip
+def test_a_checkpoint_folder_loads_with_its_weights_and_tokenizer(
+    tmp_path, no_network, build, kind, expected_class
+):
+    original = build().eval()
+    folder = _save(original, tmp_path / "checkpoint")
+    model, tokenizer, found = models.load_any(str(folder))
+    assert found == kind and type(model).__name__ == expected_class and not model.training
+    loaded = model.state_dict()
+    for name, value in original.state_dict().items():
+        key = name.removeprefix("bert.")  # the encoder loads as its base model
+        if key in loaded:
+            assert torch.equal(loaded[key], value), name
+    assert tokenizer("Thou art", add_special_tokens=False)["input_ids"] == [
+        tokenizer.convert_tokens_to_ids(c) for c in "Thou art"
+    ]
+    # every Linear-like layer, Conv1D included, is offered to a plan with its (out, in) shape
+    table = advisor.layer_table(model, ["mxfp8"])
+    convertible = {name: module for name, module, why in linear_layers(model) if why is None}
+    assert list(table.layer) == list(convertible)
+    assert (model_bf16 := models.load_any(str(folder), "bf16")[0]).dtype == torch.bfloat16, model_bf16
+
+
+def test_a_cached_hub_id_loads_offline_and_an_uncached_one_fails_clearly(tmp_path, no_network, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-llama" / "snapshots" / ("a" * 40)
+    _save(_llama(), snapshot)
+    (cache / "models--someone--tiny-llama" / "refs").mkdir()
+    (cache / "models--someone--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    model, _, kind = models.load_any("someone/tiny-llama")
+    assert kind == models.CAUSAL_LM and type(model).__name__ == "LlamaForCausalLM"
+    refused = r"'someone/other' is neither .* nor a hub id in the local Hugging Face cache .*hf download"
+    with pytest.raises(ValueError, match=refused):
+        models.load_any("someone/other")
+
+
+def test_what_is_not_a_usable_checkpoint_is_refused_before_loading(tmp_path, no_network):
+    with pytest.raises(ValueError, match="neither a packaged model .*closest: smollm2-135m"):
+        models.load_any("smollm2-13m")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        models.load_any(str(empty))
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    _llama().config.save_pretrained(no_weights)
+    with pytest.raises(ValueError, match="has a config.json but no weights"):
+        models.load_any(str(no_weights))
+    bare = _save(_llama(), tmp_path / "bare", with_tokenizer=False)
+    with pytest.raises(ValueError, match="has no tokenizer .*--tokenizer"):
+        models.load_any(str(bare))
+    tokenizer_only = tmp_path / "tokenizer"
+    tokenizer_only.mkdir()
+    _tokenizer(tokenizer_only).save_pretrained(tokenizer_only)
+    assert models.load_any(str(bare), tokenizer=str(tokenizer_only))[2] == models.CAUSAL_LM
+    classifier = transformers.BertForSequenceClassification(_bert().config)
+    with pytest.raises(ValueError, match="not a kind qlab scores: a causal LM"):
+        models.load_any(str(_save(classifier, tmp_path / "classifier")))
+
+
+def test_text_windows_are_disjoint_drawn_by_seed_and_short_text_says_how_many_it_holds(tmp_path):
+    tokenizer = _tokenizer(tmp_path)
+    path = tmp_path / "sonnet.txt"
+    path.write_text(TEXT)
+    calibration, held_out = models.text_batches(
+        tokenizer, [path], batch_size=2, tokens=16, count=3, held_out=2
+    )
+    assert len(calibration) == 3 and len(held_out) == 2
+    assert all(b.shape == (2, 16) and b.dtype == torch.int64 for b in calibration + held_out)
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    windows = [tuple(ids[i : i + 16]) for i in range(0, len(ids) - 15, 16)]
+    drawn = [tuple(row.tolist()) for batch in calibration + held_out for row in batch]
+    assert all(window in windows for window in drawn)
+    positions = [windows.index(window) for window in drawn]  # the text repeats: compare positions drawn
+    order = torch.randperm(len(ids) // 16, generator=torch.Generator().manual_seed(0))[:10].tolist()
+    assert [windows[i] for i in order] == drawn and len(set(order)) == 10, positions
+    again = models.text_batches(tokenizer, str(path), batch_size=2, tokens=16, count=3, held_out=2)
+    assert all(torch.equal(a, b) for a, b in zip(calibration + held_out, again[0] + again[1]))
+    other = models.text_batches(tokenizer, path, batch_size=2, tokens=16, count=3, seed=1)[0]
+    assert not all(torch.equal(a, b) for a, b in zip(calibration, other))
+
+    windows_held = len(ids) // 16
+    with pytest.raises(ValueError, match=f"{windows_held} windows of 16; 1000 \\+ 0 batches of 2 need 2000"):
+        models.text_batches(tokenizer, path, batch_size=2, tokens=16, count=1000)
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match="is not UTF-8: byte 3 is 0xe9"):
+        models.text_batches(tokenizer, latin1)
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n")
+    with pytest.raises(ValueError, match="holds no text"):
+        models.text_batches(tokenizer, blank)
+    with pytest.raises(ValueError, match="does not exist"):
+        models.text_batches(tokenizer, tmp_path / "missing.txt")
+
+
+def test_qlab_advise_makes_a_plan_for_a_checkpoint_folder_and_text(tmp_path, no_network, capsys, monkeypatch):
+    from qlab import cli
+    from qlab.nn import QuantLinear, quantize_model
+
+    folder = _save(_llama(), tmp_path / "checkpoint")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "plan.json"
+    common = ["advise", "--model", str(folder), "--text", str(text), "--tokens", "16", "--batches", "2"]
+    assert (
+        cli.main([*common, "--formats", "nvfp4,mxfp8,bf16", "--effective-bits", "8", "--plan-out", str(out)])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    chosen = plan.Plan.load(out)
+    assert chosen.reached_bits <= 8 and chosen.model == str(folder) and chosen.kind == "measured"
+    assert f"{chosen.reached_bits:.4f} bits per weight element (budget 8)" in printed
+    model = models.load_any(str(folder))[0]
+    assert chosen.model_config_sha256 == advisor.config_hash(model)
+    quantize_model(model, out)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == sum(
+        f != "bf16" for f in chosen.layers.values()
+    )
+
+    def never(*args, **kwargs):
+        raise AssertionError("a loss was evaluated before the arguments were checked")
+
+    monkeypatch.setattr(advisor, "measured_scores", never)
+    monkeypatch.setattr(advisor, "approximated_scores", never)
+    assert cli.main([*common, "--formats", "nvfp4,mxfp9"]) == 2
+    assert "'mxfp9', not a recipe preset; closest: mxfp8" in capsys.readouterr().err
+    assert cli.main([*common, "--formats", "nvfp4,mxfp8", "--effective-bits", "4"]) == 2
+    assert "effective_bits=4 is below the 4.0" in capsys.readouterr().err
+    assert cli.main([*common, "--formats", "nvfp4", "--text", str(tmp_path / "none.txt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
