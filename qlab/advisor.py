@@ -319,7 +319,9 @@ def approximated_scores(
     its output, on the input it received, and g = ∂loss/∂y (the Taylor term ½ ΔyᵀHΔy with the Hessian
     replaced by the diagonal of the empirical Fisher information g gᵀ; ModelOpt's ``auto_quantize``
     gradient score without its ½). Columns score (mean over batches), low, high (95 % interval), n,
-    baseline_loss and kind="approximated". No Parameter gradient is kept; the model comes back as it was."""
+    baseline_loss and kind="approximated". No Parameter gradient is kept; the model comes back as it was.
+    The loss must have a non-zero gradient at the unquantized model (a task loss such as the next-token
+    loss): an encoder's ``hidden_state_error`` is zero there with zero gradient, so every estimate is 0."""
     table = _rows_to_score(model, batches, formats, loss_fn, layers, progress)
     chosen = list(dict.fromkeys(table.layer))
     quantized_formats = [name for name in dict.fromkeys(table.format) if name != plan.HIGH_PRECISION]
@@ -431,6 +433,11 @@ def main(args) -> int:
     loss_fn = causal_lm_loss if kind == models.CAUSAL_LM else hidden_state_error(model, batches)
     if formats is None:
         return _keep_mode(args, model, batches, loss_fn)
+    if kind == models.ENCODER and args.score == "approximated":
+        raise ValueError(
+            "--score approximated needs a loss whose gradient at the unquantized model is not zero; an "
+            "encoder is scored by its hidden-state error, zero there with zero gradient: use --score measured"
+        )
     table = layer_table(model, formats)
     plan.check_budget(table, args.effective_bits)
     score = measured_scores if args.score == "measured" else approximated_scores

@@ -292,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.jupyter_options = unknown
+    if paths.ROOT_FOUND_BY == "installed":
+        print(f"qlab: not inside a qlab checkout; using the installed one at {paths.ROOT}", file=sys.stderr)
     command = {
         "list": _cmd_list,
         "run": _cmd_run,

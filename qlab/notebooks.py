@@ -175,7 +175,7 @@ def run_notebook(
         # text progress bars; where results go only when chosen here (smoke, a sweep point): otherwise
         # qlab.session.start decides from the parameters, so a run with other values than the defaults
         # writes under runs/interactive/ and never over the committed data/
-        kernel = {paths.HEADLESS_ENV: "1"}
+        kernel = {paths.HEADLESS_ENV: "1", paths.ROOT_ENV: str(paths.ROOT)}  # the kernel's cwd is output's
         if results_dir is not None:
             kernel[paths.RESULTS_ENV] = str(results_dir)
         with paths.environment(**kernel), _honour_raises_exception():

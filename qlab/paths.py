@@ -1,9 +1,11 @@
 """The one module that knows where things live.
 
-The repository root is found from this file (qlab is installed editable), so notebooks and
-scripts behave the same from any working directory. Results (data/ and figures/) go under the
-repository root unless ``QLAB_RESULTS_DIR`` points elsewhere: smoke runs, tests and sweep points
-set it so they never overwrite the committed results.
+The repository root is the qlab checkout you stand in: the nearest folder at or above the current
+directory whose ``pyproject.toml`` names qlab and which holds ``notebooks/``. Outside any checkout it is
+the checkout qlab is installed from (editable), and the ``qlab`` command says so in one line;
+``QLAB_ROOT`` wins over both. Two clones sharing one environment each write into their own.
+Results (data/ and figures/) go under the repository root unless ``QLAB_RESULTS_DIR`` points
+elsewhere: smoke runs, tests and sweep points set it so they never overwrite the committed results.
 """
 
 from __future__ import annotations
@@ -21,17 +23,51 @@ HEADLESS_ENV = "QLAB_HEADLESS"  # set by qlab.notebooks.run_notebook for the ker
 PROFILE_ENV = "QLAB_PROFILE"  # "paper": results go to data/paper/ and figures/paper/
 
 
-def _find_root() -> Path:
-    override = os.environ.get("QLAB_ROOT")
+def _path(name: str, value) -> Path:
+    """``value`` (a str or os.PathLike naming a path, not bytes) as a Path; errors name ``name``."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {checks.shown(value)}")
+    if not text:
+        raise ValueError(f"{name} must be a path, got an empty string")
+    if "\x00" in text:
+        raise ValueError(f"{name} must be a path without NUL characters, got {text!r}")
+    return Path(text)
+
+
+ROOT_ENV = "QLAB_ROOT"
+_PROJECT_NAME = re.compile(r'^name\s*=\s*"qlab"\s*$', re.MULTILINE)
+
+
+def is_checkout(folder: Path) -> bool:
+    """Whether ``folder`` is a qlab checkout: a pyproject.toml naming the qlab project, and notebooks/."""
+    folder = _path("folder", folder)
+    pyproject = folder / "pyproject.toml"
+    if not (pyproject.is_file() and (folder / "notebooks").is_dir()):
+        return False
+    try:
+        return _PROJECT_NAME.search(pyproject.read_text(errors="replace")) is not None
+    except OSError:
+        return False
+
+
+def _find_root() -> tuple[Path, str]:
+    """(root, how it was found): $QLAB_ROOT, the checkout around the current directory, or the
+    checkout qlab is installed from."""
+    override = os.environ.get(ROOT_ENV)
     if override:
-        return Path(override).resolve()
+        return Path(override).resolve(), ROOT_ENV
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents):
+        if is_checkout(folder):
+            return folder, "current directory"
     package_parent = Path(__file__).resolve().parent.parent
-    if (package_parent / "pyproject.toml").exists() and (package_parent / "notebooks").is_dir():
-        return package_parent
-    return Path.cwd().resolve()
+    if is_checkout(package_parent):
+        return package_parent, "installed"
+    return here, "current directory"
 
 
-ROOT = _find_root()
+ROOT, ROOT_FOUND_BY = _find_root()
 NOTEBOOKS_DIR = ROOT / "notebooks"
 RUNS_DIR = ROOT / "runs"
 KERNEL_CACHE_DIR = RUNS_DIR / "kernel_cache"  # qlab.kernels.cpu_qdq's shared library, built per machine
@@ -66,18 +102,6 @@ def shown(path: str | os.PathLike) -> str:
     """``path`` as messages show it: relative to the repository root when inside it."""
     path = _path("path", path)
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
-def _path(name: str, value) -> Path:
-    """``value`` (a str or os.PathLike naming a path, not bytes) as a Path; errors name ``name``."""
-    text = os.fspath(value) if isinstance(value, os.PathLike) else value
-    if not isinstance(text, str):
-        raise TypeError(f"{name} must be a path (a str or os.PathLike), got {checks.shown(value)}")
-    if not text:
-        raise ValueError(f"{name} must be a path, got an empty string")
-    if "\x00" in text:
-        raise ValueError(f"{name} must be a path without NUL characters, got {text!r}")
-    return Path(text)
 
 
 def existing_file(name: str, value, what: str = "file") -> Path:

@@ -888,6 +888,7 @@ ENTRY_POINTS = {
             model=tiny(), _batches=[x()], recipe="mxfp8", budget=0.5, by="layers", loss_fn=square_loss
         ),
     ),
+    "paths.is_checkout": (paths.is_checkout, lambda: dict(folder=paths.ROOT)),
     "plan.plan_formats": (
         qlab_plan.plan_formats,
         lambda: dict(formats=["nvfp4", "bf16"], argument="formats"),

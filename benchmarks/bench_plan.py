@@ -1,0 +1,127 @@
+"""Per-layer format plans on the packaged models: what each score costs, how well the estimate ranks
+the layers, and what the plan does on text it was not chosen on (qlab.advisor, qlab.plan).
+
+For each model: measured and approximated scores of every Linear-like layer in each format, over the
+same calibration batches (windows of Shakespeare's training plays), each timed in this run; Spearman's
+ρ between the two over the quantized (layer, format) rows, with a percentile bootstrap interval over
+layers; plans at each effective-bits budget from either score; and each plan's held-out check — the
+loss on windows of the held-out plays minus the float model's, and minus the loss with every layer in
+the cheapest format, paired by batch (mean and 95 % interval, ``qlab.stats``). An encoder gets measured
+scores only: its hidden-state error against the float model, and that error's gradient, are zero at the
+float model, so the second-order estimate is zero for every layer.
+
+Appends to ``benchmarks/results/bench_plan.csv`` (one row per model × score × budget), with the machine.
+
+    python benchmarks/bench_plan.py                       # smollm2-135m and minilm-l6
+    python benchmarks/bench_plan.py --models minilm-l6 --batches 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import numpy as np
+import torch
+from scipy import stats as scipy_stats
+from timing import add_results_argument, record
+
+from qlab import advisor, models, plan, stats
+from qlab.nn import quantize_model
+
+FORMATS = ["nvfp4", "mxfp8", "bf16"]
+BOOTSTRAP_DRAWS = 2000
+
+
+def spearman_with_interval(measured, approximated, seed: int = 0) -> tuple[float, float, float]:
+    """Spearman's ρ between two score tables' quantized rows, and a 95 % percentile bootstrap interval
+    from resampling layers (a layer's rows travel together)."""
+    rows = measured.format != plan.HIGH_PRECISION
+    a, b = measured[rows].reset_index(drop=True), approximated[rows].reset_index(drop=True)
+    rho = float(scipy_stats.spearmanr(a.score, b.score).statistic)
+    layers = list(dict.fromkeys(a.layer))
+    index = {layer: np.flatnonzero(a.layer.to_numpy() == layer) for layer in layers}
+    generator = np.random.default_rng(seed)
+    draws = []
+    for _ in range(BOOTSTRAP_DRAWS):
+        picked = np.concatenate([index[layers[i]] for i in generator.integers(len(layers), size=len(layers))])
+        draws.append(scipy_stats.spearmanr(a.score.to_numpy()[picked], b.score.to_numpy()[picked]).statistic)
+    low, high = np.nanpercentile(draws, [2.5, 97.5])
+    return rho, float(low), float(high)
+
+
+@torch.no_grad()
+def batch_losses(model, batches, loss_fn) -> list[float]:
+    return [float(loss_fn(model, batch)) for batch in batches]
+
+
+def held_out_losses(model, chosen, batches, loss_fn) -> list[float]:
+    quantized = copy.deepcopy(model)
+    quantize_model(quantized, chosen)
+    return batch_losses(quantized, batches, loss_fn)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2-135m,minilm-l6", help="comma-separated packaged models")
+    parser.add_argument("--budgets", default="4.5,5.0,6.0", help="effective bits per weight element")
+    parser.add_argument("--batches", type=int, default=3, help="calibration batches (2 windows each)")
+    parser.add_argument("--held-out", type=int, default=8, help="held-out batches for the check")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per window")
+    add_results_argument(parser)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for name in args.models.split(","):
+        model, tokenizer, kind = models.load_any(name)
+        calibration = models.shakespeare_batches(tokenizer, 2, args.tokens, args.batches, split="train")
+        held_out = models.shakespeare_batches(tokenizer, 2, args.tokens, args.held_out, split="val")
+        if kind == models.CAUSAL_LM:
+            calibration_loss = held_out_loss = advisor.causal_lm_loss
+        else:  # an encoder: the hidden-state error against the float model on the same batches
+            calibration_loss = advisor.hidden_state_error(model, calibration)
+            held_out_loss = advisor.hidden_state_error(model, held_out)
+        tables, seconds = {}, {}
+        scores = {"measured": advisor.measured_scores, "approximated": advisor.approximated_scores}
+        if (
+            kind == models.ENCODER
+        ):  # its hidden-state error and that error's gradient are 0 at the float model
+            del scores["approximated"]
+        for kind_name, score in scores.items():
+            start = time.perf_counter()
+            tables[kind_name] = score(model, calibration, FORMATS, loss_fn=calibration_loss)
+            seconds[kind_name] = time.perf_counter() - start
+        rho = rho_low = rho_high = float("nan")
+        if "approximated" in tables:
+            rho, rho_low, rho_high = spearman_with_interval(tables["measured"], tables["approximated"])
+        approximated_seconds = seconds.get("approximated", np.nan)
+        float_losses = batch_losses(model, held_out, held_out_loss)
+        cheapest = plan.Plan(layers={layer: FORMATS[0] for layer in dict.fromkeys(tables["measured"].layer)})
+        cheapest_losses = held_out_losses(model, cheapest, held_out, held_out_loss)
+        for kind_name, table in tables.items():
+            for budget in (float(b) for b in args.budgets.split(",")):
+                chosen = plan.make_plan(table, effective_bits=budget, model=name)
+                losses = held_out_losses(model, chosen, held_out, held_out_loss)
+                vs_float = stats.mean_interval([a - b for a, b in zip(losses, float_losses)])
+                vs_cheapest = stats.mean_interval([a - b for a, b in zip(losses, cheapest_losses)])
+                counts = {f: sum(v == f for v in chosen.layers.values()) for f in FORMATS}
+                rows.append(dict(
+                    model=name, score=kind_name, effective_bits=budget,
+                    reached_bits=round(chosen.reached_bits, 4),
+                    layers=len(chosen.layers), **{f"layers_{f}": counts[f] for f in FORMATS},
+                    calibration_batches=args.batches, tokens=args.tokens, held_out_batches=args.held_out,
+                    seconds=round(seconds[kind_name], 2),
+                    measured_over_approximated=round(seconds["measured"] / approximated_seconds, 1),
+                    spearman=round(rho, 3), spearman_low=round(rho_low, 3), spearman_high=round(rho_high, 3),
+                    held_out_vs_float=vs_float[0], held_out_vs_float_low=vs_float[1],
+                    held_out_vs_float_high=vs_float[2], held_out_vs_cheapest=vs_cheapest[0],
+                    held_out_vs_cheapest_low=vs_cheapest[1], held_out_vs_cheapest_high=vs_cheapest[2],
+                ))  # fmt: skip
+                print(rows[-1])
+    path = record("bench_plan", rows, args.results)
+    print(f"appended {len(rows)} rows to {path}" if path else "recorded nothing (--results '')")
+
+
+if __name__ == "__main__":
+    main()
