@@ -11,7 +11,7 @@
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
     qlab advise [--model M] [--text F ...] --formats nvfp4,mxfp8,bf16 [--effective-bits B]   a plan
     qlab advise [--model M] [--recipe R] [--budget F] [--by layers|flops]   keep-in-high-precision advice
-    qlab train [--config F.yaml] [--set key=value ...] [--nproc N]   train a model (qlab.train)
+    qlab train [--config F.yaml] [-p NAME VALUE ...] [--nproc N]   train a model (qlab.train)
 
 Parameter values are parsed as YAML scalars/lists (``-p n 1024 -p dtypes '[float32, bfloat16]'``).
 Exit status: 0 success, 1 a notebook or sweep point failed or training diverged, 2 bad input (one line
@@ -47,20 +47,37 @@ def _build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="execute one notebook headless with papermill")
     run.add_argument("notebook", help="path, name (02_welford_vs_naive_variance) or number (02)")
-    run.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
-    run.add_argument("--smoke", action="store_true", help="tiny sizes; results under runs/smoke/")
-    run.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S, help="seconds per cell")
+    run.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="set one notebook parameter (VALUE parsed as YAML: 3, 0.5, true, [a, b]); repeatable",
+    )  # fmt: skip
+    run.add_argument(
+        "--smoke", action="store_true", help="the same as -p smoke true: tiny sizes, for a quick check"
+    )
+    run.add_argument(
+        "--timeout",
+        type=int,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one cell may take (default {DEFAULT_TIMEOUT_S})",
+    )
     run.add_argument("--output", help="where the executed copy goes (default runs/NAME.ipynb)")
 
     figures = sub.add_parser("figures", help="run every notebook with default parameters")
-    figures.add_argument("--smoke", action="store_true")
+    figures.add_argument(
+        "--smoke", action="store_true", help="every notebook at tiny sizes, into runs/smoke/"
+    )
     figures.add_argument(
         "--profile",
         choices=("cpu", "paper"),
         default="cpu",
         help="paper: only the notebooks with a profile parameter, at paper scale (a GPU), into data/paper/",
     )
-    figures.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+    figures.add_argument(
+        "--timeout",
+        type=int,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one cell may take (default {DEFAULT_TIMEOUT_S})",
+    )
     figures.add_argument(
         "--executor",
         choices=("serial", "processes", "ray"),
@@ -69,7 +86,7 @@ def _build_parser() -> argparse.ArgumentParser:
     figures.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
 
     sw = sub.add_parser("sweep", help="run a notebook over the cartesian product of a YAML grid")
-    sw.add_argument("notebook")
+    sw.add_argument("notebook", help="path, name or number of the notebook")
     sw.add_argument("grid", help="YAML mapping: parameter -> list of values")
     sw.add_argument("-j", "--jobs", type=int, default=1, help="points at once (worker processes)")
     sw.add_argument(
@@ -78,8 +95,13 @@ def _build_parser() -> argparse.ArgumentParser:
         help="how points fan out (qlab.runs); default: serial, or processes with -j N > 1",
     )
     sw.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
-    sw.add_argument("--smoke", action="store_true")
-    sw.add_argument("--timeout", type=int, default=DEFAULT_TIMEOUT_S)
+    sw.add_argument("--smoke", action="store_true", help="every point at tiny sizes")
+    sw.add_argument(
+        "--timeout",
+        type=int,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds one cell may take (default {DEFAULT_TIMEOUT_S})",
+    )
 
     found = sub.add_parser("findings", help="regenerate README.md's findings table from data/*_claims.csv")
     found.add_argument(
@@ -132,7 +154,11 @@ def _build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--plan-out", help="plan mode: where the plan goes (default runs/plans/<model>.json)")
 
     sub.add_parser(
-        "lab", help="JupyterLab on the repository root (qlab.lab); further options go to jupyter lab"
+        "lab",
+        help="JupyterLab on the repository root (qlab.lab); further options go to jupyter lab",
+        description="JupyterLab on the repository root, with qlab's kernel and settings. qlab lab has no "
+        "options of its own: every other option goes to `jupyter lab` unchanged (e.g. qlab lab --port 8890 "
+        "--no-browser; `jupyter lab --help` lists them).",
     )
 
     from qlab.train import launch

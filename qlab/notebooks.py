@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import math
 import os
 import time
@@ -57,8 +58,11 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
     if len(matches) == 1:
         return matches[0]
     names = ", ".join(p.stem for p in available) or "(none)"
+    near = difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5)
+    hint = f"did you mean {near[0]}? " if near else ""
     raise ValueError(
-        f"unknown notebook {str(name)!r}; available: {names} (name: one of these, its number or its path)"
+        f"unknown notebook {str(name)!r}; {hint}available: {names} (name: one of these, its number or its "
+        "path)"
     )
 
 
@@ -111,8 +115,10 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
     declared = notebook_parameters(notebook)
     unknown = sorted(set(parameters) - set(declared))
     if unknown:
+        near = {name: difflib.get_close_matches(name, list(declared), n=1, cutoff=0.6) for name in unknown}
+        hints = "".join(f"did you mean {found[0]} for {name}? " for name, found in near.items() if found)
         raise ValueError(
-            f"unknown parameter(s) {', '.join(unknown)} for {notebook.stem}; "
+            f"unknown parameter(s) {', '.join(unknown)} for {notebook.stem}; {hints}"
             f"it declares: {', '.join(declared)}"
         )
     checked = {

@@ -1238,7 +1238,7 @@ CASES = [
     ),
     ("config from_dict list", lambda: C.TrainConfig.from_dict([]), TypeError, "config"),
     ("load_config override without =", lambda: C.load_config(overrides=["lr"]), ValueError, "key=value"),
-    ("load_config bad YAML override", lambda: C.load_config(overrides=["lr=[1"]), ValueError, "--set lr"),
+    ("load_config bad YAML override", lambda: C.load_config(overrides=["lr=[1"]), ValueError, "-p lr"),
     (
         "load_config missing file",
         lambda: C.load_config("/nonexistent/qlab.yaml"),

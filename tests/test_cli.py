@@ -239,3 +239,34 @@ def test_findings_check_reports_a_stale_readme(tmp_path, monkeypatch, capsys):
     assert cli.main(["findings", "--check"]) == 1
     assert "out of date" in capsys.readouterr().out
     assert cli.main(["findings"]) == 0 and cli.main(["findings", "--check"]) == 0
+
+
+def test_every_option_of_every_command_says_what_it_does(capsys):
+    # read from each command's --help: every option and positional is followed by its help text
+    import argparse
+
+    parser = cli._build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bare = []
+    for name, command in commands.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if not action.help:
+                bare.append(f"qlab {name} {'/'.join(action.option_strings) or action.dest}")
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        shown = capsys.readouterr().out
+        for action in command._actions:
+            assert not action.help or action.help.split("%")[0].split()[0] in shown, (name, action.help)
+    assert bare == []
+    with pytest.raises(SystemExit):
+        cli.main(["lab", "--help"])
+    assert "every other option goes to `jupyter lab`" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_misspelt_notebook_or_parameter_gets_a_did_you_mean(capsys):
+    assert cli.main(["run", "02_welford_vs_naive_varianse"]) == 2
+    assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
+    assert cli.main(["run", "02", "-p", "smok", "true"]) == 2
+    assert "did you mean smoke for smok?" in capsys.readouterr().err

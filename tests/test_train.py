@@ -987,11 +987,25 @@ def test_delayed_state_into_a_current_scaling_layer_is_refused():
 
 
 def test_cli_unknown_key(capsys):
-    assert cli.main(["train", "--set", "bogus=1"]) == 2
+    assert cli.main(["train", "-p", "bogus", "1"]) == 2
     err = capsys.readouterr().err
     assert "bogus" in err and "unknown config keys" in err
-    assert launch.main(["--set", "bogus=1"]) == 2
+    assert launch.main(["-p", "bogus", "1"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_train_takes_run_s_parameter_syntax_and_the_old_one_with_a_deprecation_line(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(
+        "qlab.train.config.load_config", lambda path, overrides: seen.append(overrides) or 1 / 0
+    )
+    with pytest.raises(ZeroDivisionError):  # stopped right after the configuration is assembled
+        launch.main(["-p", "lr", "0.01", "-p", "recipe", "nvfp4"])
+    assert seen[-1] == ["lr=0.01", "recipe=nvfp4"] and "deprecated" not in capsys.readouterr().err
+    with pytest.raises(ZeroDivisionError):
+        launch.main(["--set", "lr=0.01", "-p", "recipe", "nvfp4"])
+    assert sorted(seen[-1]) == ["lr=0.01", "recipe=nvfp4"]
+    assert "--set KEY=VALUE is deprecated; write -p KEY VALUE" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["- steps\n- 3\n", "just a string\n", "42\n"])

@@ -1,6 +1,6 @@
 """TrainConfig: every setting of a training run, validated on construction; YAML in, YAML out.
 
-The same field names are ``qlab train --set key=value`` keys, the YAML file's keys and (where a
+The same field names are ``qlab train -p KEY VALUE`` keys, the YAML file's keys and (where a
 notebook exposes them) notebook parameters; an unknown key is an error, never ignored.
 """
 
@@ -348,7 +348,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
             key, sep, value = str(item).partition("=")
             if not sep or not key.strip():
                 raise ValueError(f"overrides: expected key=value, got {item!r}")
-            data[key.strip()] = _safe_yaml(value, f"--set {key.strip()}")
+            data[key.strip()] = _safe_yaml(value, f"-p {key.strip()}")
     return TrainConfig.from_dict(data)
 
 

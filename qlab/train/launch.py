@@ -1,10 +1,11 @@
 """Command line for training: ``qlab train`` and ``python -m qlab.train`` (what torchrun runs).
 
-    qlab train [--config FILE.yaml] [--set key=value ...] [--nproc N]
+    qlab train [--config FILE.yaml] [-p KEY VALUE ...] [--nproc N]
 
 With ``--nproc N > 1`` the command re-launches itself through ``torch.distributed.run``
 (torchrun, single node, rendezvous on localhost) with N processes; gloo on CPU, NCCL on CUDA.
-``nproc`` may also come from the config file or ``--set nproc=N``.
+``nproc`` may also come from the config file or ``-p nproc N``. ``--set KEY=VALUE`` still works, with a
+deprecation line.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ import sys
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="set one TrainConfig field (VALUE parsed as YAML), as qlab run sets a parameter; repeatable",
+    )  # fmt: skip
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override one field (value parsed as YAML); repeatable",
+        help="deprecated spelling of -p KEY VALUE; repeatable",
     )
     parser.add_argument(
         "--nproc", type=int, help="processes (DDP through torchrun); overrides the config's nproc"
@@ -34,7 +39,10 @@ def run(args: argparse.Namespace) -> int:
     """Validate the config, then train here (one process or already under torchrun) or launch torchrun."""
     from qlab.train.config import load_config
 
-    overrides = list(args.overrides) + ([f"nproc={args.nproc}"] if args.nproc is not None else [])
+    if args.overrides:
+        print("qlab train: --set KEY=VALUE is deprecated; write -p KEY VALUE", file=sys.stderr)
+    overrides = [f"{name}={value}" for name, value in getattr(args, "parameter", [])] + list(args.overrides)
+    overrides += [f"nproc={args.nproc}"] if args.nproc is not None else []
     config = load_config(args.config, overrides)  # errors surface before any process starts
     under_torchrun = "LOCAL_RANK" in os.environ
     if config.nproc > 1 and not under_torchrun:
@@ -48,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             "qlab.train",
         ] + (["--config", args.config] if args.config else [])
         for item in overrides:
-            command += ["--set", item]
+            command += ["-p", *item.split("=", 1)]
         return subprocess.call(command)
     from qlab.train.loop import train
 
