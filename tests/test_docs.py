@@ -396,3 +396,13 @@ def test_no_page_types_a_benchmark_timing():
     assert not found, (
         "typed timings (record them in benchmarks/results/ and include the table):\n" + "\n".join(found)
     )
+
+
+def test_every_glossary_term_is_linked_from_a_page_that_uses_it():
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    labels = re.findall(r"^\(([a-z0-9-]+)\)=$", glossary, flags=re.MULTILINE)
+    assert len(labels) >= 10, labels
+    pages = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md") if p.name != "glossary.md"}
+    unlinked = [label for label in labels if not any(f"<{label}>`" in text for text in pages.values())]
+    assert unlinked == [], f"glossary terms no page links to: {unlinked}"
+    assert "glossary" in (ROOT / "docs" / "index.md").read_text()
