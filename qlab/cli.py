@@ -182,7 +182,11 @@ def _cmd_run(args) -> int:
     result = notebooks.run_notebook(
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
     )
-    print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s, executed copy {result.output}")
+    where = (
+        "data/ and figures/" if result.results is None else f"{paths.shown(result.results)}/data and /figures"
+    )
+    print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
+    print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")
     if not args.smoke and set(params) <= {"profile"} and result.notebook.parent == paths.NOTEBOOKS_DIR:
         _record_seconds(result.notebook.stem, params.get("profile", "cpu"), result.seconds)
     return 0

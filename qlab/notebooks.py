@@ -36,6 +36,7 @@ class RunResult:
     output: Path
     seconds: float
     parameters: dict = field(default_factory=dict)
+    results: Path | None = None  # the folder holding the run's data/ and figures/ (None: its kernel chose)
 
 
 def list_notebooks() -> list[Path]:
@@ -159,6 +160,7 @@ def run_notebook(
     naming the notebook, the cell and the exception.
     """
     import papermill
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from papermill.exceptions import PapermillExecutionError
 
     path = resolve_notebook(notebook)
@@ -171,10 +173,7 @@ def run_notebook(
         params["smoke"] = True
     params = check_parameters(path, params)
     _require_kernel()
-    base = paths.RUNS_DIR / "smoke" if smoke else paths.RUNS_DIR
-    output = Path(output) if output is not None else base / f"{path.stem}.ipynb"
-    if results_dir is None and smoke:
-        results_dir = base
+    output, results_dir = output_folder(path, params, output, results_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
@@ -195,6 +194,14 @@ def run_notebook(
                 progress_bar=False,
                 log_output=False,
             )
+    except (
+        CellTimeoutError,
+        DeadKernelError,
+    ) as err:  # a cell past --timeout, a kernel killed: this one fails
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise NotebookError(
+            f"notebook {path.name} stopped: {type(err).__name__}: {first}\n  executed copy kept at {output}"
+        ) from None
     except PapermillExecutionError as err:
         source = "\n".join("    " + line for line in (err.source or "").splitlines()[:12])
         raise NotebookError(
@@ -207,7 +214,42 @@ def run_notebook(
                 f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing\n"
                 f"  executed copy kept at {output}"
             )
-    return RunResult(path, output, time.perf_counter() - start, params)
+    return RunResult(path, output, time.perf_counter() - start, params, results_dir)
+
+
+def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -> tuple[Path, Path | None]:
+    """(executed copy, folder of data/ and figures/) for a run of the notebook at ``path`` with these
+    parameters, unless the caller chose them. One rule, however the parameters were given (``smoke=True``
+    is ``-p smoke true``): at the defaults, ``runs/<name>.ipynb`` and the committed data/ and figures/
+    (None: the kernel's session decides, as for a run opened in JupyterLab); with only ``smoke`` changed,
+    ``runs/smoke/``; with any other change, ``runs/interactive/<name>/<every changed parameter>/``."""
+    from qlab import session
+
+    changed = session.changed_parameters(parameters, _defaults(path))
+    if changed == {} or (output is not None and not changed.keys() <= {"smoke"}):
+        folder = None
+    elif changed == {"smoke": True}:
+        folder = paths.RUNS_DIR / "smoke"
+    else:
+        folder = session.interactive_dir(path.stem, changed)
+    if output is None:
+        output = (folder or paths.RUNS_DIR) / f"{path.stem}.ipynb"
+    elif folder is not None and changed == {"smoke": True}:
+        folder = Path(output).parent  # a chosen copy keeps a smoke run's results beside it
+    return Path(output), results_dir if results_dir is not None else folder
+
+
+def _defaults(path: Path) -> dict:
+    """The parameters cell's defaults as values (a default that is no literal stays its source text)."""
+    import ast
+
+    defaults = {}
+    for name, info in notebook_parameters(path).items():
+        try:
+            defaults[name] = ast.literal_eval(info["default"])
+        except (ValueError, SyntaxError):
+            defaults[name] = info["default"]
+    return defaults
 
 
 def _expects_error(cell) -> bool:

@@ -42,10 +42,35 @@ def tiny(tmp_path, monkeypatch):
 
 def test_run_passes_parameters_and_keeps_results_out_of_the_repo(tiny, tmp_path, capsys):
     assert cli.main(["run", str(tiny), "-p", "a", "7", "-p", "label", "hello", "--smoke"]) == 0
-    metrics = json.loads((tmp_path / "runs" / "smoke" / "data" / "tiny.json").read_text())
+    folder = tmp_path / "runs" / "interactive" / "99_tiny" / "a=7__label=hello__smoke=True"
+    metrics = json.loads((folder / "data" / "tiny.json").read_text())
     assert metrics == {"a": 7, "square": 49, "label": "hello", "smoke": True}
-    assert (tmp_path / "runs" / "smoke" / "99_tiny.ipynb").exists()
-    assert "ok in" in capsys.readouterr().out
+    assert (folder / "99_tiny.ipynb").exists()
+    out = capsys.readouterr().out
+    assert (
+        "ok in" in out
+        and f"executed copy {folder / '99_tiny.ipynb'}; CSVs and figures in {folder}/data" in out
+    )
+
+
+def test_smoke_and_other_parameters_go_to_one_folder_however_they_are_given(tiny, tmp_path):
+    from qlab import notebooks
+
+    runs = tmp_path / "runs"
+    by_flag = notebooks.output_folder(tiny, {"a": 2, "smoke": True})
+    assert notebooks.output_folder(tiny, {"a": 2, "smoke": True}) == by_flag
+    assert by_flag == (
+        runs / "interactive/99_tiny/a=2__smoke=True/99_tiny.ipynb",
+        runs / "interactive/99_tiny/a=2__smoke=True",
+    )
+    smoke = (runs / "smoke" / "99_tiny.ipynb", runs / "smoke")
+    assert notebooks.output_folder(tiny, {"smoke": True}) == smoke
+    assert notebooks.output_folder(tiny, {"smoke": True, "a": 1}) == smoke  # a = its default
+    assert notebooks.output_folder(tiny, {}) == (runs / "99_tiny.ipynb", None)  # the kernel's session decides
+    assert cli.main(["run", str(tiny), "-p", "smoke", "true"]) == 0
+    assert cli.main(["run", str(tiny), "--smoke"]) == 0
+    assert sorted(p.relative_to(runs).as_posix() for p in runs.rglob("*") if p.is_file()) == [
+        "smoke/99_tiny.ipynb", "smoke/data/tiny.csv", "smoke/data/tiny.json"]  # fmt: skip
 
 
 def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_path, capsys):
@@ -270,3 +295,19 @@ def test_a_misspelt_notebook_or_parameter_gets_a_did_you_mean(capsys):
     assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
     assert cli.main(["run", "02", "-p", "smok", "true"]) == 2
     assert "did you mean smoke for smok?" in capsys.readouterr().err
+
+
+def test_a_cell_past_its_timeout_is_a_notebook_error_which_qlab_figures_collects_and_goes_on(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    import papermill
+    from nbclient.exceptions import CellTimeoutError
+
+    from qlab import notebooks
+
+    def too_slow(*args, **kwargs):
+        raise CellTimeoutError("A cell timed out while it was being executed, after 5 seconds.")
+
+    monkeypatch.setattr(papermill, "execute_notebook", too_slow)
+    with pytest.raises(notebooks.NotebookError, match="stopped: CellTimeoutError: A cell timed out"):
+        notebooks.run_notebook(tiny, smoke=True)

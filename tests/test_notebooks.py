@@ -268,8 +268,9 @@ def test_the_number_check_catches_a_typed_result():
 def test_a_headless_run_with_other_parameters_leaves_the_choice_of_results_to_the_session(
     monkeypatch, tmp_path
 ):
-    """`qlab run NN -p name value` passes no results directory to the kernel, so session.start sends a
-    run with other values than the defaults to runs/interactive/ instead of over the committed data/;
+    """`qlab run NN -p name value --output X` passes no results directory to the kernel, so session.start
+    sends a run with other values than the defaults to runs/interactive/ instead of over the committed data/;
+    smoke, however it is asked for, keeps its results beside a chosen copy or in runs/smoke/;
     smoke runs (and sweep points) still get theirs."""
     import papermill
 
@@ -282,6 +283,8 @@ def test_a_headless_run_with_other_parameters_leaves_the_choice_of_results_to_th
 
     monkeypatch.setattr(papermill, "execute_notebook", execute)
     monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
-    notebooks.run_notebook("04", {"smoke": True}, output=tmp_path / "other.ipynb")
+    notebooks.run_notebook("04", {"seed": 3}, output=tmp_path / "other.ipynb")
+    notebooks.run_notebook("04", {"smoke": True}, output=tmp_path / "flag.ipynb")
     notebooks.run_notebook("04", smoke=True, output=tmp_path / "smoke.ipynb")
-    assert seen == [None, str(paths.RUNS_DIR / "smoke")]
+    notebooks.run_notebook("04", smoke=True)
+    assert seen == [None, str(tmp_path), str(tmp_path), str(paths.RUNS_DIR / "smoke")]

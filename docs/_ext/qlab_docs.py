@@ -1,8 +1,8 @@
 """Pages written at build time, before Sphinx reads the sources, into ``docs/_generated/`` (ignored by git).
 
 - ``findings/<notebook>.ipynb``: one page per notebook — the executed copy ``runs/<name>.ipynb`` when
-  it exists (``qlab figures`` / ``qlab run``), else the smoke-executed ``runs/smoke/<name>.ipynb`` (the
-  test suite's smoke runs), else the committed notebook without outputs; a first section holds the
+  it exists (``qlab figures`` / ``qlab run`` at the default parameters), else the committed notebook
+  without outputs; a first section holds the
   notebook's committed claims (``data/<name>_claims.csv`` through ``qlab.claims``, and the paper
   profile's ``data/paper/`` file beside it where one exists) and its committed figures (``figures/``).
 - ``api/<module>.rst``: ``automodule`` of every module of the package.
@@ -61,10 +61,10 @@ def _read_notebook(path: Path):
 
 
 def notebook_source(name: str):
-    """(notebook, which copy) for ``name``: executed, smoke-executed, committed .ipynb, committed .py."""
+    """(notebook, which copy) for ``name``: executed at its default parameters (``runs/<name>.ipynb``,
+    the only executed copy taken), else the committed .ipynb or .py."""
     candidates = [
         (ROOT / "runs" / f"{name}.ipynb", "executed with its default parameters (`runs/`)"),
-        (ROOT / "runs" / "smoke" / f"{name}.ipynb", "executed in smoke mode (`runs/smoke/`): tiny sizes"),
         (ROOT / "notebooks" / f"{name}.ipynb", "the committed notebook, not executed"),
         (ROOT / "notebooks" / f"{name}.py", "the committed notebook, not executed"),
     ]
