@@ -197,7 +197,8 @@ NOTEBOOK_SECONDS = "benchmarks/results/notebook_seconds.csv"
 
 def _record_seconds(notebook: str, profile: str, seconds: float) -> None:
     """Append a default-parameter run's wall time, with its machine, date, torch and commit, to
-    benchmarks/results/notebook_seconds.csv (where the docs read each notebook's run time)."""
+    benchmarks/results/notebook_seconds.csv (where the docs read each notebook's run time) — unless
+    $QLAB_RUN_CACHE=1 let training runs come from the cache, when the wall time is no run time."""
     import csv
     import datetime
     import subprocess
@@ -205,6 +206,11 @@ def _record_seconds(notebook: str, profile: str, seconds: float) -> None:
     import torch
 
     from qlab.host import machine
+    from qlab.runs import CACHE_ENV
+
+    if os.environ.get(CACHE_ENV, "0") == "1":
+        print(f"qlab: {CACHE_ENV}=1 (runs may come from the cache): this wall time is not recorded")
+        return
 
     path = paths.ROOT / NOTEBOOK_SECONDS
     path.parent.mkdir(parents=True, exist_ok=True)

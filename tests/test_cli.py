@@ -311,3 +311,16 @@ def test_a_cell_past_its_timeout_is_a_notebook_error_which_qlab_figures_collects
     monkeypatch.setattr(papermill, "execute_notebook", too_slow)
     with pytest.raises(notebooks.NotebookError, match="stopped: CellTimeoutError: A cell timed out"):
         notebooks.run_notebook(tiny, smoke=True)
+
+
+def test_a_wall_time_is_recorded_only_when_no_run_came_from_the_cache(tmp_path, monkeypatch, capsys):
+    from qlab.runs import CACHE_ENV
+
+    monkeypatch.setattr(paths, "ROOT", tmp_path)
+    monkeypatch.setenv(CACHE_ENV, "1")
+    cli._record_seconds("03_backward_override_training_curves", "cpu", 12.5)
+    assert not (tmp_path / cli.NOTEBOOK_SECONDS).exists()
+    assert "not recorded" in capsys.readouterr().out
+    monkeypatch.setenv(CACHE_ENV, "0")
+    cli._record_seconds("03_backward_override_training_curves", "cpu", 12.5)
+    assert ",cpu,12.5," in (tmp_path / cli.NOTEBOOK_SECONDS).read_text()
