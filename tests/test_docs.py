@@ -70,6 +70,11 @@ NARRATION = [
     ),
     ("issue or pull-request number", re.compile(r"\b(?:issues?|PRs?|pull requests?) #?\d+\b", re.I)),
     ("reviewers", re.compile(r"\breviewers?\b|\breviewed by\b", re.I)),
+    (
+        "a run to come or one gone",
+        re.compile(r"\bnext (?:GPU |CPU )?run\b|\bnot been (?:run|measured|timed) yet\b|\bold kernel\b",
+                   re.I),  # fmt: skip
+    ),
 ]
 SELF = Path(__file__).resolve()
 
@@ -110,6 +115,9 @@ def narration(text: str) -> list[tuple[int, str, str]]:
         "(iss" + "ue #12)",
         "the review" + "ers found the names unclear",
         "Probe overhead, pass by pass",
+        "the next GPU r" + "un of this table measures both",
+        "the paper profile has not been r" + "un yet",
+        "(it fails on the old ker" + "nel)",
     ],
 )
 def test_the_narration_patterns_catch_process_phrases(text):
