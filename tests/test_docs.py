@@ -72,8 +72,9 @@ NARRATION = [
     ("reviewers", re.compile(r"\breviewers?\b|\breviewed by\b", re.I)),
     (
         "a run to come or one gone",
-        re.compile(r"\bnext (?:GPU |CPU )?run\b|\bnot been (?:run|measured|timed) yet\b|\bold kernel\b",
-                   re.I),  # fmt: skip
+        re.compile(
+            r"\bnext (?:GPU |CPU )?run\b|\bnot been (?:run|measured|timed) yet\b|\bold kernel\b", re.I
+        ),  # fmt: skip
     ),
 ]
 SELF = Path(__file__).resolve()
@@ -321,6 +322,29 @@ def test_the_site_walks_in_chromium_every_image_loads_and_no_internal_link_is_br
     assert not broken, f"broken internal links: {broken[:20]}"
     shown = sum(1 for url, _, _ in results if "_generated/findings/" in url)
     assert shown == len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.py")))
+
+
+@pytest.mark.docs
+@pytest.mark.browser
+@pytest.mark.xdist_group("docs")
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
+def test_from_home_the_gpu_table_s_time_column_is_in_view_without_scrolling(site):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto((site / "index.html").resolve().as_uri(), wait_until="load")
+        page.locator(".bd-sidebar a, nav a").filter(has_text=re.compile(r"^\s*Benchmarks\s*$")).first.click()
+        page.wait_for_load_state("load")
+        assert page.url.endswith("benchmarks.html"), page.url
+        table = page.locator("#on-the-gpu-at-a-glance table").first
+        header = table.locator("th").filter(has_text=re.compile(r"^\s*ms\s*$")).first
+        box = header.bounding_box()
+        scrolled = table.evaluate("t => (t.closest('.pst-scrollable-table-container') || t).scrollLeft")
+        browser.close()
+    assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, box
+    assert scrolled == 0
 
 
 # --- benchmarks as data ---------------------------------------------------------------------------

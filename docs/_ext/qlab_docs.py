@@ -282,10 +282,43 @@ def benchmark_results() -> None:
     for path in paths:
         _write(OUT / "results" / f"{path.stem}.md", results_table(path))
         lines += [f"## `{path.name}`", "", f"```{{include}} results/{path.stem}.md", "```", ""]
+    gpu = ROOT / "benchmarks" / "results" / "bench_kernels_gpu.csv"
+    if gpu.exists():
+        _write(OUT / "results" / "gpu_at_a_glance.md", gpu_at_a_glance(gpu))
     stale = set((OUT / "results").glob("*.md")) - {OUT / "results" / f"{p.stem}.md" for p in paths}
+    stale -= {OUT / "results" / "gpu_at_a_glance.md"}
     for path in stale:
         path.unlink()
     _write(OUT / "benchmark_results.md", "\n".join(lines))
+
+
+GPU_AT_A_GLANCE = ("part", "kernel", "shape", "ms", "gbps", "percent_of_clone", "speedup", "date", "commit")
+
+
+def gpu_at_a_glance(path: Path) -> str:
+    """One small table per GPU of ``bench_kernels_gpu.csv``: the latest row of each (part, kernel, shape)
+    — a later run of a row replaces it — and of a kernel tried at several launch settings ("…, rows per
+    tile 4, 8 warps") only the fastest, with the columns a reader needs first (time, GB/s, % of a
+    same-run copy, speedup over the row's baseline, date, commit)."""
+    import pandas as pd
+
+    from qlab.results import markdown_table
+
+    frame = results_frame(path)
+    latest = frame.drop_duplicates(["device", "part", "kernel", "shape"], keep="last").copy()
+    latest["family"] = latest.kernel.str.split(", rows per tile").str[0]
+    latest["order"] = range(len(latest))
+    latest["seconds"] = pd.to_numeric(latest.ms, errors="coerce")
+    fastest = latest.sort_values("seconds").drop_duplicates(["device", "part", "family", "shape"])
+    fastest = fastest.sort_values("order")
+    names = {"gbps": "GB/s", "percent_of_clone": "% of copy", "speedup": "× baseline"}
+    lines = []
+    for device, rows in fastest.groupby("device", sort=False):
+        columns = [c for c in GPU_AT_A_GLANCE if c in rows and (rows[c].str.strip() != "").any()]
+        table = markdown_table(rows[columns].rename(columns=names))
+        lines += [f"**{device}** (`benchmarks/results/{path.name}`, the latest run of each row)", "",
+                  table.replace("{", "&#123;").replace("}", "&#125;"), ""]  # fmt: skip
+    return "\n".join(lines) or f"`benchmarks/results/{path.name}` holds no GPU rows.\n"
 
 
 # --- docstrings -----------------------------------------------------------------------------------
