@@ -9,6 +9,11 @@ Sensitivity is measured, not guessed: each convertible layer alone is quantized 
 unquantized model's on the same batches. ``advise`` then keeps the most sensitive layers while their
 share of the budget — a fraction of the layers, or of the GEMM FLOPs (in × out per token) — lasts.
 The model is left exactly as it came (every swapped layer is put back, Parameters untouched).
+
+A format per layer rather than keep-or-not: ``measured_scores`` (the loss change of each layer alone in
+each format, per batch, with its interval) and ``approximated_scores`` (the Fisher-weighted second-order
+estimate from one forward and backward pass per batch) give the table ``qlab.plan.make_plan`` solves
+under a bit budget; ``qlab advise --formats nvfp4,mxfp8,bf16`` runs both steps.
 """
 
 from __future__ import annotations

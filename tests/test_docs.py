@@ -438,3 +438,17 @@ def test_every_glossary_term_is_linked_from_a_page_that_uses_it():
     unlinked = [label for label in labels if not any(f"<{label}>`" in text for text in pages.values())]
     assert unlinked == [], f"glossary terms no page links to: {unlinked}"
     assert "glossary" in (ROOT / "docs" / "index.md").read_text()
+
+
+def test_a_docstring_s_usage_example_becomes_a_literal_block_and_prose_stays_prose():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qlab_docs", ROOT / "docs" / "_ext" / "qlab_docs.py")
+    qlab_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qlab_docs)
+    lines = ["What it does.", "", "    y = f(x)            # a call", "    z = g(y)", "", "Then prose."]
+    assert qlab_docs.literal_examples(lines) == ["What it does.", "", "::", "", *lines[2:]]
+    quoted = ["A list:", "", "    the first meaning, in words", "", "More."]
+    assert qlab_docs.literal_examples(quoted) == quoted
+    already = ["Example::", "", "    y = f(x)"]
+    assert qlab_docs.literal_examples(already) == already

@@ -346,7 +346,34 @@ def _valid_rst(text: str) -> bool:
     return True
 
 
+_CODE = re.compile(r"\w\(|\s=\s|^>>> ")
+
+
+def literal_examples(lines: list[str]) -> list[str]:
+    """``lines`` with every indented block of code that follows a blank line (a usage example, as
+    module docstrings open with) made a literal block: an "::" paragraph before it, unless the
+    paragraph before already ends in "::". Indented prose (no call, no assignment) is left alone."""
+    out, index = [], 0
+    while index < len(lines):
+        line = lines[index]
+        starts_block = line.startswith("    ") and (index == 0 or not lines[index - 1].strip())
+        before = next((previous for previous in reversed(out) if previous.strip()), "")
+        if starts_block and not before.startswith(" ") and not before.rstrip().endswith("::"):
+            end = index
+            while end < len(lines) and (lines[end].startswith("    ") or not lines[end].strip()):
+                end += 1
+            block = lines[index:end]
+            if any(_CODE.search(item.strip()) for item in block):
+                out += ["::", ""] + block
+                index = end
+                continue
+        out.append(line)
+        index += 1
+    return out
+
+
 def process_docstring(app, what, name, obj, options, lines) -> None:
+    lines[:] = literal_examples(lines)
     text = "\n".join(lines)
     if not text.strip() or _valid_rst(text) and "\n|" not in "\n" + text:
         return
