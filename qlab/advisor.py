@@ -35,6 +35,7 @@ from qlab.nn import QuantLinear, is_conv1d, linear_layers, oriented_weight, set_
 from qlab.recipe import get_recipe
 
 BUDGET_UNITS = ("layers", "flops")
+STABILITY_DRAWS = 100  # bootstrap draws behind qlab advise's undecided layers
 
 
 def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -256,7 +257,8 @@ def _rows_to_score(model, batches, formats, loss_fn, layers, progress) -> pd.Dat
 
 def _with_scores(table: pd.DataFrame, values: dict, baseline: list[float], kind: str) -> pd.DataFrame:
     """``table`` with score (mean of a (layer, format)'s per-batch values; 0 in high precision), low and
-    high (its 95 % interval; NaN from one batch), n, baseline_loss and kind."""
+    high (its 95 % interval; NaN from one batch), n, baseline_loss, kind, and the per-batch values in
+    ``plan.BATCH_COLUMN``-named columns (batch_0, batch_1, …: what ``plan.stability`` resamples)."""
     rows = []
     for layer, name in table[["layer", "format"]].itertuples(index=False):
         per_batch = [0.0] * len(baseline) if name == plan.HIGH_PRECISION else values[layer, name]
@@ -264,7 +266,8 @@ def _with_scores(table: pd.DataFrame, values: dict, baseline: list[float], kind:
             mean, low, high = stats.mean_interval(per_batch)
         else:
             mean, low, high = per_batch[0], math.nan, math.nan
-        rows.append(dict(score=mean, low=low, high=high))
+        batches = {plan.BATCH_COLUMN.format(index): value for index, value in enumerate(per_batch)}
+        rows.append(dict(score=mean, low=low, high=high, **batches))
     scored = pd.concat([table, pd.DataFrame(rows)], axis=1)
     return scored.assign(n=len(baseline), baseline_loss=sum(baseline) / len(baseline), kind=kind)
 
@@ -461,6 +464,15 @@ def main(args) -> int:
     print(f"{args.model}: {args.score} scores over {len(batches)} batches; {chosen.reached_bits:.4f} bits "
           f"per weight element (budget {args.effective_bits:g})")  # fmt: skip
     print("layers per format: " + ", ".join(f"{name} {count}" for name, count in counts.items()))
+    if len(batches) > 1:
+        steady = plan.stability(
+            table, effective_bits=args.effective_bits, draws=STABILITY_DRAWS, seed=args.seed
+        )
+        undecided = steady[steady.undecided]
+        print(f"{len(undecided)} of {len(steady)} layers' formats the data cannot decide (batches resampled "
+              f"{STABILITY_DRAWS} times; a format chosen in under {plan.UNDECIDED_BELOW:.0%} of them)"
+              + "".join(f"\n  {r.layer}: {r.format} in {r.agreement:.0%}, {r.other} in {r.other_share:.0%}"
+                        for r in undecided.itertuples()))  # fmt: skip
     print(table[table.chosen].sort_values("score", ascending=False).head(args.top)[
         ["layer", "format", "score", "low", "high", "bits"]].to_string(index=False))  # fmt: skip
     target = (

@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,9 @@ HIGH_PRECISION_BITS = 16
 SCORE_KINDS = ("measured", "approximated")
 PLAN_VERSION = 1  # the plan file's layout
 MAX_LAYERS = 100_000  # layers one plan may hold
+BATCH_COLUMN = "batch_{}"  # a score table's per-batch values, one column per calibration batch
+MAX_DRAWS = 100_000  # bootstrap draws of one stability call
+UNDECIDED_BELOW = 0.9  # a layer's format is undecided when fewer draws than this share choose it
 
 
 def plan_formats(formats, argument: str = "formats") -> list[str]:
@@ -190,6 +194,42 @@ def solve(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:
             return dict(zip(table.layer[chosen], table.format[chosen]))
         slack += spent - capacity  # over by the solver's tolerance: ask for that much less
     raise RuntimeError("HiGHS kept returning plans over the bit budget")
+
+
+def stability(table: pd.DataFrame, *, effective_bits: float, draws: int = 200, seed: int = 0) -> pd.DataFrame:
+    """How firmly the data decide each layer's format: the calibration batches resampled with
+    replacement ``draws`` times (a seeded bootstrap; every (layer, format) row's per-batch values,
+    columns batch_0 …, resampled together), each draw's scores solved again. One row per layer:
+    layer, format (chosen on all the batches), agreement (the share of draws choosing that format),
+    the most frequent other format and its share, and undecided (agreement below ``UNDECIDED_BELOW``)."""
+    table = _check_scores(table).reset_index(drop=True)
+    checks.integer("draws", draws, low=1, high=MAX_DRAWS)
+    checks.seed("seed", seed)
+    columns = sorted((c for c in table.columns if re.fullmatch(BATCH_COLUMN.format(r"\d+"), str(c))),
+                     key=lambda c: int(str(c).rsplit("_", 1)[1]))  # fmt: skip
+    if len(columns) < 2:
+        raise ValueError(f"table must hold the per-batch scores of at least 2 batches (columns batch_0, "
+                         f"batch_1, …), got {len(columns)}")  # fmt: skip
+    values = table[columns].to_numpy(dtype=float)
+    if not np.isfinite(values).all():
+        raise ValueError("table's per-batch scores must be finite")
+    chosen = solve(table, effective_bits=effective_bits)
+    generator = np.random.default_rng(seed)
+    counts = {layer: {} for layer in chosen}
+    for _ in range(draws):
+        picked = generator.integers(len(columns), size=len(columns))
+        assignment = solve(table.assign(score=values[:, picked].mean(axis=1)), effective_bits=effective_bits)
+        for layer, format_name in assignment.items():
+            counts[layer][format_name] = counts[layer].get(format_name, 0) + 1
+    rows = []
+    for layer, format_name in chosen.items():
+        others = {name: count for name, count in counts[layer].items() if name != format_name}
+        runner_up = max(others, key=others.get) if others else ""
+        agreement = counts[layer].get(format_name, 0) / draws
+        share = others.get(runner_up, 0) / draws
+        rows.append(dict(layer=layer, format=format_name, agreement=agreement, other=runner_up,
+                         other_share=share, undecided=agreement < UNDECIDED_BELOW))  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def effective_bits_of(table: pd.DataFrame, assignment: dict[str, str]) -> float:

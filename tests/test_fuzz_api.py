@@ -293,7 +293,8 @@ def sensitivity_table() -> pd.DataFrame:
 
 def plan_table() -> pd.DataFrame:
     """tiny()'s layers in two formats with scores: what qlab.plan's solver takes."""
-    return advisor.layer_table(tiny(), ["mxfp8", "bf16"]).assign(score=[0.3, 0.0, 0.2, 0.0])
+    table = advisor.layer_table(tiny(), ["mxfp8", "bf16"]).assign(batch_0=[0.4, 0.0, 0.1, 0.0])
+    return table.assign(batch_1=[0.2, 0.0, 0.3, 0.0], score=[0.3, 0.0, 0.2, 0.0])
 
 
 def with_underscored(fn):
@@ -901,6 +902,10 @@ ENTRY_POINTS = {
     "plan.cheapest_bits": (qlab_plan.cheapest_bits, lambda: dict(table=plan_table())),
     "plan.check_budget": (qlab_plan.check_budget, lambda: dict(table=plan_table(), effective_bits=12.0)),
     "plan.solve": (qlab_plan.solve, lambda: dict(table=plan_table(), effective_bits=12.0)),
+    "plan.stability": (
+        qlab_plan.stability,
+        lambda: dict(table=plan_table(), effective_bits=12.0, draws=5, seed=0),
+    ),
     "plan.effective_bits_of": (
         qlab_plan.effective_bits_of,
         lambda: dict(table=plan_table(), assignment={"encoder": "mxfp8", "head": "bf16"}),
@@ -1304,7 +1309,7 @@ NOT_GENERATED = {
     "(tests/test_cli.py)": """
         cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main""",
     "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
-        notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep""",
+        notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder""",
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
         seed_model.ddp_audit train.loop.compiled_step_model""",

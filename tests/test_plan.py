@@ -6,6 +6,7 @@ import math
 import random
 from fractions import Fraction
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -245,3 +246,48 @@ def test_approximated_scores_are_half_the_fisher_weighted_squared_output_change(
     assert row.kind == "approximated" and table.iloc[1].score == 0.0
     assert all(p.grad is None for p in model.parameters())
     assert all(p.requires_grad for p in model.parameters())  # restored
+
+
+def test_stability_resamples_batches_and_names_the_layers_the_data_cannot_decide():
+    # three layers, two formats, 4 batches, bits for two layers in f8: c's f4 cost is large in every
+    # batch (always f8); a's is steady and b's swings about the same mean, so which of them gets the
+    # second f8 depends on the batches drawn
+    costs = {
+        "a": [0.31, 0.33, 0.29, 0.305],
+        "b": [0.93, -0.27, 0.61, 0.02],
+        "c": [5.0, 5.1, 4.9, 5.0],
+    }  # no ties
+    rows = []
+    for layer, values in costs.items():
+        rows.append(
+            dict(
+                layer=layer,
+                format="f4",
+                elements=100,
+                bits=400,
+                **{f"batch_{i}": v for i, v in enumerate(values)},
+            )
+        )
+        rows.append(
+            dict(layer=layer, format="f8", elements=100, bits=800, **{f"batch_{i}": 0.0 for i in range(4)})
+        )
+    table = pd.DataFrame(rows)
+    table["score"] = table[[f"batch_{i}" for i in range(4)]].mean(axis=1)
+    found = plan.stability(table, effective_bits=2000 / 300, draws=300, seed=0).set_index("layer")
+    assert (
+        found.loc["c", "format"] == "f8"
+        and found.loc["c", "agreement"] == 1.0
+        and not found.loc["c", "undecided"]
+    )
+    assert 0.2 < found.loc["b", "agreement"] < 0.9 and found.loc["b", "undecided"] and found.loc["b", "other"]
+    # the same draws by hand: b takes the second f8 exactly when its resampled mean beats a's
+    generator = np.random.default_rng(0)
+    a, b = np.array(costs["a"]), np.array(costs["b"])
+    b_in_f8 = 0
+    for _ in range(300):
+        picked = generator.integers(4, size=4)
+        b_in_f8 += bool(b[picked].mean() > a[picked].mean())
+    share = b_in_f8 / 300 if found.loc["b", "format"] == "f8" else 1 - b_in_f8 / 300
+    assert found.loc["b", "agreement"] == pytest.approx(share, abs=1e-12)
+    with pytest.raises(ValueError, match="at least 2 batches"):
+        plan.stability(table.drop(columns=["batch_1", "batch_2", "batch_3"]), effective_bits=6.0)
