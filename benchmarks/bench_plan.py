@@ -4,11 +4,12 @@ the layers, and what the plan does on text it was not chosen on (qlab.advisor, q
 For each model: measured and approximated scores of every Linear-like layer in each format, over the
 same calibration batches (windows of Shakespeare's training plays), each timed in this run; Spearman's
 ρ between the two over the quantized (layer, format) rows, with a percentile bootstrap interval over
-layers; plans at each effective-bits budget from either score; and each plan's held-out check — the
-loss on windows of the held-out plays minus the float model's, and minus the loss with every layer in
-the cheapest format, paired by batch (mean and 95 % interval, ``qlab.stats``). An encoder gets measured
-scores only: its hidden-state error against the float model, and that error's gradient, are zero at the
-float model, so the second-order estimate is zero for every layer.
+layers; plans at each effective-bits budget from either score, with the layers the bootstrap over
+batches leaves undecided; and each plan's held-out check on windows of the held-out plays
+(``advisor.held_out_check``: the plan's loss minus the float model's, every layer in the cheapest
+format's, and the first-and-last-layers rule's at the same budget, paired by batch, Holm over the
+three). An encoder gets measured scores only: its hidden-state error against the float model, and that
+error's gradient, are zero at the float model, so the second-order estimate is zero for every layer.
 
 Appends to ``benchmarks/results/bench_plan.csv`` (one row per model × score × budget), with the machine.
 
@@ -19,7 +20,6 @@ Appends to ``benchmarks/results/bench_plan.csv`` (one row per model × score × 
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import numpy as np
@@ -27,8 +27,7 @@ import torch
 from scipy import stats as scipy_stats
 from timing import add_results_argument, record
 
-from qlab import advisor, models, plan, stats
-from qlab.nn import quantize_model
+from qlab import advisor, models, plan
 
 FORMATS = ["nvfp4", "mxfp8", "bf16"]
 BOOTSTRAP_DRAWS = 2000
@@ -49,17 +48,6 @@ def spearman_with_interval(measured, approximated, seed: int = 0) -> tuple[float
         draws.append(scipy_stats.spearmanr(a.score.to_numpy()[picked], b.score.to_numpy()[picked]).statistic)
     low, high = np.nanpercentile(draws, [2.5, 97.5])
     return rho, float(low), float(high)
-
-
-@torch.no_grad()
-def batch_losses(model, batches, loss_fn) -> list[float]:
-    return [float(loss_fn(model, batch)) for batch in batches]
-
-
-def held_out_losses(model, chosen, batches, loss_fn) -> list[float]:
-    quantized = copy.deepcopy(model)
-    quantize_model(quantized, chosen)
-    return batch_losses(quantized, batches, loss_fn)
 
 
 def main() -> None:
@@ -96,15 +84,16 @@ def main() -> None:
         if "approximated" in tables:
             rho, rho_low, rho_high = spearman_with_interval(tables["measured"], tables["approximated"])
         approximated_seconds = seconds.get("approximated", np.nan)
-        float_losses = batch_losses(model, held_out, held_out_loss)
-        cheapest = plan.Plan(layers={layer: FORMATS[0] for layer in dict.fromkeys(tables["measured"].layer)})
-        cheapest_losses = held_out_losses(model, cheapest, held_out, held_out_loss)
         for kind_name, table in tables.items():
             for budget in (float(b) for b in args.budgets.split(",")):
                 chosen = plan.make_plan(table, effective_bits=budget, model=name)
-                losses = held_out_losses(model, chosen, held_out, held_out_loss)
-                vs_float = stats.mean_interval([a - b for a, b in zip(losses, float_losses)])
-                vs_cheapest = stats.mean_interval([a - b for a, b in zip(losses, cheapest_losses)])
+                check = advisor.held_out_check(model, chosen, table, held_out, loss_fn=held_out_loss)
+                undecided = int(plan.stability(table, effective_bits=budget, draws=100).undecided.sum())
+                held = {}
+                for row, short in zip(check.itertuples(), ("float", "cheapest", "ends_first")):
+                    name_ = f"held_out_vs_{short}"
+                    held |= {name_: row.mean, f"{name_}_low": row.low, f"{name_}_high": row.high,
+                             f"{name_}_p_holm": row.p_holm}  # fmt: skip
                 counts = {f: sum(v == f for v in chosen.layers.values()) for f in FORMATS}
                 rows.append(dict(
                     model=name, score=kind_name, effective_bits=budget,
@@ -114,9 +103,7 @@ def main() -> None:
                     seconds=round(seconds[kind_name], 2),
                     measured_over_approximated=round(seconds["measured"] / approximated_seconds, 1),
                     spearman=round(rho, 3), spearman_low=round(rho_low, 3), spearman_high=round(rho_high, 3),
-                    held_out_vs_float=vs_float[0], held_out_vs_float_low=vs_float[1],
-                    held_out_vs_float_high=vs_float[2], held_out_vs_cheapest=vs_cheapest[0],
-                    held_out_vs_cheapest_low=vs_cheapest[1], held_out_vs_cheapest_high=vs_cheapest[2],
+                    undecided_layers=undecided, **held,
                 ))  # fmt: skip
                 print(rows[-1])
     path = record("bench_plan", rows, args.results)

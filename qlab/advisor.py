@@ -391,6 +391,56 @@ def approximated_scores(
     return _with_scores(table, per_batch, baseline, "approximated")
 
 
+def held_out_check(model: nn.Module, chosen, table: pd.DataFrame, batches: Sequence, *,
+                   loss_fn: Callable = causal_lm_loss) -> pd.DataFrame:  # fmt: skip
+    """The plan checked on batches it was not chosen on: the loss of the model quantized by ``chosen`` (a
+    ``qlab.plan.Plan``) minus (a) the float model's, (b) every layer in its fewest-bits format's and (c)
+    the usual rule's at the same budget (``plan.ends_first``: first and last layers raised first), paired
+    by batch. One row per comparison: comparison, mean, low, high (95 %), p and p_holm (Holm over the
+    three), n. ``table`` is the score table the plan was chosen from; the model comes back as it was."""
+    import copy
+
+    from qlab.nn import quantize_model
+
+    check_measurement(model, batches, loss_fn, False)
+    if not isinstance(chosen, plan.Plan):
+        raise TypeError(f"chosen must be a qlab.plan.Plan, got {checks.shown(chosen)}")
+    if not math.isfinite(chosen.effective_bits):
+        raise ValueError("chosen must carry the budget it was made for (plan.make_plan sets effective_bits)")
+    plan.check_budget(table, chosen.effective_bits)  # the table's layout, and a budget it can meet
+    layers = list(dict.fromkeys(table.layer))
+    lowest = {layer: table[table.layer == layer].sort_values("bits").format.iloc[0] for layer in layers}
+    others = {
+        "float model": None,
+        "fewest bits everywhere": plan.Plan(layers=lowest),
+        "first and last layers raised": plan.Plan(
+            layers=plan.ends_first(table, effective_bits=chosen.effective_bits)
+        ),
+    }
+
+    def losses(assignment):
+        if assignment is None:
+            return _batch_losses(model, batches, loss_fn)
+        quantized = copy.deepcopy(model)
+        quantize_model(quantized, assignment)
+        return _batch_losses(quantized, batches, loss_fn)
+
+    was_training = model.training
+    model.eval()
+    try:
+        planned = losses(chosen)
+        rows = []
+        for name, other in others.items():
+            differences = [a - b for a, b in zip(planned, losses(other))]
+            test = stats.paired_test(differences)
+            kept = {key: test[key] for key in ("mean", "low", "high", "p", "n")}
+            rows.append(dict(comparison=f"plan − {name}", **kept))
+    finally:
+        model.train(was_training)
+    frame = pd.DataFrame(rows)
+    return frame.assign(p_holm=stats.holm(frame.p.tolist()))
+
+
 def config_hash(model: nn.Module) -> str:
     """sha256 of the model's Hugging Face config (its JSON, sorted keys), else of its layer shapes."""
     checks.module("model", model)
@@ -423,12 +473,19 @@ def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
     return loss
 
 
-def _batches(args, tokenizer) -> list:
+def _batches(args, tokenizer) -> tuple[list, list]:
+    """(calibration, held-out) batches: windows of --text (disjoint, drawn by --seed), else of
+    Shakespeare — the held-out plays calibrate keep mode (as always); a plan calibrates on the training
+    plays and is checked on the held-out ones."""
+    held_out = getattr(args, "held_out", 0) if args.formats else 0
+    size = dict(batch_size=args.batch_size, tokens=args.tokens, seed=args.seed)
     if args.text:
-        return models.text_batches(tokenizer, args.text, batch_size=args.batch_size, tokens=args.tokens,
-                                   count=args.batches, seed=args.seed)[0]  # fmt: skip
-    return models.shakespeare_batches(tokenizer, batch_size=args.batch_size, tokens=args.tokens,
-                                      count=args.batches, seed=args.seed)  # fmt: skip
+        return models.text_batches(tokenizer, args.text, count=args.batches, held_out=held_out, **size)
+    if not args.formats:
+        return models.shakespeare_batches(tokenizer, count=args.batches, **size), []
+    calibration = models.shakespeare_batches(tokenizer, count=args.batches, split="train", **size)
+    checked = models.shakespeare_batches(tokenizer, count=held_out, split="val", **size) if held_out else []
+    return calibration, checked
 
 
 def main(args) -> int:
@@ -437,7 +494,7 @@ def main(args) -> int:
     argument is checked before the first loss evaluation."""
     formats = plan.plan_formats(args.formats.split(",")) if args.formats else None
     model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)
-    batches = _batches(args, tokenizer)
+    batches, held_out = _batches(args, tokenizer)
     loss_fn = causal_lm_loss if kind == models.CAUSAL_LM else hidden_state_error(model, batches)
     if formats is None:
         return _keep_mode(args, model, batches, loss_fn)
@@ -475,6 +532,13 @@ def main(args) -> int:
                         for r in undecided.itertuples()))  # fmt: skip
     print(table[table.chosen].sort_values("score", ascending=False).head(args.top)[
         ["layer", "format", "score", "low", "high", "bits"]].to_string(index=False))  # fmt: skip
+    if held_out:
+        held_loss = causal_lm_loss if kind == models.CAUSAL_LM else hidden_state_error(model, held_out)
+        check = held_out_check(model, chosen, table, held_out, loss_fn=held_loss)
+        print(f"on {len(held_out)} held-out batches (paired by batch, 95 % intervals, Holm over the three):")
+        for row in check.itertuples():
+            interval = f"{row.mean:+.4g} [{row.low:+.4g}, {row.high:+.4g}]"
+            print(f"  {row.comparison}: {interval}, Holm p = {row.p_holm:.3g}")
     target = (
         Path(args.plan_out) if args.plan_out else paths.RUNS_DIR / "plans" / f"{plan.slug(args.model)}.json"
     )

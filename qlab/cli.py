@@ -145,6 +145,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--by", choices=("layers", "flops"), default="layers", help="keep mode: the budget's unit"
     )
     advise.add_argument("--batches", type=int, default=2, help="calibration batches")
+    advise.add_argument(
+        "--held-out", type=int, default=0,
+        help="plan mode: batches of other windows (--text) or the held-out plays to check the plan on",
+    )  # fmt: skip
     advise.add_argument("--batch-size", type=int, default=2, help="windows per batch")
     advise.add_argument("--tokens", type=int, default=64, help="tokens per window")
     advise.add_argument("--seed", type=int, default=0, help="which windows are drawn")

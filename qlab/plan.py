@@ -232,6 +232,26 @@ def stability(table: pd.DataFrame, *, effective_bits: float, draws: int = 200, s
     return pd.DataFrame(rows)
 
 
+def ends_first(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:
+    """The usual rule at the same budget, for comparison: every layer in its fewest-bits format, then
+    layers from both ends of the model (first, last, second, second-to-last, … in the table's order)
+    raised to their most-bits format while the budget lasts. Scores are not read."""
+    table = _check_layout(table)
+    check_budget(table, effective_bits)
+    layers = list(dict.fromkeys(table.layer))
+    rows = {layer: table[table.layer == layer] for layer in layers}
+    assignment = {layer: rows[layer].loc[rows[layer].bits.idxmin(), "format"] for layer in layers}
+    spent = sum(int(rows[layer].bits.min()) for layer in layers)
+    capacity = math.floor(effective_bits * int(table.groupby("layer", sort=False).elements.first().sum()))
+    order = [layers[i // 2] if i % 2 == 0 else layers[-1 - i // 2] for i in range(len(layers))]
+    for layer in dict.fromkeys(order):
+        best = rows[layer].loc[rows[layer].bits.idxmax()]
+        extra = int(best.bits) - int(rows[layer].bits.min())
+        if spent + extra <= capacity:
+            assignment[layer], spent = best.format, spent + extra
+    return assignment
+
+
 def effective_bits_of(table: pd.DataFrame, assignment: dict[str, str]) -> float:
     """The mean bits per weight element of ``assignment`` over ``table``'s layers."""
     table = _check_layout(table)

@@ -902,6 +902,7 @@ ENTRY_POINTS = {
     "plan.cheapest_bits": (qlab_plan.cheapest_bits, lambda: dict(table=plan_table())),
     "plan.check_budget": (qlab_plan.check_budget, lambda: dict(table=plan_table(), effective_bits=12.0)),
     "plan.solve": (qlab_plan.solve, lambda: dict(table=plan_table(), effective_bits=12.0)),
+    "plan.ends_first": (qlab_plan.ends_first, lambda: dict(table=plan_table(), effective_bits=12.0)),
     "plan.stability": (
         qlab_plan.stability,
         lambda: dict(table=plan_table(), effective_bits=12.0, draws=5, seed=0),
@@ -930,6 +931,16 @@ ENTRY_POINTS = {
     "advisor.config_hash": (advisor.config_hash, lambda: dict(model=tiny())),
     "plan.token_hash": (qlab_plan.token_hash, lambda: dict(batches=[token_ids(), token_ids(seed=1)])),
     "plan.slug": (qlab_plan.slug, lambda: dict(model="someone/tiny-llama")),
+    "advisor.held_out_check": (
+        with_underscored(advisor.held_out_check),
+        lambda: dict(
+            model=tiny(),
+            chosen=qlab_plan.Plan(layers={"encoder": "mxfp8", "head": "bf16"}, effective_bits=12.0),
+            table=plan_table(),
+            _batches=[x(), x(seed=1)],
+            loss_fn=square_loss,
+        ),
+    ),  # fmt: skip
     **{
         f"advisor.{score.__name__}": (
             with_underscored(score),

@@ -291,3 +291,52 @@ def test_stability_resamples_batches_and_names_the_layers_the_data_cannot_decide
     assert found.loc["b", "agreement"] == pytest.approx(share, abs=1e-12)
     with pytest.raises(ValueError, match="at least 2 batches"):
         plan.stability(table.drop(columns=["batch_1", "batch_2", "batch_3"]), effective_bits=6.0)
+
+
+def test_the_usual_rule_raises_layers_from_both_ends_while_the_budget_lasts():
+    rows = []
+    for layer in ["l0", "l1", "l2", "l3", "l4"]:
+        rows += [
+            dict(layer=layer, format="f4", elements=100, bits=400),
+            dict(layer=layer, format="f16", elements=100, bits=1600),
+        ]
+    table = pd.DataFrame(rows)
+    # 500 elements at 4 bits is 2000; each raised layer adds 1200: a budget of 4500 bits raises two
+    assert plan.ends_first(table, effective_bits=4500 / 500) == {
+        "l0": "f16", "l1": "f4", "l2": "f4", "l3": "f4", "l4": "f16"}  # fmt: skip
+    assert plan.ends_first(table, effective_bits=5800 / 500) == {  # three: l0, l4, then l1
+        "l0": "f16", "l1": "f16", "l2": "f4", "l3": "f4", "l4": "f16"}  # fmt: skip
+    assert set(plan.ends_first(table, effective_bits=4.0).values()) == {"f4"}
+
+
+def test_the_held_out_check_pairs_the_plan_with_the_float_model_the_cheapest_and_the_rule_by_batch():
+    model, batches = _tiny_llama(), _batches(2)
+    held_out = _batches(5)[2:]
+    table = advisor.measured_scores(model, batches, ["nvfp4", "mxfp8", "bf16"])
+    chosen = plan.make_plan(table, effective_bits=7.0)
+    found = advisor.held_out_check(model, chosen, table, held_out).set_index("comparison")
+
+    def losses(assignment):
+        quantized = _tiny_llama()
+        if assignment is not None:
+            quantize_model(quantized, plan.Plan(layers=assignment))
+        with torch.no_grad():
+            return [float(quantized(input_ids=b, labels=b).loss) for b in held_out]
+
+    planned = losses(chosen.layers)
+    lowest = {layer: "nvfp4" for layer in chosen.layers}
+    rule = plan.ends_first(table, effective_bits=7.0)
+    p_values = []
+    for name, other in [
+        ("float model", None),
+        ("fewest bits everywhere", lowest),
+        ("first and last layers raised", rule),
+    ]:
+        test = stats.paired_test([a - b for a, b in zip(planned, losses(other))])
+        row = found.loc[f"plan − {name}"]
+        assert (row["mean"], row["low"], row["high"], row["n"]) == pytest.approx(
+            (test["mean"], test["low"], test["high"], 3)
+        )
+        p_values.append(test["p"])
+    assert found.p_holm.tolist() == pytest.approx(stats.holm(p_values))
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())

@@ -181,11 +181,20 @@ def test_qlab_advise_makes_a_plan_for_a_checkpoint_folder_and_text(tmp_path, no_
     text.write_text(TEXT)
     out = tmp_path / "plan.json"
     common = ["advise", "--model", str(folder), "--text", str(text), "--tokens", "16", "--batches", "2"]
-    assert (
-        cli.main([*common, "--formats", "nvfp4,mxfp8,bf16", "--effective-bits", "8", "--plan-out", str(out)])
-        == 0
-    )
+    planned = [
+        "--formats",
+        "nvfp4,mxfp8,bf16",
+        "--effective-bits",
+        "8",
+        "--plan-out",
+        str(out),
+        "--held-out",
+        "2",
+    ]
+    assert cli.main([*common, *planned]) == 0
     printed = capsys.readouterr().out
+    assert "on 2 held-out batches (paired by batch" in printed
+    assert "plan − float model: " in printed and "plan − first and last layers raised: " in printed
     chosen = plan.Plan.load(out)
     assert chosen.reached_bits <= 8 and chosen.model == str(folder) and chosen.kind == "measured"
     assert f"{chosen.reached_bits:.4f} bits per weight element (budget 8)" in printed
