@@ -64,7 +64,7 @@ class Claim:
     (Holm), equivalent the unresolved ones TOST shows within the margin, undecided the rest, detectable
     the largest effect an undecided one could have found; "tally lower" or "tally higher" counts in value
     only the resolved ones of that sign, the n − value − equivalent − undecided others resolved the
-    other way), "observed" (a single observation), "estimate" (a statistic of sampled runs — a ratio,
+    other way), "observed" (a single observation), "estimate" (a statistic of n samples — a ratio,
     an extreme, a median — stated without an interval) or "computed" (exact arithmetic, no sampling)."""
 
     key: str
@@ -200,8 +200,8 @@ class Claim:
         if self.test == "observed":
             return "a single observation"
         if self.test == "estimate":
-            runs = f" from {self.n} sampled runs" if self.n else ""
-            return f"an estimate{runs}, no interval"
+            over = f" over {self.n} samples" if self.n else ""
+            return f"an estimate{over}, no interval"
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
@@ -285,7 +285,7 @@ class Claims:
     def value(self, key: str, value, *, text: str, low=None, high=None, n: int = 0, test: str = "",
               unit: str = "", digits: int = 4, headline: bool = False) -> Claim:  # fmt: skip
         """A number stated as measured: a mean with its interval over ``n`` (low/high), a single
-        observation (``test="observed"``), a statistic of sampled runs with no interval
+        observation (``test="observed"``), a statistic of n samples with no interval
         (``test="estimate"``, over ``n``) or an exact computation (``test="computed"``)."""
         checks.number("value", value, finite=False)
         return self._add(Claim(key, text, float(value), math.nan if low is None else float(low),

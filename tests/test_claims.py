@@ -235,15 +235,14 @@ def test_headline_problems_catch_untested_counts_and_nulls_without_tost():
     assert len(problems) == 3
     assert problems[0].startswith("count: a count headline") and problems[1].startswith("gap: an unresolved")
     assert problems[2] == (
-        "median: a count headline whose verdict is "
-        "'an estimate from 5 sampled runs, no interval', with no test"
+        "median: a count headline whose verdict is 'an estimate over 5 samples, no interval', with no test"
     )
 
 
 def test_an_estimate_says_it_has_no_interval():
     claims = Claims(_run())
     ratio = claims.value("ratio", 6.25, text="floor ÷ error", test="estimate", n=15, digits=3)
-    assert ratio.verdict() == "an estimate from 15 sampled runs, no interval"
+    assert ratio.verdict() == "an estimate over 15 samples, no interval"
     lowest = claims.value("lowest", 0.5, text="lowest cosine", test="estimate")
     assert lowest.verdict() == "an estimate, no interval"
 
