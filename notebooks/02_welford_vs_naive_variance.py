@@ -323,20 +323,20 @@ textbook32 = summary[(summary["config"] == "fp32") & (summary["algorithm"] == "t
                      & (summary["kappa"] >= 2) & (summary["rel_error"] > 0) & (summary["rel_error"] < SLOPE_BELOW)]
 if len(textbook32) >= 2:
     slope = np.polyfit(np.log10(textbook32["kappa"]), np.log10(textbook32["rel_error"]), 1)[0]
-    claims.value("slope.fp32.textbook", slope, n=len(textbook32), digits=2,
+    claims.value("slope.fp32.textbook", slope, n=len(textbook32), test="estimate", digits=2,
                  text=f"fp32 textbook: least-squares slope of log median error against log κ (errors below {SLOPE_BELOW:g})")
 
 acc32 = summary[summary["config"].isin(ACC32) & (summary["algorithm"] != "textbook")]
 worst = acc32.loc[acc32["rel_error"].idxmax()]
 worst_where = f"{worst['config']}, {worst['algorithm']}, κ ≈ {worst['kappa']:.3g}"
-claims.value("worst.acc32", worst["rel_error"], n=trials, digits=2,
+claims.value("worst.acc32", worst["rel_error"], n=trials, test="estimate", digits=2,
              text=f"largest median error of two-pass, Welford, pairwise or shifted with float32 accumulation "
                   f"({worst_where})")
 low_kappa = summary[(summary["config"] == "bf16") & (summary["kappa"] <= KAPPA_LOW)]
 for algorithm in ("welford", "shifted", "pairwise"):
     part = low_kappa[low_kappa["algorithm"] == algorithm]["rel_error"]
     for end, value in (("min", part.min()), ("max", part.max())):
-        claims.value(f"bf16.{algorithm}.{end}", value, n=trials, digits=2,
+        claims.value(f"bf16.{algorithm}.{end}", value, n=trials, test="estimate", digits=2,
                      text=f"bf16 accumulation, {algorithm}: {end}imum median error over κ ≤ {KAPPA_LOW:g}")
 
 zero = kappa_table["rel_error"] == 0
@@ -448,10 +448,10 @@ for label, _, _ in LENGTH_CONFIGS:
         part = length_summary[(length_summary["config"] == label) & (length_summary["variant"] == variant)]
         key = f"length.{label}.{key_of(variant)}"
         for end, row in (("first", part.iloc[0]), ("last", part.iloc[-1])):
-            claims.value(f"{key}.{end}", row["median"], n=trials, digits=2,
+            claims.value(f"{key}.{end}", row["median"], n=trials, test="estimate", digits=2,
                          text=f"{label}, {variant}: median relative error of σ² at n = {row['n']}")
         first, last = part.iloc[0]["median"], part.iloc[-1]["median"]
-        claims.value(f"{key}.growth", last / first if first > 0 else math.inf, n=trials, digits=2,
+        claims.value(f"{key}.growth", last / first if first > 0 else math.inf, n=trials, test="estimate", digits=2,
                      text=f"{label}, {variant}: median error at n = {lengths[-1]} ÷ at n = {lengths[0]}")
         cells[variant] = f"{shown(f'{key}.first')} → {shown(f'{key}.last')} (×{shown(f'{key}.growth')})"
     length_cells.append(cells)
@@ -540,11 +540,11 @@ u32 = numerics.unit_roundoff(torch.float32)
 for label in ln_implementations:
     part = ln_summary[ln_summary["implementation"] == label]
     key = label.split(" ")[0]
-    claims.value(f"ln.{key}.output", first_kappa(part, "output_abs_error", OUTPUT_WRONG), n=trials, digits=2,
+    claims.value(f"ln.{key}.output", first_kappa(part, "output_abs_error", OUTPUT_WRONG), n=trials, test="estimate", digits=2,
                  text=f"{label}: smallest κ whose median output error reaches {OUTPUT_WRONG:g} (none: inf)")
-    claims.value(f"ln.{key}.gradient", first_kappa(part, "grad_rel_error", GRADIENT_WRONG), n=trials, digits=2,
+    claims.value(f"ln.{key}.gradient", first_kappa(part, "grad_rel_error", GRADIENT_WRONG), n=trials, test="estimate", digits=2,
                  text=f"{label}: smallest κ whose median gradient error reaches {percent(GRADIENT_WRONG)} (none: inf)")
-    claims.value(f"ln.{key}.per_u_kappa", (part["output_abs_error"] / (u32 * part["kappa"])).max(), n=trials,
+    claims.value(f"ln.{key}.per_u_kappa", (part["output_abs_error"] / (u32 * part["kappa"])).max(), n=trials, test="estimate",
                  digits=1, text=f"{label}: largest median output error ÷ (u·κ) over the sweep")
 display(Markdown(claims.render(f"""
 With the textbook statistics, the median output error reaches {OUTPUT_WRONG:g} at κ ≈ {shown("ln.textbook.output")} and the median gradient error {percent(GRADIENT_WRONG)} at κ ≈ {shown("ln.textbook.gradient")}. For two-pass and Welford those κ are {shown("ln.two_pass.output")} / {shown("ln.two_pass.gradient")} and {shown("ln.welford.output")} / {shown("ln.welford.gradient")}
@@ -738,13 +738,13 @@ textbook_fp32 = summary[(summary["config"] == "fp32") & (summary["algorithm"] ==
 bracket = textbook_fp32[textbook_fp32["kappa_target"] >= claims["model.kappa_max"].value]["kappa_target"]
 if len(bracket):
     near = textbook_fp32[textbook_fp32["kappa_target"] <= bracket.min()]
-    claims.value("model.textbook_fp32_error", near["rel_error"].max(), n=trials, digits=2,
+    claims.value("model.textbook_fp32_error", near["rel_error"].max(), n=trials, test="estimate", digits=2,
                  text=f"section 2: largest median error of float32 textbook σ² at κ ≤ {bracket.min():.3g}")
 below = claims["model.kappa_max"].value < min(claims["k50.bf16.textbook"].value, claims["k50.fp32.textbook"].value)
 text = f"""
 Over {count("model.rows")} LayerNorm input rows ({count("model.layers")} layer calls of {" and ".join(ln_models)}), {count("model.rows_ge_2")} rows reach κ = 2 and {count("model.rows_ge_1000")}
 reach κ = 10³; the largest κ of any row is {{model.kappa_max:value}} and the largest per-layer median
-{{model.kappa_median:value}}. One batch per model, one seed: a single observation per model. Section 2's
+{{model.kappa_median:value}}. {SEEN}, one seed: a single observation per model. Section 2's
 textbook median error reaches {percent(ALL_DIGITS_LOST)} at κ ≈ {shown("k50.bf16.textbook")} in bfloat16
 accumulation and κ ≈ {shown("k50.fp32.textbook")} in float32: {"both above every one of these rows" if below
 else "some of these rows reach that"}.

@@ -40,7 +40,7 @@
 #
 # `profile = "paper"` runs it at paper scale on a GPU (a 1.0M-parameter model, 3000 steps, 5 seeds;
 # results in data/paper/ and figures/paper/). Single runs are one command:
-# `qlab train --set recipe=mxfp8 --set backward_override=dequantized --set steps=2000`.
+# `qlab train -p recipe mxfp8 -p backward_override dequantized -p steps 2000`.
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
