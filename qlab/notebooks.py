@@ -225,7 +225,9 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     ``runs/smoke/``; with any other change, ``runs/interactive/<name>/<every changed parameter>/``."""
     from qlab import session
 
-    changed = session.changed_parameters(parameters, _defaults(path))
+    defaults = _defaults(path)
+    changed = session.changed_parameters(parameters, defaults)
+    changed = {name: changed[name] for name in defaults if name in changed}  # the kernel's session's order
     if changed == {} or (output is not None and not changed.keys() <= {"smoke"}):
         folder = None
     elif changed == {"smoke": True}:

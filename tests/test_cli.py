@@ -42,7 +42,7 @@ def tiny(tmp_path, monkeypatch):
 
 def test_run_passes_parameters_and_keeps_results_out_of_the_repo(tiny, tmp_path, capsys):
     assert cli.main(["run", str(tiny), "-p", "a", "7", "-p", "label", "hello", "--smoke"]) == 0
-    folder = tmp_path / "runs" / "interactive" / "99_tiny" / "a=7__label=hello__smoke=True"
+    folder = tmp_path / "runs" / "interactive" / "99_tiny" / "smoke=True__a=7__label=hello"  # declared order
     metrics = json.loads((folder / "data" / "tiny.json").read_text())
     assert metrics == {"a": 7, "square": 49, "label": "hello", "smoke": True}
     assert (folder / "99_tiny.ipynb").exists()
@@ -58,10 +58,10 @@ def test_smoke_and_other_parameters_go_to_one_folder_however_they_are_given(tiny
 
     runs = tmp_path / "runs"
     by_flag = notebooks.output_folder(tiny, {"a": 2, "smoke": True})
-    assert notebooks.output_folder(tiny, {"a": 2, "smoke": True}) == by_flag
+    assert notebooks.output_folder(tiny, {"smoke": True, "a": 2}) == by_flag  # however they were given
     assert by_flag == (
-        runs / "interactive/99_tiny/a=2__smoke=True/99_tiny.ipynb",
-        runs / "interactive/99_tiny/a=2__smoke=True",
+        runs / "interactive/99_tiny/smoke=True__a=2/99_tiny.ipynb",
+        runs / "interactive/99_tiny/smoke=True__a=2",
     )
     smoke = (runs / "smoke" / "99_tiny.ipynb", runs / "smoke")
     assert notebooks.output_folder(tiny, {"smoke": True}) == smoke
@@ -79,7 +79,8 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
     assert "99_tiny.ipynb failed in cell" in err
     assert "RuntimeError: boom at a=3" in err
     assert "raise RuntimeError" in err  # the failing cell's source
-    assert (tmp_path / "runs" / "99_tiny.ipynb").exists()
+    kept = tmp_path / "runs" / "interactive" / "99_tiny" / "a=3__fail=True" / "99_tiny.ipynb"
+    assert kept.exists() and f"executed copy kept at {kept}" in err
 
 
 @pytest.mark.parametrize(

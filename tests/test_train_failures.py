@@ -160,19 +160,30 @@ def test_bad_config_files_are_one_line_and_exit_2(tmp_path, capsys, text, expect
     assert not marker.exists()  # the unsafe tag constructed nothing
 
 
+def _set(*pairs: str) -> list[str]:
+    """``-p KEY VALUE`` arguments for qlab train, one per "KEY=VALUE"."""
+    return [item for pair in pairs for item in ("-p", *pair.split("=", 1))]
+
+
 @pytest.mark.parametrize(
     "override, expected",
     [
-        ("lr=[1", "--set lr: not valid (safe) YAML"),
-        ("lr", "expected key=value"),
+        ("lr=[1", "-p lr: not valid (safe) YAML"),
         ("weight_decay=.nan", "weight_decay must be a finite number"),
         ("keep_high_precision=haed", "haed"),  # a keep pattern naming no layer, found when the model is built
     ],
 )
 def test_bad_overrides_are_one_line_and_exit_2(capsys, override, expected):
-    args = ["train", "--set", "task=digits", "--set", "recipe=mxfp8", "--set", "steps=1", "--set", override]
-    assert cli.main(args + ["--set", "progress=false"]) == 2
+    args = ["train", *_set("task=digits", "recipe=mxfp8", "steps=1", override)]
+    assert cli.main(args + _set("progress=false")) == 2
     assert expected in _one_line(capsys)
+
+
+def test_the_old_set_syntax_without_a_value_says_what_it_expected(capsys):
+    assert cli.main(["train", "--set", "lr"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "qlab train: --set KEY=VALUE is deprecated; write -p KEY VALUE"
+    assert len(lines) == 2 and "expected key=value" in lines[1]
 
 
 class _RunsCodeWhenUnpickled:
@@ -188,9 +199,8 @@ def test_bad_checkpoints_are_one_line_and_exit_2(tmp_path, capsys, kind):
     marker = tmp_path / "marker"
     out = tmp_path / "run"
     out.mkdir()
-    args = ["train", "--set", "task=digits", "--set", "steps=2", "--set", "progress=false"]
-    args += ["--set", f"out_dir={out}", "--set", "resume=true"]
-    assert cli.main(args[:-2]) == 0  # a good run first, then its checkpoint is spoiled
+    args = ["train", *_set("task=digits", "steps=2", "progress=false", f"out_dir={out}", "resume=true")]
+    assert cli.main(args[:-3]) == 0  # a good run first, then its checkpoint is spoiled
     good = (out / L.CHECKPOINT).read_bytes()
     spoiled = {
         "truncated": lambda: (out / L.CHECKPOINT).write_bytes(good[: len(good) // 2]),
@@ -216,7 +226,7 @@ def test_bad_checkpoints_are_one_line_and_exit_2(tmp_path, capsys, kind):
 
 
 def test_a_diverging_run_exits_1_with_one_line(tmp_path, capsys):
-    args = ["train", "--set", "task=digits", "--set", "hidden=[16]", "--set", "lr=1e6", "--set", "steps=20"]
-    args += ["--set", "warmup_steps=0", "--set", "progress=false", "--set", f"out_dir={tmp_path}"]
+    args = ["train", *_set("task=digits", "hidden=[16]", "lr=1e6", "steps=20", "warmup_steps=0")]
+    args += _set("progress=false", f"out_dir={tmp_path}")
     assert cli.main(args) == 1
     assert "training stopped at step" in _one_line(capsys)
