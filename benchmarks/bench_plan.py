@@ -1,15 +1,17 @@
 """Per-layer format plans on the packaged models: what each score costs, how well the estimate ranks
 the layers, and what the plan does on text it was not chosen on (qlab.advisor, qlab.plan).
 
-For each model: measured and approximated scores of every Linear-like layer in each format, over the
-same calibration batches (windows of Shakespeare's training plays), each timed in this run; Spearman's
-ρ between the two over the quantized (layer, format) rows, with a percentile bootstrap interval over
-layers; plans at each effective-bits budget from either score, with the layers the bootstrap over
+For each model: measured, approximated and hierarchical scores of every Linear-like layer in each
+format, over the same calibration batches (windows of Shakespeare's training plays), each timed in this
+run, with the loss evaluations each made; Spearman's ρ between each cheaper score and the measured one
+over the quantized (layer, format) rows, with a percentile bootstrap interval over layers; plans at each effective-bits budget from either score, with the layers the bootstrap over
 batches leaves undecided; and each plan's held-out check on windows of the held-out plays
 (``advisor.held_out_check``: the plan's loss minus the float model's, every layer in the cheapest
 format's, and the first-and-last-layers rule's at the same budget, paired by batch, Holm over the
 three). An encoder gets measured scores only: its hidden-state error against the float model, and that
 error's gradient, are zero at the float model, so the second-order estimate is zero for every layer.
+The hierarchical score measures each block whole, then the ``--expand`` most sensitive blocks layer by
+layer (``advisor.hierarchical_scores``).
 
 Appends to ``benchmarks/results/bench_plan.csv`` (one row per model × score × budget), with the machine.
 
@@ -21,33 +23,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import numpy as np
 import torch
-from scipy import stats as scipy_stats
 from timing import add_results_argument, record
 
 from qlab import advisor, models, plan
 
 FORMATS = ["nvfp4", "mxfp8", "bf16"]
-BOOTSTRAP_DRAWS = 2000
-
-
-def spearman_with_interval(measured, approximated, seed: int = 0) -> tuple[float, float, float]:
-    """Spearman's ρ between two score tables' quantized rows, and a 95 % percentile bootstrap interval
-    from resampling layers (a layer's rows travel together)."""
-    rows = measured.format != plan.HIGH_PRECISION
-    a, b = measured[rows].reset_index(drop=True), approximated[rows].reset_index(drop=True)
-    rho = float(scipy_stats.spearmanr(a.score, b.score).statistic)
-    layers = list(dict.fromkeys(a.layer))
-    index = {layer: np.flatnonzero(a.layer.to_numpy() == layer) for layer in layers}
-    generator = np.random.default_rng(seed)
-    draws = []
-    for _ in range(BOOTSTRAP_DRAWS):
-        picked = np.concatenate([index[layers[i]] for i in generator.integers(len(layers), size=len(layers))])
-        draws.append(scipy_stats.spearmanr(a.score.to_numpy()[picked], b.score.to_numpy()[picked]).statistic)
-    low, high = np.nanpercentile(draws, [2.5, 97.5])
-    return rho, float(low), float(high)
+BOOTSTRAP_DRAWS = 2000  # layer resamples behind Spearman's interval
 
 
 def main() -> None:
@@ -57,6 +42,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=3, help="calibration batches (2 windows each)")
     parser.add_argument("--held-out", type=int, default=8, help="held-out batches for the check")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per window")
+    parser.add_argument("--expand", type=int, default=6, help="hierarchical: blocks measured layer by layer")
     add_results_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -71,7 +57,11 @@ def main() -> None:
             calibration_loss = advisor.hidden_state_error(model, calibration)
             held_out_loss = advisor.hidden_state_error(model, held_out)
         tables, seconds = {}, {}
-        scores = {"measured": advisor.measured_scores, "approximated": advisor.approximated_scores}
+        scores = {
+            "measured": advisor.measured_scores,
+            "approximated": advisor.approximated_scores,
+            "hierarchical": partial(advisor.hierarchical_scores, expand=args.expand),
+        }
         if (
             kind == models.ENCODER
         ):  # its hidden-state error and that error's gradient are 0 at the float model
@@ -80,11 +70,11 @@ def main() -> None:
             start = time.perf_counter()
             tables[kind_name] = score(model, calibration, FORMATS, loss_fn=calibration_loss)
             seconds[kind_name] = time.perf_counter() - start
-        rho = rho_low = rho_high = float("nan")
-        if "approximated" in tables:
-            rho, rho_low, rho_high = spearman_with_interval(tables["measured"], tables["approximated"])
-        approximated_seconds = seconds.get("approximated", np.nan)
         for kind_name, table in tables.items():
+            rho = rho_low = rho_high = float("nan")
+            if kind_name != "measured":  # how this score ranks the pairs against the measured one
+                rho, rho_low, rho_high = plan.score_agreement(tables["measured"], table, draws=BOOTSTRAP_DRAWS)
+            evaluations = table.attrs.get("evaluations", table.attrs.get("evaluations_flat", np.nan))
             for budget in (float(b) for b in args.budgets.split(",")):
                 chosen = plan.make_plan(table, effective_bits=budget, model=name)
                 check = advisor.held_out_check(model, chosen, table, held_out, loss_fn=held_out_loss)
@@ -101,7 +91,8 @@ def main() -> None:
                     layers=len(chosen.layers), **{f"layers_{f}": counts[f] for f in FORMATS},
                     calibration_batches=args.batches, tokens=args.tokens, held_out_batches=args.held_out,
                     seconds=round(seconds[kind_name], 2),
-                    measured_over_approximated=round(seconds["measured"] / approximated_seconds, 1),
+                    measured_over_this=round(seconds["measured"] / seconds[kind_name], 1),
+                    evaluations=evaluations, expand=args.expand if kind_name == "hierarchical" else "",
                     spearman=round(rho, 3), spearman_low=round(rho_low, 3), spearman_high=round(rho_high, 3),
                     undecided_layers=undecided, **held,
                 ))  # fmt: skip

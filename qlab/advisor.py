@@ -24,6 +24,7 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pandas as pd
@@ -291,6 +292,7 @@ def measured_scores(
     batches), low, high (its 95 % interval; NaN with one batch), n (batches) and baseline_loss. A
     ``plan.HIGH_PRECISION`` row scores exactly 0; ``loss_fn(model, batch)`` defaults to the causal-LM
     loss.
+    ``table.attrs["evaluations"]``: the (layer, format) evaluations made, each a loss on every batch.
     The model runs in eval mode and comes back exactly as it was."""
     table = _rows_to_score(model, batches, formats, loss_fn, layers, progress)
     was_training = model.training
@@ -305,12 +307,104 @@ def measured_scores(
         differences = {}
         for layer, format_name in pairs:
             if format_name != plan.HIGH_PRECISION:
-                with quantized(model, [layer], format_name):
-                    losses = _batch_losses(model, batches, loss_fn)
-                differences[layer, format_name] = [a - b for a, b in zip(losses, baseline)]
+                differences[layer, format_name] = _loss_changes(model, [layer], format_name, batches, loss_fn,
+                                                                baseline)  # fmt: skip
     finally:
         model.train(was_training)
-    return _with_scores(table, differences, baseline, "measured")
+    scored = _with_scores(table, differences, baseline, "measured")
+    scored.attrs.update(evaluations=len(differences), evaluations_flat=len(differences))
+    return scored
+
+
+def _loss_changes(model, layers, format_name, batches, loss_fn, baseline) -> list[float]:
+    """Per batch: the loss with ``layers`` in ``format_name`` minus ``baseline`` (one loss evaluation
+    of every batch)."""
+    with quantized(model, layers, format_name):
+        losses = _batch_losses(model, batches, loss_fn)
+    return [a - b for a, b in zip(losses, baseline)]
+
+
+def blocks_of(layers: Sequence[str]) -> dict[str, list[str]]:
+    """The layers grouped by block: a name's prefix up to its first numeric part ("model.layers.3" for
+    "model.layers.3.mlp.up_proj"); a name with no numeric part is a block of its own. In first-seen
+    order."""
+    blocks: dict[str, list[str]] = {}
+    for name in layers:
+        parts = name.split(".")
+        numeric = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        block = name if numeric is None else ".".join(parts[: numeric + 1])
+        blocks.setdefault(block, []).append(name)
+    return blocks
+
+
+def hierarchical_scores(
+    model: nn.Module,
+    batches: Sequence,
+    formats,
+    *,
+    expand: int,
+    loss_fn: Callable = causal_lm_loss,
+    progress: bool = False,
+) -> pd.DataFrame:
+    """Measured scores for models with many layers, in two steps. First every block (``blocks_of``: a
+    decoder layer's projections together) is measured whole in each quantized format; then the
+    ``expand`` blocks with the largest mean loss change (in their worst format) are measured layer by
+    layer, as ``measured_scores`` does. A layer of any other block gets the block's per-batch change
+    in that format times its share of the block's weight elements (a block's score, spread by size).
+
+    The table is ``measured_scores``'s with kind="hierarchical" and a column ``scored_by``: "layer"
+    (measured alone) or "block share". ``table.attrs`` holds ``evaluations`` (format × layer-set
+    evaluations made, each a loss on every batch, the float baseline not counted) and
+    ``evaluations_flat`` (what ``measured_scores`` makes). With ``expand`` ≥ the block count every
+    score equals ``measured_scores``'s. The model comes back exactly as it was."""
+    table = _rows_to_score(model, batches, formats, loss_fn, None, progress)
+    expand = checks.integer("expand", expand, low=0)
+    layers = list(dict.fromkeys(table.layer))
+    blocks = blocks_of(layers)
+    quantized_formats = [name for name in dict.fromkeys(table.format) if name != plan.HIGH_PRECISION]
+    elements = dict(zip(table.layer, table.elements))
+    was_training = model.training
+    model.eval()
+    evaluations = 0
+    try:
+        baseline = _batch_losses(model, batches, loss_fn)
+        whole = {}  # (block, format) -> per-batch change; a one-layer block is that layer's own score
+        steps = [(block, name) for block in blocks for name in quantized_formats]
+        if progress:
+            from qlab.host import progress as bar
+
+            steps = bar(steps, desc="hierarchical scores: blocks")
+        for block, name in steps:
+            whole[block, name] = _loss_changes(model, blocks[block], name, batches, loss_fn, baseline)
+            evaluations += 1
+        worst = {
+            block: max(sum(whole[block, name]) / len(baseline) for name in quantized_formats) for block in blocks
+        }
+        ranked = sorted(blocks, key=lambda block: -worst[block])
+        expanded = [block for block in ranked[:expand] if len(blocks[block]) > 1]
+        differences, scored_by = {}, {}
+        for block, members in blocks.items():
+            size = sum(elements[layer] for layer in members)
+            for layer in members:
+                scored_by[layer] = "layer" if len(members) == 1 or block in expanded else "block share"
+                for name in quantized_formats:
+                    if len(members) == 1:
+                        differences[layer, name] = whole[block, name]
+                    elif block not in expanded:
+                        share = elements[layer] / size
+                        differences[layer, name] = [change * share for change in whole[block, name]]
+        steps = [(layer, name) for block in expanded for layer in blocks[block] for name in quantized_formats]
+        if progress:
+            steps = bar(steps, desc="hierarchical scores: layers")
+        for layer, name in steps:
+            differences[layer, name] = _loss_changes(model, [layer], name, batches, loss_fn, baseline)
+            evaluations += 1
+    finally:
+        model.train(was_training)
+    scored = _with_scores(table, differences, baseline, "hierarchical")
+    scored.insert(scored.columns.get_loc("score"), "scored_by", scored.layer.map(scored_by))
+    scored.attrs.update(evaluations=evaluations, evaluations_flat=len(layers) * len(quantized_formats))
+    return scored
 
 
 def approximated_scores(
@@ -492,9 +586,16 @@ def main(args) -> int:
     """``qlab advise``: with ``--formats``, a plan (a format per layer under ``--effective-bits``, qlab.plan)
     written to ``--plan-out``; without, the layers to keep in high precision for ``--recipe``. Every
     argument is checked before the first loss evaluation."""
+    from qlab.host import resolve_device
+
     formats = plan.plan_formats(args.formats.split(",")) if args.formats else None
+    device = resolve_device(args.device, argument="--device")
+    if args.score == "hierarchical":
+        checks.integer("--expand", args.expand, low=0)
     model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)
+    model = model.to(device)
     batches, held_out = _batches(args, tokenizer)
+    batches, held_out = [b.to(device) for b in batches], [b.to(device) for b in held_out]
     loss_fn = causal_lm_loss if kind == models.CAUSAL_LM else hidden_state_error(model, batches)
     if formats is None:
         return _keep_mode(args, model, batches, loss_fn)
@@ -505,8 +606,13 @@ def main(args) -> int:
         )
     table = layer_table(model, formats)
     plan.check_budget(table, args.effective_bits)
-    score = measured_scores if args.score == "measured" else approximated_scores
+    score = {"measured": measured_scores, "approximated": approximated_scores,
+             "hierarchical": partial(hierarchical_scores, expand=args.expand)}[args.score]  # fmt: skip
     table = score(model, batches, formats, loss_fn=loss_fn, progress=True)
+    if args.score == "hierarchical":
+        print(f"hierarchical: {table.attrs['evaluations']} loss evaluations of the batches instead of "
+              f"{table.attrs['evaluations_flat']} ({(table.scored_by == 'layer').sum() // len(formats)} layers "
+              f"measured alone, the rest scored by their block's share)")  # fmt: skip
     chosen = plan.make_plan(
         table,
         effective_bits=args.effective_bits,

@@ -135,7 +135,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     advise.add_argument(
         "--score", choices=_plan_score_kinds(), default="measured",
-        help="plan mode: measured loss changes, or the one-backward Fisher-weighted estimate",
+        help="plan mode: measured loss changes; the one-backward Fisher-weighted estimate; or hierarchical "
+        "(blocks measured whole, then the --expand most sensitive ones layer by layer)",
+    )  # fmt: skip
+    advise.add_argument(
+        "--expand", type=int, default=6,
+        help="plan mode, --score hierarchical: blocks (decoder layers) measured layer by layer",
     )  # fmt: skip
     advise.add_argument("--recipe", default="nvfp4", help="keep mode: a qlab.recipe preset")
     advise.add_argument(
@@ -153,6 +158,9 @@ def _build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--tokens", type=int, default=64, help="tokens per window")
     advise.add_argument("--seed", type=int, default=0, help="which windows are drawn")
     advise.add_argument("--dtype", choices=("float32", "bf16"), default="float32", help="the model's dtype")
+    advise.add_argument(
+        "--device", default="auto", help="where the model runs: auto (CUDA when there is one), cpu or cuda"
+    )
     advise.add_argument("--top", type=int, default=15, help="rows of the table to print")
     advise.add_argument("--out", help="write the whole table to this CSV file")
     advise.add_argument("--plan-out", help="plan mode: where the plan goes (default runs/plans/<model>.json)")

@@ -47,7 +47,7 @@ from qlab.recipe import PRESETS, get_recipe
 
 HIGH_PRECISION = "bf16"  # the layer left unquantized, its weight counted at bfloat16's 16 bits
 HIGH_PRECISION_BITS = 16
-SCORE_KINDS = ("measured", "approximated")
+SCORE_KINDS = ("measured", "approximated", "hierarchical")
 PLAN_VERSION = 1  # the plan file's layout
 MAX_LAYERS = 100_000  # layers one plan may hold
 BATCH_COLUMN = "batch_{}"  # a score table's per-batch values, one column per calibration batch
@@ -230,6 +230,39 @@ def stability(table: pd.DataFrame, *, effective_bits: float, draws: int = 200, s
         rows.append(dict(layer=layer, format=format_name, agreement=agreement, other=runner_up,
                          other_share=share, undecided=agreement < UNDECIDED_BELOW))  # fmt: skip
     return pd.DataFrame(rows)
+
+
+def score_agreement(first: pd.DataFrame, second: pd.DataFrame, *, draws: int = 2000,
+                    seed: int = 0) -> tuple[float, float, float]:  # fmt: skip
+    """How well one score table ranks the (layer, format) pairs as another does: Spearman's ρ between
+    the two tables' scores over their quantized rows (high-precision rows score 0 in both by
+    definition and are left out), and a 95 % percentile bootstrap interval from resampling layers
+    ``draws`` times (a layer's rows travel together; seeded). The tables must list the same rows in
+    the same order (two score functions over the same layers and formats give that). Returns (ρ, low,
+    high)."""
+    from scipy import stats as scipy_stats
+
+    first, second = _check_scores(first), _check_scores(second)
+    checks.integer("draws", draws, low=1, high=MAX_DRAWS)
+    checks.seed("seed", seed)
+    same = ["layer", "format"]
+    if not first[same].reset_index(drop=True).equals(second[same].reset_index(drop=True)):
+        raise ValueError("the two score tables must list the same (layer, format) rows in the same order")
+    rows = (first.format != HIGH_PRECISION).to_numpy()
+    a, b = first.score.to_numpy(float)[rows], second.score.to_numpy(float)[rows]
+    layers = first.layer.to_numpy()[rows]
+    names = list(dict.fromkeys(layers))
+    if len(names) < 3:
+        raise ValueError(f"a rank correlation needs at least 3 quantized layers, got {len(names)}")
+    rho = float(scipy_stats.spearmanr(a, b).statistic)
+    index = [np.flatnonzero(layers == name) for name in names]
+    generator = np.random.default_rng(seed)
+    samples = []
+    for _ in range(draws):
+        picked = np.concatenate([index[i] for i in generator.integers(len(names), size=len(names))])
+        samples.append(scipy_stats.spearmanr(a[picked], b[picked]).statistic)
+    low, high = np.nanpercentile(samples, [2.5, 97.5])
+    return rho, float(low), float(high)
 
 
 def ends_first(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:

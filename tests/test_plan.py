@@ -340,3 +340,83 @@ def test_the_held_out_check_pairs_the_plan_with_the_float_model_the_cheapest_and
         p_values.append(test["p"])
     assert found.p_holm.tolist() == pytest.approx(stats.holm(p_values))
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def _two_block_llama():
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(
+    "names, blocks",
+    [
+        (["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj"],
+         {"model.layers.0": ["model.layers.0.mlp.up_proj", "model.layers.0.self_attn.q_proj"],
+          "model.layers.1": ["model.layers.1.mlp.up_proj"]}),
+        (["lm_head", "encoder.layer.10.output.dense"],
+         {"lm_head": ["lm_head"], "encoder.layer.10": ["encoder.layer.10.output.dense"]}),
+        (["transformer.h.2.attn.c_attn", "transformer.h.2.mlp.c_fc", "pooler.dense"],
+         {"transformer.h.2": ["transformer.h.2.attn.c_attn", "transformer.h.2.mlp.c_fc"],
+          "pooler.dense": ["pooler.dense"]}),
+    ],
+)  # fmt: skip
+def test_blocks_group_layers_by_their_first_numbered_part(names, blocks):
+    assert advisor.blocks_of(names) == blocks
+
+
+def test_hierarchical_scores_expanding_every_block_are_the_measured_scores():
+    model, batches = _two_block_llama(), _batches()
+    formats = ["nvfp4", "mxfp8", "bf16"]
+    measured = advisor.measured_scores(model, batches, formats)
+    found = advisor.hierarchical_scores(model, batches, formats, expand=3)
+    columns = ["layer", "format", "score", "low", "high", "bits"]
+    pd.testing.assert_frame_equal(found[columns], measured[columns])
+    assert set(found.scored_by) == {"layer"} and (found.kind == "hierarchical").all()
+    # 3 blocks (two decoder layers, lm_head) whole, then the 2 × 7 projections, each in 2 formats
+    assert found.attrs == {"evaluations": 3 * 2 + 14 * 2, "evaluations_flat": 15 * 2}
+
+
+def test_hierarchical_scores_spread_an_unexpanded_blocks_loss_change_by_weight_elements():
+    model, batches = _two_block_llama(), _batches()
+    found = advisor.hierarchical_scores(model, batches, ["nvfp4", "bf16"], expand=0)
+    block = [name for name, _, why in linear_layers(model) if why is None and ".layers.1." in name]
+    with torch.no_grad():  # the block quantized whole, by hand
+        baseline = [float(model(input_ids=b, labels=b).loss) for b in batches]
+        originals = {name: model.get_submodule(name) for name in block}
+        for index, name in enumerate(block):
+            set_submodule(model, name, QuantLinear.from_linear(originals[name], "nvfp4", seed=index))
+        quantized = [float(model(input_ids=b, labels=b).loss) for b in batches]
+        for name, module in originals.items():
+            set_submodule(model, name, module)
+    change = [a - b for a, b in zip(quantized, baseline)]
+    sizes = {name: originals[name].weight.numel() for name in block}
+    rows = found[(found.format == "nvfp4") & found.layer.isin(block)].set_index("layer")
+    for name in block:
+        share = sizes[name] / sum(sizes.values())
+        expected = stats.mean_interval([c * share for c in change])
+        assert tuple(rows.loc[name, ["score", "low", "high"]]) == pytest.approx(expected, rel=1e-12)
+        assert rows.loc[name, "scored_by"] == "block share"
+    assert found.set_index(["layer", "format"]).loc[("lm_head", "nvfp4"), "scored_by"] == "layer"
+    assert found.attrs["evaluations"] == 3  # three blocks whole in one format, nothing expanded
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def test_score_agreement_is_spearmans_rho_over_the_quantized_rows_with_a_layer_bootstrap():
+    from scipy import stats as scipy_stats
+
+    rng = np.random.default_rng(0)
+    table = _random_table(random.Random(2), layers=12, formats=3)
+    table.loc[table.format == table.format.iloc[0], "format"] = plan.HIGH_PRECISION  # one format high
+    first = table.assign(score=rng.normal(size=len(table)))
+    second = first.assign(score=first.score + rng.normal(scale=0.5, size=len(table)))
+    rho, low, high = plan.score_agreement(first, second, draws=500)
+    quantized = first.format != plan.HIGH_PRECISION
+    assert rho == pytest.approx(scipy_stats.spearmanr(first.score[quantized], second.score[quantized]).statistic)
+    assert low < rho < high
+    assert plan.score_agreement(first, first, draws=50) == pytest.approx((1.0, 1.0, 1.0), abs=1e-12)  # float64 ρ
+    with pytest.raises(ValueError, match="same .layer, format. rows"):
+        plan.score_agreement(first, second.iloc[::-1], draws=10)

@@ -216,3 +216,33 @@ def test_qlab_advise_makes_a_plan_for_a_checkpoint_folder_and_text(tmp_path, no_
     assert "effective_bits=4 is below the 4.0" in capsys.readouterr().err
     assert cli.main([*common, "--formats", "nvfp4", "--text", str(tmp_path / "none.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_qlab_advise_hierarchical_says_what_it_saved_and_refuses_bad_devices_first(
+    tmp_path, no_network, capsys, monkeypatch
+):
+    from qlab import cli
+
+    folder = _save(_llama(), tmp_path / "checkpoint")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    common = ["advise", "--model", str(folder), "--text", str(text), "--tokens", "16", "--batches", "2",
+              "--formats", "nvfp4,bf16", "--effective-bits", "8", "--plan-out", str(tmp_path / "p.json")]  # fmt: skip
+    assert cli.main([*common, "--score", "hierarchical", "--expand", "0"]) == 0
+    # one decoder layer (7 projections) and lm_head, each measured whole in nvfp4: 2 of 8 evaluations
+    assert "hierarchical: 2 loss evaluations of the batches instead of 8 (1 layers measured alone" in (
+        capsys.readouterr().out
+    )
+    assert plan.Plan.load(tmp_path / "p.json").kind == "hierarchical"
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_any", never)
+    assert cli.main([*common, "--score", "hierarchical", "--expand", "-1"]) == 2
+    assert "--expand must be" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli.main([*common, "--device", "cuda"]) == 2
+        assert "torch sees no CUDA device" in capsys.readouterr().err
+    assert cli.main([*common, "--device", "tpu9"]) == 2
+    assert "unknown device --device='tpu9'" in capsys.readouterr().err
