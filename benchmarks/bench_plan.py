@@ -4,8 +4,9 @@ the layers, and what the plan does on text it was not chosen on (qlab.advisor, q
 For each model: measured, approximated and hierarchical scores of every Linear-like layer in each
 format, over the same calibration batches (windows of Shakespeare's training plays), each timed in this
 run, with the loss evaluations each made; Spearman's ρ between each cheaper score and the measured one
-over the quantized (layer, format) rows, with a percentile bootstrap interval over layers; plans at each effective-bits budget from either score, with the layers the bootstrap over
-batches leaves undecided; and each plan's held-out check on windows of the held-out plays
+over the quantized (layer, format) rows, with a percentile bootstrap interval over layers; plans at
+each effective-bits budget from each score, with the layers the bootstrap over batches leaves undecided;
+and each plan's held-out check on windows of the held-out plays
 (``advisor.held_out_check``: the plan's loss minus the float model's, every layer in the cheapest
 format's, and the first-and-last-layers rule's at the same budget, paired by batch, Holm over the
 three). An encoder gets measured scores only: its hidden-state error against the float model, and that
@@ -73,7 +74,9 @@ def main() -> None:
         for kind_name, table in tables.items():
             rho = rho_low = rho_high = float("nan")
             if kind_name != "measured":  # how this score ranks the pairs against the measured one
-                rho, rho_low, rho_high = plan.score_agreement(tables["measured"], table, draws=BOOTSTRAP_DRAWS)
+                rho, rho_low, rho_high = plan.score_agreement(
+                    tables["measured"], table, draws=BOOTSTRAP_DRAWS
+                )
             evaluations = table.attrs.get("evaluations", table.attrs.get("evaluations_flat", np.nan))
             for budget in (float(b) for b in args.budgets.split(",")):
                 chosen = plan.make_plan(table, effective_bits=budget, model=name)

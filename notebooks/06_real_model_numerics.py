@@ -46,7 +46,7 @@ smoke: bool = False  # tiny sizes, for the test suite (< 90 s)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (16 seeds of 4 sequences of 512 tokens, 300 fine-tune steps: a GPU)
 device: str = "auto"  # where the model runs: "auto", "cpu" or "cuda"
 seed: int = 0  # the first seed: held-out batch i, and scan batch i, are drawn from seed + i
-model_name: str = "smollm2-135m"  # a packaged causal LM (qlab.models)
+model_name: str = "smollm2-135m"  # a Llama-style causal LM: packaged, a checkpoint folder or a cached hub id
 batch_size: int = 2  # sequences per batch
 tokens: int = 128  # tokens per sequence
 seeds: int = 4  # held-out batches, one per seed: the pairs of every paired test
@@ -96,7 +96,7 @@ if smoke:
 fidelity_seeds = min(fidelity_seeds, seeds)
 use_paper_style()
 torch.manual_seed(seed)
-model, tokenizer = models.load(model_name)
+model, tokenizer, model_kind = models.load_any(model_name)
 model = model.to(device)
 SEEDS = list(range(seed, seed + seeds))
 SCAN_SEEDS = list(range(seed, seed + scan_seeds))
@@ -112,11 +112,19 @@ held_out = {s: batch_of(tokenizer, s).to(device) for s in SEEDS}
 scan = {s: batch_of(tokenizer, s, split="train").to(device) for s in SCAN_SEEDS}
 LAYERS = model.config.num_hidden_layers
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-scanned_layers = list(range(2) if smoke else range(LAYERS))  # smoke: the first two decoder layers only
+scanned_layers = list(range(min(2, LAYERS)) if smoke else range(LAYERS))  # smoke: the first two decoder layers only
 
 
 def projection(layer, kind):
     return f"model.layers.{layer}.{'self_attn' if kind.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{kind}"
+
+
+missing = [projection(layer, name) for layer in range(LAYERS) for name in PROJECTIONS
+           if not isinstance(dict(model.named_modules()).get(projection(layer, name)), torch.nn.Linear)]
+if model_kind != models.CAUSAL_LM or missing or LAYERS < 2:
+    raise ValueError(f"this notebook studies Llama-style decoders of 2 or more layers (model.layers.N.self_attn.q_proj "
+                     f"… mlp.down_proj); {model_name!r} is a {model_kind} of {LAYERS} layers, without {missing[:2]}: for "
+                     f"any model run `qlab report --model {model_name}`")
 
 
 @torch.no_grad()
@@ -414,7 +422,7 @@ for finetune_seed in session.progress(range(seed, seed + finetune_seeds), desc="
     train_batches = [b.to(device) for b in models.shakespeare_batches(tokenizer, batch_size, finetune_tokens, 4,
                                                                       split="train", seed=finetune_seed)]
     for recipe_name in ["bf16"] + list(finetune_recipes):
-        candidate, _ = models.load(model_name)
+        candidate = models.load_any(model_name)[0]
         candidate = candidate.to(device)
         if recipe_name != "bf16":
             quantize_model(candidate, recipe_name, keep_high_precision="lm_head")

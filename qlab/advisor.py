@@ -329,7 +329,7 @@ def blocks_of(layers: Sequence[str]) -> dict[str, list[str]]:
     "model.layers.3.mlp.up_proj"); a name with no numeric part is a block of its own. In first-seen
     order."""
     blocks: dict[str, list[str]] = {}
-    for name in layers:
+    for name in checks.patterns("layers", layers):
         parts = name.split(".")
         numeric = next((i for i, part in enumerate(parts) if part.isdigit()), None)
         block = name if numeric is None else ".".join(parts[: numeric + 1])
@@ -378,7 +378,8 @@ def hierarchical_scores(
             whole[block, name] = _loss_changes(model, blocks[block], name, batches, loss_fn, baseline)
             evaluations += 1
         worst = {
-            block: max(sum(whole[block, name]) / len(baseline) for name in quantized_formats) for block in blocks
+            block: max(sum(whole[block, name]) / len(baseline) for name in quantized_formats)
+            for block in blocks
         }
         ranked = sorted(blocks, key=lambda block: -worst[block])
         expanded = [block for block in ranked[:expand] if len(blocks[block]) > 1]
@@ -491,7 +492,8 @@ def held_out_check(model: nn.Module, chosen, table: pd.DataFrame, batches: Seque
     ``qlab.plan.Plan``) minus (a) the float model's, (b) every layer in its fewest-bits format's and (c)
     the usual rule's at the same budget (``plan.ends_first``: first and last layers raised first), paired
     by batch. One row per comparison: comparison, mean, low, high (95 %), p and p_holm (Holm over the
-    three), n. ``table`` is the score table the plan was chosen from; the model comes back as it was."""
+    three), n, and the per-batch differences (batch_0, batch_1, …). ``table`` is the score table the plan
+    was chosen from; the model comes back as it was."""
     import copy
 
     from qlab.nn import quantize_model
@@ -528,7 +530,8 @@ def held_out_check(model: nn.Module, chosen, table: pd.DataFrame, batches: Seque
             differences = [a - b for a, b in zip(planned, losses(other))]
             test = stats.paired_test(differences)
             kept = {key: test[key] for key in ("mean", "low", "high", "p", "n")}
-            rows.append(dict(comparison=f"plan − {name}", **kept))
+            per_batch = {plan.BATCH_COLUMN.format(i): value for i, value in enumerate(differences)}
+            rows.append(dict(comparison=f"plan − {name}", **kept, **per_batch))
     finally:
         model.train(was_training)
     frame = pd.DataFrame(rows)
@@ -567,19 +570,29 @@ def hidden_state_error(reference: nn.Module, batches: Sequence) -> Callable:
     return loss
 
 
-def _batches(args, tokenizer) -> tuple[list, list]:
-    """(calibration, held-out) batches: windows of --text (disjoint, drawn by --seed), else of
-    Shakespeare — the held-out plays calibrate keep mode (as always); a plan calibrates on the training
-    plays and is checked on the held-out ones."""
-    held_out = getattr(args, "held_out", 0) if args.formats else 0
-    size = dict(batch_size=args.batch_size, tokens=args.tokens, seed=args.seed)
-    if args.text:
-        return models.text_batches(tokenizer, args.text, count=args.batches, held_out=held_out, **size)
-    if not args.formats:
-        return models.shakespeare_batches(tokenizer, count=args.batches, **size), []
-    calibration = models.shakespeare_batches(tokenizer, count=args.batches, split="train", **size)
+def plan_batches(tokenizer, text, *, count: int, held_out: int, batch_size: int, tokens: int,
+                 seed: int) -> tuple[list, list]:  # fmt: skip
+    """(calibration, held-out) token batches for a plan: ``count`` and ``held_out`` disjoint batches of
+    ``batch_size`` windows of ``tokens`` from the UTF-8 files ``text`` (drawn by ``seed``,
+    ``models.text_batches``), or, with no text, calibration on Shakespeare's training plays and the
+    check on its held-out plays."""
+    size = dict(batch_size=batch_size, tokens=tokens, seed=seed)
+    if text:
+        return models.text_batches(tokenizer, text, count=count, held_out=held_out, **size)
+    calibration = models.shakespeare_batches(tokenizer, count=count, split="train", **size)
     checked = models.shakespeare_batches(tokenizer, count=held_out, split="val", **size) if held_out else []
     return calibration, checked
+
+
+def _batches(args, tokenizer) -> tuple[list, list]:
+    """(calibration, held-out) batches of the CLI's arguments: a plan's (``plan_batches``); keep mode
+    calibrates on windows of --text or, as always, of Shakespeare's held-out plays."""
+    size = dict(batch_size=args.batch_size, tokens=args.tokens, seed=args.seed)
+    if args.formats:
+        return plan_batches(tokenizer, args.text, count=args.batches, held_out=args.held_out, **size)
+    if args.text:
+        return models.text_batches(tokenizer, args.text, count=args.batches, held_out=0, **size)
+    return models.shakespeare_batches(tokenizer, count=args.batches, **size), []
 
 
 def main(args) -> int:
@@ -610,9 +623,10 @@ def main(args) -> int:
              "hierarchical": partial(hierarchical_scores, expand=args.expand)}[args.score]  # fmt: skip
     table = score(model, batches, formats, loss_fn=loss_fn, progress=True)
     if args.score == "hierarchical":
+        alone = (table.scored_by == "layer").sum() // len(formats)
         print(f"hierarchical: {table.attrs['evaluations']} loss evaluations of the batches instead of "
-              f"{table.attrs['evaluations_flat']} ({(table.scored_by == 'layer').sum() // len(formats)} layers "
-              f"measured alone, the rest scored by their block's share)")  # fmt: skip
+              f"{table.attrs['evaluations_flat']} ({alone} layers measured alone, the rest scored by their "
+              f"block's share)")  # fmt: skip
     chosen = plan.make_plan(
         table,
         effective_bits=args.effective_bits,

@@ -44,6 +44,7 @@ TESTS = (
     "tally",
     "observed",
     "estimate",
+    "bootstrap",
     "computed",
     "",
 )  # "" with n > 0: a mean over n, 95 % interval
@@ -65,7 +66,8 @@ class Claim:
     the largest effect an undecided one could have found; "tally lower" or "tally higher" counts in value
     only the resolved ones of that sign, the n − value − equivalent − undecided others resolved the
     other way), "observed" (a single observation), "estimate" (a statistic of n samples — a ratio,
-    an extreme, a median — stated without an interval) or "computed" (exact arithmetic, no sampling)."""
+    an extreme, a median — stated without an interval), "bootstrap" (a statistic of n resampled units with
+    its 95 % percentile bootstrap interval) or "computed" (exact arithmetic, no sampling)."""
 
     key: str
     text: str
@@ -89,6 +91,7 @@ class Claim:
     digits: int = 4
     headline: bool = False
     family_size: int = field(default=0, repr=False)
+    pairs: str = field(default="seeds", repr=False)  # what a verdict calls the pairs (not saved)
 
     def __post_init__(self):
         for name in ("key", "text", "test", "family", "unit"):
@@ -168,7 +171,9 @@ class Claim:
         if (p <= ALPHA) != (t_p <= ALPHA):
             floor = 2.0 / 2**self.n if self.n else math.nan
             text += " — the two tests disagree" + (
-                f" ({self.n} seeds cannot give a sign-flip p below {floor:.3g})" if floor > ALPHA else ""
+                f" ({self.n} {self.pairs} cannot give a sign-flip p below {floor:.3g})"
+                if floor > ALPHA
+                else ""
             )
         return text
 
@@ -178,7 +183,7 @@ class Claim:
             shown = "equivalent" if self.p <= ALPHA else "not shown equivalent"
             interval = self.interval(90)
             interval = f"; 90 % interval {interval}" if interval else ""
-            tested = f"TOST over {self.n} seeds, p {self.p_text()}{interval}"
+            tested = f"TOST over {self.n} {self.pairs}, p {self.p_text()}{interval}"
             return f"{shown} within ±{self.margin:g}{unit} ({tested})"
         if self.test.startswith("tally"):
             return self.tally_text()
@@ -192,16 +197,18 @@ class Claim:
             flips = self.sign_flip_text()
             flips = f"; {flips}" if flips else ""
             if p <= ALPHA:
-                return f"resolved: paired t over {self.n} seeds, {which}{flips}"
+                return f"resolved: paired t over {self.n} {self.pairs}, {which}{flips}"
             return (
-                f"not resolved: paired t over {self.n} seeds, {which}{flips}; these seeds detect "
-                f"{self.number(self.detectable, False)}{unit} at 80 % power"
+                f"not resolved: paired t over {self.n} {self.pairs}, {which}{flips}; these {self.pairs} "
+                f"detect {self.number(self.detectable, False)}{unit} at 80 % power"
             )
         if self.test == "observed":
             return "a single observation"
         if self.test == "estimate":
             over = f" over {self.n} samples" if self.n else ""
             return f"an estimate{over}, no interval"
+        if self.test == "bootstrap":
+            return f"over {self.n} units, 95 % percentile bootstrap interval"
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
@@ -225,8 +232,8 @@ class Claim:
         )
         if self.undecided > 0:
             text += (
-                f" and {self.undecided:.0f} undecided (these seeds detect up to {self.detectable:.3g}{unit} "
-                "at 80 % power, unadjusted α)"
+                f" and {self.undecided:.0f} undecided (these {self.pairs} detect up to "
+                f"{self.detectable:.3g}{unit} at 80 % power, unadjusted α)"
             ).replace("-", "−")
         return text
 
@@ -251,7 +258,9 @@ class Claim:
 class Claims:
     """The claims of one notebook run, in the order they were made."""
 
-    def __init__(self, run):
+    def __init__(self, run, *, pairs: str = "seeds", committed: bool = True):
+        """``pairs``: what the verdicts call a paired test's pairs ("seeds", "batches"). ``committed``
+        False: a notebook with no committed results (a report), whose text needs no banner."""
         fields = ("name", "parameters", "changed")
         if isinstance(run, (str, dict)) or not all(hasattr(run, field) for field in fields):
             raise TypeError(f"run must be the NotebookRun session.start returns, got {checks.shown(run)}")
@@ -263,6 +272,10 @@ class Claims:
         self.profile = run.parameters.get("profile", "cpu")
         self._claims: dict[str, Claim] = {}
         self._banner_shown = False
+        if not isinstance(pairs, str) or not pairs:
+            raise TypeError(f"pairs must be a non-empty str naming the pairs, got {checks.shown(pairs)}")
+        self.pairs = pairs
+        self.committed = checks.boolean("committed", committed)
 
     def __getitem__(self, key: str) -> Claim:
         if key not in self._claims:
@@ -273,6 +286,7 @@ class Claims:
         return key in self._claims
 
     def _add(self, claim: Claim) -> Claim:
+        claim.pairs = self.pairs
         if not isinstance(claim.key, str) or not _KEY.match(claim.key):
             raise ValueError(f"key must be letters, digits and . _ + -, got {claim.key!r}")
         if not isinstance(claim.text, str) or not claim.text:
@@ -286,7 +300,8 @@ class Claims:
               unit: str = "", digits: int = 4, headline: bool = False) -> Claim:  # fmt: skip
         """A number stated as measured: a mean with its interval over ``n`` (low/high), a single
         observation (``test="observed"``), a statistic of n samples with no interval
-        (``test="estimate"``, over ``n``) or an exact computation (``test="computed"``)."""
+        (``test="estimate"``, over ``n``), one with a percentile bootstrap interval over n resampled
+        units (``test="bootstrap"``) or an exact computation (``test="computed"``)."""
         checks.number("value", value, finite=False)
         return self._add(Claim(key, text, float(value), math.nan if low is None else float(low),
                                math.nan if high is None else float(high), int(n), test, unit=unit,
@@ -432,7 +447,7 @@ class Claims:
 
     def banner(self) -> str:
         """ "" for the committed defaults; else one line naming the parameters that produced the text."""
-        if not self.changed and self.profile == "cpu":
+        if not self.committed or (not self.changed and self.profile == "cpu"):
             return ""
         changed = ", ".join(f"{k}={v!r}" for k, v in self.changed.items())
         profile = "" if self.profile == "cpu" else f"profile {self.profile!r}"

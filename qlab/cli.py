@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -109,6 +110,42 @@ def _build_parser() -> argparse.ArgumentParser:
     )
 
     sub.add_parser("sync", help="jupytext-sync notebooks/*.py with their .ipynb and strip outputs")
+
+    report = sub.add_parser(
+        "report",
+        help="a report on your model (outliers, scores, plans under bit budgets checked on held-out text): "
+        "the executed notebook, an HTML copy, CSVs, claims and figures in runs/report/<model>/",
+    )
+    report.add_argument(
+        "--model", default="smollm2-135m",
+        help="a packaged model, a checkpoint folder, or a hub id in the local Hugging Face cache",
+    )  # fmt: skip
+    report.add_argument(
+        "--tokenizer", default="", help="a folder or cached hub id to take the tokenizer from"
+    )
+    report.add_argument("--text", nargs="+", default=[], help="UTF-8 text files (default: Shakespeare)")
+    report.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated weight formats")
+    report.add_argument(
+        "--budgets", default="4.5,5,6", help="comma-separated effective bits per weight element: a plan each"
+    )
+    report.add_argument(
+        "--score", choices=_plan_score_kinds(), default="measured", help="what the plans are chosen from"
+    )
+    report.add_argument(
+        "--expand", type=int, default=6, help="--score hierarchical: blocks measured by layer"
+    )
+    report.add_argument("--batches", type=int, default=3, help="calibration batches")
+    report.add_argument("--held-out", type=int, default=8, help="held-out batches each plan is checked on")
+    report.add_argument("--batch-size", type=int, default=2, help="windows per batch")
+    report.add_argument("--tokens", type=int, default=64, help="tokens per window")
+    report.add_argument("--seed", type=int, default=0, help="which windows are drawn")
+    report.add_argument("--dtype", choices=("float32", "bf16"), default="float32", help="the model's dtype")
+    report.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
+    report.add_argument("--out", help="the report's folder (default runs/report/<model>/)")
+    report.add_argument("--smoke", action="store_true", help="tiny sizes: a check that the report runs")
+    report.add_argument(
+        "--timeout", type=int, default=notebooks.DEFAULT_TIMEOUT_S, help="seconds one notebook cell may take"
+    )
 
     # plain arguments: building the parser imports no torch (qlab.models / get_recipe check the names)
     advise = sub.add_parser(
@@ -315,6 +352,29 @@ def _plan_score_kinds() -> tuple[str, ...]:
     return SCORE_KINDS
 
 
+def _cmd_report(args) -> int:
+    from qlab.plan import slug
+
+    def numbers(text: str, option: str) -> list[float]:
+        try:
+            return [float(part) for part in text.split(",")]
+        except ValueError:
+            raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
+
+    parameters = dict(
+        model_name=args.model, tokenizer=args.tokenizer, text=list(args.text),
+        formats=args.formats.split(","), budgets=numbers(args.budgets, "--budgets"), score=args.score,
+        expand=args.expand, batches=args.batches, held_out=args.held_out, batch_size=args.batch_size,
+        tokens=args.tokens, seed=args.seed, dtype=args.dtype, device=args.device,
+    )  # fmt: skip
+    folder = Path(args.out) if args.out else paths.RUNS_DIR / "report" / slug(args.model)
+    result, html = notebooks.run_report(parameters, folder, smoke=args.smoke, timeout=args.timeout)
+    print(f"report on {args.model}: ok in {result.seconds:.1f} s")
+    print(f"  {paths.shown(html)} (HTML), {paths.shown(result.output)}; CSVs, claims and figures in "
+          f"{paths.shown(folder)}/data and /figures")  # fmt: skip
+    return 0
+
+
 def _cmd_advise(args) -> int:
     from qlab import advisor
 
@@ -351,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync": _cmd_sync,
         "lab": _cmd_lab,
         "advise": _cmd_advise,
+        "report": _cmd_report,
         "train": _cmd_train,
     }[args.command]
     try:

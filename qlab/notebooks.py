@@ -23,6 +23,7 @@ import nbformat
 from qlab import checks, paths
 
 KERNEL_NAME = "qlab"
+REPORT_NOTEBOOK = "report_your_model"  # qlab report's template, beside the numbered notebooks
 DEFAULT_TIMEOUT_S = 1800  # per cell
 
 
@@ -297,12 +298,40 @@ def strip_outputs(notebook: Path) -> bool:
     return changed
 
 
+def run_report(parameters: dict, folder: Path, *, smoke: bool = False,
+               timeout: int = DEFAULT_TIMEOUT_S) -> tuple[RunResult, Path]:  # fmt: skip
+    """``qlab report``: the report notebook run with ``parameters`` into ``folder`` (its executed copy,
+    data/ and figures/), then exported to HTML beside the copy. Returns (the run, the HTML's path); a
+    failed cell raises NotebookError with the executed copy kept."""
+    notebook = paths.NOTEBOOKS_DIR / f"{REPORT_NOTEBOOK}.ipynb"
+    folder = Path(folder)
+    output = folder / f"{REPORT_NOTEBOOK}.ipynb"
+    result = run_notebook(
+        notebook, parameters, smoke=smoke, output=output, results_dir=folder, timeout=timeout
+    )
+    return result, export_html(result.output)
+
+
+def export_html(notebook: Path) -> Path:
+    """An executed notebook as one self-contained HTML file beside it (nbconvert; figures embedded)."""
+    from nbconvert import HTMLExporter
+
+    notebook, nb = _read(notebook)
+    body, _ = HTMLExporter().from_notebook_node(nb)
+    target = notebook.with_suffix(".html")
+    with paths.written_atomically(target) as tmp:
+        Path(tmp).write_text(body, encoding="utf-8")
+    return target
+
+
 def sync_notebooks() -> list[Path]:
-    """jupytext --sync every notebooks/*.py with its .ipynb (the newer side wins), then strip outputs."""
+    """jupytext --sync every notebooks/*.py (the numbered ones and the report) with its .ipynb (the newer
+    side wins), then strip outputs."""
     from jupytext.cli import jupytext as jupytext_cli
 
     synced = []
-    for source in sorted(paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py")):
+    sources = [*paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.py"), paths.NOTEBOOKS_DIR / f"{REPORT_NOTEBOOK}.py"]
+    for source in sorted(sources):
         ipynb = source.with_suffix(".ipynb")
         if ipynb.exists():
             jupytext_cli(["--quiet", "--sync", str(source)])

@@ -242,7 +242,11 @@ def score_agreement(first: pd.DataFrame, second: pd.DataFrame, *, draws: int = 2
     high)."""
     from scipy import stats as scipy_stats
 
-    first, second = _check_scores(first), _check_scores(second)
+    for name, frame in (("first", first), ("second", second)):
+        try:
+            _check_scores(frame)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{name}: {error}") from None
     checks.integer("draws", draws, low=1, high=MAX_DRAWS)
     checks.seed("seed", seed)
     same = ["layer", "format"]

@@ -112,6 +112,7 @@ ZERO_ALLOWED = {
     "pretrain_steps",  # 0: an untrained model's operands
     "chargpt_steps",
     "capture_steps",
+    "expand",  # 0: every block scored by its share, none measured layer by layer
 }
 
 
@@ -125,6 +126,27 @@ def _packaged_model(name, value):
     from qlab.models import PACKAGED
 
     checks.choice(name, value, tuple(PACKAGED))
+
+
+def _any_model(name, value):
+    """A packaged name, a checkpoint folder or a hub id in the local Hugging Face cache (never fetched)."""
+    from qlab.models import PACKAGED, checkpoint_folder
+
+    if value not in PACKAGED:
+        try:
+            checkpoint_folder(value)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"{name}: {error}") from None
+
+
+def _plan_format(name, value):
+    from qlab.plan import plan_formats
+
+    plan_formats([value], argument=name)
+
+
+def _text_file(name, value):
+    paths.existing_file(name, value, "UTF-8 text file")
 
 
 def _fraction(name, value):
@@ -163,7 +185,13 @@ PARAMETER_RULES = {
     "fidelity_recipes": _recipe_name,
     "finetune_recipes": _recipe_name,
     "overrides": lambda name, value: checks.choice(name, value, ("none", "high_precision", "dequantized")),
-    "model_name": _packaged_model,
+    "model_name": _any_model,
+    "tokenizer": lambda name, value: value == "" or _any_model(name, value),
+    "text": _text_file,
+    "formats": _plan_format,
+    "score": lambda name, value: checks.choice(name, value, ("measured", "approximated", "hierarchical")),
+    "dtype": lambda name, value: checks.choice(name, value, ("float32", "bf16")),
+    "held_out": lambda name, value: checks.integer(name, value, low=2),
     "pretrained_models": _packaged_model,
     "pretrained_model": lambda name, value: value == "" or _packaged_model(name, value),
     "train_variants": _training_variant,

@@ -255,3 +255,17 @@ def test_every_committed_headline_states_its_test():
         for problem in claims_module.headline_problems(claims_module.load(path))
     ]
     assert problems == []
+
+
+def test_a_report_names_its_pairs_and_has_no_banner_to_show():
+    claims = Claims(_run(changed={"model_name": "mine"}), pairs="batches", committed=False)
+    claims.paired("gap", [0.002, -0.003, 0.001, -0.001], text="plan − float", unit="nats")
+    claims.equivalence("same", [0.0001, -0.0002, 0.0001, 0.0], margin=0.01, text="plan − float")
+    text = claims.render("{gap} ({gap:verdict}); {same:verdict}")
+    assert text.startswith("+") or text.startswith("−")  # no banner: nothing committed to differ from
+    assert "not resolved: paired t over 4 batches" in text and "these batches detect" in text
+    assert "TOST over 4 batches" in text
+    assert "seeds" not in text
+    assert Claims(_run(changed={"model_name": "mine"})).render("x").startswith("> **These conclusions")
+    with pytest.raises(TypeError, match="pairs must be a non-empty str"):
+        Claims(_run(), pairs="")

@@ -297,6 +297,13 @@ def plan_table() -> pd.DataFrame:
     return table.assign(batch_1=[0.2, 0.0, 0.3, 0.0], score=[0.3, 0.0, 0.2, 0.0])
 
 
+def agreement_table() -> pd.DataFrame:
+    """Three layers in two formats with scores: what qlab.plan.score_agreement ranks."""
+    return pd.DataFrame({"layer": ["a", "a", "b", "b", "c", "c"], "format": ["mxfp8", "bf16"] * 3,
+                         "elements": [64] * 6, "bits": [544, 1024] * 3,
+                         "score": [0.3, 0.0, 0.1, 0.0, 0.2, 0.0]})  # fmt: skip
+
+
 def with_underscored(fn):
     """``fn`` taking its ``_name`` keyword arguments as ``name``: such an argument is passed on, not fuzzed
     (batches that go to the caller's loss_fn, which checks them)."""
@@ -928,6 +935,16 @@ ENTRY_POINTS = {
             kind="measured",
         ),  # fmt: skip
     ),
+    "plan.score_agreement": (
+        qlab_plan.score_agreement,
+        lambda: dict(first=agreement_table(), second=agreement_table(), draws=5, seed=0),
+    ),
+    "advisor.blocks_of": (advisor.blocks_of, lambda: dict(layers=["model.layers.0.mlp", "lm_head"])),
+    "advisor.hierarchical_scores": (
+        with_underscored(advisor.hierarchical_scores),
+        lambda: dict(model=tiny(), _batches=[x(), x(seed=1)], formats=["mxfp8", "bf16"], expand=1,
+                     loss_fn=square_loss, progress=False),
+    ),  # fmt: skip
     "advisor.config_hash": (advisor.config_hash, lambda: dict(model=tiny())),
     "plan.token_hash": (qlab_plan.token_hash, lambda: dict(batches=[token_ids(), token_ids(seed=1)])),
     "plan.slug": (qlab_plan.slug, lambda: dict(model="someone/tiny-llama")),
@@ -1320,7 +1337,8 @@ NOT_GENERATED = {
     "(tests/test_cli.py)": """
         cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main""",
     "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
-        notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder""",
+        notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder
+        notebooks.run_report notebooks.export_html""",
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
         seed_model.ddp_audit train.loop.compiled_step_model""",
@@ -1334,7 +1352,7 @@ NOT_GENERATED = {
     "checkpoints and text read from files: built, saved and read in tests/test_your_model.py (folders, a "
     "hub cache, no network, non-UTF-8 and short text)": """
         models.load_any models.checkpoint_folder models.checkpoint_folder_or_tokenizer models.model_kind
-        models.text_batches""",
+        models.text_batches advisor.plan_batches""",
     "the advisor's argument checks, reached through layer_sensitivity, group_sensitivity and the plan's "
     "score functions above": """
         advisor.check_measurement advisor.check_layers""",

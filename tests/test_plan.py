@@ -415,8 +415,42 @@ def test_score_agreement_is_spearmans_rho_over_the_quantized_rows_with_a_layer_b
     second = first.assign(score=first.score + rng.normal(scale=0.5, size=len(table)))
     rho, low, high = plan.score_agreement(first, second, draws=500)
     quantized = first.format != plan.HIGH_PRECISION
-    assert rho == pytest.approx(scipy_stats.spearmanr(first.score[quantized], second.score[quantized]).statistic)
+    assert rho == pytest.approx(
+        scipy_stats.spearmanr(first.score[quantized], second.score[quantized]).statistic
+    )
     assert low < rho < high
-    assert plan.score_agreement(first, first, draws=50) == pytest.approx((1.0, 1.0, 1.0), abs=1e-12)  # float64 ρ
+    assert plan.score_agreement(first, first, draws=50) == pytest.approx(
+        (1.0, 1.0, 1.0), abs=1e-12
+    )  # float64 ρ
     with pytest.raises(ValueError, match="same .layer, format. rows"):
         plan.score_agreement(first, second.iloc[::-1], draws=10)
+
+
+def test_a_training_run_takes_a_plan_file_and_builds_each_layer_in_its_format(tmp_path):
+    from qlab.train.config import TrainConfig
+    from qlab.train.loop import build_model, train
+
+    names = [name for name, _, why in linear_layers(build_model(TrainConfig(task="digits"))) if why is None]
+    assert len(names) == 3
+    planned = dict(zip(names, ["nvfp4", "mxfp8", "bf16"]))
+    path = plan.Plan(layers=planned).save(tmp_path / "digits.json")
+    config = TrainConfig(task="digits", recipe_plan=str(path), steps=2, eval_every=1, eval_batches=1,
+                         batch_size=8, progress=False)  # fmt: skip
+    model = build_model(config)
+    for name, format_name in planned.items():
+        layer = model.get_submodule(name)
+        if format_name == "bf16":
+            assert type(layer) is torch.nn.Linear
+        else:
+            assert isinstance(layer, QuantLinear) and layer.recipe.name == get_recipe(format_name).name
+    assert math.isfinite(train(config).metrics.val_loss.dropna().iloc[-1])
+
+    with pytest.raises(ValueError, match="recipe must be fp32 or bf16 .* got 'nvfp4'"):
+        TrainConfig(task="digits", recipe="nvfp4", recipe_plan=str(path))
+    with pytest.raises(ValueError, match="leave keep_high_precision unset"):
+        TrainConfig(task="digits", recipe_plan=str(path), keep_high_precision=["head"])
+    with pytest.raises(ValueError, match="does not exist"):
+        TrainConfig(task="digits", recipe_plan=str(tmp_path / "none.json"))
+    other = plan.Plan(layers={"net.9": "nvfp4", **dict(list(planned.items())[1:])}).save(tmp_path / "o.json")
+    with pytest.raises(ValueError, match="net.9"):
+        build_model(TrainConfig(task="digits", recipe_plan=str(other)))

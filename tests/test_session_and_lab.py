@@ -310,7 +310,10 @@ BAD_PARAMETERS = [
         "unknown sensitivity_recipe 'nvfp5'",
     ),
     ("06_real_model_numerics", "keep_recipes", ["mxfp8", "mxfp9"], ValueError, "keep_recipes\\[1\\] 'mxfp9'"),
-    ("06_real_model_numerics", "model_name", "gpt2", ValueError, "unknown model_name 'gpt2'"),
+    ("06_real_model_numerics", "model_name", "gpt2", ValueError, "model_name: model 'gpt2' is neither a packaged"),
+    ("report_your_model", "formats", ["nvfp4", "mxfp9"], ValueError, "formats\\[1\\] names 'mxfp9'"),
+    ("report_your_model", "score", "guessed", ValueError, "score"),
+    ("report_your_model", "held_out", 1, ValueError, "held_out"),
     ("06_real_model_numerics", "keep_fraction", 1.5, ValueError, "keep_fraction must be a finite number in"),
     (
         "03_backward_override_training_curves",

@@ -227,7 +227,8 @@ def test_qlab_advise_hierarchical_says_what_it_saved_and_refuses_bad_devices_fir
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     common = ["advise", "--model", str(folder), "--text", str(text), "--tokens", "16", "--batches", "2",
-              "--formats", "nvfp4,bf16", "--effective-bits", "8", "--plan-out", str(tmp_path / "p.json")]  # fmt: skip
+              "--formats", "nvfp4,bf16", "--effective-bits", "8",
+              "--plan-out", str(tmp_path / "p.json")]  # fmt: skip
     assert cli.main([*common, "--score", "hierarchical", "--expand", "0"]) == 0
     # one decoder layer (7 projections) and lm_head, each measured whole in nvfp4: 2 of 8 evaluations
     assert "hierarchical: 2 loss evaluations of the batches instead of 8 (1 layers measured alone" in (
@@ -246,3 +247,52 @@ def test_qlab_advise_hierarchical_says_what_it_saved_and_refuses_bad_devices_fir
         assert "torch sees no CUDA device" in capsys.readouterr().err
     assert cli.main([*common, "--device", "tpu9"]) == 2
     assert "unknown device --device='tpu9'" in capsys.readouterr().err
+
+
+@pytest.mark.notebook
+def test_qlab_report_runs_on_a_checkpoint_folder_into_its_own_folder(tmp_path, capsys):
+    import json
+
+    import pandas as pd
+
+    from qlab import cli
+
+    folder = _save(_llama(), tmp_path / "checkpoint")
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "report"
+    arguments = ["report", "--model", str(folder), "--text", str(text), "--budgets", "6,8", "--out", str(out)]
+    assert cli.main([*arguments, "--smoke"]) == 0
+    assert "report on" in capsys.readouterr().out
+    html = (out / "report_your_model.html").read_text()
+    assert "Your model under a bit budget" in html and "<img" in html  # figures embedded
+    claims = pd.read_csv(out / "data" / "report_your_model_claims.csv").set_index("key")
+    for budget in ("6", "8"):  # each plan's check: three comparisons, Holm within the budget
+        rows = claims.loc[[f"held_out.{budget}.{short}" for short in ("float", "cheapest", "rule")]]
+        assert (rows.family == f"held_out.{budget}").all() and rows.p_adjusted.notna().all()
+        saved = json.loads((out / "data" / f"report_your_model_plan_{budget}bits.json").read_text())
+        assert saved["model"] == str(folder) and saved["effective_bits"] == float(budget)
+    assert claims.loc["agreement", "test"] == "bootstrap"
+    for figure in ("formats", "scores", "held_out", "agreement"):
+        assert list((out / "figures").glob(f"report_your_model_{figure}.*")), figure
+    weights = pd.read_csv(out / "data" / "report_your_model_weights.csv")
+    assert set(weights.format) == {"nvfp4", "mxfp8"}
+    # bad input is refused before a kernel starts, naming the parameter
+    assert cli.main([*arguments, "--formats", "nvfp4,mxfp9"]) == 2
+    assert "formats[1] names 'mxfp9', not a recipe preset" in capsys.readouterr().err
+    assert cli.main([*arguments[:2], str(tmp_path / "nowhere"), *arguments[3:]]) == 2
+    assert "is neither a packaged model" in capsys.readouterr().err
+
+
+@pytest.mark.notebook
+def test_notebook_06_takes_a_checkpoint_folder_and_refuses_what_is_not_a_llama_style_decoder(tmp_path):
+    from qlab.notebooks import NotebookError, run_notebook
+
+    folder = _save(_gpt2(), tmp_path / "gpt2")
+    with pytest.raises(NotebookError, match="Llama-style decoders of 2 or more layers.*qlab report --model"):
+        run_notebook("06", {"model_name": str(folder)}, smoke=True, output=tmp_path / "06.ipynb",
+                     results_dir=tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match="model_name: model .* is neither a packaged model"):
+        run_notebook(
+            "06", {"model_name": str(tmp_path / "nowhere")}, smoke=True, output=tmp_path / "06.ipynb"
+        )

@@ -23,6 +23,7 @@ from qlab.sparse import MODES as TOPK_MODES
 from qlab.sparse import check_k
 
 TASKS = ("shakespeare", "digits")
+KEEP_DEFAULT = ["head", "last_layer"]  # the layers a recipe leaves in high precision unless told
 BASELINES = ("fp32", "bf16")  # no quantization; bf16 runs the model under bf16 autocast
 RECIPES = BASELINES + tuple(name for name in PRESETS if name != "bf16")
 AUTOCAST_DTYPES = (None, "bf16", "fp16")
@@ -85,6 +86,13 @@ def _keep_patterns(name, value):
     return {recipe: checks.patterns(f"{name}[{recipe!r}]", patterns) for recipe, patterns in value.items()}
 
 
+def _plan_file(name, value):
+    """A plan file qlab.plan can read (its layers are checked against the model when it is built)."""
+    from qlab.plan import Plan
+
+    Plan.load(value)
+
+
 # Each TrainConfig field's (types, rule). Every field's type is checked before any rule runs, so a wrong
 # type is a TypeError whatever else is wrong; types None: any type, the rule decides. rule(name, value)
 # returns the value to store (a bare pattern string becomes a list); rule None: the type is all there is
@@ -93,6 +101,7 @@ def _keep_patterns(name, value):
 FIELD_RULES = {
     "task": (str, _check(_among, TASKS)),
     "recipe": (str, _check(_among, RECIPES)),
+    "recipe_plan": ((str, _NONE), _check(_plan_file)),
     "backward_override": ((str, _NONE), None),  # what the recipe allows (get_recipe)
     "gemm": (str, None),  # what the recipe can run (check_gemm)
     "compile": (bool, None),
@@ -167,6 +176,9 @@ class TrainConfig:
 
     task: str = "shakespeare"
     recipe: str = "fp32"  # fp32, bf16 or a qlab.recipe preset
+    # a qlab.plan file (qlab advise --formats): each layer in its planned format; recipe is then fp32
+    # or bf16, what the layers the plan keeps high run in, and keep_high_precision is the plan's
+    recipe_plan: str | None = None
     backward_override: str | None = None  # None, "high_precision" or "dequantized"
     gemm: str = (
         "auto"  # QuantLinear's GEMMs: "auto" (FP8 tensor cores where CUDA has them), "emulated", "scaled_mm"
@@ -178,9 +190,7 @@ class TrainConfig:
     ablate: list[str] = field(
         default_factory=list
     )  # recipe ingredients switched off (qlab.ablation.INGREDIENTS)
-    keep_high_precision: list[str] | dict[str, list[str]] = field(
-        default_factory=lambda: ["head", "last_layer"]
-    )
+    keep_high_precision: list[str] | dict[str, list[str]] = field(default_factory=lambda: list(KEEP_DEFAULT))
     # model (CharGPT for shakespeare, MLP for digits)
     context: int = 128
     layers: int = 5
@@ -237,6 +247,8 @@ class TrainConfig:
 
         # rules that need several fields
         baseline = self.recipe in BASELINES
+        if self.recipe_plan is not None:
+            self._check_plan_fields(baseline)
         # a backward override changes a quantized recipe's backward: a baseline has none to change
         if baseline and self.backward_override is not None:
             raise ValueError(
@@ -295,6 +307,27 @@ class TrainConfig:
         # a resumed run reads its checkpoint from out_dir
         if self.resume and not self.out_dir:
             raise ValueError("resume=True needs out_dir (where the checkpoint is)")
+
+    def _check_plan_fields(self, baseline: bool) -> None:
+        """A plan decides each layer's format: the fields that would decide it too are refused."""
+        from qlab.plan import Plan
+
+        if not baseline:
+            raise ValueError(
+                f"recipe_plan gives each layer its format; recipe must be fp32 or bf16 (what the layers the "
+                f"plan keeps high run in), got {self.recipe!r}"
+            )
+        clashing = {
+            "backward_override": self.backward_override is not None,
+            "ablate": bool(self.ablate),
+            "topk": self.topk is not None,
+            "keep_high_precision": self.keep_high_precision != KEEP_DEFAULT,
+        }
+        set_too = [name for name, is_set in clashing.items() if is_set]
+        if set_too:
+            raise ValueError(f"recipe_plan decides each layer's format; leave {', '.join(set_too)} unset")
+        for name in set(Plan.load(self.recipe_plan).layers.values()) - set(BASELINES):
+            check_gemm(self.gemm, get_recipe(name))
 
     @property
     def micro_batch(self) -> int:

@@ -113,7 +113,9 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
             model = MLP(64, tuple(config.hidden), 10)
     if config.layer_norm != "torch":
         use_stats_layer_norms(model, config.layer_norm, LAYER_NORM_ACC[config.layer_norm_acc])
-    if config.recipe not in BASELINES:
+    if config.recipe_plan is not None:
+        quantize_model(model, config.recipe_plan, seed=config.seed + 10_000 * rank, gemm=config.gemm)
+    elif config.recipe not in BASELINES:
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(
             model,
