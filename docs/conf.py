@@ -29,6 +29,8 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints", "README.md"]
+# fragments other pages include: not pages of their own (no untitled entries in the search)
+exclude_patterns += ["_generated/results/*.md", "_generated/findings_table.md", "_generated/findings_pages.md"]
 root_doc = "index"
 
 # notebooks render as executed (runs/ or runs/smoke/) or as committed; the build never runs them
@@ -53,6 +55,7 @@ html_theme_options = {
     "use_fullscreen_button": False,
     "navigation_with_keys": False,
 }
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["qlab.css"]  # code blocks wrap
 html_last_updated_fmt = None
 html_show_sourcelink = False

@@ -339,6 +339,7 @@ def check_noise_arguments(shape, generator) -> None:
         isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
     ):
         raise TypeError(f"shape must be a tuple of non-negative ints, got {checks.shown(shape)}")
+    checks.allocatable("shape", shape)  # float32 noise
     checks.generator("generator", generator)
 
 

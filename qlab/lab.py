@@ -229,6 +229,7 @@ def main(extra=()) -> None:
     install_lab_settings()
     (paths.RUNS_DIR / "interactive").mkdir(parents=True, exist_ok=True)
     os.environ.pop("MPLBACKEND", None)
+    os.environ[paths.LAB_ENV] = "1"  # the kernels say where a save keeps the copy with outputs
     extra = list(extra)
     if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
         print("qlab lab: running as root (a container?): passing --allow-root to JupyterLab")

@@ -685,6 +685,7 @@ def check_layer_norm_grads(
         raise TypeError(f"shape must be a tuple of positive ints, got {checks.shown(shape)}")
     for size in shape:
         checks.integer("shape", size, low=1)
+    checks.allocatable("shape", shape, element_size=8)  # the float64 reference
     tol = _GRADCHECK_TOLERANCE[dtype] if tolerance is None else tolerance
     generator = torch.Generator().manual_seed(seed)
     normalized = shape[-1:]

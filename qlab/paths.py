@@ -19,6 +19,7 @@ from pathlib import Path
 from qlab import checks
 
 RESULTS_ENV = "QLAB_RESULTS_DIR"
+LAB_ENV = "QLAB_LAB"  # set by qlab lab for the server and its kernels: a save keeps an executed copy
 HEADLESS_ENV = "QLAB_HEADLESS"  # set by qlab.notebooks.run_notebook for the kernel: progress as text
 PROFILE_ENV = "QLAB_PROFILE"  # "paper": results go to data/paper/ and figures/paper/
 

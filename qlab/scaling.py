@@ -198,6 +198,10 @@ class DelayedScaling:
     def observe(self, amax: torch.Tensor) -> None:
         if not isinstance(amax, torch.Tensor):
             checks.number("amax", amax, low=0, finite=False)
+        elif amax.numel() != 1:
+            raise ValueError(
+                f"amax must be one value (a 0-d or one-element tensor), got shape {tuple(amax.shape)}"
+            )
         amax = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
         if self._step_amax is not None and amax.device != self._step_amax.device:
             amax = amax.to(self._step_amax.device)

@@ -325,4 +325,7 @@ def start(name: str, namespace: dict) -> NotebookRun:
         text = json.dumps(record, indent=1, sort_keys=True) + "\n"
         (paths.data_dir() / f"{name}_machine.json").write_text(text)
     print(f"{name}: results go to {where} ({why}); device {device}")
+    if os.environ.get(paths.LAB_ENV) == "1":  # JupyterLab through qlab lab: a save writes an executed copy
+        saved = paths.shown(interactive_dir(name, changed) / f"{name}.ipynb")
+        print(f"{name}: a save keeps this notebook with its outputs at {saved} (the tracked file, without)")
     return NotebookRun(name, current, changed, results_dir, device)

@@ -116,9 +116,14 @@ class GradientMask:
             for name, module in candidates.items()
             if not any(checks.matches(name, pattern) for pattern in keep)
         }
-        if not self.selected:
-            shown = [p.__name__ if isinstance(p, type) else p for p in patterns]
+        shown = [p.__name__ if isinstance(p, type) else p for p in patterns]
+        if not candidates:
             raise ValueError(f"modules {shown} (name patterns or classes) match no module of the model")
+        if not self.selected:
+            raise ValueError(
+                f"keep {keep} keeps every one of the {len(candidates)} modules that modules {shown} select: "
+                "nothing is left to sparsify"
+            )
         self.fractions: list[float] = []
         self._handles = [
             module.register_full_backward_pre_hook(self._hook) for module in self.selected.values()

@@ -33,6 +33,7 @@ def activations(
         raise TypeError(f"shape must be a non-empty tuple of ints, got {checks.shown(shape)}")
     for size in shape:
         checks.integer("shape", size, low=0)
+    checks.allocatable("shape", shape)
     checks.generator("generator", generator, optional=False)
     checks.integer("outlier_channels", outlier_channels, low=0)
     checks.number("outlier_scale", outlier_scale)

@@ -239,6 +239,12 @@ CASES = [
     ("DelayedScaling fmt", lambda: scaling.DelayedScaling("e9m9"), ValueError, "e9m9"),
     ("DelayedScaling observe str", lambda: scaling.DelayedScaling().observe("x"), TypeError, "amax"),
     (
+        "DelayedScaling observe a per-channel amax",
+        lambda: scaling.DelayedScaling().observe(torch.ones(4)),
+        ValueError,
+        "got shape (4,)",
+    ),
+    (
         "mx_scale_codes mode",
         lambda: scaling.mx_scale_codes(torch.ones(1), "e4m3", "nearest"),
         ValueError,

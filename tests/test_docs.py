@@ -19,6 +19,7 @@ the ones rendered.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -250,6 +251,19 @@ def test_every_public_name_has_an_api_entry(site):
     assert not missing, f"public names without an API entry: {missing}"
 
 
+def in_chromium(test):
+    """A test of the built site in Debian's Chromium: marked docs and browser, run beside the docs build."""
+    marks = [
+        pytest.mark.docs,
+        pytest.mark.browser,
+        pytest.mark.xdist_group("docs"),
+        pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium"),
+    ]
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
 def _walk(site: Path):
     """Open every page the navigation reaches; yield (page, images that did not load, broken links)."""
     from playwright.sync_api import sync_playwright
@@ -306,10 +320,7 @@ def _walk(site: Path):
     return results, broken
 
 
-@pytest.mark.docs
-@pytest.mark.browser
-@pytest.mark.xdist_group("docs")
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
+@in_chromium
 def test_the_site_walks_in_chromium_every_image_loads_and_no_internal_link_is_broken(site):
     results, broken = _walk(site)
     pages = {Path(urllib.parse.urlparse(url).path).relative_to(site).as_posix() for url, _, _ in results}
@@ -324,27 +335,80 @@ def test_the_site_walks_in_chromium_every_image_loads_and_no_internal_link_is_br
     assert shown == len(list((ROOT / "notebooks").glob("[0-9][0-9]_*.py")))
 
 
-@pytest.mark.docs
-@pytest.mark.browser
-@pytest.mark.xdist_group("docs")
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's Chromium at /usr/bin/chromium")
-def test_from_home_the_gpu_table_s_time_column_is_in_view_without_scrolling(site):
+@contextlib.contextmanager
+def _browser_page(site: Path, start: str = "index.html"):
+    """A Chromium page at 1400 × 900 opened on ``start`` of the built site."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto((site / "index.html").resolve().as_uri(), wait_until="load")
-        page.locator(".bd-sidebar a, nav a").filter(has_text=re.compile(r"^\s*Benchmarks\s*$")).first.click()
-        page.wait_for_load_state("load")
+        page.goto((site / start).resolve().as_uri(), wait_until="load")
+        try:
+            yield page
+        finally:
+            browser.close()
+
+
+def _click(page, selector: str, text: str) -> None:
+    page.locator(selector).filter(has_text=re.compile(text)).first.click()
+    page.wait_for_load_state("load")
+
+
+@in_chromium
+def test_from_home_the_gpu_table_s_time_column_is_in_view_without_scrolling(site):
+    with _browser_page(site) as page:
+        _click(page, ".bd-sidebar a, nav a", r"^\s*Benchmarks\s*$")
         assert page.url.endswith("benchmarks.html"), page.url
         table = page.locator("#on-the-gpu-at-a-glance table").first
         header = table.locator("th").filter(has_text=re.compile(r"^\s*ms\s*$")).first
         box = header.bounding_box()
         scrolled = table.evaluate("t => (t.closest('.pst-scrollable-table-container') || t).scrollLeft")
-        browser.close()
     assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, box
     assert scrolled == 0
+
+
+@in_chromium
+def test_from_home_a_findings_page_shows_its_answer_and_key_figure_in_the_first_screen(site):
+    with _browser_page(site) as page:
+        _click(page, ".bd-sidebar a, nav a", r"^\s*Findings\s*$")
+        _click(page, "a:visible", r"Does LayerNorm need Welford")
+        assert page.url.endswith("_generated/findings/02_welford_vs_naive_variance.html"), page.url
+        page.wait_for_function("() => Array.from(document.images).every(i => i.complete)", timeout=30_000)
+        answer = page.locator("#the-answer p").nth(1).bounding_box()  # the question, then the answer
+        figure = page.locator("#the-answer img").first.bounding_box()
+        claims_open = page.locator("#claims details").first.evaluate("d => d.open")
+    assert answer is not None and 0 <= answer["y"] < 900, answer
+    assert figure is not None and 0 <= figure["y"] < 900 and figure["height"] > 100, figure
+    assert claims_open is False  # the claims table is there, collapsed
+
+
+@in_chromium
+@pytest.mark.parametrize("page_name", ["getting_started.html", "models.html", "your_model.html"])
+def test_code_blocks_wrap_instead_of_running_off_the_page(site, page_name):
+    with _browser_page(site, page_name) as page:
+        cut = page.evaluate(
+            "() => Array.from(document.querySelectorAll('div.highlight pre'))"
+            ".filter(p => p.scrollWidth > p.clientWidth + 1).map(p => p.textContent.slice(0, 60))"
+        )
+        blocks = page.locator("div.highlight pre").count()
+    assert blocks > 0 and cut == [], cut
+
+
+def test_every_findings_page_has_an_answer_filled_from_its_committed_claims():
+    import yaml
+
+    from qlab import claims
+
+    answers = yaml.safe_load((ROOT / "docs" / "answers.yaml").read_text())
+    notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+    assert sorted(answers) == notebooks
+    for name, entry in answers.items():
+        text = claims.render_committed(
+            ROOT / "data" / f"{name}_claims.csv", entry["answer"]
+        )  # KeyError: drift
+        assert "{" not in text and entry["question"].endswith("?")
+        assert (ROOT / "figures" / f"{entry['figure']}.png").exists(), entry["figure"]
 
 
 # --- benchmarks as data ---------------------------------------------------------------------------

@@ -942,8 +942,14 @@ ENTRY_POINTS = {
     "advisor.blocks_of": (advisor.blocks_of, lambda: dict(layers=["model.layers.0.mlp", "lm_head"])),
     "advisor.hierarchical_scores": (
         with_underscored(advisor.hierarchical_scores),
-        lambda: dict(model=tiny(), _batches=[x(), x(seed=1)], formats=["mxfp8", "bf16"], expand=1,
-                     loss_fn=square_loss, progress=False),
+        lambda: dict(
+            model=tiny(),
+            _batches=[x(), x(seed=1)],
+            formats=["mxfp8", "bf16"],
+            expand=1,
+            loss_fn=square_loss,
+            progress=False,
+        ),
     ),  # fmt: skip
     "advisor.config_hash": (advisor.config_hash, lambda: dict(model=tiny())),
     "plan.token_hash": (qlab_plan.token_hash, lambda: dict(batches=[token_ids(), token_ids(seed=1)])),
@@ -1158,8 +1164,12 @@ def _variants(value) -> list[tuple[str, str, object]]:
     if callable(value) and not isinstance(value, type):
         return [(WRONG_KIND, "an int", 3), (WRONG_KIND, "a string", "loss"), *none]
     if isinstance(value, (list, tuple)):
+        huge = [
+            (MAYBE, f"2**{bits} inside", type(value)([2**bits] * max(1, len(value)))) for bits in (40, 62)
+        ]
         return [
             (WRONG_KIND, "an int", 3),
+            *(huge if value and all(isinstance(v, int) and not isinstance(v, bool) for v in value) else []),
             (MAYBE, "empty", type(value)()),
             (MAYBE, "None inside", type(value)([None])),
             (MAYBE, "a string inside", type(value)(["x"])),
@@ -1276,6 +1286,54 @@ def test_bad_input_is_refused_clearly_or_computed_right(entry, data):
     if category == SAME:
         expected = fn(**{**valid()})
         assert _same(result, expected), f"{name} = {label} gave another result than the contiguous input"
+
+
+OVERFLOWING = (2**40, 2**48, 2**62)  # sizes whose storage overflows, or cannot be allocated
+
+
+def _size_like(value) -> bool:
+    """An int argument, or a list/tuple of ints (a shape): what a size can be."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    return isinstance(value, (list, tuple)) and bool(value) and all(_size_like(v) for v in value)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_every_size_like_argument_that_overflows_is_refused_clearly(entry):
+    """Each int (or shape) argument set to 2⁴⁰, 2⁴⁸ and 2⁶² in turn: the call returns or is refused with a
+    TypeError/ValueError naming the argument, raised in qlab — never torch's "Storage size calculation
+    overflowed" or an allocator's error. A call may take at most 60 s (no loop over 2⁴⁰ items)."""
+    import signal
+
+    fn, valid = ENTRY_POINTS[entry]
+
+    def too_long(signum, frame):
+        raise TimeoutError("still running after 60 s")
+
+    problems = []
+    for name, value in valid().items():
+        if name.startswith("_") or not _size_like(value):
+            continue
+        for size in OVERFLOWING:
+            arguments = valid()
+            arguments[name] = type(value)([size] * len(value)) if isinstance(value, (list, tuple)) else size
+            previous = signal.signal(signal.SIGALRM, too_long)
+            signal.alarm(60)
+            try:
+                fn(**arguments)
+            except TimeoutError:
+                problems.append(f"{name} = {size} ran for more than 60 s")
+            except Exception as err:  # noqa: BLE001 — every exception is examined
+                try:
+                    _check_refusal(err, name, f"{size}", False)
+                except AssertionError as problem:
+                    problems.append(str(problem).splitlines()[0][:300])
+            finally:
+                signal.alarm(0)
+                signal.signal(signal.SIGALRM, previous)
+    assert not problems, "\n".join(problems)
 
 
 def test_a_write_that_fails_midway_leaves_the_old_file_whole(monkeypatch):

@@ -62,6 +62,22 @@ def test_other_parameters_write_under_runs_interactive_and_say_so(interactive, c
     assert paths.results_root() == paths.ROOT
 
 
+def test_in_qlab_lab_the_notebook_says_where_a_save_keeps_its_outputs(interactive, capsys, monkeypatch):
+    from qlab import lab
+
+    monkeypatch.setenv(paths.LAB_ENV, "1")
+    namespace = dict(session.notebook_defaults(NAME), smoke=True)
+    session.start(NAME, namespace)
+    printed = capsys.readouterr().out
+    source = session.parameters_source(NAME).replace("smoke: bool = False", "smoke: bool = True")
+    content = {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": source}]}
+    saved = paths.shown(lab.executed_copy(NAME, content))  # where LabContentsManager.save writes it
+    assert f"a save keeps this notebook with its outputs at {saved}" in printed
+    monkeypatch.delenv(paths.LAB_ENV)
+    session.start(NAME, namespace)
+    assert "a save keeps" not in capsys.readouterr().out  # papermill, a plain kernel: no such copy
+
+
 def test_a_bool_is_not_the_int_one(interactive):
     refused = r"smoke must be a bool .*got 0 \(int\) \(in the parameters cell of 02_"
     with pytest.raises(TypeError, match=refused):
@@ -310,7 +326,13 @@ BAD_PARAMETERS = [
         "unknown sensitivity_recipe 'nvfp5'",
     ),
     ("06_real_model_numerics", "keep_recipes", ["mxfp8", "mxfp9"], ValueError, "keep_recipes\\[1\\] 'mxfp9'"),
-    ("06_real_model_numerics", "model_name", "gpt2", ValueError, "model_name: model 'gpt2' is neither a packaged"),
+    (
+        "06_real_model_numerics",
+        "model_name",
+        "gpt2",
+        ValueError,
+        "model_name: model 'gpt2' is neither a packaged",
+    ),
     ("report_your_model", "formats", ["nvfp4", "mxfp9"], ValueError, "formats\\[1\\] names 'mxfp9'"),
     ("report_your_model", "score", "guessed", ValueError, "score"),
     ("report_your_model", "held_out", 1, ValueError, "held_out"),

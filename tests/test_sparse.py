@@ -756,3 +756,15 @@ def test_train_digits_validates_on_the_chosen_split_and_leaves_train_on_split_0(
     assert plain.equals(sparse.train_digits(config, 0).metrics.drop(columns="time_s"))
     with pytest.raises(ValueError, match="digits task"):
         sparse.train_digits(TrainConfig(progress=False), 0)
+
+
+def test_a_gradient_mask_that_keeps_every_module_says_so_not_that_nothing_matched():
+    from qlab.sparse import GradientMask
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(
+        ValueError, match=r"keep \['\*'\] keeps every one of the 2 modules .* nothing is left"
+    ):
+        GradientMask(model, 0.5, keep=["*"])
+    with pytest.raises(ValueError, match="match no module of the model"):
+        GradientMask(model, 0.5, modules=[torch.nn.Conv1d])

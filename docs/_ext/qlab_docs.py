@@ -115,6 +115,33 @@ def _strip_widgets(nb) -> None:
     nb.metadata.pop("widgets", None)
 
 
+def answers() -> dict:
+    """docs/answers.yaml: per notebook, its question, the template of its short answer and its key
+    figure."""
+    import yaml
+
+    return yaml.safe_load((ROOT / "docs" / "answers.yaml").read_text(encoding="utf-8"))
+
+
+def answer_markdown(name: str, folder: Path) -> list[str]:
+    """The short answer a findings page opens with: the question, the answer filled from the committed
+    claims, the key figure (copied beside the page)."""
+    from qlab import claims as qclaims
+
+    entry = answers().get(name)
+    if entry is None:
+        raise ValueError(f"docs/answers.yaml has no answer for notebook {name}")
+    text = qclaims.render_committed(ROOT / "data" / f"{name}_claims.csv", entry["answer"])
+    figure = ROOT / "figures" / f"{entry['figure']}.png"
+    _write(folder / "figures" / figure.name, figure.read_bytes())
+    return [
+        "## The answer\n",
+        f"**{entry['question']}**\n",
+        text.replace("{", "&#123;").replace("}", "&#125;") + "\n",
+        f"![{entry['figure']}](figures/{figure.name})\n",
+    ]
+
+
 def findings_page(name: str) -> None:
     import nbformat
 
@@ -122,22 +149,15 @@ def findings_page(name: str) -> None:
     nb = copy.deepcopy(nb)
     _strip_widgets(nb)
     folder = OUT / "findings"
-    parts = [
-        "## Committed results\n",
-        f"The notebook below is {which}. The claims and figures in this section are the committed "
-        "results of its default parameters: `data/" + name + "_claims.csv` and `figures/" + name + "_*`.\n",
-    ]
-    claims = ROOT / "data" / f"{name}_claims.csv"
-    if claims.exists():
-        parts += ["### Claims\n", claims_markdown(claims)]
-    else:
-        parts += ["### Claims\n", "This notebook saves no claims file; its text states what it measured.\n"]
-    paper = ROOT / "data" / "paper" / f"{name}_claims.csv"
-    if paper.exists():
-        parts += ["### Claims, paper profile\n", claims_markdown(paper)]
-    figures = sorted((ROOT / "figures").glob(f"{name}_*.png"))
+    parts = answer_markdown(name, folder)
+    parts.append(
+        f"Every number above is filled in from the committed claims, `data/{name}_claims.csv`, which the "
+        "notebook wrote at its default parameters; the figures and the claims below are the same run's.\n"
+    )
+    key = answers()[name]["figure"]
+    figures = [f for f in sorted((ROOT / "figures").glob(f"{name}_*.png")) if f.stem != key]
     if figures:
-        parts.append("### Figures\n")
+        parts.append("## Figures\n")
         for figure in figures:
             _write(folder / "figures" / figure.name, figure.read_bytes())
             label = figure.stem.removeprefix(name + "_").replace("_", " ")
@@ -148,10 +168,31 @@ def findings_page(name: str) -> None:
         for figure in paper_figures:
             _write(folder / "figures" / "paper" / figure.name, figure.read_bytes())
             parts.append(f"![{figure.stem}](figures/paper/{figure.name})\n")
-    parts.append("## The notebook\n")
+    claims = ROOT / "data" / f"{name}_claims.csv"
+    parts.append("## Claims\n")
+    if claims.exists():
+        count = len(claims.read_text(encoding="utf-8").splitlines()) - 1
+        parts += [f"<details>\n<summary>All {count} claims: value, 95 % interval, test</summary>\n",
+                  claims_markdown(claims), "</details>\n"]  # fmt: skip
+    else:
+        parts.append("This notebook saves no claims file; its text states what it measured.\n")
+    paper = ROOT / "data" / "paper" / f"{name}_claims.csv"
+    if paper.exists():
+        parts += [
+            "<details>\n<summary>Claims, paper profile</summary>\n",
+            claims_markdown(paper),
+            "</details>\n",
+        ]
+    parts += ["## The notebook\n", f"The notebook below is {which}.\n"]
     intro = nbformat.v4.new_markdown_cell("\n".join(parts))
-    # after the title cell, so the page keeps the notebook's own title
-    first = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
+    # after the title line, so the page keeps the notebook's own title and opens with the answer; the
+    # rest of the first cell (the notebook's introduction) opens "The notebook"
+    first = 0
+    if nb.cells and nb.cells[0].cell_type == "markdown" and nb.cells[0].source.startswith("# "):
+        title, _, rest = nb.cells[0].source.partition("\n")
+        nb.cells[0].source = rest.strip("\n")
+        nb.cells.insert(0, nbformat.v4.new_markdown_cell(title))
+        first = 1
     nb.cells.insert(first, intro)
     for cell in nb.cells:  # ids are optional for nbformat 4.4 readers and duplicate after a copy
         cell.pop("id", None)
@@ -166,8 +207,8 @@ def findings_index() -> None:
     lines = [
         "# The notebooks, one page each",
         "",
-        "Each page starts with the notebook's committed claims and figures, then shows the notebook "
-        "with its outputs.",
+        "Each page opens with the short answer to the notebook's question, filled in from its committed "
+        "claims, and its key figure; then its other figures, all its claims (collapsed) and the notebook.",
         "",
         "```{toctree}",
         ":maxdepth: 1",
@@ -177,6 +218,13 @@ def findings_index() -> None:
         "",
     ]
     _write(OUT / "notebooks.md", "\n".join(lines))
+
+
+def findings_pages() -> None:
+    """The list of findings pages, each by its question, that the Findings page includes."""
+    lines = [f"- {{doc}}`{entry['question']} </_generated/findings/{name}>` ({name[:2]})"
+             for name, entry in answers().items()]  # fmt: skip
+    _write(OUT / "findings_pages.md", "\n".join(lines) + "\n")
 
 
 def findings_summary() -> None:
@@ -386,6 +434,7 @@ def generate(app) -> None:
         findings_page(name)
     findings_index()
     findings_summary()
+    findings_pages()
     api_pages()
     benchmark_results()
     stale = {p for p in (OUT / "findings").glob("*.ipynb")} - {
