@@ -250,18 +250,30 @@ def test_qlab_advise_hierarchical_says_what_it_saved_and_refuses_bad_devices_fir
 
 
 @pytest.mark.notebook
-def test_qlab_report_runs_on_a_checkpoint_folder_into_its_own_folder(tmp_path, capsys):
+def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsys, monkeypatch):
+    """The report on a hub id served from a local cache (the kernel reads HF_HUB_CACHE); a checkpoint
+    folder takes the same path from load_any on (notebook 06 and qlab advise are run on folders)."""
     import json
 
     import pandas as pd
 
     from qlab import cli
 
-    folder = _save(_llama(), tmp_path / "checkpoint")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny-llama" / "snapshots" / ("a" * 40)
+    _save(_llama(), snapshot)
+    (cache / "models--someone--tiny-llama" / "refs").mkdir()
+    (cache / "models--someone--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # this process checks the arguments
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))  # the kernel runs the report
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = "someone/tiny-llama"
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     out = tmp_path / "report"
-    arguments = ["report", "--model", str(folder), "--text", str(text), "--budgets", "6,8", "--out", str(out)]
+    arguments = ["report", "--model", folder, "--text", str(text), "--budgets", "6,8", "--out", str(out)]
     assert cli.main([*arguments, "--smoke"]) == 0
     assert "report on" in capsys.readouterr().out
     html = (out / "report_your_model.html").read_text()
@@ -271,7 +283,7 @@ def test_qlab_report_runs_on_a_checkpoint_folder_into_its_own_folder(tmp_path, c
         rows = claims.loc[[f"held_out.{budget}.{short}" for short in ("float", "cheapest", "rule")]]
         assert (rows.family == f"held_out.{budget}").all() and rows.p_adjusted.notna().all()
         saved = json.loads((out / "data" / f"report_your_model_plan_{budget}bits.json").read_text())
-        assert saved["model"] == str(folder) and saved["effective_bits"] == float(budget)
+        assert saved["model"] == folder and saved["effective_bits"] == float(budget)
     assert claims.loc["agreement", "test"] == "bootstrap"
     for figure in ("formats", "scores", "held_out", "agreement"):
         assert list((out / "figures").glob(f"report_your_model_{figure}.*")), figure
