@@ -272,6 +272,8 @@ class Claims:
         self.profile = run.parameters.get("profile", "cpu")
         self._claims: dict[str, Claim] = {}
         self._banner_shown = False
+        self._rendered: list[str] = []  # every text render returned, in order
+        self._saved = False
         if not isinstance(pairs, str) or not pairs:
             raise TypeError(f"pairs must be a non-empty str naming the pairs, got {checks.shown(pairs)}")
         self.pairs = pairs
@@ -440,10 +442,21 @@ class Claims:
         return pd.DataFrame(rows, columns=list(COLUMNS))
 
     def save(self):
-        """Write ``data/<notebook>_claims.csv`` (under the run's results directory)."""
+        """Write ``data/<notebook>_claims.csv`` (under the run's results directory), and beside it
+        ``<notebook>_claims.md``: every text ``render`` has filled in so far and fills in from now on
+        (the notebook's prose as its claims state it, which the docs show without running it)."""
         from qlab.results import save_csv
 
-        return save_csv(self.frame(), f"{self.notebook}_claims")
+        path = save_csv(self.frame(), f"{self.notebook}_claims")
+        self._saved = True
+        self._write_rendered()
+        return path
+
+    def _write_rendered(self) -> None:
+        if not self._rendered:
+            return
+        with paths.written_atomically(paths.data_dir() / f"{self.notebook}_claims.md") as tmp:
+            tmp.write_text("\n".join(self._rendered), encoding="utf-8")
 
     def banner(self) -> str:
         """ "" for the committed defaults; else one line naming the parameters that produced the text."""
@@ -479,7 +492,11 @@ class Claims:
                 filled = re.sub(r"^(\S*?\d)\.(\s)", r"\1\\.\2", filled)
             lines.append(filled)
         banner, self._banner_shown = ("" if self._banner_shown else self.banner()), True
-        return banner + "\n".join(lines) + "\n"
+        text = banner + "\n".join(lines) + "\n"
+        self._rendered.append(text)
+        if self._saved:
+            self._write_rendered()
+        return text
 
 
 def key_for(*parts) -> str:

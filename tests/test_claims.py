@@ -269,3 +269,17 @@ def test_a_report_names_its_pairs_and_has_no_banner_to_show():
     assert Claims(_run(changed={"model_name": "mine"})).render("x").startswith("> **These conclusions")
     with pytest.raises(TypeError, match="pairs must be a non-empty str"):
         Claims(_run(), pairs="")
+
+
+def test_a_saved_run_keeps_the_text_it_rendered_beside_its_claims(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.RESULTS_ENV, str(tmp_path))
+    claims = Claims(_run())
+    claims.paired("gap", [0.010, 0.012, 0.011], text="a − FP32", unit="nats")
+    first = claims.render("A: {gap}.")
+    assert not (tmp_path / "data" / "99_demo_claims.md").exists()  # nothing is written before save
+    claims.save()
+    written = tmp_path / "data" / "99_demo_claims.md"
+    assert written.read_text() == first
+    second = claims.render("Verdict: {gap:verdict}.")
+    assert written.read_text() == first + "\n" + second  # every later rendering joins it
+    assert claims_module.render_committed(tmp_path / "data" / "99_demo_claims.csv", "A: {gap}.") == first

@@ -154,6 +154,12 @@ def findings_page(name: str) -> None:
         f"Every number above is filled in from the committed claims, `data/{name}_claims.csv`, which the "
         "notebook wrote at its default parameters; the figures and the claims below are the same run's.\n"
     )
+    said = ROOT / "data" / f"{name}_claims.md"
+    if said.exists():  # the prose the notebook filled in from these claims when it wrote them
+        text = said.read_text(encoding="utf-8").replace("{", "&#123;").replace("}", "&#125;")
+        parts += ["## What the notebook concludes\n",
+                  f"The notebook's text as it filled it in from its claims (`data/{name}_claims.md`):\n",
+                  text + "\n"]  # fmt: skip
     key = answers()[name]["figure"]
     figures = [f for f in sorted((ROOT / "figures").glob(f"{name}_*.png")) if f.stem != key]
     if figures:
