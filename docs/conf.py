@@ -30,7 +30,11 @@ extensions = [
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "**.ipynb_checkpoints", "README.md"]
 # fragments other pages include: not pages of their own (no untitled entries in the search)
-exclude_patterns += ["_generated/results/*.md", "_generated/findings_table.md", "_generated/findings_pages.md"]
+exclude_patterns += [
+    "_generated/results/*.md",
+    "_generated/findings_table.md",
+    "_generated/findings_pages.md",
+]
 root_doc = "index"
 
 # notebooks render as executed (runs/ or runs/smoke/) or as committed; the build never runs them
