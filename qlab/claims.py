@@ -592,7 +592,10 @@ FINDINGS_END = "<!-- end of findings -->"
 
 def file_claims(path, name: str = "path") -> list[Claim]:
     """The claims of a claims file, each with its Holm family's size recounted from the file (what a
-    verdict states); a bad row is a ValueError naming the file and line."""
+    verdict states); a bad row is a ValueError naming the file and line (and ``name``, the argument
+    the file came from)."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name must be a non-empty str naming the argument, got {checks.shown(name)}")
     frame = _load(path, name)
     family_sizes = frame[frame.test == "paired t"].groupby("family").size()
     found = []

@@ -631,6 +631,16 @@ ENTRY_POINTS = {
     ),
     "claims.from_row": (claims.from_row, lambda: dict(row=claimed().frame().to_dict("records")[0])),
     "claims.findings_table": (claims.findings_table, lambda: dict(data_dir=claims_folder())),
+    "claims.file_claims": (
+        claims.file_claims,
+        lambda: dict(path=claims_folder() / "99_fuzz_claims.csv", name="path"),
+    ),
+    "claims.render_committed": (
+        claims.render_committed,
+        lambda: dict(
+            path=claims_folder() / "99_fuzz_claims.csv", template="{gap} ({gap:verdict}); {loss:value}"
+        ),
+    ),
     "claims.update_readme": (
         claims.update_readme,
         lambda: dict(readme=readme(), data_dir=claims_folder(), check=False),
