@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from functools import partial
 
 import numpy as np
 import torch
@@ -58,11 +57,7 @@ def main() -> None:
             calibration_loss = advisor.hidden_state_error(model, calibration)
             held_out_loss = advisor.hidden_state_error(model, held_out)
         tables, seconds = {}, {}
-        scores = {
-            "measured": advisor.measured_scores,
-            "approximated": advisor.approximated_scores,
-            "hierarchical": partial(advisor.hierarchical_scores, expand=args.expand),
-        }
+        scores = {kind: advisor.score_function(kind, expand=args.expand) for kind in plan.SCORE_KINDS}
         if (
             kind == models.ENCODER
         ):  # its hidden-state error and that error's gradient are 0 at the float model

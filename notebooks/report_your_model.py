@@ -164,12 +164,11 @@ save_figure(fig, f"{NAME}_formats")
 # sensitive blocks layer by layer (`hierarchical`). Positive: quantizing hurts.
 
 # %%
-SCORES = {"measured": advisor.measured_scores, "approximated": advisor.approximated_scores,
-          "hierarchical": lambda *a, **k: advisor.hierarchical_scores(*a, expand=expand, **k)}
 if kind == models.ENCODER and score == "approximated":
     raise ValueError("score='approximated' needs a task loss with a gradient: an encoder's hidden-state error is "
                      "zero at the float model, with zero gradient; use 'measured' or 'hierarchical'")
-scores = SCORES[score](model, calibration, formats, loss_fn=calibration_loss, progress=True)
+scores = advisor.score_function(score, expand=expand)(model, calibration, formats, loss_fn=calibration_loss,
+                                                      progress=True)
 save_csv(scores.drop(columns=[c for c in scores.columns if c.startswith("batch_")]), f"{NAME}_scores")
 shown = scores[scores.format != plan.HIGH_PRECISION].sort_values("score", ascending=False)
 display(Markdown(markdown_table(shown.head(10)[["layer", "format", "score", "low", "high", "bits"]])))

@@ -486,6 +486,15 @@ def approximated_scores(
     return _with_scores(table, per_batch, baseline, "approximated")
 
 
+def score_function(kind: str, *, expand: int = 6) -> Callable:
+    """The score function of ``kind`` (``plan.SCORE_KINDS``), called as ``score(model, batches, formats,
+    loss_fn=..., progress=...)``; ``expand`` is the hierarchical score's blocks measured layer by layer."""
+    checks.choice("kind", kind, plan.SCORE_KINDS)
+    if kind == "hierarchical":
+        return partial(hierarchical_scores, expand=checks.integer("expand", expand, low=0))
+    return {"measured": measured_scores, "approximated": approximated_scores}[kind]
+
+
 def held_out_check(model: nn.Module, chosen, table: pd.DataFrame, batches: Sequence, *,
                    loss_fn: Callable = causal_lm_loss) -> pd.DataFrame:  # fmt: skip
     """The plan checked on batches it was not chosen on: the loss of the model quantized by ``chosen`` (a
@@ -619,8 +628,7 @@ def main(args) -> int:
         )
     table = layer_table(model, formats)
     plan.check_budget(table, args.effective_bits)
-    score = {"measured": measured_scores, "approximated": approximated_scores,
-             "hierarchical": partial(hierarchical_scores, expand=args.expand)}[args.score]  # fmt: skip
+    score = score_function(args.score, expand=args.expand)
     table = score(model, batches, formats, loss_fn=loss_fn, progress=True)
     if args.score == "hierarchical":
         alone = (table.scored_by == "layer").sum() // len(formats)

@@ -949,6 +949,7 @@ ENTRY_POINTS = {
         qlab_plan.score_agreement,
         lambda: dict(first=agreement_table(), second=agreement_table(), draws=5, seed=0),
     ),
+    "advisor.score_function": (advisor.score_function, lambda: dict(kind="hierarchical", expand=2)),
     "advisor.blocks_of": (advisor.blocks_of, lambda: dict(layers=["model.layers.0.mlp", "lm_head"])),
     "advisor.hierarchical_scores": (
         with_underscored(advisor.hierarchical_scores),

@@ -105,10 +105,10 @@ def test_a_budget_below_every_layers_cheapest_format_is_refused():
     plan.solve(table, effective_bits=lowest)  # exactly the cheapest: every layer at its fewest bits
 
 
-def _tiny_llama():
-    torch.manual_seed(0)
+def _tiny_llama(layers: int = 1, seed: int = 0):
+    torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_hidden_layers=layers, hidden_size=32, intermediate_size=64, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).eval()
@@ -343,12 +343,7 @@ def test_the_held_out_check_pairs_the_plan_with_the_float_model_the_cheapest_and
 
 
 def _two_block_llama():
-    torch.manual_seed(1)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).eval()
+    return _tiny_llama(layers=2, seed=1)
 
 
 @pytest.mark.parametrize(
