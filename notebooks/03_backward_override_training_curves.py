@@ -65,6 +65,7 @@ fidelity_every: int = 50  # steps between gradient-fidelity measurements (0 turn
 gemm: str = "auto"  # FP8 GEMMs: "auto" (FP8 tensor cores on a CUDA GPU that has them) or "emulated"
 executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
 max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
+allow_mixed_devices: bool = False  # render stored runs from more than one device kind together (said below)
 compiled: bool = False  # torch.compile the blocks (slower than eager at these sizes on a CPU)
 fidelity_margin: float = 0.005  # relative gradient error (about a tenth of an FP8 backward's): the fidelity comparisons' TOST margin
 stability_margin: float = 0.01  # median |Δ log ‖∇θ‖| per step (FP32's is about 0.15): the stability comparisons' TOST margin
@@ -77,36 +78,26 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from qlab import session, stats
+from qlab import campaign, run_lists, session, stats
 from qlab.claims import Claims
 from qlab.nn import QuantLinear
 from qlab.plotting import delta_band, mean_band, save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
 from qlab.results import markdown_table, save_csv, save_metrics
-from qlab.runs import run_many
 from qlab.train import TrainConfig, build_model
 from qlab.train.data import shakespeare, unigram_entropy
-from qlab.train.models import parameter_count
 
 NAME = "03_backward_override_training_curves"
 this_run = session.start(NAME, globals())  # prints where results go; resolves "auto" -> cuda or cpu
+run_list = run_lists.run_list(NAME, this_run.parameters, this_run.device)  # `qlab campaign 03`: the same runs
+globals().update(run_list.parameters)  # the profile's and smoke's sizes (qlab.run_lists) replace the parameters
 device = this_run.device
-if profile == "paper":
-    seeds, steps, layers, width, context, batch_size = max(seeds, 5), 3000, 5, 128, 128, 32
-    lr, warmup_steps, eval_every, eval_batches, fidelity_every = 1e-3, 100, 100, 16, 250
-if smoke:
-    steps, layers, width, context, batch_size, eval_every, eval_batches, fidelity_every = 4, 1, 32, 32, 8, 2, 1, 2
-    seeds, warmup_steps, recipes = 2, 2, ["nvfp4"] if "nvfp4" in recipes else recipes[:1]
 use_paper_style()
-modes = [None if mode in ("none", None) else mode for mode in overrides]
 corpus = shakespeare()
 entropy = unigram_entropy(corpus.train, len(corpus.vocabulary))
-base = TrainConfig(steps=steps, layers=layers, width=width, heads=heads, context=context, batch_size=batch_size,
-                   lr=lr, warmup_steps=warmup_steps, eval_every=eval_every, eval_batches=eval_batches,
-                   fidelity_every=fidelity_every, keep_high_precision=keep_high_precision, device=device,
-                   gemm=gemm, compile=compiled, progress=False)
-configurations = ([("fp32", None), ("bf16", None)] + [(recipe, mode) for recipe in recipes for mode in modes]
-                  + [(recipe, None) for recipe in recipe_backward_only])
+configurations = list(dict.fromkeys((label["recipe"], label["override"]) for label in run_list.labels))
+modes = [None if mode in ("none", None) else mode for mode in overrides]
+base = run_list.configs[0]  # FP32, seed 0: the model every run trains
 print(f"{len(corpus.train):,} training / {len(corpus.val):,} validation characters, vocabulary {len(corpus.vocabulary)}, "
       f"validation plays: {', '.join(corpus.val_plays)}")
 print(f"unigram entropy of the training text: {entropy:.3f} nats/char; {len(configurations)} configurations × {seeds} seeds")
@@ -122,18 +113,20 @@ print(f"unigram entropy of the training text: {entropy:.3f} nats/char; {len(conf
 
 # %%
 curves, fidelity, finals = [], [], []
-runs = [(seed, recipe, mode) for seed in range(seeds) for recipe, mode in configurations]
-results = run_many([base.replace(recipe=recipe, backward_override=mode, seed=seed) for seed, recipe, mode in runs],
-                   executor=executor, max_workers=max_workers or None, desc="training runs")
-for (seed, recipe, mode), result in zip(runs, results):
-    label = {"recipe": recipe, "override": mode or "none", "seed": seed}
-    curves.append(result.metrics.drop(columns="time_s").assign(**label))
+results = campaign.results(run_list, executor=executor, max_workers=max_workers or None,
+                           allow_mixed_devices=allow_mixed_devices)  # stored runs are read, missing ones trained
+for label, result in zip(run_list.labels, results):
+    curves.append(result.metrics.assign(**label))
     fidelity.append(result.fidelity.assign(**label))
     finals.append({**label, "val_loss": result.metrics.val_loss.iloc[-1], "wall_s": result.seconds})
 curves = pd.concat(curves, ignore_index=True)
 fidelity = pd.concat(fidelity, ignore_index=True)
 finals = pd.DataFrame(finals)
-model_parameters = parameter_count(result.model)
+model_parameters = result.parameters
+device_kinds = sorted({result.device_kind for result in results})
+if len(device_kinds) > 1:
+    display(Markdown(f"**These runs come from {len(device_kinds)} device kinds** (allow_mixed_devices): "
+                     + "; ".join(device_kinds)))
 save_csv(curves, f"{NAME}_curves")
 save_csv(fidelity, f"{NAME}_fidelity")
 print(f"model: {model_parameters:,} parameters; {len(curves)} curve rows, {len(fidelity)} fidelity rows")

@@ -55,6 +55,7 @@ context: int = 64  # characters per sequence
 batch_size: int = 16  # sequences per optimizer step
 executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
 max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
+allow_mixed_devices: bool = False  # render stored runs from more than one device kind together (said below)
 
 # %%
 import math
@@ -65,25 +66,19 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from qlab import ablation, models, session, stats
+from qlab import ablation, campaign, models, run_lists, session, stats
 from qlab.claims import Claims, key_for
 from qlab.plotting import mean_band, save_figure, subplots, use_paper_style
 from qlab.recipe import get_recipe
 from qlab.results import markdown_table, save_csv, save_metrics
-from qlab.runs import run_many
 from qlab.train import TrainConfig, train
 from qlab.train.data import shakespeare
 
 NAME = "07_recipe_ablations"
 this_run = session.start(NAME, globals())  # prints where results go; resolves "auto" -> cuda or cpu
+run_list = run_lists.run_list(NAME, this_run.parameters, this_run.device)  # `qlab campaign 07`: the same runs
+globals().update(run_list.parameters)  # the profile's and smoke's sizes (qlab.run_lists) replace the parameters
 device = this_run.device
-if profile == "paper":  # the 1.0M-parameter CharGPT (5 blocks × 128), 3000 steps, 5 seeds
-    seeds, train_steps, capture_steps, sr_draws = max(seeds, 5), 3000, 1000, 64
-    layers, width, context, batch_size = 5, 128, 128, 32
-if smoke:
-    seeds, tokens, features, capture_steps, sr_draws, train_steps = 2, 64, 32, 2, 3, 2
-    pretrained_layers, pretrained_tokens = pretrained_layers[:1], 16
-    train_variants, layers, width, context, batch_size = ["nvfp4", "nvfp4/none"], 1, 32, 32, 8
 use_paper_style()
 torch.manual_seed(0)
 
@@ -263,19 +258,15 @@ sr_last.groupby("layer")[["wgrad_rel_error_of_mean", "draw_rms_error", "excess"]
 # `nvfp4` quantizes the forward too, so their losses do not compare like for like.
 
 # %%
-def training_config(variant: str, seed: int) -> TrainConfig:
-    preset, off, keep_last_block = ablation.variant_parts(variant)  # the last block: a model-level choice
-    keep = ["head", "last_block"] if keep_last_block else ["head"]
-    return base.replace(recipe=preset, ablate=off, keep_high_precision=keep, steps=train_steps, seed=seed,
-                        device=device, warmup_steps=max(1, train_steps // 10), eval_every=train_steps,
-                        fidelity_every=0 if preset == "fp32" else max(1, train_steps // 3))
-
-
 finals, fidelity = [], []
-runs = [(variant, seed) for seed in range(seeds) for variant in ["fp32", *train_variants]]
-results = run_many([training_config(variant, seed) for variant, seed in runs], executor=executor,
-                   max_workers=max_workers or None, desc="training runs")
-for (variant, seed), result in zip(runs, results):
+results = campaign.results(run_list, executor=executor, max_workers=max_workers or None,
+                           allow_mixed_devices=allow_mixed_devices)  # stored runs are read, missing ones trained
+device_kinds = sorted({result.device_kind for result in results})
+if len(device_kinds) > 1:
+    display(Markdown(f"**These runs come from {len(device_kinds)} device kinds** (allow_mixed_devices): "
+                     + "; ".join(device_kinds)))
+for label, result in zip(run_list.labels, results):
+    variant, seed = label["variant"], label["seed"]
     finals.append(dict(variant=variant, seed=seed, val_loss=result.metrics.val_loss.dropna().iloc[-1]))
     if variant != "fp32":
         fidelity.append(result.fidelity.assign(variant=variant, seed=seed))

@@ -6,6 +6,8 @@
                                                 training notebooks at paper scale, data/paper/)
                  [--executor E] [--address A]   how their training runs fan out (qlab.runs)
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--executor serial|processes|ray] [--address A] [--smoke]
+    qlab campaign NOTEBOOK [--profile paper] [--budget 9m | --runs N | --status] [-p NAME VALUE ...]
+                                                a run list finished over many invocations (qlab.campaign)
     qlab findings [--check]                     README's findings table from data/*_claims.csv
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
@@ -102,6 +104,40 @@ def _build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds one cell may take (default {DEFAULT_TIMEOUT_S})",
+    )
+
+    camp = sub.add_parser(
+        "campaign",
+        help="run a training notebook's missing runs into data/[PROFILE/]runs/, as many as fit a budget",
+        description="A campaign finishes a notebook's run list (03, 07) over many invocations: each run is "
+        "written to data/<profile>/runs/ as it finishes, so a stopped campaign loses only the runs in "
+        "flight. "
+        "When the list is complete, `qlab run NOTEBOOK -p profile PROFILE` renders it from the stored runs.",
+    )
+    camp.add_argument("notebook", help="name or number of a notebook with a run list (03, 07)")
+    camp.add_argument("--profile", choices=("cpu", "paper"), default="cpu", help="the notebook's profile")
+    camp.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="set one notebook parameter, as qlab run does (the runs, and so the store, follow it)",
+    )  # fmt: skip
+    camp.add_argument("--smoke", action="store_true", help="the same as -p smoke true")
+    camp.add_argument(
+        "--output",
+        help="the executed copy `qlab run --output` would write: the store follows it (as results do)",
+    )
+    what = camp.add_mutually_exclusive_group()
+    what.add_argument(
+        "--budget", help="wall time to spend, e.g. 9m, 90s, 1.5h: no run starts that would not fit"
+    )
+    what.add_argument("--runs", type=int, help="run at most this many missing runs")
+    what.add_argument("--status", action="store_true", help="say what is done and what is left; run nothing")
+    camp.add_argument(
+        "--executor", choices=("serial", "processes", "ray"), default="processes", help="how runs fan out"
+    )
+    camp.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
+    camp.add_argument("--max-workers", type=int, help="runs at once (default: cores, or runs-per-GPU × GPUs)")
+    camp.add_argument(
+        "--runs-per-gpu", type=int, help="runs packed on one GPU (default qlab.runs.RUNS_PER_GPU)"
     )
 
     found = sub.add_parser("findings", help="regenerate README.md's findings table from data/*_claims.csv")
@@ -291,6 +327,8 @@ def _cmd_figures(args) -> int:
         if args.executor != "ray":
             raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")
         os.environ["RAY_ADDRESS"] = check_address(args.address)  # read by the notebooks' run_many
+    if args.profile != "cpu":  # a notebook whose run list is incomplete renders nothing (qlab campaign)
+        chosen = [path for path in chosen if _campaign_complete(path, args, output_dir)]
     bar = tqdm(chosen, desc="notebooks", unit="nb")
     for path in bar:
         bar.set_postfix_str(path.stem)
@@ -311,6 +349,24 @@ def _cmd_figures(args) -> int:
     return 1 if failures else 0
 
 
+def _campaign_complete(path: Path, args, output_dir: Path) -> bool:
+    """Whether ``path`` may render at ``args.profile``: it has no run list, or every run is stored."""
+    from qlab import campaign, run_lists
+
+    if path.stem not in run_lists.RUN_LISTS:
+        return True
+    parameters = {"smoke": True} if args.smoke else {}
+    run_list, store = campaign_list(path.stem, parameters, args.profile, output_dir / f"{path.stem}.ipynb")
+    state = campaign.progress(run_list, store)
+    if not state.complete:
+        smoke = " --smoke" if args.smoke else ""
+        print(
+            f"{path.stem}: {state.done} of {len(run_list)} runs stored in {paths.shown(store)}; not rendered "
+            f"(`qlab campaign {path.stem[:2]} --profile {args.profile}{smoke}` continues it)"
+        )
+    return state.complete
+
+
 def _cmd_sweep(args) -> int:
     outcomes = sweep.run_sweep(
         args.notebook,
@@ -327,6 +383,69 @@ def _cmd_sweep(args) -> int:
         if outcome.status == "failed":
             print(f"  FAILED {outcome.slug}: {outcome.detail}", file=sys.stderr)
     return 1 if counts["failed"] else 0
+
+
+def campaign_list(notebook: str, parameters: dict, profile: str, output: Path | None = None):
+    """(run list, store folder) of ``notebook`` at ``profile`` with these parameters, where ``qlab run``
+    with the same parameters (and executed copy ``output``) reads them; checked before anything runs."""
+    from qlab import campaign, run_lists, session
+    from qlab.host import resolve_device
+
+    path = notebooks.resolve_notebook(notebook)
+    if path.stem not in run_lists.RUN_LISTS:
+        raise ValueError(
+            f"notebook {path.stem} has no run list; campaigns run the training notebooks "
+            f"{', '.join(sorted(run_lists.RUN_LISTS))}"
+        )
+    params = notebooks.check_parameters(path, {**parameters, "profile": profile})
+    values = {**notebooks.parameter_defaults(path), **params}
+    session.check_parameters(path.stem, values)  # the rules the notebook's session.start applies
+    results_dir = notebooks.output_folder(path, params, output)[1]
+    settings = {} if results_dir is None else {paths.RESULTS_ENV: str(results_dir)}
+    if profile != "cpu":
+        settings[paths.PROFILE_ENV] = profile
+    saved = os.environ.pop(paths.PROFILE_ENV, None)
+    try:
+        with paths.environment(**settings):
+            device = str(resolve_device(values["device"], argument="device"))
+            return run_lists.run_list(path.stem, values, device), campaign.store_dir()
+    finally:
+        if saved is not None:
+            os.environ[paths.PROFILE_ENV] = saved
+
+
+def _cmd_campaign(args) -> int:
+    from qlab import campaign
+    from qlab.runs import check_address, plan
+
+    params = {name: _parse_value(value) for name, value in args.parameter}
+    if args.smoke:
+        params["smoke"] = True
+    budget = None if args.budget is None else campaign.parse_budget(args.budget)
+    if args.runs is not None and args.runs < 1:
+        raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    if args.address is not None:
+        if args.executor != "ray":
+            raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")
+        check_address(args.address)
+    workers = plan(args.executor, args.max_workers, None, args.runs_per_gpu)[0]
+    output = None if args.output is None else Path(args.output)
+    run_list, store = campaign_list(args.notebook, params, args.profile, output)
+    if args.status:
+        print(campaign.status(run_list, store, workers=workers))
+        return 0
+    state = campaign.run_campaign(
+        run_list, budget_s=budget, max_runs=args.runs, executor=args.executor, max_workers=args.max_workers,
+        runs_per_gpu=args.runs_per_gpu, address=args.address, store=store,
+    )  # fmt: skip
+    if state.complete:
+        shown = " ".join(
+            ["-p profile " + args.profile] * (args.profile != "cpu")
+            + ["--smoke"] * args.smoke
+            + [f"--output {args.output}"] * (args.output is not None)
+        )
+        print(f"complete: `qlab run {args.notebook} {shown}`".rstrip() + " renders it from the stored runs")
+    return 0
 
 
 def _cmd_findings(args) -> int:
@@ -408,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         "figures": _cmd_figures,
         "sweep": _cmd_sweep,
         "findings": _cmd_findings,
+        "campaign": _cmd_campaign,
         "sync": _cmd_sync,
         "lab": _cmd_lab,
         "advise": _cmd_advise,

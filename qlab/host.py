@@ -43,12 +43,11 @@ def machine(device: torch.device | None = None) -> str:
     if device is not None and device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return (
-        f"{_cpu_name()} ({os.cpu_count()} cores), "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"{cpu_name()} ({os.cpu_count()} cores), {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else what platform reports."""
     try:
         with open("/proc/cpuinfo") as info:

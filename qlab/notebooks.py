@@ -226,7 +226,7 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     ``runs/smoke/``; with any other change, ``runs/interactive/<name>/<every changed parameter>/``."""
     from qlab import session
 
-    defaults = _defaults(path)
+    defaults = parameter_defaults(path)
     changed = session.changed_parameters(parameters, defaults)
     changed = {name: changed[name] for name in defaults if name in changed}  # the kernel's session's order
     if changed == {} or (output is not None and not changed.keys() <= {"smoke"}):
@@ -242,12 +242,12 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     return Path(output), results_dir if results_dir is not None else folder
 
 
-def _defaults(path: Path) -> dict:
+def parameter_defaults(notebook: Path) -> dict:
     """The parameters cell's defaults as values (a default that is no literal stays its source text)."""
     import ast
 
     defaults = {}
-    for name, info in notebook_parameters(path).items():
+    for name, info in notebook_parameters(notebook).items():
         try:
             defaults[name] = ast.literal_eval(info["default"])
         except (ValueError, SyntaxError):

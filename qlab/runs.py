@@ -16,7 +16,12 @@ Guarantees, whatever the executor:
   finished runs across workers;
 - with ``cache=True`` (or ``$QLAB_RUN_CACHE=1`` where ``cache`` is left None, as the notebooks leave
   it) each finished run is kept under ``runs/cache/`` by a key of its configuration (every field),
-  its thread count and qlab's version, so an interrupted list restarted does only what is missing.
+  its thread count and qlab's version, so an interrupted list restarted does only what is missing;
+- ``on_result(index, result)`` is called in this process as each run finishes (``qlab.campaign``
+  writes each run's files there, so a list killed half way keeps what finished);
+- the pool of worker processes stays up for the next ``run_many`` call with the same workers and GPUs
+  (a notebook calls it several times; starting a pool costs seconds a short list would notice);
+  ``close_pools()`` shuts it down, as does the end of the process.
 
 Executors:
 
@@ -37,6 +42,7 @@ cell) and its arguments, all picklable.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import hashlib
 import multiprocessing
@@ -334,6 +340,7 @@ def run_many(
     cache: bool | None = None,
     progress: bool = True,
     desc: str = "runs",
+    on_result: Callable[[int, object], None] | None = None,
 ) -> list:
     """Run every configuration in ``runs`` and return their results in the same order.
 
@@ -347,6 +354,8 @@ def run_many(
         cache = os.environ.get(CACHE_ENV, "0") == "1"
     checks.boolean("cache", cache)
     checks.boolean("progress", progress)
+    if on_result is not None:
+        checks.function("on_result", on_result, "called with (index, result) as each run finishes")
     if not isinstance(desc, str):
         raise TypeError(f"desc must be a str (the progress bar's label), got {checks.shown(desc)}")
     runs = _check_runs(runs)
@@ -376,6 +385,8 @@ def run_many(
             results[index] = value
             if cache:
                 _cache_store(runs[index], threads, value)
+            if on_result is not None:
+                on_result(index, value)
         else:
             failures.append((index, runs[index], value))
         bar.update()
@@ -395,24 +406,55 @@ def run_many(
     return results
 
 
+_WARM_POOL: dict = {}  # {"key": (workers, gpus), "pool": ProcessPoolExecutor}: kept for the next call
+
+
+def _pool(workers: int, gpus: list[str]) -> concurrent.futures.ProcessPoolExecutor:
+    """The warm pool for these workers and GPUs, started if there is none (one pool at a time)."""
+    key = (workers, tuple(gpus))
+    if _WARM_POOL.get("key") != key:
+        close_pools()
+        context = multiprocessing.get_context("spawn")
+        counter = context.Value("i", 0)
+        _WARM_POOL["key"] = key
+        _WARM_POOL["pool"] = concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(gpus, counter)
+        )
+    return _WARM_POOL["pool"]
+
+
+def close_pools() -> None:
+    """Shut down the warm pool of worker processes, if any (the next ``run_many`` starts a new one)."""
+    pool = _WARM_POOL.pop("pool", None)
+    _WARM_POOL.clear()
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+atexit.register(close_pools)
+
+
 def _run_processes(runs, pending, workers, threads, gpus, finish) -> None:
-    context = multiprocessing.get_context("spawn")
-    counter = context.Value("i", 0)
-    workers = min(workers, len(pending))
-    with concurrent.futures.ProcessPoolExecutor(
-        max_workers=workers, mp_context=context, initializer=_init_worker, initargs=(gpus, counter)
-    ) as pool:
+    pool = _pool(workers, gpus)
+    finished = False
+    try:
         futures = {pool.submit(_execute_reporting, runs[i], threads): i for i in pending}
+        broken = False
         for future in concurrent.futures.as_completed(futures):
             try:
-                finish(futures[future], *future.result())
+                status, value = future.result()
             except concurrent.futures.process.BrokenProcessPool:
-                finish(
-                    futures[future],
+                broken = True
+                status, value = (
                     "error",
-                    "a worker process died (killed, or out of memory) during "
-                    "this run or one beside it; rerun with cache=True to redo only the unfinished runs",
+                    "a worker process died (killed, or out of memory) during this run or one beside it; "
+                    "rerun with cache=True to redo only the unfinished runs",
                 )
+            finish(futures[future], status, value)
+        finished = not broken
+    finally:
+        if not finished:  # interrupted, or a worker died: the pool is not fit for the next call
+            close_pools()
 
 
 def _import_ray():

@@ -15,3 +15,17 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 # too; without a GPU the interpreter is chosen here, before any test can import it (tests/test_kernels.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_warm_pool_between_tests():
+    """qlab.runs keeps its pool of worker processes warm for the next call; a test starts from none."""
+    yield
+    import sys
+
+    runs = sys.modules.get("qlab.runs")
+    if runs is not None:
+        runs.close_pools()

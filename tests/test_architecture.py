@@ -29,7 +29,7 @@ LAYERS = {
     },
     "notebook bench": {
         "qlab.session", "qlab.notebooks", "qlab.sweep", "qlab.runs", "qlab.lab", "qlab.cli", "qlab.plotting",
-        "qlab.claims", "qlab.crossmachine",
+        "qlab.claims", "qlab.crossmachine", "qlab.campaign", "qlab.run_lists",
     },
 }  # fmt: skip
 # names moved up a layer, still reachable at their old place with a DeprecationWarning

@@ -42,6 +42,7 @@ import qlab  # noqa: E402
 from qlab import (  # noqa: E402
     ablation,
     advisor,
+    campaign,
     claims,
     crossmachine,
     formats,
@@ -54,6 +55,7 @@ from qlab import (  # noqa: E402
     plotting,
     probes,
     results,
+    run_lists,
     scaling,
     seed_model,
     session,
@@ -750,6 +752,21 @@ ENTRY_POINTS = {
         ),
     ),
     "host.machine": (host.machine, lambda: dict(device=torch.device("cpu"))),
+    # --- campaigns: keys of a run, budgets, a notebook's run list -------------------------------------
+    "campaign.config_fields": (campaign.config_fields, lambda: dict(config=train_config())),
+    "campaign.config_key": (campaign.config_key, lambda: dict(config=train_config())),
+    "campaign.run_key": (campaign.run_key, lambda: dict(config=train_config(), device_kind="GPU A")),
+    "campaign.device_kind": (campaign.device_kind, lambda: dict(device="cpu")),
+    "campaign.parse_budget": (campaign.parse_budget, lambda: dict(budget="12m")),
+    "run_lists.run_list": (
+        run_lists.run_list,
+        lambda: dict(
+            notebook="07_recipe_ablations",
+            parameters={**session.notebook_defaults("07_recipe_ablations"), "smoke": True},
+            device="cpu",
+        ),
+    ),
+    "notebooks.parameter_defaults": (notebooks.parameter_defaults, lambda: dict(notebook=notebook_copy())),
     "host.progress": (host.progress, lambda: dict(iterable=[1, 2, 3], desc="fuzz", total=3, disable=True)),
     # --- training: a tiny MLP on the digits, the seed model, fine-tunes of tiny models ------------------
     "train.loop.train": (
@@ -1404,7 +1421,7 @@ NOT_GENERATED = {
         nn.replace_linears nn.conversion_report nn.plain_linears nn.set_submodule nn.QlabLinear""",
     "command lines: argv parsed (add_arguments fills the parser), then training, torchrun or a server "
     "(tests/test_cli.py)": """
-        cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main""",
+        cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main cli.campaign_list""",
     "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
         notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder
         notebooks.run_report notebooks.export_html""",
@@ -1430,7 +1447,12 @@ NOT_GENERATED = {
     "no arguments to generate: where results go, the plotting style, the notebooks and cores there are, "
     "whether a runner without a browser drives this process, the kernel's language, quiet model loading": """
         paths.results_root paths.data_dir paths.figures_dir plotting.use_paper_style notebooks.list_notebooks
-        runs.usable_cores host.headless lab.kernel_language_info models.quiet_loading""",
+        runs.usable_cores host.headless lab.kernel_language_info models.quiet_loading runs.close_pools
+        host.cpu_name campaign.store_dir""",
+    "they train runs and read and write a store of them (tests/test_campaign.py: damaged stores, budgets, "
+    "mixed devices, bad input to qlab campaign)": """
+        campaign.write_run campaign.read_run campaign.progress campaign.results campaign.run_campaign
+        campaign.status campaign.train_for_store""",
     "any values make a claim key (each written with str()); the atomic writer is reached through the "
     "writers above": """
         claims.key_for paths.written_atomically""",
@@ -1442,7 +1464,8 @@ NOT_GENERATED = {
         train.loop.TrainResult train.loop.TrainingDiverged train.loop.Divergence
         train.models.CausalSelfAttention train.models.FeedForward train.models.Block
         seed_model.SeedQuantizerFunction seed_model.SeedLinearFunction seed_model.Block lab.LabContentsManager
-        seed_model.SeedTransformer""",
+        seed_model.SeedTransformer campaign.Progress campaign.StoreError campaign.StoredRun
+        run_lists.RunList""",
 }
 
 

@@ -123,6 +123,8 @@ def test_an_unknown_profile_is_refused(interactive):
 def test_figures_paper_profile_runs_only_the_training_notebooks(monkeypatch, tmp_path):
     from qlab import cli
 
+    monkeypatch.setattr(cli, "_campaign_complete", lambda *a: True)  # as if every campaign had finished
+
     calls, recorded = [], []
     monkeypatch.setattr(paths, "RUNS_DIR", tmp_path)
 

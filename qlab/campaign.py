@@ -1,0 +1,477 @@
+"""Campaigns: a notebook's run list finished across many invocations, each run committed as plain files.
+
+    qlab campaign 03 --profile paper --budget 9m     runs as many missing runs as fit in 9 minutes
+    qlab campaign 03 --profile paper --status        done (per device kind), left, time left
+
+Every finished run is written at once to its own folder under the store, ``data/<profile>/runs/``
+(``data/runs/`` for the cpu profile; under the results folder of a smoke or interactive run):
+
+    <key>/run.json       its configuration, device kind, machine, wall time, parameter count, and the
+                         sha256 of each CSV
+    <key>/metrics.csv    its training curve (qlab.train's metric rows)
+    <key>/fidelity.csv   its gradient-fidelity rows
+
+The folder is written under a temporary name and renamed in one step, so a campaign killed anywhere
+(SIGKILL, the end of a GPU lease) loses at most the runs in flight, and the next invocation, on any
+machine, continues. The files are plain data (never pickle) and are committed.
+
+``key`` hashes the run's whole configuration (every TrainConfig field but ``device`` and ``progress``,
+which the device kind and nothing respectively stand for), its device kind (the GPU's name, or the
+CPU's model and torch threads: what changes a run's bits) and ``NUMERICS_VERSION`` — not the commit, so
+a documentation change does not invalidate results. A notebook reads its runs through
+:func:`results`, trained now or stored earlier alike, so a list finished over several invocations gives
+the same CSVs, claims and figures as one run that trained everything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from qlab import checks, paths
+
+NUMERICS_VERSION = "1"  # bump when a change alters what a training run computes: stored runs then retire
+STORE_DIR_NAME = "runs"
+_UNKEYED_FIELDS = ("device", "progress")  # the device kind keys the device; progress changes no number
+_KEY_LENGTH = 20  # hex digits of sha256 in a run's folder name
+
+
+class StoreError(ValueError):
+    """A stored run that cannot be trusted: unreadable, or its files do not match its key."""
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """One finished run as the store keeps it: what a notebook reads."""
+
+    key: str
+    config: object  # TrainConfig
+    device_kind: str
+    machine: str
+    seconds: float
+    parameters: int  # trainable parameters of the model
+    metrics: pd.DataFrame
+    fidelity: pd.DataFrame
+    path: Path
+
+
+# --- keys ------------------------------------------------------------------------------------------
+
+
+def config_fields(config) -> dict:
+    """The configuration as the key sees it: every TrainConfig field but device and progress."""
+    from qlab.train.config import TrainConfig
+
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig, got {checks.shown(config)}")
+    return {name: value for name, value in vars(config).items() if name not in _UNKEYED_FIELDS}
+
+
+def _digest(content: dict) -> str:
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:_KEY_LENGTH]
+
+
+def config_key(config) -> str:
+    """The run's identity whatever machine runs it: its configuration and the numerics version."""
+    return _digest({"config": config_fields(config), "numerics": NUMERICS_VERSION})
+
+
+def run_key(config, device_kind: str) -> str:
+    """The name of the run's folder: its configuration, device kind and the numerics version."""
+    if not isinstance(device_kind, str) or not device_kind:
+        raise TypeError(f"device_kind must be a non-empty str, got {checks.shown(device_kind)}")
+    return _digest(
+        {"config": config_fields(config), "device_kind": device_kind, "numerics": NUMERICS_VERSION}
+    )
+
+
+def device_kind(device) -> str:
+    """What changes a run's bits about where it runs: the GPU's name, or the CPU's model and torch threads."""
+    import torch
+
+    from qlab.host import cpu_name, resolve_device
+
+    device = resolve_device(device, argument="device")
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {torch.get_num_threads()} torch threads"
+
+
+# --- one run, in a worker --------------------------------------------------------------------------
+
+
+def train_for_store(config) -> dict:
+    """Train ``config`` (in whatever process runs it) and return what the store keeps, as plain data."""
+    import torch
+
+    from qlab.host import machine
+    from qlab.train import train
+    from qlab.train.models import parameter_count
+
+    result = train(config)
+    return {
+        "metrics": result.metrics,
+        "fidelity": result.fidelity,
+        "seconds": float(result.seconds),
+        "parameters": int(parameter_count(result.model)),
+        "device_kind": device_kind(config.device),
+        "machine": machine(config.device),
+        "torch": torch.__version__,
+    }
+
+
+# --- the store -------------------------------------------------------------------------------------
+
+
+def store_dir() -> Path:
+    """The store of the current results folder and profile: ``data/[<profile>/]runs/``."""
+    return paths.data_dir() / STORE_DIR_NAME
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_run(store: Path, config, record: dict) -> Path:
+    """Write one finished run into ``store`` (a folder renamed into place in one step); its path."""
+    store = Path(store)
+    store.mkdir(parents=True, exist_ok=True)
+    key = run_key(config, record["device_kind"])
+    final = store / key
+    tmp = store / f".{key}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        record["metrics"].drop(columns="time_s", errors="ignore").to_csv(tmp / "metrics.csv", index=False)
+        record["fidelity"].to_csv(tmp / "fidelity.csv", index=False)
+        description = {
+            "key": key,
+            "config_key": config_key(config),
+            "numerics": NUMERICS_VERSION,
+            "config": config_fields(config),
+            "device": config.device,
+            "device_kind": record["device_kind"],
+            "machine": record["machine"],
+            "torch": record["torch"],
+            "seconds": round(record["seconds"], 3),
+            "parameters": record["parameters"],
+            "sha256": {name: _sha256(tmp / name) for name in ("metrics.csv", "fidelity.csv")},
+        }
+        (tmp / "run.json").write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
+        if final.exists():  # the same run again (a retried one): the new files replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def read_run(folder: Path) -> StoredRun:
+    """The stored run in ``folder``, checked: StoreError naming the folder when a file is missing or
+    corrupt, or when its configuration does not hash to its name."""
+    from qlab.train.config import TrainConfig
+
+    folder = Path(folder)
+    shown = paths.shown(folder)
+    try:
+        description = json.loads((folder / "run.json").read_text())
+        fields = description["config"]
+        config = TrainConfig(**fields, device=description["device"])
+        kind = description["device_kind"]
+    except FileNotFoundError:
+        raise StoreError(
+            f"stored run {shown}: run.json is missing (delete the folder to run it again)"
+        ) from None
+    except (ValueError, TypeError, KeyError) as err:
+        raise StoreError(
+            f"stored run {shown}: run.json is corrupt ({type(err).__name__}: {err}); delete the folder to "
+            "run it again"
+        ) from None
+    if run_key(config, kind) != folder.name:
+        raise StoreError(
+            f"stored run {shown}: its configuration hashes to {run_key(config, kind)}, not to its folder's "
+            "name (a file edited by hand, or copied under another name); delete the folder to run it again"
+        )
+    for name, expected in description.get("sha256", {}).items():
+        if not (folder / name).is_file() or _sha256(folder / name) != expected:
+            raise StoreError(
+                f"stored run {shown}: {name} is missing or does not match its sha256 in run.json (a torn or "
+                "edited file); delete the folder to run it again"
+            )
+    read = {"float_precision": "round_trip", "keep_default_na": True}
+    metrics = pd.read_csv(folder / "metrics.csv", **read)
+    fidelity_path = folder / "fidelity.csv"
+    fidelity = pd.read_csv(fidelity_path, **read) if fidelity_path.stat().st_size > 1 else pd.DataFrame()
+    return StoredRun(
+        key=folder.name, config=config, device_kind=kind, machine=description.get("machine", "?"),
+        seconds=float(description["seconds"]), parameters=int(description["parameters"]),
+        metrics=metrics, fidelity=fidelity, path=folder,
+    )  # fmt: skip
+
+
+def _index(store: Path) -> tuple[dict[str, list[Path]], int]:
+    """({config key: [run folders of the current numerics version]}, runs of other numerics versions),
+    every run.json checked as ``read_run`` checks it."""
+    found: dict[str, list[Path]] = {}
+    retired = 0
+    if not Path(store).is_dir():
+        return found, 0
+    for folder in sorted(Path(store).iterdir()):
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue  # a temporary folder of a run killed while being written
+        try:
+            numerics = json.loads((folder / "run.json").read_text()).get("numerics")
+        except (OSError, ValueError, AttributeError):
+            numerics = NUMERICS_VERSION  # read_run names what is wrong with it
+        if numerics != NUMERICS_VERSION:
+            retired += 1
+            continue
+        found.setdefault(config_key(read_run(folder).config), []).append(folder)
+    return found, retired
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run list stands in a store: the stored folder chosen for each run (None: not yet run)."""
+
+    run_list: object
+    chosen: list  # per run: its folder, or None
+    kinds: Counter  # device kind -> runs of the list stored from it
+    retired: int  # stored runs of another numerics version, which no list uses
+    seconds: dict  # device kind -> mean wall time of one stored run, seconds
+
+    @property
+    def done(self) -> int:
+        return sum(folder is not None for folder in self.chosen)
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i, folder in enumerate(self.chosen) if folder is None]
+
+    @property
+    def complete(self) -> bool:
+        return self.done == len(self.chosen)
+
+
+def progress(run_list, store: Path | None = None) -> Progress:
+    """Which runs of ``run_list`` the store holds (every stored file checked first). Where a run is
+    stored from several device kinds, the kind that holds most of the list is chosen."""
+    store = store_dir() if store is None else Path(store)
+    found, retired = _index(store)
+    candidates = [found.get(config_key(config), []) for config in run_list.configs]
+    kinds_of = {folder: json.loads((folder / "run.json").read_text()) for fs in candidates for folder in fs}
+    coverage = Counter(kind for fs in candidates for kind in {kinds_of[f]["device_kind"] for f in fs})
+    chosen = []
+    for folders in candidates:
+        if not folders:
+            chosen.append(None)
+            continue
+        ranked = sorted(
+            folders, key=lambda f: (-coverage[kinds_of[f]["device_kind"]], kinds_of[f]["device_kind"])
+        )
+        chosen.append(ranked[0])
+    kinds = Counter(kinds_of[f]["device_kind"] for f in chosen if f is not None)
+    seconds = {}
+    for kind in kinds:
+        times = [
+            kinds_of[f]["seconds"] for f in chosen if f is not None and kinds_of[f]["device_kind"] == kind
+        ]
+        seconds[kind] = sum(times) / len(times)
+    return Progress(run_list, chosen, kinds, retired, seconds)
+
+
+# --- what a notebook calls --------------------------------------------------------------------------
+
+
+def results(
+    run_list,
+    *,
+    executor: str = "processes",
+    max_workers: int | None = None,
+    address: str | None = None,
+    allow_mixed_devices: bool = False,
+    store: Path | None = None,
+) -> list[StoredRun]:
+    """Every run of ``run_list``, read from the store: the stored ones as they are, the missing ones
+    trained now (through ``qlab.runs.run_many``) and written there as each finishes.
+
+    Refuses (ValueError) runs from more than one device kind unless ``allow_mixed_devices``.
+    """
+    checks.boolean("allow_mixed_devices", allow_mixed_devices)
+    store = store_dir() if store is None else Path(store)
+    before = progress(run_list, store)
+    _check_kinds(before, allow_mixed_devices)
+    missing = before.missing
+    if before.done:
+        print(f"{before.done} of {len(run_list)} runs read from {paths.shown(store)} (stored earlier)")
+    if missing:
+        _train(run_list, missing, store, executor=executor, max_workers=max_workers, address=address)
+    after = progress(run_list, store)
+    if not after.complete:  # a run stored under another numerics version or key: should not happen
+        raise StoreError(
+            f"{len(after.missing)} runs are missing from {paths.shown(store)} after training them"
+        )
+    _check_kinds(after, allow_mixed_devices)
+    if len(after.kinds) > 1:
+        print(f"runs from {len(after.kinds)} device kinds (allow_mixed_devices=True): {dict(after.kinds)}")
+    return [read_run(folder) for folder in after.chosen]
+
+
+def _check_kinds(state: Progress, allow_mixed_devices: bool) -> None:
+    if len(state.kinds) > 1 and not allow_mixed_devices:
+        listed = "; ".join(f"{count} from {kind}" for kind, count in sorted(state.kinds.items()))
+        raise ValueError(
+            f"the stored runs of {state.run_list.notebook} come from {len(state.kinds)} device kinds "
+            f"({listed}); "
+            "set allow_mixed_devices=True to render them together (the notebook says so), or delete one "
+            "kind's folders and run them again"
+        )
+
+
+def _train(run_list, indices, store, *, executor, max_workers, address, runs_per_gpu=None) -> None:
+    from qlab.runs import run_many, task
+
+    def store_one(position: int, record: dict) -> None:
+        write_run(store, run_list.configs[indices[position]], record)
+
+    run_many(
+        [task(train_for_store, run_list.configs[i]) for i in indices],
+        executor=executor, max_workers=max_workers, address=address, runs_per_gpu=runs_per_gpu,
+        desc="training runs", on_result=store_one, cache=False,
+    )  # fmt: skip
+
+
+# --- what qlab campaign calls ----------------------------------------------------------------------
+
+_BUDGET = re.compile(r"(\d+(?:\.\d+)?)\s*(s|m|h)?")
+
+
+def parse_budget(budget) -> float:
+    """A time budget (a str) as seconds: "90s", "12m", "1.5h", or a bare number of seconds; it must be > 0."""
+    if not isinstance(budget, str):
+        raise TypeError(
+            f"budget must be a duration such as '12m', '90s' or '1.5h', got {checks.shown(budget)}"
+        )
+    match = _BUDGET.fullmatch(str(budget).strip())
+    if not match:
+        raise ValueError(f"budget must be a duration such as '12m', '90s' or '1.5h', got {budget!r}")
+    seconds = float(match[1]) * {"s": 1, None: 1, "m": 60, "h": 3600}[match[2]]
+    if not (0 < seconds < math.inf):
+        raise ValueError(f"budget must be more than 0 seconds and finite, got {budget!r}")
+    return seconds
+
+
+def run_campaign(
+    run_list,
+    *,
+    budget_s: float | None = None,
+    max_runs: int | None = None,
+    executor: str = "processes",
+    max_workers: int | None = None,
+    runs_per_gpu: int | None = None,
+    address: str | None = None,
+    store: Path | None = None,
+    say=print,
+) -> Progress:
+    """Run missing runs of ``run_list`` into the store: at most ``max_runs``, and no more than fit in
+    ``budget_s`` seconds (a new wave starts only when the measured time of one run still fits). Runs go
+    out in waves of ``workers`` × the rounds that fit; the first wave, with no time measured yet, is one
+    round. Returns where the list stands afterwards."""
+    from qlab.runs import RunsFailed, plan
+
+    if budget_s is not None:
+        checks.number("budget_s", budget_s, low=0)
+        if budget_s <= 0:
+            raise ValueError(f"budget_s must be more than 0 seconds, got {budget_s}")
+    if max_runs is not None:
+        checks.integer("max_runs", max_runs, low=1)
+    store = store_dir() if store is None else Path(store)
+    workers = plan(executor, max_workers, None, runs_per_gpu)[0]
+    started, ran = time.monotonic(), 0
+    state = progress(run_list, store)
+    say(_status_line(state, store))
+    per_round = None  # wall seconds per round of workers measured in this invocation (pool start-up included)
+    while state.missing and (max_runs is None or ran < max_runs):
+        left = None if budget_s is None else budget_s - (time.monotonic() - started)
+        estimate, measured_by = _estimate(state), f"the mean of {state.done} stored runs"
+        if per_round is not None and (estimate is None or per_round > estimate):
+            estimate, measured_by = per_round, "the last wave's wall time per round"
+        count = len(state.missing) if max_runs is None else min(len(state.missing), max_runs - ran)
+        if left is not None:
+            if estimate is None:
+                count = min(count, workers)
+                say(f"no run of this list timed yet: starting {count} (one per worker) to time them")
+            else:
+                rounds = math.floor(left / estimate)
+                if rounds < 1:
+                    say(f"{left:.0f} s left, one run takes about {estimate:.0f} s: no new run started")
+                    break
+                count = min(count, rounds * workers)
+                say(
+                    f"one run takes about {estimate:.0f} s ({measured_by}); {left:.0f} s left: "
+                    f"starting {count} on {workers} workers"
+                )
+        wave_started = time.monotonic()
+        try:
+            _train(run_list, state.missing[:count], store, executor=executor, max_workers=max_workers,
+                   address=address, runs_per_gpu=runs_per_gpu)  # fmt: skip
+        except RunsFailed as failed:
+            say(f"{len(failed.failures)} runs failed; the next invocation tries them again:\n{failed}")
+            state = progress(run_list, store)
+            break
+        per_round = (time.monotonic() - wave_started) / math.ceil(count / workers)
+        ran += count
+        state = progress(run_list, store)
+    say(_status_line(state, store))
+    return state
+
+
+def _estimate(state: Progress) -> float | None:
+    """Seconds one run takes: the mean of the stored runs of this list (None before any)."""
+    if not state.done:
+        return None
+    total = sum(state.seconds[kind] * count for kind, count in state.kinds.items())
+    return total / state.done
+
+
+def _status_line(state: Progress, store: Path) -> str:
+    total = len(state.chosen)
+    line = f"{state.run_list.notebook}: {state.done} of {total} runs stored in {paths.shown(store)}"
+    if state.kinds:
+        line += " (" + "; ".join(f"{n} from {kind}" for kind, n in sorted(state.kinds.items())) + ")"
+    return line
+
+
+def status(run_list, store: Path | None = None, workers: int | None = None) -> str:
+    """Lines saying how many runs are done per device kind, how many remain, and the time left at the
+    measured rate (device-hours: one run's mean time × the runs left ÷ the runs at once)."""
+    store = store_dir() if store is None else Path(store)
+    state = progress(run_list, store)
+    lines = [_status_line(state, store)]
+    for kind, count in sorted(state.kinds.items()):
+        lines.append(f"  {kind}: {count} runs, {state.seconds[kind]:.1f} s each on average")
+    left = len(state.missing)
+    if left == 0:
+        lines.append(
+            f"  complete: `qlab run {state.run_list.notebook[:2]}` at this profile renders it from the store"
+        )
+    elif state.done:
+        hours = left * _estimate(state) / 3600
+        at_once = f" ÷ {workers} at once = {hours / workers:.2f} h of device time" if workers else ""
+        lines.append(f"  {left} runs left: {hours:.2f} run-hours at the measured rate{at_once}")
+    else:
+        lines.append(f"  {left} runs left; none measured yet")
+    if state.retired:
+        lines.append(f"  {state.retired} stored runs of another numerics version are not used")
+    return "\n".join(lines)
