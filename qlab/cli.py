@@ -262,8 +262,22 @@ def _cmd_list(args) -> int:
     return 0
 
 
+def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
+    """How many of the notebook's training runs its store holds before it runs (0 without a run list)."""
+    from qlab import campaign, run_lists
+
+    path = notebooks.resolve_notebook(notebook)
+    if path.stem not in run_lists.RUN_LISTS:
+        return 0
+    parameters = {**parameters, "smoke": True} if smoke else parameters
+    profile = parameters.get("profile", "cpu")
+    run_list, store = campaign_list(path.stem, parameters, profile, None if output is None else Path(output))
+    return campaign.progress(run_list, store).done
+
+
 def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
+    stored = _stored_runs(args.notebook, params, args.smoke, args.output)
     result = notebooks.run_notebook(
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
     )
@@ -273,7 +287,10 @@ def _cmd_run(args) -> int:
     print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
     print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")
     if not args.smoke and set(params) <= {"profile"} and result.notebook.parent == paths.NOTEBOOKS_DIR:
-        _record_seconds(result.notebook.stem, params.get("profile", "cpu"), result.seconds)
+        if stored:
+            print(f"qlab: {stored} training runs were read from the store: this wall time is not recorded")
+        else:
+            _record_seconds(result.notebook.stem, params.get("profile", "cpu"), result.seconds)
     return 0
 
 
@@ -337,10 +354,11 @@ def _cmd_figures(args) -> int:
         if args.executor is not None and "executor" in notebooks.notebook_parameters(path):
             chosen_parameters["executor"] = args.executor
         try:
+            stored = _stored_runs(path, chosen_parameters, args.smoke, output)
             result = notebooks.run_notebook(
                 path, chosen_parameters, smoke=args.smoke, timeout=args.timeout, output=output
             )
-            if not args.smoke and args.executor is None:
+            if not args.smoke and args.executor is None and not stored:  # stored runs: no run time
                 _record_seconds(path.stem, args.profile, result.seconds)
         except NotebookError as err:
             failures.append(str(err))
