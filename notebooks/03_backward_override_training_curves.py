@@ -39,8 +39,10 @@
 # 6. the refusal: delayed scaling with an override is an error, not a silent no-op.
 #
 # `profile = "paper"` runs it at paper scale on a GPU (a 1.0M-parameter model, 3000 steps, 5 seeds;
-# results in data/paper/ and figures/paper/). Single runs are one command:
-# `qlab train -p recipe mxfp8 -p backward_override dequantized -p steps 2000`.
+# results in data/paper/ and figures/paper/). Each training run is stored as it finishes under
+# data/runs/ (data/paper/runs/) and read from there by the next run of the notebook, so a long
+# profile can be trained over several GPU sessions: `qlab campaign 03 --profile paper --budget 9m`.
+# Single runs are one command: `qlab train -p recipe mxfp8 -p backward_override dequantized -p steps 2000`.
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)

@@ -253,6 +253,9 @@ sr_last.groupby("layer")[["wgrad_rel_error_of_mean", "draw_rms_error", "excess"]
 # over seeds; and the weight-gradient fidelity (relative error of each quantized layer's dW against
 # the FP32 gradient at the same weights and batch) averaged over the run.
 #
+# The runs are read from data/runs/ (data/paper/runs/) where an earlier run or `qlab campaign 07`
+# stored them, and trained and stored there otherwise (`qlab.campaign`).
+#
 # Each variant is compared with FP32 and with its own full recipe, never across recipes:
 # `mxfp4_training` keeps its forward GEMMs in high precision and quantizes only the backward, where
 # `nvfp4` quantizes the forward too, so their losses do not compare like for like.
