@@ -6,6 +6,10 @@ process's threads: one run at a time as the notebooks ran before they fanned out
 executor (one worker of one thread per core) and, with ``--ray``, a local Ray cluster of as many CPUs,
 whose results are compared with the processes' bit for bit (the tests pin serial = processes).
 
+``--pool``: a short list (4 CharGPT runs of 60 steps) serially, on a pool of worker processes started
+for the call (cold) and on the same pool again (warm, as ``run_many`` keeps it): what starting a pool
+costs, which ``qlab.runs.POOL_START_S`` records.
+
 ``--thread-scaling``: one run of each list alone with 1 thread and with every core's, which bounds
 what one-thread workers can gain over the serial executor (cores × t(cores) / t(1)).
 
@@ -22,7 +26,6 @@ Each invocation appends its rows, with the machine, device, date, torch and comm
 from __future__ import annotations
 
 import argparse
-import ast
 import datetime
 import subprocess
 import threading
@@ -32,28 +35,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from qlab import paths, seed_model
+from qlab import run_lists, seed_model
 from qlab.runs import run_many, task, usable_cores
-from qlab.session import machine
+from qlab.session import machine, notebook_defaults
 from qlab.train import TrainConfig
 
 RESULTS = Path(__file__).parent / "results"  # bench_runs_cpu.csv and bench_runs_gpu.csv
 QUANTIZED = ["fp8_tensorwise", "mxfp8", "mxfp4", "nvfp4"]
-
-
-def notebook_defaults(name: str) -> dict:
-    """The notebook's parameters cell as {name: default}; read without jupytext where it is missing
-    (a GPU machine's image): the lines after ``# %% tags=["parameters"]`` up to the next cell."""
-    from qlab.session import notebook_defaults as read
-
-    try:
-        return read(name)
-    except ImportError:
-        lines = (paths.NOTEBOOKS_DIR / f"{name}.py").read_text().splitlines()
-        start = lines.index('# %% tags=["parameters"]') + 1
-        end = next(i for i in range(start, len(lines)) if lines[i].startswith("# %%"))
-        cell = ast.parse("\n".join(lines[start:end]))
-        return {s.target.id: ast.literal_eval(s.value) for s in cell.body if isinstance(s, ast.AnnAssign)}
 
 
 def notebook_01_runs() -> list:
@@ -74,41 +62,14 @@ def notebook_01_runs() -> list:
 
 
 def notebook_03_runs(profile: str = "cpu", device: str = "cpu") -> list[TrainConfig]:
-    """Notebook 03's list at its defaults: FP32, BF16, recipes × backward modes, own-backward recipes."""
-    p = notebook_defaults("03_backward_override_training_curves")
-    if profile == "paper":  # the notebook's paper sizes
-        p.update(seeds=max(p["seeds"], 5), steps=3000, layers=5, width=128, context=128, batch_size=32,
-                 lr=1e-3, warmup_steps=100, eval_every=100, eval_batches=16, fidelity_every=250)  # fmt: skip
-    sizes = ("steps", "layers", "width", "heads", "context", "batch_size", "lr", "warmup_steps", "eval_every",
-             "eval_batches", "fidelity_every", "keep_high_precision")  # fmt: skip
-    base = TrainConfig(**{name: p[name] for name in sizes}, device=device, progress=False)
-    modes = [None if mode == "none" else mode for mode in p["overrides"]]
-    configurations = [("fp32", None), ("bf16", None)] + [(r, m) for r in p["recipes"] for m in modes]
-    configurations += [(r, None) for r in p["recipe_backward_only"]]
-    seeds = range(p["seeds"])
-    return [base.replace(recipe=r, backward_override=m, seed=s) for s in seeds for r, m in configurations]
+    """Notebook 03's list at its defaults (qlab.run_lists, the function the notebook calls)."""
+    values = {**notebook_defaults("03_backward_override_training_curves"), "profile": profile}
+    return run_lists.run_list("03_backward_override_training_curves", values, device).configs
 
 
 def notebook_07_runs() -> list[TrainConfig]:
-    """Notebook 07's training list at its defaults: FP32 and every variant, × seeds."""
-    from qlab import ablation
-
-    p = notebook_defaults("07_recipe_ablations")
-    steps = p["train_steps"]
-    base = TrainConfig(steps=steps, layers=p["layers"], width=p["width"], heads=4, context=p["context"],
-                       batch_size=p["batch_size"], lr=0.003, eval_batches=2, warmup_steps=max(1, steps // 10),
-                       eval_every=steps, device="cpu", progress=False)  # fmt: skip
-    runs = []
-    for seed in range(p["seeds"]):
-        for variant in ["fp32", *p["train_variants"]]:
-            preset, _, label = variant.partition("/")
-            keep_last = label == "+BF16 last block"
-            off = [] if keep_last or preset == "fp32" else ablation.switched_off(preset, label)
-            keep = ["head", "last_block"] if keep_last else ["head"]
-            fidelity_every = 0 if preset == "fp32" else max(1, steps // 3)
-            runs.append(base.replace(recipe=preset, ablate=off, seed=seed, keep_high_precision=keep,
-                                     fidelity_every=fidelity_every))  # fmt: skip
-    return runs
+    """Notebook 07's training list at its defaults (qlab.run_lists, the function the notebook calls)."""
+    return run_lists.run_list("07_recipe_ablations", notebook_defaults("07_recipe_ablations"), "cpu").configs
 
 
 def same_results(a, b) -> bool:
@@ -250,6 +211,33 @@ def gpu(runs_per_gpu: list[int], count: int, steps: int) -> None:
         record([row], "gpu")  # each row as it comes: a call cut off at its limit keeps the rows it finished
 
 
+def pool_start(repeats: int = 3) -> None:
+    """Serial against a cold and a warm pool on a list short enough for the pool's start-up to show."""
+    from qlab.runs import close_pools
+
+    runs = [config.replace(steps=60, eval_every=60, fidelity_every=0) for config in notebook_07_runs()[:4]]
+    for _ in range(repeats):
+        serial_s, _ = timed(runs, executor="serial")
+        close_pools()
+        cold_s, cold = timed(runs, executor="processes")
+        warm_s, warm = timed(runs, executor="processes")
+        close_pools()
+        row = {
+            "machine": machine(),
+            "device": "cpu",
+            "list": "4 CharGPT runs of 60 steps (notebook 07's first, shortened)",
+            "runs": len(runs),
+            "serial_s": round(serial_s, 2),
+            "processes_s": round(cold_s, 2),
+            "speedup_processes": round(serial_s / cold_s, 2),
+            "processes_warm_s": round(warm_s, 2),
+            "speedup_warm": round(serial_s / warm_s, 2),
+            "pool_start_s": round(cold_s - warm_s, 2),
+            "warm_identical_to_cold": all(map(same_results, warm, cold)),
+        }
+        record([row], "cpu")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=int, default=1, help="time every K-th run of each list")
@@ -259,12 +247,15 @@ def main() -> None:
     parser.add_argument(
         "--thread-scaling", action="store_true", help="one run at 1 thread and at every core's"
     )
+    parser.add_argument("--pool", action="store_true", help="a short list: serial, cold pool, warm pool")
     parser.add_argument("--runs-per-gpu", default="1,2,4,8")
     parser.add_argument("--gpu-runs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
     if args.thread_scaling:
         thread_scaling(args.notebooks.split(","))
+    elif args.pool:
+        pool_start()
     elif args.gpu:
         gpu([int(k) for k in args.runs_per_gpu.split(",")], args.gpu_runs, args.steps)
     else:

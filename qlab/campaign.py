@@ -316,7 +316,8 @@ def results(
     if before.done:
         print(f"{before.done} of {len(run_list)} runs read from {paths.shown(store)} (stored earlier)")
     if missing:
-        _train(run_list, missing, store, executor=executor, max_workers=max_workers, address=address)
+        _train(run_list, missing, store, executor=executor, max_workers=max_workers, address=address,
+               estimate=_estimate(before))  # fmt: skip
     after = progress(run_list, store)
     if not after.complete:  # a run stored under another numerics version or key: should not happen
         raise StoreError(
@@ -339,7 +340,9 @@ def _check_kinds(state: Progress, allow_mixed_devices: bool) -> None:
         )
 
 
-def _train(run_list, indices, store, *, executor, max_workers, address, runs_per_gpu=None) -> None:
+def _train(
+    run_list, indices, store, *, executor, max_workers, address, runs_per_gpu=None, estimate=None
+) -> None:
     from qlab.runs import run_many, task
 
     def store_one(position: int, record: dict) -> None:
@@ -348,7 +351,7 @@ def _train(run_list, indices, store, *, executor, max_workers, address, runs_per
     run_many(
         [task(train_for_store, run_list.configs[i]) for i in indices],
         executor=executor, max_workers=max_workers, address=address, runs_per_gpu=runs_per_gpu,
-        desc="training runs", on_result=store_one, cache=False,
+        desc="training runs", on_result=store_one, cache=False, estimated_seconds=estimate,
     )  # fmt: skip
 
 
@@ -425,7 +428,7 @@ def run_campaign(
         wave_started = time.monotonic()
         try:
             _train(run_list, state.missing[:count], store, executor=executor, max_workers=max_workers,
-                   address=address, runs_per_gpu=runs_per_gpu)  # fmt: skip
+                   address=address, runs_per_gpu=runs_per_gpu, estimate=_estimate(state))  # fmt: skip
         except RunsFailed as failed:
             say(f"{len(failed.failures)} runs failed; the next invocation tries them again:\n{failed}")
             state = progress(run_list, store)

@@ -59,6 +59,9 @@ from pathlib import Path
 from qlab import checks, paths
 
 EXECUTORS = ("serial", "processes", "ray")
+POOL_START_S = (
+    8.0  # starting the pool's workers (spawn, import torch and qlab): bench_runs.py --pool, 2 cores
+)
 RUNS_PER_GPU = 8  # runs packed on one GPU: the most runs per hour of 1, 2, 4, 8 on an H100 (bench_runs.py)
 CACHE_DIR_NAME = "cache"
 CACHE_ENV = "QLAB_RUN_CACHE"  # "1": cache=None means cache=True (set it for a notebook's kernel)
@@ -341,12 +344,16 @@ def run_many(
     progress: bool = True,
     desc: str = "runs",
     on_result: Callable[[int, object], None] | None = None,
+    estimated_seconds: float | None = None,
 ) -> list:
     """Run every configuration in ``runs`` and return their results in the same order.
 
     ``max_workers``: runs at once (default: usable cores, or ``runs_per_gpu`` × GPUs).
     ``threads_per_run``: torch threads each run uses (default: cores // workers; the serial
     executor: the same given ``max_workers``, else this process's).
+    ``estimated_seconds``: what one run takes, where the caller knows it; a list whose serial time is
+    below ``POOL_START_S`` then runs here one run after another (with the threads a worker would
+    have, so the same bits) unless a warm pool is waiting, and says so.
     Raises :class:`RunsFailed` after every run has finished if any raised.
     """
     workers, threads, gpus = plan(executor, max_workers, threads_per_run, runs_per_gpu)  # checks them all
@@ -356,6 +363,8 @@ def run_many(
     checks.boolean("progress", progress)
     if on_result is not None:
         checks.function("on_result", on_result, "called with (index, result) as each run finishes")
+    if estimated_seconds is not None:
+        checks.number("estimated_seconds", estimated_seconds, low=0)
     if not isinstance(desc, str):
         raise TypeError(f"desc must be a str (the progress bar's label), got {checks.shown(desc)}")
     runs = _check_runs(runs)
@@ -391,8 +400,21 @@ def run_many(
             failures.append((index, runs[index], value))
         bar.update()
 
+    short = (
+        executor == "processes"
+        and not gpus
+        and estimated_seconds is not None
+        and len(pending) > 1
+        and _WARM_POOL.get("key") != (workers, ())
+        and estimated_seconds * len(pending) < POOL_START_S
+    )
+    if short and progress:
+        print(
+            f"{len(pending)} runs of about {estimated_seconds:.1f} s: run here one after another (starting "
+            f"worker processes takes about {POOL_START_S:.0f} s)"
+        )
     try:
-        if executor == "serial" or (executor == "processes" and len(pending) <= 1 and not gpus):
+        if executor == "serial" or short or (executor == "processes" and len(pending) <= 1 and not gpus):
             for index in pending:
                 finish(index, *_execute_reporting(runs[index], threads))
         elif executor == "processes":

@@ -43,12 +43,19 @@ INTERACTIVE_DIR = "interactive"
 def parameters_source(name: str) -> str | None:
     """The source of the cell tagged ``parameters`` in ``notebooks/<name>.py`` (the committed
     defaults), as jupytext reads it; None if there is no such file or cell."""
-    import jupytext
-
     paths.result_name("name", name, "notebook name")
     source = paths.NOTEBOOKS_DIR / f"{name}.py"
     if not source.is_file():
         return None
+    try:
+        import jupytext
+    except ImportError:  # a bare GPU image: the percent format's cell, read line by line
+        lines = source.read_text().splitlines()
+        if '# %% tags=["parameters"]' not in lines:
+            return None
+        start = lines.index('# %% tags=["parameters"]') + 1
+        end = next((i for i in range(start, len(lines)) if lines[i].startswith("# %%")), len(lines))
+        return "\n".join(lines[start:end]).strip()
     return next(
         (c.source for c in jupytext.read(source).cells if "parameters" in c.metadata.get("tags", [])), None
     )

@@ -250,3 +250,20 @@ def test_results_pickle_across_processes():
     result = run_many([TINY], executor="serial", progress=False)[0]
     again = pickle.loads(pickle.dumps(result))
     _same_train_results(result, again)
+
+
+def test_a_short_list_runs_here_unless_a_warm_pool_waits(tmp_path, capsys):
+    """Given estimated_seconds, a list shorter than the pool's start-up runs in this process, with the
+    threads a pool worker would have; a warm pool takes it, as any list."""
+    folder = str(tmp_path)
+    short = [task(run_helpers.pid_then_sleep, folder, 0)] * 2
+    assert run_many(short, max_workers=2, estimated_seconds=0.01) == [os.getpid()] * 2
+    assert "2 runs of about 0.0 s: run here one after another" in capsys.readouterr().out
+    threads = [task(run_helpers.threads)] * 2
+    expected = max(1, runs.usable_cores() // 2)  # the threads each of 2 workers gets
+    assert run_many(threads, max_workers=2, estimated_seconds=0.01, progress=False) == [expected] * 2
+    long = run_many(short, max_workers=2, estimated_seconds=runs.POOL_START_S, progress=False)
+    assert os.getpid() not in long  # as long as the start-up: worth a pool, which stays warm
+    assert os.getpid() not in run_many(short, max_workers=2, estimated_seconds=0.01, progress=False)
+    with pytest.raises(ValueError, match="estimated_seconds"):
+        run_many(short, estimated_seconds=-1.0)

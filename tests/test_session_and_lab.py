@@ -407,3 +407,21 @@ def test_training_variants_parse_into_preset_ingredients_and_the_last_block():
     assert ablation.variant_parts("nvfp4/+BF16 last block") == ("nvfp4", [], True)
     assert sorted(ablation.variant_parts("mxfp4_training/none")[1]) == ["hadamard", "stochastic_rounding"]
     assert ablation.variant_parts("fp32") == ("fp32", [], False)
+
+
+def test_the_parameters_cell_reads_the_same_without_jupytext(monkeypatch):
+    """A bare GPU image may lack jupytext: the line-by-line reading gives the values jupytext's does."""
+    import builtins
+
+    names = [path.stem for path in notebooks.list_notebooks()]
+    with_jupytext = {name: session.parameter_values(session.parameters_source(name)) for name in names}
+    real_import = builtins.__import__
+
+    def no_jupytext(name, *args, **kwargs):
+        if name == "jupytext":
+            raise ImportError("No module named 'jupytext'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_jupytext)
+    for name in names:
+        assert session.parameter_values(session.parameters_source(name)) == with_jupytext[name], name
