@@ -229,7 +229,7 @@ ax.axhline(0, color="k", linewidth=0.5)
 ax.set_xticks(np.arange(len(budgets)), [f"{b:g}" for b in budgets])
 ax.set_xlabel("budget (bits per weight element)")
 ax.set_ylabel("Δ held-out loss")
-ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.legend(loc="outside lower center", ncols=1, fontsize=6)  # below the axes: the plot keeps the width
 ax.set_title(f"mean and 95 % interval over {len(checked)} held-out batches", fontsize=7)
 save_figure(fig, f"{NAME}_held_out")
 

@@ -119,11 +119,13 @@ def train_for_store(config) -> dict:
     from qlab.train import train
     from qlab.train.models import parameter_count
 
+    started = time.perf_counter()
     result = train(config)
     return {
         "metrics": result.metrics,
         "fidelity": result.fidelity,
         "seconds": float(result.seconds),
+        "task_seconds": time.perf_counter() - started,  # the run as a worker spends it: model, data, training
         "parameters": int(parameter_count(result.model)),
         "device_kind": device_kind(config.device),
         "machine": machine(config.device),
@@ -134,9 +136,29 @@ def train_for_store(config) -> dict:
 # --- the store -------------------------------------------------------------------------------------
 
 
-def store_dir() -> Path:
-    """The store of the current results folder and profile: ``data/[<profile>/]runs/``."""
+RUN_NEUTRAL = ("executor", "max_workers", "allow_mixed_devices")  # parameters that change no run's numbers
+
+
+def store_dir(run_list=None) -> Path:
+    """Where runs are stored: ``data/[<profile>/]runs/`` of the current results folder — or, for a run
+    list whose parameters differ from the notebook's defaults only in how runs fan out
+    (``RUN_NEUTRAL``) or the profile, the committed store of the repository, which the default
+    parameters read too (its keys tell runs apart, so any list may share it)."""
+    if run_list is not None and run_list.notebook in _notebook_names():
+        from qlab import session
+
+        defaults = session.notebook_defaults(run_list.notebook)
+        changed = session.changed_parameters(run_list.given, defaults)
+        if set(changed) <= set(RUN_NEUTRAL):
+            profile = run_list.given.get("profile", "cpu")
+            return paths.ROOT / "data" / ("" if profile == "cpu" else profile) / STORE_DIR_NAME
     return paths.data_dir() / STORE_DIR_NAME
+
+
+def _notebook_names() -> set[str]:
+    from qlab.run_lists import RUN_LISTS
+
+    return set(RUN_LISTS)
 
 
 def _sha256(path: Path) -> str:
@@ -165,13 +187,19 @@ def write_run(store: Path, config, record: dict) -> Path:
             "machine": record["machine"],
             "torch": record["torch"],
             "seconds": round(record["seconds"], 3),
+            "task_seconds": round(record.get("task_seconds", record["seconds"]), 3),
             "parameters": record["parameters"],
             "sha256": {name: _sha256(tmp / name) for name in ("metrics.csv", "fidelity.csv")},
         }
         (tmp / "run.json").write_text(json.dumps(description, indent=1, sort_keys=True) + "\n")
-        if final.exists():  # the same run again (a retried one): the new files replace it
-            shutil.rmtree(final)
+        for name in ("metrics.csv", "fidelity.csv", "run.json"):  # on disk before the folder is named
+            with open(tmp / name, "rb") as handle:
+                os.fsync(handle.fileno())
+        old = store / f".{key}.{os.getpid()}.old"
+        if final.exists():  # the same run again (a retried one): moved aside, so a kill leaves one whole
+            os.rename(final, old)
         os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
@@ -184,30 +212,29 @@ def read_run(folder: Path) -> StoredRun:
 
     folder = Path(folder)
     shown = paths.shown(folder)
+    again = "delete the folder to run it again"
     try:
         description = json.loads((folder / "run.json").read_text())
-        fields = description["config"]
-        config = TrainConfig(**fields, device=description["device"])
+        config = TrainConfig(**description["config"], device=description["device"])
         kind = description["device_kind"]
+        seconds, parameters = float(description["seconds"]), int(description["parameters"])
+        hashes = dict(description["sha256"])
     except FileNotFoundError:
+        raise StoreError(f"stored run {shown}: run.json is missing ({again})") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise StoreError(
-            f"stored run {shown}: run.json is missing (delete the folder to run it again)"
-        ) from None
-    except (ValueError, TypeError, KeyError) as err:
-        raise StoreError(
-            f"stored run {shown}: run.json is corrupt ({type(err).__name__}: {err}); delete the folder to "
-            "run it again"
+            f"stored run {shown}: run.json is corrupt ({type(err).__name__}: {err}); {again}"
         ) from None
     if run_key(config, kind) != folder.name:
         raise StoreError(
             f"stored run {shown}: its configuration hashes to {run_key(config, kind)}, not to its folder's "
-            "name (a file edited by hand, or copied under another name); delete the folder to run it again"
+            f"name (a file edited by hand, or copied under another name); {again}"
         )
-    for name, expected in description.get("sha256", {}).items():
-        if not (folder / name).is_file() or _sha256(folder / name) != expected:
+    for name in ("metrics.csv", "fidelity.csv"):
+        if not (folder / name).is_file() or _sha256(folder / name) != hashes.get(name):
             raise StoreError(
                 f"stored run {shown}: {name} is missing or does not match its sha256 in run.json (a torn or "
-                "edited file); delete the folder to run it again"
+                f"edited file); {again}"
             )
     read = {"float_precision": "round_trip", "keep_default_na": True}
     metrics = pd.read_csv(folder / "metrics.csv", **read)
@@ -215,7 +242,7 @@ def read_run(folder: Path) -> StoredRun:
     fidelity = pd.read_csv(fidelity_path, **read) if fidelity_path.stat().st_size > 1 else pd.DataFrame()
     return StoredRun(
         key=folder.name, config=config, device_kind=kind, machine=description.get("machine", "?"),
-        seconds=float(description["seconds"]), parameters=int(description["parameters"]),
+        seconds=seconds, parameters=parameters,
         metrics=metrics, fidelity=fidelity, path=folder,
     )  # fmt: skip
 
@@ -231,7 +258,7 @@ def _index(store: Path) -> tuple[dict[str, list[Path]], int]:
         if folder.name.startswith(".") or not folder.is_dir():
             continue  # a temporary folder of a run killed while being written
         try:
-            numerics = json.loads((folder / "run.json").read_text()).get("numerics")
+            numerics = json.loads((folder / "run.json").read_text()).get("numerics", NUMERICS_VERSION)
         except (OSError, ValueError, AttributeError):
             numerics = NUMERICS_VERSION  # read_run names what is wrong with it
         if numerics != NUMERICS_VERSION:
@@ -267,7 +294,7 @@ class Progress:
 def progress(run_list, store: Path | None = None) -> Progress:
     """Which runs of ``run_list`` the store holds (every stored file checked first). Where a run is
     stored from several device kinds, the kind that holds most of the list is chosen."""
-    store = store_dir() if store is None else Path(store)
+    store = store_dir(run_list) if store is None else Path(store)
     found, retired = _index(store)
     candidates = [found.get(config_key(config), []) for config in run_list.configs]
     kinds_of = {folder: json.loads((folder / "run.json").read_text()) for fs in candidates for folder in fs}
@@ -285,7 +312,9 @@ def progress(run_list, store: Path | None = None) -> Progress:
     seconds = {}
     for kind in kinds:
         times = [
-            kinds_of[f]["seconds"] for f in chosen if f is not None and kinds_of[f]["device_kind"] == kind
+            kinds_of[f].get("task_seconds", kinds_of[f]["seconds"])
+            for f in chosen
+            if f is not None and kinds_of[f]["device_kind"] == kind
         ]
         seconds[kind] = sum(times) / len(times)
     return Progress(run_list, chosen, kinds, retired, seconds)
@@ -309,15 +338,16 @@ def results(
     Refuses (ValueError) runs from more than one device kind unless ``allow_mixed_devices``.
     """
     checks.boolean("allow_mixed_devices", allow_mixed_devices)
-    store = store_dir() if store is None else Path(store)
+    store = store_dir(run_list) if store is None else Path(store)
     before = progress(run_list, store)
     _check_kinds(before, allow_mixed_devices)
+    _check_this_machine(before, planned_kind(run_list, executor, max_workers), allow_mixed_devices)
     missing = before.missing
     if before.done:
         print(f"{before.done} of {len(run_list)} runs read from {paths.shown(store)} (stored earlier)")
     if missing:
         _train(run_list, missing, store, executor=executor, max_workers=max_workers, address=address,
-               estimate=_estimate(before))  # fmt: skip
+               estimate=_estimate(before, planned_kind(run_list, executor, max_workers)))  # fmt: skip
     after = progress(run_list, store)
     if not after.complete:  # a run stored under another numerics version or key: should not happen
         raise StoreError(
@@ -340,10 +370,43 @@ def _check_kinds(state: Progress, allow_mixed_devices: bool) -> None:
         )
 
 
+def planned_kind(run_list, executor: str, max_workers: int | None = None, runs_per_gpu: int | None = None):
+    """The device kind the runs of ``run_list`` get on this machine with these settings (None with Ray,
+    where the cluster decides): its GPU's name, or its CPU's and the threads a pool worker gets — the
+    serial executor runs with the same threads, so both store the same kind."""
+    from qlab.host import cpu_name, resolve_device
+    from qlab.runs import plan
+
+    if executor == "ray" or not run_list.configs:
+        return None
+    device = resolve_device(run_list.configs[0].device, argument="device")
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()}, {plan('processes', max_workers, None, runs_per_gpu)[1]} torch threads"
+
+
+def _check_this_machine(state: Progress, kind: str | None, allow_mixed_devices: bool) -> None:
+    """Refuse, before any run starts, to add runs of another device kind than those stored."""
+    if kind is None or not state.missing or not state.kinds or kind in state.kinds or allow_mixed_devices:
+        return
+    stored = "; ".join(f"{count} from {name}" for name, count in sorted(state.kinds.items()))
+    raise ValueError(
+        f"the stored runs of {state.run_list.notebook} come from another device kind ({stored}); here the "
+        f"{len(state.missing)} missing runs would run as {kind!r} and the list would mix device kinds. Run "
+        "them where the others ran, or allow it (allow_mixed_devices=True, qlab campaign "
+        "--allow-mixed-devices; the notebook then says which kinds it read)"
+    )
+
+
 def _train(
     run_list, indices, store, *, executor, max_workers, address, runs_per_gpu=None, estimate=None
 ) -> None:
-    from qlab.runs import run_many, task
+    from qlab.runs import plan, run_many, task
+
+    # the same torch threads whatever the executor (serial included), so the same device kind and bits
+    threads = None if executor == "ray" else plan("processes", max_workers, None, runs_per_gpu)[1]
 
     def store_one(position: int, record: dict) -> None:
         write_run(store, run_list.configs[indices[position]], record)
@@ -351,7 +414,8 @@ def _train(
     run_many(
         [task(train_for_store, run_list.configs[i]) for i in indices],
         executor=executor, max_workers=max_workers, address=address, runs_per_gpu=runs_per_gpu,
-        desc="training runs", on_result=store_one, cache=False, estimated_seconds=estimate,
+        threads_per_run=threads, desc="training runs", on_result=store_one, cache=False,
+        estimated_seconds=estimate,
     )  # fmt: skip
 
 
@@ -384,14 +448,18 @@ def run_campaign(
     max_workers: int | None = None,
     runs_per_gpu: int | None = None,
     address: str | None = None,
+    allow_mixed_devices: bool = False,
     store: Path | None = None,
     say=print,
 ) -> Progress:
     """Run missing runs of ``run_list`` into the store: at most ``max_runs``, and no more than fit in
     ``budget_s`` seconds (a new wave starts only when the measured time of one run still fits). Runs go
     out in waves of ``workers`` × the rounds that fit; the first wave, with no time measured yet, is one
-    round. Returns where the list stands afterwards."""
-    from qlab.runs import RunsFailed, plan
+    round. A run's time is the mean wall time of the stored runs of this machine's device kind, plus
+    the pool's start-up (``qlab.runs.POOL_START_S``) before the first wave. Refuses, before any run
+    starts, to add runs of another device kind than those stored unless ``allow_mixed_devices``.
+    Returns where the list stands afterwards."""
+    from qlab.runs import POOL_START_S, RunsFailed, plan
 
     if budget_s is not None:
         checks.number("budget_s", budget_s, low=0)
@@ -399,36 +467,42 @@ def run_campaign(
             raise ValueError(f"budget_s must be more than 0 seconds, got {budget_s}")
     if max_runs is not None:
         checks.integer("max_runs", max_runs, low=1)
-    store = store_dir() if store is None else Path(store)
+    checks.boolean("allow_mixed_devices", allow_mixed_devices)
+    store = store_dir(run_list) if store is None else Path(store)
     workers = plan(executor, max_workers, None, runs_per_gpu)[0]
+    kind = planned_kind(run_list, executor, max_workers, runs_per_gpu)
     started, ran = time.monotonic(), 0
     state = progress(run_list, store)
+    _check_kinds(state, allow_mixed_devices)
+    _check_this_machine(state, kind, allow_mixed_devices)
     say(_status_line(state, store))
     per_round = None  # wall seconds per round of workers measured in this invocation (pool start-up included)
     while state.missing and (max_runs is None or ran < max_runs):
         left = None if budget_s is None else budget_s - (time.monotonic() - started)
-        estimate, measured_by = _estimate(state), f"the mean of {state.done} stored runs"
+        estimate, measured_by = _estimate(state, kind), "the mean of the stored runs"
         if per_round is not None and (estimate is None or per_round > estimate):
             estimate, measured_by = per_round, "the last wave's wall time per round"
+        start_up = POOL_START_S if per_round is None and executor == "processes" else 0.0
         count = len(state.missing) if max_runs is None else min(len(state.missing), max_runs - ran)
         if left is not None:
             if estimate is None:
                 count = min(count, workers)
                 say(f"no run of this list timed yet: starting {count} (one per worker) to time them")
             else:
-                rounds = math.floor(left / estimate)
+                rounds = math.floor((left - start_up) / estimate)
                 if rounds < 1:
                     say(f"{left:.0f} s left, one run takes about {estimate:.0f} s: no new run started")
                     break
                 count = min(count, rounds * workers)
                 say(
-                    f"one run takes about {estimate:.0f} s ({measured_by}); {left:.0f} s left: "
-                    f"starting {count} on {workers} workers"
+                    f"one run takes about {estimate:.0f} s ({measured_by}"
+                    + (f", after {start_up:.0f} s to start the workers" if start_up else "")
+                    + f"); {left:.0f} s left: starting {count} on {workers} workers"
                 )
         wave_started = time.monotonic()
         try:
             _train(run_list, state.missing[:count], store, executor=executor, max_workers=max_workers,
-                   address=address, runs_per_gpu=runs_per_gpu, estimate=_estimate(state))  # fmt: skip
+                   address=address, runs_per_gpu=runs_per_gpu, estimate=_estimate(state, kind))  # fmt: skip
         except RunsFailed as failed:
             say(f"{len(failed.failures)} runs failed; the next invocation tries them again:\n{failed}")
             state = progress(run_list, store)
@@ -440,11 +514,14 @@ def run_campaign(
     return state
 
 
-def _estimate(state: Progress) -> float | None:
-    """Seconds one run takes: the mean of the stored runs of this list (None before any)."""
+def _estimate(state: Progress, kind: str | None = None) -> float | None:
+    """Seconds one run takes: the mean wall time of the stored runs of device kind ``kind`` (of all
+    stored runs when ``kind`` is None or has none); None before any."""
+    if kind in state.seconds:
+        return state.seconds[kind]
     if not state.done:
         return None
-    total = sum(state.seconds[kind] * count for kind, count in state.kinds.items())
+    total = sum(state.seconds[name] * count for name, count in state.kinds.items())
     return total / state.done
 
 
@@ -459,16 +536,16 @@ def _status_line(state: Progress, store: Path) -> str:
 def status(run_list, store: Path | None = None, workers: int | None = None) -> str:
     """Lines saying how many runs are done per device kind, how many remain, and the time left at the
     measured rate (device-hours: one run's mean time × the runs left ÷ the runs at once)."""
-    store = store_dir() if store is None else Path(store)
+    store = store_dir(run_list) if store is None else Path(store)
     state = progress(run_list, store)
     lines = [_status_line(state, store)]
     for kind, count in sorted(state.kinds.items()):
         lines.append(f"  {kind}: {count} runs, {state.seconds[kind]:.1f} s each on average")
     left = len(state.missing)
     if left == 0:
-        lines.append(
-            f"  complete: `qlab run {state.run_list.notebook[:2]}` at this profile renders it from the store"
-        )
+        profile = run_list.given.get("profile", "cpu")
+        command = f"qlab run {run_list.notebook[:2]}" + ("" if profile == "cpu" else f" -p profile {profile}")
+        lines.append(f"  complete: `{command}` renders it from the store")
     elif state.done:
         hours = left * _estimate(state) / 3600
         at_once = f" ÷ {workers} at once = {hours / workers:.2f} h of device time" if workers else ""

@@ -108,7 +108,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     camp = sub.add_parser(
         "campaign",
-        help="run a training notebook's missing runs into data/[PROFILE/]runs/, as many as fit a budget",
+        help="run a training notebook's missing runs into data/[PROFILE/]runs/, as many as fit a budget "
+        "(without --budget, --runs or --status: every missing run)",
         description="A campaign finishes a notebook's run list (03, 07) over many invocations: each run is "
         "written to data/<profile>/runs/ as it finishes, so a stopped campaign loses only the runs in "
         "flight. "
@@ -131,6 +132,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     what.add_argument("--runs", type=int, help="run at most this many missing runs")
     what.add_argument("--status", action="store_true", help="say what is done and what is left; run nothing")
+    camp.add_argument(
+        "--allow-mixed-devices", action="store_true",
+        help="add runs of this machine's device kind to a list stored from another (the notebook then needs "
+        "-p allow_mixed_devices true)",
+    )  # fmt: skip
     camp.add_argument(
         "--executor", choices=("serial", "processes", "ray"), default="processes", help="how runs fan out"
     )
@@ -426,7 +432,8 @@ def campaign_list(notebook: str, parameters: dict, profile: str, output: Path | 
     try:
         with paths.environment(**settings):
             device = str(resolve_device(values["device"], argument="device"))
-            return run_lists.run_list(path.stem, values, device), campaign.store_dir()
+            listed = run_lists.run_list(path.stem, values, device)
+            return listed, campaign.store_dir(listed)
     finally:
         if saved is not None:
             os.environ[paths.PROFILE_ENV] = saved
@@ -437,6 +444,8 @@ def _cmd_campaign(args) -> int:
     from qlab.runs import check_address, plan
 
     params = {name: _parse_value(value) for name, value in args.parameter}
+    if "profile" in params:
+        raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     if args.smoke:
         params["smoke"] = True
     budget = None if args.budget is None else campaign.parse_budget(args.budget)
@@ -455,6 +464,7 @@ def _cmd_campaign(args) -> int:
     state = campaign.run_campaign(
         run_list, budget_s=budget, max_runs=args.runs, executor=args.executor, max_workers=args.max_workers,
         runs_per_gpu=args.runs_per_gpu, address=args.address, store=store,
+        allow_mixed_devices=args.allow_mixed_devices,
     )  # fmt: skip
     if state.complete:
         shown = " ".join(

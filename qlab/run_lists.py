@@ -13,7 +13,7 @@ reads (``qlab.campaign``).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from qlab import checks, session
 from qlab.host import resolve_device
@@ -27,6 +27,7 @@ class RunList:
     parameters: dict
     labels: list[dict]
     configs: list
+    given: dict = field(default_factory=dict)  # the parameters as given, before the sizes were applied
 
     def __len__(self) -> int:
         return len(self.configs)
@@ -100,6 +101,13 @@ def _recipe_ablation_runs(parameters: dict, device: str) -> RunList:
     return RunList("07_recipe_ablations", p, labels, configs)
 
 
+PAPER_FIXED = {  # the parameters each notebook's paper profile sets (seeds: at least 5, not fixed)
+    "03_backward_override_training_curves": ("steps", "layers", "width", "context", "batch_size", "lr",
+                                             "warmup_steps", "eval_every", "eval_batches", "fidelity_every"),
+    "07_recipe_ablations": ("train_steps", "capture_steps", "sr_draws", "layers", "width", "context",
+                            "batch_size"),
+}  # fmt: skip
+
 RUN_LISTS: dict[str, Callable[[dict, str], RunList]] = {
     "03_backward_override_training_curves": _backward_override_runs,
     "07_recipe_ablations": _recipe_ablation_runs,
@@ -119,7 +127,20 @@ def run_list(notebook: str, parameters: dict, device: str) -> RunList:
     if missing:
         raise ValueError(f"parameters must hold every parameter of {notebook}; missing: {', '.join(missing)}")
     session.check_parameters(notebook, parameters)
+    if parameters.get("profile") == "paper":  # the profile's sizes replace these: a changed one would be lost
+        defaults = session.notebook_defaults(notebook)
+        fixed = [
+            name
+            for name in PAPER_FIXED[notebook]
+            if session.changed_parameters({name: parameters[name]}, {name: defaults[name]})
+        ]
+        if fixed:
+            raise ValueError(
+                f"profile 'paper' sets {', '.join(fixed)} itself; leave them at their defaults, or use "
+                "profile 'cpu' with your own sizes"
+            )
     if device == "auto":
         raise ValueError("device must be resolved ('cpu', 'cuda'), got 'auto': see qlab.host.resolve_device")
     device = str(resolve_device(device, argument="device"))
-    return RUN_LISTS[notebook](parameters, device)
+    listed = RUN_LISTS[notebook](parameters, device)
+    return RunList(listed.notebook, listed.parameters, listed.labels, listed.configs, dict(parameters))

@@ -460,7 +460,12 @@ def _run_processes(runs, pending, workers, threads, gpus, finish) -> None:
     pool = _pool(workers, gpus)
     finished = False
     try:
-        futures = {pool.submit(_execute_reporting, runs[i], threads): i for i in pending}
+        try:
+            futures = {pool.submit(_execute_reporting, runs[i], threads): i for i in pending}
+        except concurrent.futures.process.BrokenProcessPool:  # a warm worker died while idle: start afresh
+            close_pools()
+            pool = _pool(workers, gpus)
+            futures = {pool.submit(_execute_reporting, runs[i], threads): i for i in pending}
         broken = False
         for future in concurrent.futures.as_completed(futures):
             try:
@@ -470,7 +475,7 @@ def _run_processes(runs, pending, workers, threads, gpus, finish) -> None:
                 status, value = (
                     "error",
                     "a worker process died (killed, or out of memory) during this run or one beside it; "
-                    "rerun with cache=True to redo only the unfinished runs",
+                    "rerun with cache=True (a campaign: its next invocation) to redo the unfinished runs",
                 )
             finish(futures[future], status, value)
         finished = not broken

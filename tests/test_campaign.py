@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qlab import campaign, cli, notebooks, paths, run_lists
+from qlab import campaign, cli, notebooks, paths, run_lists, session
 from qlab.train import TrainConfig, train
 
 try:
@@ -43,7 +43,11 @@ def stored(tmp_path_factory):
     """One tiny nvfp4 run trained in memory and the same run written to a store and read back."""
     config = TINY.replace(recipe="nvfp4")
     fresh = train(config)
-    record = campaign.train_for_store(config)
+    # stored as this machine's pool workers would store it, whatever threads this test process has
+    record = {
+        **campaign.train_for_store(config),
+        "device_kind": campaign.planned_kind(_tiny_list(config), "processes"),
+    }
     store = tmp_path_factory.mktemp("store")
     folder = campaign.write_run(store, config, record)
     return config, fresh, store, folder
@@ -342,3 +346,60 @@ def test_a_campaign_on_ray_stores_runs_on_the_driver_as_they_finish_and_retries_
         assert said[-1].startswith(f"tiny: 3 of 3 runs stored in {store} (3 from ")
     finally:
         ray.shutdown()
+
+
+def test_runs_of_another_device_kind_are_refused_before_any_run_starts(stored, tmp_path, monkeypatch):
+    config = stored[0]
+    store = tmp_path / "store"
+    campaign.write_run(store, config, {**campaign.train_for_store(config), "device_kind": "GPU A"})
+    listed = _tiny_list(config, config.replace(seed=5))
+    monkeypatch.setattr(campaign, "_train", lambda *a, **k: pytest.fail("a run started"))
+    for call in (campaign.results, lambda *a, **k: campaign.run_campaign(*a, say=lambda line: None, **k)):
+        with pytest.raises(
+            ValueError, match=r"another device kind \(1 from GPU A\).*1 missing runs would run"
+        ):
+            call(listed, store=store)
+
+
+def test_serial_and_processes_store_the_same_device_kind(tmp_path):
+    listed = _tiny_list(TINY.replace(seed=0), TINY.replace(seed=1))
+    campaign.run_campaign(listed, max_runs=1, executor="serial", store=tmp_path, say=lambda line: None)
+    state = campaign.run_campaign(
+        listed, executor="processes", max_workers=2, store=tmp_path, say=lambda line: None
+    )
+    assert state.complete and list(state.kinds) == [campaign.planned_kind(listed, "processes", 2)]
+
+
+def test_a_stored_run_written_again_is_replaced_whole(stored, tmp_path):
+    config, _, _, folder = stored
+    store, copy = _copy_store(stored, tmp_path)
+    record = {**campaign.train_for_store(config), "device_kind": campaign.read_run(copy).device_kind}
+    assert campaign.write_run(store, config, record) == copy
+    assert campaign.read_run(copy).metrics.equals(campaign.read_run(folder).metrics)
+    assert sorted(p.name for p in store.iterdir()) == [copy.name]  # nothing left aside
+
+
+def test_the_store_is_shared_by_parameters_that_change_no_run(monkeypatch, tmp_path):
+    monkeypatch.setenv(paths.RESULTS_ENV, str(tmp_path))
+    defaults = {**session.notebook_defaults(NOTEBOOK_03)}
+    committed = campaign.store_dir(run_lists.run_list(NOTEBOOK_03, defaults, "cpu"))
+    assert committed == paths.ROOT / "data" / "runs"
+    neutral = {**defaults, "executor": "serial", "max_workers": 2, "allow_mixed_devices": True}
+    assert campaign.store_dir(run_lists.run_list(NOTEBOOK_03, neutral, "cpu")) == committed
+    paper = {**defaults, "profile": "paper", "executor": "ray"}
+    assert (
+        campaign.store_dir(run_lists.run_list(NOTEBOOK_03, paper, "cpu"))
+        == paths.ROOT / "data" / "paper" / "runs"
+    )
+    other = {**defaults, "seeds": 3}  # other runs: the results folder's own store
+    assert (
+        campaign.store_dir(run_lists.run_list(NOTEBOOK_03, other, "cpu"))
+        == tmp_path.resolve() / "data" / "runs"
+    )
+
+
+def test_the_paper_profile_refuses_a_size_it_sets_itself():
+    values = {**session.notebook_defaults(NOTEBOOK_03), "profile": "paper", "steps": 500}
+    with pytest.raises(ValueError, match="profile 'paper' sets steps itself"):
+        run_lists.run_list(NOTEBOOK_03, values, "cpu")
+    assert cli.main(["campaign", "03", "-p", "profile", "paper", "--status"]) == 2

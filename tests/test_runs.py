@@ -267,3 +267,11 @@ def test_a_short_list_runs_here_unless_a_warm_pool_waits(tmp_path, capsys):
     assert os.getpid() not in run_many(short, max_workers=2, estimated_seconds=0.01, progress=False)
     with pytest.raises(ValueError, match="estimated_seconds"):
         run_many(short, estimated_seconds=-1.0)
+
+
+def test_a_warm_pool_whose_worker_died_while_idle_is_started_afresh():
+    first = run_many([task(run_helpers.threads)] * 2, max_workers=2, progress=False)
+    for pid in {p.pid for p in runs._WARM_POOL["pool"]._processes.values()}:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)  # the pool notices its dead worker and marks itself broken
+    assert run_many([task(run_helpers.threads)] * 2, max_workers=2, progress=False) == first
