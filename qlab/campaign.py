@@ -359,14 +359,16 @@ def results(
     return [read_run(folder) for folder in after.chosen]
 
 
+def _kinds_listed(state: Progress) -> str:
+    return "; ".join(f"{count} from {kind}" for kind, count in sorted(state.kinds.items()))
+
+
 def _check_kinds(state: Progress, allow_mixed_devices: bool) -> None:
     if len(state.kinds) > 1 and not allow_mixed_devices:
-        listed = "; ".join(f"{count} from {kind}" for kind, count in sorted(state.kinds.items()))
         raise ValueError(
             f"the stored runs of {state.run_list.notebook} come from {len(state.kinds)} device kinds "
-            f"({listed}); "
-            "set allow_mixed_devices=True to render them together (the notebook says so), or delete one "
-            "kind's folders and run them again"
+            f"({_kinds_listed(state)}); set allow_mixed_devices=True to render them together (the "
+            "notebook says so), or delete one kind's folders and run them again"
         )
 
 
@@ -391,12 +393,12 @@ def _check_this_machine(state: Progress, kind: str | None, allow_mixed_devices: 
     """Refuse, before any run starts, to add runs of another device kind than those stored."""
     if kind is None or not state.missing or not state.kinds or kind in state.kinds or allow_mixed_devices:
         return
-    stored = "; ".join(f"{count} from {name}" for name, count in sorted(state.kinds.items()))
     raise ValueError(
-        f"the stored runs of {state.run_list.notebook} come from another device kind ({stored}); here the "
-        f"{len(state.missing)} missing runs would run as {kind!r} and the list would mix device kinds. Run "
-        "them where the others ran, or allow it (allow_mixed_devices=True, qlab campaign "
-        "--allow-mixed-devices; the notebook then says which kinds it read)"
+        f"the stored runs of {state.run_list.notebook} come from another device kind "
+        f"({_kinds_listed(state)}); here the {len(state.missing)} missing runs would run as {kind!r} and "
+        "the list would mix device kinds. Run them where the others ran, or allow it "
+        "(allow_mixed_devices=True, qlab campaign --allow-mixed-devices; the notebook then says which "
+        "kinds it read)"
     )
 
 
