@@ -38,7 +38,7 @@
 # 5. the final table with intervals;
 # 6. the refusal: delayed scaling with an override is an error, not a silent no-op.
 #
-# `profile = "paper"` runs it at paper scale on a GPU (a 1.0M-parameter model, 3000 steps, 5 seeds;
+# `profile = "paper"` runs it at paper scale on a GPU (a 1.0M-parameter model, 3000 steps, `seeds` seeds and at least 5;
 # results in data/paper/ and figures/paper/). Each training run is stored as it finishes under
 # data/runs/ (data/paper/runs/) and read from there by the next run of the notebook, so a long
 # profile can be trained over several GPU sessions: `qlab campaign 03 --profile paper --budget 9m`.
@@ -46,7 +46,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
-profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, 5 seeds: a GPU)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, seeds ≥ 5: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 15  # independent runs per configuration (seed 0, 1, ...); the claims state what they detect
 steps: int = 300  # optimizer steps per run

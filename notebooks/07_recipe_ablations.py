@@ -35,7 +35,7 @@
 
 # %% tags=["parameters"]
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
-profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, 5 seeds: a GPU)
+profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, seeds ≥ 5: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 15  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
 tokens: int = 512  # tokens of the synthetic operands (the wgrad reduction length)
