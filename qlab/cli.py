@@ -472,7 +472,8 @@ def _cmd_campaign(args) -> int:
             + ["--smoke"] * args.smoke
             + [f"--output {args.output}"] * (args.output is not None)
         )
-        print(f"complete: `qlab run {args.notebook} {shown}`".rstrip() + " renders it from the stored runs")
+        command = f"qlab run {args.notebook} {shown}".rstrip()
+        print(f"complete: `{command}` renders it from the stored runs")
     return 0
 
 
