@@ -17,7 +17,8 @@ GPU (``--gpu``): paper-profile CharGPT runs (notebook 03's recipes) with 1, 2, 4
 one GPU: runs per hour and the GPU's busy fraction (nvidia-smi's utilization, sampled every 0.2 s).
 
 Each invocation appends its rows, with the machine, device, date, torch and commit, to
-``benchmarks/results/bench_runs_cpu.csv``, ``bench_runs_threads.csv`` or ``bench_runs_gpu.csv``.
+``benchmarks/results/bench_runs_cpu.csv``, ``bench_runs_pool.csv``, ``bench_runs_threads.csv`` or
+``bench_runs_gpu.csv``.
 
     python benchmarks/bench_runs.py --every 4 --ray
     python benchmarks/bench_runs.py --gpu --runs-per-gpu 1,2,4,8 --gpu-runs 8 --steps 300
@@ -98,7 +99,9 @@ def record(rows: list[dict], kind: str) -> None:
     frame = pd.DataFrame([{**stamp, **row} for row in rows])
     path = RESULTS / f"bench_runs_{kind}.csv"
     path.parent.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(path, mode="a", header=not path.exists(), index=False)
+    if path.exists():  # rows with other columns than the file's: the union, earlier rows kept as they are
+        frame = pd.concat([pd.read_csv(path), frame], ignore_index=True)
+    frame.to_csv(path, index=False)
     print(frame.to_string(index=False))
 
 
@@ -235,7 +238,7 @@ def pool_start(repeats: int = 3) -> None:
             "pool_start_s": round(cold_s - warm_s, 2),
             "warm_identical_to_cold": all(map(same_results, warm, cold)),
         }
-        record([row], "cpu")
+        record([row], "pool")
 
 
 def main() -> None:
