@@ -40,7 +40,7 @@
 #
 # `profile = "paper"` runs it at paper scale on a GPU (a 1.0M-parameter model, 3000 steps, `seeds` seeds and at least 5;
 # results in data/paper/ and figures/paper/). Each training run is stored as it finishes under
-# data/runs/ (data/paper/runs/) and read from there by the next run of the notebook, so a long
+# data/runs/ (data/paper/runs/) and read from there whenever the notebook runs, so a long
 # profile can be trained over several GPU sessions: `qlab campaign 03 --profile paper --budget 9m`.
 # Single runs are one command: `qlab train -p recipe mxfp8 -p backward_override dequantized -p steps 2000`.
 

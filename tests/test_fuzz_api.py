@@ -1449,9 +1449,10 @@ NOT_GENERATED = {
         paths.results_root paths.data_dir paths.figures_dir plotting.use_paper_style notebooks.list_notebooks
         runs.usable_cores host.headless lab.kernel_language_info models.quiet_loading runs.close_pools
         host.cpu_name campaign.store_dir""",
-    "they train runs and read and write a store of them (tests/test_campaign.py: damaged stores, budgets, "
-    "mixed devices, bad input to qlab campaign)": """
-        campaign.write_run campaign.read_run campaign.progress campaign.results campaign.run_campaign
+    "they train runs, read and write a store of them, or name the device kind a run list gets here "
+    "(tests/test_campaign.py: damaged stores, budgets, mixed devices, bad input to qlab campaign)": """
+        campaign.planned_kind campaign.write_run campaign.read_run campaign.progress campaign.results
+        campaign.run_campaign
         campaign.status campaign.train_for_store""",
     "any values make a claim key (each written with str()); the atomic writer is reached through the "
     "writers above": """
