@@ -205,19 +205,18 @@ def write_run(store: Path, config, record: dict) -> Path:
     return final
 
 
-def read_run(folder: Path) -> StoredRun:
-    """The stored run in ``folder``, checked: StoreError naming the folder when a file is missing or
-    corrupt, or when its configuration does not hash to its name."""
+def _checked(folder: Path) -> tuple[dict, object]:
+    """(run.json's content, its TrainConfig) of the stored run in ``folder``, every file checked without
+    parsing the CSVs: StoreError naming the folder as ``read_run`` documents."""
     from qlab.train.config import TrainConfig
 
-    folder = Path(folder)
     shown = paths.shown(folder)
     again = "delete the folder to run it again"
     try:
         description = json.loads((folder / "run.json").read_text())
         config = TrainConfig(**description["config"], device=description["device"])
         kind = description["device_kind"]
-        seconds, parameters = float(description["seconds"]), int(description["parameters"])
+        float(description["seconds"]), int(description["parameters"])
         hashes = dict(description["sha256"])
     except FileNotFoundError:
         raise StoreError(f"stored run {shown}: run.json is missing ({again})") from None
@@ -236,21 +235,30 @@ def read_run(folder: Path) -> StoredRun:
                 f"stored run {shown}: {name} is missing or does not match its sha256 in run.json (a torn or "
                 f"edited file); {again}"
             )
+    return description, config
+
+
+def read_run(folder: Path) -> StoredRun:
+    """The stored run in ``folder``, checked: StoreError naming the folder when a file is missing or
+    corrupt, or when its configuration does not hash to its name."""
+    folder = Path(folder)
+    description, config = _checked(folder)
     read = {"float_precision": "round_trip", "keep_default_na": True}
     metrics = pd.read_csv(folder / "metrics.csv", **read)
     fidelity_path = folder / "fidelity.csv"
     fidelity = pd.read_csv(fidelity_path, **read) if fidelity_path.stat().st_size > 1 else pd.DataFrame()
     return StoredRun(
-        key=folder.name, config=config, device_kind=kind, machine=description.get("machine", "?"),
-        seconds=seconds, parameters=parameters,
+        key=folder.name, config=config, device_kind=description["device_kind"],
+        machine=description.get("machine", "?"), seconds=float(description["seconds"]),
+        parameters=int(description["parameters"]),
         metrics=metrics, fidelity=fidelity, path=folder,
     )  # fmt: skip
 
 
-def _index(store: Path) -> tuple[dict[str, list[Path]], int]:
-    """({config key: [run folders of the current numerics version]}, runs of other numerics versions),
-    every run.json checked as ``read_run`` checks it."""
-    found: dict[str, list[Path]] = {}
+def _index(store: Path) -> tuple[dict[str, list[tuple[Path, dict]]], int]:
+    """({config key: [(run folder, its run.json) of the current numerics version]}, runs of other numerics
+    versions), every stored run checked as ``read_run`` checks it."""
+    found: dict[str, list[tuple[Path, dict]]] = {}
     retired = 0
     if not Path(store).is_dir():
         return found, 0
@@ -264,7 +272,8 @@ def _index(store: Path) -> tuple[dict[str, list[Path]], int]:
         if numerics != NUMERICS_VERSION:
             retired += 1
             continue
-        found.setdefault(config_key(read_run(folder).config), []).append(folder)
+        description, config = _checked(folder)
+        found.setdefault(config_key(config), []).append((folder, description))
     return found, retired
 
 
@@ -296,8 +305,8 @@ def progress(run_list, store: Path | None = None) -> Progress:
     stored from several device kinds, the kind that holds most of the list is chosen."""
     store = store_dir(run_list) if store is None else Path(store)
     found, retired = _index(store)
-    candidates = [found.get(config_key(config), []) for config in run_list.configs]
-    kinds_of = {folder: json.loads((folder / "run.json").read_text()) for fs in candidates for folder in fs}
+    candidates = [[f for f, _ in found.get(config_key(config), [])] for config in run_list.configs]
+    kinds_of = {folder: description for runs in found.values() for folder, description in runs}
     coverage = Counter(kind for fs in candidates for kind in {kinds_of[f]["device_kind"] for f in fs})
     chosen = []
     for folders in candidates:

@@ -35,3 +35,17 @@ def pid_then_sleep(folder: str, seconds: float) -> int:
     Path(folder, str(os.getpid())).write_text("")
     time.sleep(seconds)
     return os.getpid()
+
+
+def hide_module(monkeypatch, hidden: str) -> None:
+    """Make ``import hidden`` raise ImportError for the rest of the test, as where it is not installed."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if name == hidden:
+            raise ImportError(f"No module named {hidden!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without)

@@ -200,16 +200,7 @@ def test_an_unreachable_ray_address_is_refused_at_once():
 
 
 def test_ray_missing_names_the_install_command(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_ray(name, *args, **kwargs):
-        if name == "ray":
-            raise ImportError("No module named 'ray'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_ray)
+    run_helpers.hide_module(monkeypatch, "ray")
     with pytest.raises(ImportError, match=r"pip install 'qlab\[ray\]'"):
         run_many([task(run_helpers.threads)], executor="ray")
 

@@ -411,17 +411,10 @@ def test_training_variants_parse_into_preset_ingredients_and_the_last_block():
 
 def test_the_parameters_cell_reads_the_same_without_jupytext(monkeypatch):
     """A bare GPU image may lack jupytext: the line-by-line reading gives the values jupytext's does."""
-    import builtins
+    import run_helpers
 
     names = [path.stem for path in notebooks.list_notebooks()]
     with_jupytext = {name: session.parameter_values(session.parameters_source(name)) for name in names}
-    real_import = builtins.__import__
-
-    def no_jupytext(name, *args, **kwargs):
-        if name == "jupytext":
-            raise ImportError("No module named 'jupytext'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_jupytext)
+    run_helpers.hide_module(monkeypatch, "jupytext")
     for name in names:
         assert session.parameter_values(session.parameters_source(name)) == with_jupytext[name], name
