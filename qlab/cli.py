@@ -1,9 +1,9 @@
 """The ``qlab`` command.
 
     qlab list                                   the notebooks and their parameters
-    qlab run NOTEBOOK [-p NAME VALUE ...] [--smoke] [--timeout S] [--output PATH]
+    qlab run NOTEBOOK [-p NAME VALUE ...] [--smoke] [--profile P] [--timeout S] [--output PATH]
     qlab figures [--smoke] [--profile paper]    every notebook, default parameters (paper: the
-                                                training notebooks at paper scale, data/paper/)
+                                                notebooks with a profile, at paper scale, data/paper/)
                  [--executor E] [--address A]   how their training runs fan out (qlab.runs)
     qlab sweep NOTEBOOK GRID.yaml [-j N] [--executor serial|processes|ray] [--address A] [--smoke]
     qlab campaign NOTEBOOK [--profile paper] [--budget 9m | --runs N | --status] [-p NAME VALUE ...]
@@ -64,6 +64,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"seconds one cell may take (default {DEFAULT_TIMEOUT_S})",
     )
     run.add_argument("--output", help="where the executed copy goes (default runs/NAME.ipynb)")
+    run.add_argument(
+        "--profile",
+        choices=("cpu", "paper"),
+        help="the same as -p profile PROFILE, for the notebooks with a profile parameter (paper: a GPU)",
+    )
 
     figures = sub.add_parser("figures", help="run every notebook with default parameters")
     figures.add_argument(
@@ -84,7 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
     figures.add_argument(
         "--executor",
         choices=("serial", "processes", "ray"),
-        help="how each training notebook's runs fan out (its executor parameter; default: the notebook's)",
+        help="how the runs of a notebook with an executor parameter fan out (default: the notebook's)",
     )
     figures.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
 
@@ -108,12 +113,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
     camp = sub.add_parser(
         "campaign",
-        help="run a training notebook's missing runs into data/[PROFILE/]runs/, as many as fit a budget "
-        "(without --budget, --runs or --status: every missing run)",
+        help="run the missing runs of a notebook's run list (03, 07) into data/[PROFILE/]runs/, as many "
+        "as fit a budget (without --budget, --runs or --status: every missing run)",
         description="A campaign finishes a notebook's run list (03, 07) over many invocations: each run is "
         "written to data/<profile>/runs/ as it finishes, so a stopped campaign loses only the runs in "
         "flight. "
-        "When the list is complete, `qlab run NOTEBOOK -p profile PROFILE` renders it from the stored runs.",
+        "When the list is complete, `qlab run NOTEBOOK --profile PROFILE` renders it from the stored runs.",
     )
     camp.add_argument("notebook", help="name or number of a notebook with a run list (03, 07)")
     camp.add_argument("--profile", choices=("cpu", "paper"), default="cpu", help="the notebook's profile")
@@ -283,6 +288,12 @@ def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
 
 def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
+    if args.profile is not None:
+        if params.get("profile", args.profile) != args.profile:
+            raise ValueError(
+                f"--profile {args.profile} and -p profile {params['profile']} disagree; give the profile once"
+            )
+        params["profile"] = args.profile
     stored = _stored_runs(args.notebook, params, args.smoke, args.output)
     result = notebooks.run_notebook(
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
@@ -418,7 +429,7 @@ def campaign_list(notebook: str, parameters: dict, profile: str, output: Path | 
     path = notebooks.resolve_notebook(notebook)
     if path.stem not in run_lists.RUN_LISTS:
         raise ValueError(
-            f"notebook {path.stem} has no run list; campaigns run the training notebooks "
+            f"notebook {path.stem} has no run list; campaigns run the notebooks with one: "
             f"{', '.join(sorted(run_lists.RUN_LISTS))}"
         )
     params = notebooks.check_parameters(path, {**parameters, "profile": profile})

@@ -14,9 +14,10 @@ Where results go (``start`` prints it):
   ``runs/interactive/<notebook>/<changed parameters>/data|figures``, so an experiment never
   overwrites the committed results.
 
-A training notebook's ``profile`` parameter ("cpu", the default, or "paper": paper-scale sizes for
-a GPU) adds a ``paper/`` level under data/ and figures/ (``data/paper/`` with default parameters
-otherwise), and a ``<notebook>_machine.json`` there naming the device the results came from.
+The ``profile`` parameter of notebooks 01, 03, 05, 06 and 07 ("cpu", the default, or "paper":
+paper-scale sizes for a GPU) adds a ``paper/`` level under data/ and figures/ (``data/paper/`` with
+default parameters otherwise), and a ``<notebook>_machine.json`` there naming the device the results
+came from.
 
 The defaults are read from the notebook's paired ``notebooks/<name>.py`` (the source of truth), not
 from the cell as edited in the browser.

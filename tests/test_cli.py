@@ -6,6 +6,7 @@ import nbformat
 import pytest
 
 from qlab import cli, notebooks, paths, sweep
+from qlab.notebooks import NotebookError
 
 TINY_PARAMETERS = """smoke: bool = False  # tiny sizes
 device: str = "auto"  # unused here
@@ -96,6 +97,8 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
             ["run", "06", "-p", "sensitivity_recipe", "nvfp5"],
             "unknown sensitivity_recipe 'nvfp5'; expected one of",
         ),
+        (["run", "03", "--profile", "paper", "-p", "profile", "cpu"], "--profile paper and -p profile cpu"),
+        (["run", "02", "--profile", "paper"], "unknown parameter(s) profile"),  # 02 has no profile
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
@@ -325,3 +328,18 @@ def test_a_wall_time_is_recorded_only_when_no_run_came_from_the_cache(tmp_path, 
     monkeypatch.setenv(CACHE_ENV, "0")
     cli._record_seconds("03_backward_override_training_curves", "cpu", 12.5)
     assert ",cpu,12.5," in (tmp_path / cli.NOTEBOOK_SECONDS).read_text()
+
+
+def test_run_takes_the_profile_as_a_flag_or_as_a_parameter(monkeypatch):
+    given = []
+
+    def record(notebook, parameters, **kwargs):
+        given.append(parameters)
+        raise NotebookError("recorded")  # stop before anything runs
+
+    monkeypatch.setattr(cli.notebooks, "run_notebook", record)
+    monkeypatch.setattr(cli, "_stored_runs", lambda *args: 0)
+    assert cli.main(["run", "05", "--profile", "paper"]) == 1
+    assert cli.main(["run", "05", "-p", "profile", "paper"]) == 1
+    assert cli.main(["run", "05", "--profile", "paper", "-p", "profile", "paper"]) == 1
+    assert given == [{"profile": "paper"}] * 3
