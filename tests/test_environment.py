@@ -1,5 +1,7 @@
 """environment.yml names exactly the dependencies pyproject.toml declares (runtime + dev)."""
 
+import re
+
 import tomllib
 import yaml
 
@@ -8,7 +10,12 @@ from qlab import paths
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((paths.ROOT / "pyproject.toml").read_text())["project"]
-    declared = set(project["dependencies"]) | set(project["optional-dependencies"]["dev"])
+    extras = project["optional-dependencies"]  # dev names the other extras as qlab[...]
+    declared = set(project["dependencies"]).union(*extras.values())
+    declared = {name for name in declared if not name.startswith("qlab[")}
+    assert set(extras) - {"dev"} <= set(
+        re.findall(r"qlab\[([a-z,]+)\]", " ".join(extras["dev"]))[0].split(",")
+    )
     env = yaml.safe_load((paths.ROOT / "environment.yml").read_text())
     conda = [d for d in env["dependencies"] if isinstance(d, str)]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
