@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR [tests] [compile_tests] [train] [eager] [llama] [profile] [fp8err]
 #                                         [kernels] [linear] [cudagraphs] [runs] [bits] [cudagraph_tests]
-#                                         [hostprofile] [cudagraph_variants]
+#                                         [hostprofile] [cudagraph_variants] [campaign]
 #   (default: tests train llama compile_tests)
 #
 # Each part writes OUTDIR/<part>.log as it goes and has its own time limit (seconds, env PART_LIMIT_<part>),
@@ -12,6 +12,10 @@
 # One call of about ten minutes (the device tool's limit per call), trimmed limits:
 #   PART_LIMIT_bits=120 PART_LIMIT_hostprofile=100 PART_LIMIT_cudagraph_variants=230 PART_LIMIT_kernels=200 \
 #   bash benchmarks/gpu_session.sh OUT bits hostprofile cudagraph_variants kernels
+# A call that spends the lease on the paper campaigns (03 first, then 07 with the time left; each run
+# is stored under data/paper/runs/ as it finishes and comes back in OUTDIR/results.tgz):
+#   CAMPAIGN_SECONDS=520 bash benchmarks/gpu_session.sh OUT campaign
+# and the packing measurement at more runs per GPU: RUNS_PER_GPU=8,16,32 ... OUT runs
 set -u
 out=${1:?usage: gpu_session.sh OUTDIR [parts...]}
 shift
@@ -97,9 +101,14 @@ for part in $parts; do
             $py benchmarks/profile_gpu.py cudagraphs --variant \$v --results /tmp/variant_\$v \
             > $out/cudagraphs_\$v.log 2>&1 & done; wait; tail -n 4 $out/cudagraphs_*.log; \
             $py benchmarks/profile_gpu.py --merge /tmp/variant_*" ;;
+    campaign)  # paper-profile training runs, stored one by one: notebook 03 first, then 07 with the time left
+        run_part campaign 600 bash -c "end=\$((SECONDS + ${CAMPAIGN_SECONDS:-520})); for nb in 03 07; do \
+            left=\$((end - SECONDS)); [ \$left -gt 60 ] || break; \
+            $py -m qlab.cli campaign \$nb --profile paper --budget \${left}s; done; \
+            $py -m qlab.cli campaign 03 --profile paper --status; $py -m qlab.cli campaign 07 --profile paper --status" ;;
     *) echo "unknown part $part" ;;
     esac
 done
-# The benchmarks appended their rows to this copy's benchmarks/results/: bring them back in one file
-# (unpack it over the checkout: tar xzf OUTDIR/results.tgz).
-tar czf "$out/results.tgz" benchmarks/results
+# The benchmarks appended their rows to this copy's benchmarks/results/, and a campaign its runs to
+# data/paper/runs/: bring them back in one file (unpack it over the checkout: tar xzf OUTDIR/results.tgz).
+tar czf "$out/results.tgz" benchmarks/results $(test -d data/paper/runs && echo data/paper/runs)
