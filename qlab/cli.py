@@ -288,7 +288,14 @@ def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
 
 def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
+    if args.smoke and params.get("smoke", True) is not True:
+        raise ValueError(f"--smoke and -p smoke {params['smoke']} disagree; give smoke once")
     if args.profile is not None:
+        if "profile" not in notebooks.notebook_parameters(notebooks.resolve_notebook(args.notebook)):
+            raise ValueError(
+                f"notebook {notebooks.resolve_notebook(args.notebook).stem} has no profile parameter, so "
+                f"--profile {args.profile} cannot apply"
+            )
         if params.get("profile", args.profile) != args.profile:
             raise ValueError(
                 f"--profile {args.profile} and -p profile {params['profile']} disagree; give the profile once"
@@ -298,8 +305,12 @@ def _cmd_run(args) -> int:
     result = notebooks.run_notebook(
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
     )
+    profile = params.get("profile", "cpu")
+    level = "" if profile == "cpu" else f"{profile}/"
     where = (
-        "data/ and figures/" if result.results is None else f"{paths.shown(result.results)}/data and /figures"
+        f"data/{level} and figures/{level}"
+        if result.results is None
+        else f"{paths.shown(result.results)}/data and /figures"
     )
     print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
     print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")
@@ -559,6 +570,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.jupyter_options = unknown
+    if paths.ROOT_FOUND_BY == paths.ROOT_ENV and not paths.is_checkout(paths.ROOT):
+        print(
+            f"qlab: error: {paths.ROOT_ENV}={paths.ROOT} is not a qlab checkout (a folder whose "
+            "pyproject.toml names qlab and which holds notebooks/)",
+            file=sys.stderr,
+        )
+        return 2
     if paths.ROOT_FOUND_BY == "installed":
         print(f"qlab: not inside a qlab checkout; using the installed one at {paths.ROOT}", file=sys.stderr)
     command = {

@@ -223,7 +223,9 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     parameters, unless the caller chose them. One rule, however the parameters were given (``smoke=True``
     is ``-p smoke true``): at the defaults, ``runs/<name>.ipynb`` and the committed data/ and figures/
     (None: the kernel's session decides, as for a run opened in JupyterLab); with only ``smoke`` changed,
-    ``runs/smoke/``; with any other change, ``runs/interactive/<name>/<every changed parameter>/``."""
+    ``runs/smoke/``; with any other change, ``runs/interactive/<name>/<every changed parameter>/``. A
+    profile other than "cpu" puts the executed copy under ``runs/[smoke/]<profile>/`` (its results go to
+    data/<profile>/ and figures/<profile>/, where the session puts them)."""
     from qlab import session
 
     defaults = parameter_defaults(path)
@@ -235,8 +237,12 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
         folder = paths.RUNS_DIR / "smoke"
     else:
         folder = session.interactive_dir(path.stem, changed)
+    profile = parameters.get("profile", "cpu")
     if output is None:
-        output = (folder or paths.RUNS_DIR) / f"{path.stem}.ipynb"
+        base = folder or paths.RUNS_DIR
+        if profile != "cpu" and (folder is None or changed == {"smoke": True}):
+            base = base / str(profile)  # runs/<profile>/, as qlab figures --profile: never the defaults' copy
+        output = base / f"{path.stem}.ipynb"
     elif folder is not None and changed == {"smoke": True}:
         folder = Path(output).parent  # a chosen copy keeps a smoke run's results beside it
     return Path(output), results_dir if results_dir is not None else folder

@@ -170,6 +170,10 @@ def amax(x: torch.Tensor, spec: QuantSpec, dim: int) -> torch.Tensor:
     return x.abs().amax(dim, keepdim=True)
 
 
+MAX_BLOCK_SIZE = 2**24  # elements a block may hold: the axis is padded to a whole block, so a larger one
+# would ask for more memory than a block can usefully span
+
+
 @dataclass(frozen=True)
 class TensorwiseSpec(QuantSpec):
     """FP8 current scaling: stored = cast(x · scale), scale = fmt_max / amax (TE), per tensor or per
@@ -224,7 +228,7 @@ class BlockwiseSpec(QuantSpec):
 
     def __post_init__(self):
         checks.choice("element", self.element, ("e4m3", "e5m2"))
-        checks.integer("block_size", self.block_size, low=1)
+        checks.integer("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
         for flag in ("block_2d", "pow2", "pad"):
             checks.boolean(flag, getattr(self, flag))
         checks.number("eps", self.eps, low=0)
@@ -338,7 +342,7 @@ class MXSpec(QuantSpec):
 
     def __post_init__(self):
         checks.choice("element", self.element, ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
-        checks.integer("block_size", self.block_size, low=1)
+        checks.integer("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
         checks.choice("mode", self.mode, scaling.MX_SCALE_MODES)
         for flag in ("pad", "block_2d", "hadamard"):
             checks.boolean(flag, getattr(self, flag))

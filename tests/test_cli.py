@@ -68,6 +68,12 @@ def test_smoke_and_other_parameters_go_to_one_folder_however_they_are_given(tiny
     assert notebooks.output_folder(tiny, {"smoke": True}) == smoke
     assert notebooks.output_folder(tiny, {"smoke": True, "a": 1}) == smoke  # a = its default
     assert notebooks.output_folder(tiny, {}) == (runs / "99_tiny.ipynb", None)  # the kernel's session decides
+    # another profile never writes the defaults' executed copy: runs/[smoke/]<profile>/, as qlab figures does
+    assert notebooks.output_folder(tiny, {"profile": "paper"}) == (runs / "paper" / "99_tiny.ipynb", None)
+    assert notebooks.output_folder(tiny, {"profile": "paper", "smoke": True}) == (
+        runs / "smoke" / "paper" / "99_tiny.ipynb",
+        runs / "smoke",
+    )
     assert cli.main(["run", str(tiny), "-p", "smoke", "true"]) == 0
     assert cli.main(["run", str(tiny), "--smoke"]) == 0
     assert sorted(p.relative_to(runs).as_posix() for p in runs.rglob("*") if p.is_file()) == [
@@ -98,7 +104,8 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
             "unknown sensitivity_recipe 'nvfp5'; expected one of",
         ),
         (["run", "03", "--profile", "paper", "-p", "profile", "cpu"], "--profile paper and -p profile cpu"),
-        (["run", "02", "--profile", "paper"], "unknown parameter(s) profile"),  # 02 has no profile
+        (["run", "02", "--profile", "paper"], "has no profile parameter, so --profile paper cannot apply"),
+        (["run", "02", "--smoke", "-p", "smoke", "false"], "--smoke and -p smoke False disagree"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):

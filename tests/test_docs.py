@@ -516,3 +516,28 @@ def test_a_docstring_s_usage_example_becomes_a_literal_block_and_prose_stays_pro
     assert qlab_docs.literal_examples(quoted) == quoted
     already = ["Example::", "", "    y = f(x)"]
     assert qlab_docs.literal_examples(already) == already
+
+
+def test_only_a_finished_copy_at_the_default_parameters_is_shown_as_executed():
+    import importlib.util
+
+    import nbformat
+
+    spec = importlib.util.spec_from_file_location("qlab_docs", ROOT / "docs" / "_ext" / "qlab_docs.py")
+    qlab_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qlab_docs)
+    name = "02_welford_vs_naive_variance"
+
+    def copy(parameters, exception=None, executed=True):
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell("x = 1", execution_count=1 if executed else None)]
+        nb.metadata["papermill"] = {"parameters": parameters, "exception": exception}
+        return nb
+
+    assert qlab_docs._at_the_defaults(copy({}), name)
+    assert qlab_docs._at_the_defaults(copy({"smoke": False}), name)  # a default given explicitly
+    assert not qlab_docs._at_the_defaults(copy({"smoke": True}), name)
+    assert not qlab_docs._at_the_defaults(copy({"profile": "paper"}), name)  # 02 has no profile
+    assert not qlab_docs._at_the_defaults(copy({}, exception=True), name)  # a copy kept from a failure
+    assert not qlab_docs._at_the_defaults(copy({}, executed=False), name)  # a copy still being written
+    assert not qlab_docs._at_the_defaults(nbformat.v4.new_notebook(), name)  # not written by papermill

@@ -53,3 +53,13 @@ def test_outside_any_checkout_the_command_says_which_it_uses(tmp_path):
     inside = subprocess.run([sys.executable, "-m", "qlab.cli", "list"], cwd=installed, env=env,
                             capture_output=True, text=True)  # fmt: skip
     assert "not inside a qlab checkout" not in inside.stderr
+
+
+def test_a_qlab_root_that_is_no_checkout_is_refused(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != paths.ROOT_ENV} | {
+        paths.ROOT_ENV: str(tmp_path / "none")
+    }
+    done = subprocess.run([sys.executable, "-m", "qlab.cli", "list"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert f"QLAB_ROOT={tmp_path / 'none'} is not a qlab checkout" in done.stderr

@@ -60,6 +60,22 @@ def _read_notebook(path: Path):
         return None
 
 
+def _at_the_defaults(nb, name: str) -> bool:
+    """Whether an executed copy ran to its end with the notebook's default parameters (papermill's
+    record of the parameters it injected, and of a failure; every code cell executed): a copy kept
+    from a failed run, one still being written, or one written with other parameters is not shown as
+    the defaults' run."""
+    from qlab import notebooks
+
+    record = nb.metadata.get("papermill", {})
+    if not record or record.get("exception"):
+        return False
+    defaults = notebooks.parameter_defaults(ROOT / "notebooks" / f"{name}.ipynb")
+    injected = record.get("parameters", {})
+    finished = all(cell.get("execution_count") is not None for cell in nb.cells if cell.cell_type == "code")
+    return finished and all(key in defaults and defaults[key] == value for key, value in injected.items())
+
+
 def notebook_source(name: str):
     """(notebook, which copy) for ``name``: executed at its default parameters (``runs/<name>.ipynb``,
     the only executed copy taken), else the committed .ipynb or .py."""
@@ -71,7 +87,7 @@ def notebook_source(name: str):
     for path, which in candidates:
         if path.exists():
             nb = _read_notebook(path)
-            if nb is not None and nb.cells:
+            if nb is not None and nb.cells and (path.parent.name != "runs" or _at_the_defaults(nb, name)):
                 return nb, which
     raise FileNotFoundError(f"no notebook {name} under notebooks/ or runs/")
 
@@ -82,13 +98,8 @@ def claims_markdown(path: Path) -> str:
     from qlab import claims as qclaims
     from qlab.results import markdown_table
 
-    frame = qclaims.load(path)
-    family_sizes = frame[frame.test == "paired t"].groupby("family").size()
     rows = []
-    for _, row in frame.iterrows():
-        claim = qclaims.from_row(row)
-        if claim.family and claim.family in family_sizes:
-            claim.family_size = int(family_sizes[claim.family])
+    for claim in qclaims.file_claims(path):
         rows.append(
             {
                 "claim": claim.text + (" **(headline)**" if claim.headline else ""),
