@@ -71,7 +71,7 @@ allow_mixed_devices: bool = False  # render stored runs from more than one devic
 compiled: bool = False  # torch.compile the blocks (slower than eager at these sizes on a CPU)
 fidelity_margin: float = 0.005  # relative gradient error (about a tenth of an FP8 backward's): the fidelity comparisons' TOST margin
 stability_margin: float = 0.01  # median |Δ log ‖∇θ‖| per step (FP32's is about 0.15): the stability comparisons' TOST margin
-margin: float = 0.005  # nats, declared before the data: every comparison gets a TOST at ±margin (half a 0.01-nat FP32 − MXFP4-scale gap)
+margin: float = 0.005  # nats, set before the runs: every comparison gets a TOST at ±margin (half a 0.01-nat FP32 − MXFP4-scale gap)
 
 # %%
 import matplotlib
@@ -222,8 +222,9 @@ for col, recipe in enumerate(quantized_recipes):
     top.set_xlabel("step")
     bottom.set_xticks(range(len(shown)), [label for _, label, _ in shown], rotation=45, ha="right", fontsize=6)
     bottom.set_xlim(-0.5, len(shown) - 0.5)
-axes[0][0].set_ylabel(f"‖∇θ‖₂ before clipping\n(seed {first_seed}, every step)")
-axes[1][0].set_ylabel("median |Δ log ‖∇θ‖| per step")
+axes[0][0].set_ylabel(f"‖∇θ‖₂, seed {first_seed}\n(before clipping)", fontsize=7)
+axes[1][0].set_ylabel("median |Δ log ‖∇θ‖|\nper step", fontsize=7)
+fig.align_ylabels([axes[0][0], axes[1][0]])  # one column of labels, neither over the other
 legend_outside(fig, axes[:1])
 fig.suptitle(f"Gradient norm: one seed's curves, and each run's jaggedness (mean and 95 % interval, {seeds} seeds)")
 save_figure(fig, f"{NAME}_grad_norm")

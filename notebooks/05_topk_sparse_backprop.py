@@ -43,7 +43,7 @@
 smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds, 3000 steps, a 1.0M-parameter CharGPT: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
-seeds: int = 8  # digits runs per k and mode; seed s draws the initial weights, the batches and train/test split s
+seeds: int = 10  # digits runs per k and mode; seed s draws the initial weights, the batches and train/test split s
 fractions: list[float] = [0.01, 0.02, 0.05, 0.1, 0.16, 0.25, 0.5]  # k as a fraction of each layer's outputs
 margin: float = 1.0  # accuracy points: top-k equals dense only where TOST puts the paired difference within ±margin
 hidden: int = 500  # hidden width of the digits MLP (two hidden layers; meProp's MNIST width)
@@ -51,7 +51,7 @@ digits_steps: int = 300  # optimizer steps per digits run
 text_steps: int = 200  # optimizer steps per Shakespeare run
 text_fractions: list[float] = [0.05, 0.16, 0.5]  # k for the Shakespeare model
 text_seeds: int = 10  # Shakespeare runs per k
-text_margin: float = 0.005  # nats, declared before the data: each k's TOST margin against dense
+text_margin: float = 0.005  # nats, set before the runs: each k's TOST margin against dense
 timing_tokens: int = 512  # rows of x and dy in the timing
 timing_width: int = 2048  # width of the square Linear layer timed
 timing_repeats: int = 15  # passes timed per point (median and quartiles)

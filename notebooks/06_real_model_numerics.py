@@ -50,7 +50,7 @@ model_name: str = "smollm2-135m"  # a Llama-style causal LM: packaged, a checkpo
 batch_size: int = 2  # sequences per batch
 tokens: int = 128  # tokens per sequence
 seeds: int = 4  # held-out batches, one per seed: the pairs of every paired test
-scan_seeds: int = 3  # training-play batches, one per seed, that the sensitivity scan measures on
+scan_seeds: int = 5  # training-play batches, one per seed, that the sensitivity scan measures on
 fidelity_seeds: int = 3  # held-out batches (the first ones) whose weight gradients section 4 compares
 sensitivity_recipe: str = "nvfp4"  # the recipe of the one-group-at-a-time sensitivity scan
 keep_fraction: float = 0.15  # the budget of layers kept in high precision (the usual rule: the last ones)
@@ -59,7 +59,7 @@ margin: float = 0.01  # nats: two keep sets are called equivalent only where TOS
 fidelity_recipes: list[str] = ["mxfp8", "nvfp4"]  # recipes of the backward-mode comparison
 finetune_recipes: list[str] = ["fp8_tensorwise", "mxfp8", "nvfp4"]  # fine-tuned beside the BF16 baseline
 finetune_steps: int = 6  # fine-tune steps per recipe (a GPU can run hundreds)
-finetune_margin: float = 0.01  # nats, declared before the data: each fine-tune comparison's TOST margin against BF16
+finetune_margin: float = 0.01  # nats, set before the runs: each fine-tune comparison's TOST margin against BF16
 finetune_seeds: int = 3  # fine-tunes per recipe, each on its own training-play batches (seed + i): the pairs of its tests
 finetune_tokens: int = 64  # tokens per sequence in the fine-tune
 finetune_lr: float = 1e-4  # AdamW learning rate of the fine-tune
@@ -198,7 +198,8 @@ for ax, role in zip(axes, ROLE_TITLES):
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 axes[0].set_ylabel("outlier ratio\n(max / median channel amax)")
 axes[-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
-fig.suptitle(f"Activations and gradients: geometric mean and 95 % interval over {seeds} held-out batches (seeds)")
+fig.suptitle(f"Activations and gradients: geometric mean and 95 % interval over {seeds} held-out batches (seeds); "
+             "weights: one value each")
 save_figure(fig, f"{NAME}_outliers")
 
 # %% [markdown]
@@ -516,7 +517,7 @@ weight_summary.T
 
 # %%
 def ratio_digits(value):
-    return 2 if value >= 1000 else 1  # Claims shows ≥ 10^(digits+2) in scientific notation
+    return 1  # Claims shows ≥ 1000 as 4.22e+03: three significant digits, what 4 batches carry
 
 
 def ratio_claim(key, row, role, text, headline=False):

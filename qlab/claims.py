@@ -36,7 +36,7 @@ ALPHA = 0.05
 COLUMNS = (
     "key", "text", "value", "low", "high", "n", "test", "p", "p_adjusted", "p_sign_flip",
     "p_sign_flip_adjusted", "family", "margin", "low_90", "high_90", "detectable", "equivalent", "undecided",
-    "unit", "digits", "headline",
+    "sign_flip_resolved", "unit", "digits", "headline",
 )  # fmt: skip
 TESTS = (
     "paired t",
@@ -62,12 +62,13 @@ class Claim:
     test is "paired t" (with the exact sign-flip test beside it), "TOST" (equivalence within ±margin;
     low/high stay the 95 % interval, low_90/high_90 hold the 90 % interval the test reads), "tally" (a
     count over a family of n paired comparisons, each with its TOST, in disjoint classes: value resolved
-    (Holm), equivalent the unresolved ones TOST shows within the margin, undecided the rest, detectable
-    the largest effect an undecided one could have found; "tally lower" or "tally higher" counts in value
-    only the resolved ones of that sign, the n − value − equivalent − undecided others resolved the
-    other way), "observed" (a single observation), "estimate" (a statistic of n samples — a ratio,
-    an extreme, a median — stated without an interval), "bootstrap" (a statistic of n resampled units with
-    its 95 % percentile bootstrap interval) or "computed" (exact arithmetic, no sampling)."""
+    (Holm), equivalent the unresolved ones TOST shows within the margin (Holm over the family's TOSTs),
+    undecided the rest, detectable the largest effect an undecided one could have found; "tally lower" or
+    "tally higher" counts in value only the resolved ones of that sign, the n − value − equivalent −
+    undecided others resolved the other way), "observed" (a single observation), "estimate" (a statistic
+    of n samples — a ratio, an extreme, a median — stated without an interval), "bootstrap" (a statistic
+    of n resampled units with its 95 % percentile bootstrap interval) or "computed" (exact arithmetic, no
+    sampling)."""
 
     key: str
     text: str
@@ -87,6 +88,7 @@ class Claim:
     detectable: float = math.nan
     equivalent: float = math.nan
     undecided: float = math.nan
+    sign_flip_resolved: float = math.nan  # a tally: how many of its counted ones the sign-flip test resolves
     unit: str = ""
     digits: int = 4
     headline: bool = False
@@ -111,6 +113,7 @@ class Claim:
             "detectable",
             "equivalent",
             "undecided",
+            "sign_flip_resolved",
         ):
             value = getattr(self, name)
             if not (isinstance(value, float) and math.isnan(value)):  # NaN: not stated
@@ -180,10 +183,13 @@ class Claim:
     def verdict(self) -> str:
         unit = f" {self.unit}" if self.unit else ""
         if self.test == "TOST":
-            shown = "equivalent" if self.p <= ALPHA else "not shown equivalent"
+            shown = "equivalent" if self.resolved() else "not shown equivalent"
             interval = self.interval(90)
             interval = f"; 90 % interval {interval}" if interval else ""
-            tested = f"TOST over {self.n} {self.pairs}, p {self.p_text()}{interval}"
+            which = f"p {self.p_text()}"
+            if math.isfinite(self.p_adjusted):
+                which = f"Holm-adjusted p {self.p_text()} over {self.family_size} equivalence tests"
+            tested = f"TOST over {self.n} {self.pairs}, {which}{interval}"
             return f"{shown} within ±{self.margin:g}{unit} ({tested})"
         if self.test.startswith("tally"):
             return self.tally_text()
@@ -226,9 +232,12 @@ class Claim:
             )
         else:
             text = f"{count} of {self.n} resolved after Holm (paired t)"
+        if math.isfinite(self.sign_flip_resolved) and self.sign_flip_resolved != self.value:
+            which = "none" if self.sign_flip_resolved == 0 else f"only {self.sign_flip_resolved:.0f}"
+            text += f", {which} of them also by the sign-flip test (Holm) — the two tests disagree"
         text += (
-            f"; of the rest, {self.equivalent:.0f} equivalent within ±{self.margin:g}{unit} (TOST, each at "
-            f"α = 0.05 unadjusted)"
+            f"; of the rest, {self.equivalent:.0f} equivalent within ±{self.margin:g}{unit} (TOST, "
+            "Holm-adjusted)"
         )
         if self.undecided > 0:
             text += (
@@ -374,6 +383,11 @@ class Claims:
                     "the comparison a margin declared before the data"
                 )
             same.append(self[f"{member.key}.same"])
+            if not math.isfinite(same[-1].p_adjusted):
+                raise ValueError(
+                    f"tally {key!r}: {member.key + '.same'!r} is not Holm-adjusted; call holm on "
+                    f"{member.family!r} after its TOSTs are made"
+                )
         margins = {claim.margin for claim in same}
         if len(margins) != 1:
             raise ValueError(f"tally {key!r}: its comparisons' margins differ ({sorted(margins)}); use one")
@@ -382,12 +396,14 @@ class Claims:
         equivalent = [s for m, s in zip(members, same) if not m.resolved() and s.resolved()]
         undecided = [m for m, s in zip(members, same) if not m.resolved() and not s.resolved()]
         detectable = max((m.detectable for m in undecided), default=math.nan)
+        flips = [m.p_sign_flip_adjusted for m in resolved]
+        by_flips = float(sum(p <= ALPHA for p in flips)) if all(map(math.isfinite, flips)) else math.nan
         unit = members[0].unit
         return self._add(Claim(key, text, float(len(resolved)), n=len(members),
                                test="tally" if direction is None else f"tally {direction}",
                                margin=margins.pop(), detectable=detectable, equivalent=float(len(equivalent)),
-                               undecided=float(len(undecided)), unit=unit, digits=0,
-                               headline=headline))  # fmt: skip
+                               undecided=float(len(undecided)), sign_flip_resolved=by_flips, unit=unit,
+                               digits=0, headline=headline))  # fmt: skip
 
     def paired_family(self, frame: pd.DataFrame, value: str, *, family: str, pairs, text: str,
                       by: str = "recipe", between: str = "override", pair: str = "seed", unit: str = "",
@@ -416,7 +432,8 @@ class Claims:
         return keys
 
     def holm(self, family: str) -> list[Claim]:
-        """Holm-adjust the p-values of every paired claim of ``family`` (its verdicts then say so)."""
+        """Holm-adjust the p-values of every paired claim of ``family``, and apart from them those of
+        the members' TOST claims ``<key>.same`` (each verdict then says over how many)."""
         members = [c for c in self._claims.values() if c.family == family and c.test == "paired t"]
         if not members:
             raise ValueError(f"family {family!r} has no paired claims")
@@ -425,6 +442,10 @@ class Claims:
         if all(math.isfinite(c.p_sign_flip) for c in members):
             for claim, adjusted in zip(members, stats.holm([c.p_sign_flip for c in members])):
                 claim.p_sign_flip_adjusted = adjusted
+        # the members' equivalence tests form a family of their own: "k of N equivalent" is N TOSTs
+        same = [self._claims[f"{c.key}.same"] for c in members if f"{c.key}.same" in self._claims]
+        for claim, adjusted in zip(same, stats.holm([c.p for c in same]) if same else []):
+            claim.family, claim.p_adjusted, claim.family_size = family, adjusted, len(same)
         return members
 
     def table(self, keys) -> str:
@@ -597,15 +618,15 @@ def file_claims(path, name: str = "path") -> list[Claim]:
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str naming the argument, got {checks.shown(name)}")
     frame = _load(path, name)
-    family_sizes = frame[frame.test == "paired t"].groupby("family").size()
+    family_sizes = frame.groupby(["family", "test"]).size()  # paired t and TOST rows: two families
     found = []
     for index, row in frame.iterrows():
         try:
             claim = from_row(row)
         except (TypeError, ValueError) as err:
             raise ValueError(f"{name}: {paths.shown(path)}, line {index + 2}: {err}") from None
-        if claim.family and claim.family in family_sizes:
-            claim.family_size = int(family_sizes[claim.family])
+        if claim.family and (claim.family, claim.test) in family_sizes:
+            claim.family_size = int(family_sizes[(claim.family, claim.test)])
         found.append(claim)
     return found
 
@@ -632,10 +653,15 @@ def findings_table(data_dir) -> str:
     rows = []
     for path in sorted(folder.glob("[0-9][0-9]_*_claims.csv")):
         notebook = path.name.removesuffix("_claims.csv")
-        for claim in file_claims(path, "data_dir"):
+        claims = {claim.key: claim for claim in file_claims(path, "data_dir")}
+        for claim in claims.values():
             if claim.headline:
+                verdict = claim.verdict()
+                same = claims.get(f"{claim.key}.same")
+                if claim.test == "paired t" and not claim.resolved() and same is not None:
+                    verdict += f"; {same.verdict()}"  # a difference not found is not an equivalence shown
                 rows.append({"notebook": notebook[:2], "claim": claim.text, MEASURED: claim.both(),
-                             "test": claim.verdict()})  # fmt: skip
+                             "test": verdict})  # fmt: skip
     if not rows:
         return "No claims files in data/ yet.\n"
     return markdown_table(pd.DataFrame(rows)) + "\n"

@@ -164,7 +164,9 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     comparison's shift — low + shift_low, high + shift_high, so the shift's spread over seeds widens
     it — and whether the moved interval still excludes zero (resolved) or still lies within ±margin
     (equivalent). Columns: key, kind, value, low, high, shift, shift_low, shift_high, moved_low,
-    moved_high, survives."""
+    moved_high, survives, and survives_mean_shift: whether the interval moved by the mean shift
+    alone (low + shift, high + shift) still holds — the bound the other way, which a few seeds on
+    the second machine make far apart."""
     checks.frame_columns("committed", committed, ["key", "test", "value", "low", "high", "low_90", "high_90",
                                                   "p", "p_adjusted"])  # fmt: skip
     checks.frame_columns("measured", measured, ["key", "shift", "shift_low", "shift_high"])
@@ -190,10 +192,16 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         survives = (
             (low > 0 or high < 0) if kind == "resolved" else (-claim.margin < low and high < claim.margin)
         )
+        point_low, point_high = interval[0] + shift["shift"], interval[1] + shift["shift"]
+        survives_point = (
+            (point_low > 0 or point_high < 0)
+            if kind == "resolved"
+            else (-claim.margin < point_low and point_high < claim.margin)
+        )
         rows.append({"key": claim.key, "kind": kind, "value": claim.value, "low": interval[0],
                      "high": interval[1], "shift": shift["shift"], "shift_low": shift["shift_low"],
                      "shift_high": shift["shift_high"], "moved_low": low, "moved_high": high,
-                     "survives": bool(survives)})  # fmt: skip
+                     "survives": bool(survives), "survives_mean_shift": bool(survives_point)})  # fmt: skip
     columns = [
         "key",
         "kind",
@@ -206,5 +214,6 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         "moved_low",
         "moved_high",
         "survives",
+        "survives_mean_shift",
     ]
     return pd.DataFrame(rows, columns=columns)

@@ -95,10 +95,17 @@ def test_the_findings_table_follows_an_edited_claims_file(tmp_path):
     claims = Claims(_run())
     claims.paired("gap", [0.010, 0.012, 0.011], text="a − FP32", unit="nats", headline=True)
     claims.value("other", 2.0, text="not a headline")
+    claims.paired("gap_b", [0.02, -0.03, 0.01], text="b − FP32", unit="nats", headline=True, margin=0.01)
     frame = claims.frame()
     frame.to_csv(tmp_path / "99_demo_claims.csv", index=False)
     table = claims_module.findings_table(tmp_path)
     assert "| 99 | a − FP32 | +0.0110 [+0.0085, +0.0135] nats | resolved: paired t over 3 seeds, p" in table
+    # a difference not found shows its equivalence test beside it: not found is not shown equal
+    null_row = next(line for line in table.splitlines() if "| b − FP32 |" in line)
+    assert (
+        "not resolved: paired t over 3 seeds" in null_row
+        and "; not shown equivalent within ±0.01 nats" in (null_row)
+    )
     assert "not a headline" not in table
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{claims_module.FINDINGS_START}\nold\n{claims_module.FINDINGS_END}\nend\n")
@@ -190,8 +197,20 @@ def test_a_tally_counts_resolved_equivalent_and_undecided_comparisons():
     assert tally.detectable == claims["c"].detectable and tally.margin == 0.01
     verdict = tally.verdict()
     assert verdict.startswith(
-        "1 of 3 resolved after Holm (paired t); of the rest, 1 equivalent within ±0.01 nats (TOST, each at "
-        "α = 0.05 unadjusted)"
+        "1 of 3 resolved after Holm (paired t), none of them also by the sign-flip test (Holm)"
+    )
+    assert "; of the rest, 1 equivalent within ±0.01 nats (TOST, Holm-adjusted)" in verdict
+    # the equivalence tests are a family of their own: Holm over the three TOST p-values, by hand
+    raw = [claims[f"{key}.same"].p for key in "abc"]
+    order = sorted(range(3), key=raw.__getitem__)
+    running, by_hand = 0.0, [0.0] * 3
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (3 - rank) * raw[index]))
+        by_hand[index] = running
+    assert [claims[f"{key}.same"].p_adjusted for key in "abc"] == pytest.approx(by_hand, rel=1e-12)
+    assert (
+        "Holm-adjusted p" in claims["b.same"].verdict()
+        and "over 3 equivalence tests" in claims["b.same"].verdict()
     )
     detectable = f"{claims['c'].detectable:.3g}".replace("-", "−")
     assert f"1 undecided (these seeds detect up to {detectable} nats at 80 % power, unadjusted α)" in verdict
@@ -216,6 +235,11 @@ def test_a_tally_counts_resolved_equivalent_and_undecided_comparisons():
         claims.tally("bad", ["d"], text="x")
     with pytest.raises(ValueError, match="not a paired t"):
         claims.tally("bad", ["a.same"], text="x")
+    claims.paired("e", far, text="e", family="late")
+    claims.holm("late")
+    claims.equivalence("e.same", far, margin=0.01, text="e within")  # made after holm: not adjusted
+    with pytest.raises(ValueError, match="'e.same' is not Holm-adjusted"):
+        claims.tally("bad", ["e"], text="x")
     with pytest.raises(ValueError, match="direction"):
         claims.tally("bad", ["a"], text="x", direction="down")
     with pytest.raises(ValueError, match="test must be one of"):
@@ -283,3 +307,24 @@ def test_a_saved_run_keeps_the_text_it_rendered_beside_its_claims(tmp_path, monk
     second = claims.render("Verdict: {gap:verdict}.")
     assert written.read_text() == first + "\n" + second  # every later rendering joins it
     assert claims_module.render_committed(tmp_path / "data" / "99_demo_claims.csv", "A: {gap}.") == first
+
+
+def test_a_tally_says_when_the_sign_flip_test_resolves_fewer_than_the_t_test():
+    # 4 seeds: the exact sign-flip p cannot fall below 2/2⁴ = 0.125, while a steady gap gives t's p ≪ 0.05
+    claims = Claims(_run())
+    claims.paired("steady", [0.050, 0.052, 0.049, 0.051], text="s", family="f", margin=0.01)
+    claims.paired("noisy", [0.03, -0.04, 0.02, -0.035], text="n", family="f", margin=0.01)
+    claims.holm("f")
+    tally = claims.tally("count", ["steady", "noisy"], text="pairs that differ")
+    assert claims["steady"].p_adjusted < 0.05 and claims["steady"].p_sign_flip_adjusted >= 0.125
+    assert (tally.value, tally.sign_flip_resolved) == (1, 0)
+    assert "1 of 2 resolved after Holm (paired t), none of them also by the sign-flip test (Holm)" in (
+        tally.verdict()
+    )
+    row = claims.frame().set_index("key").loc["count"].to_dict() | {"key": "count"}
+    assert claims_module.from_row(pd.Series(row)).verdict() == tally.verdict()
+    # where they agree, nothing is added: 6 seeds of one sign reach 2/2⁶ ≈ 0.031
+    agree = Claims(_run())
+    agree.paired("steady", [0.050, 0.052, 0.049, 0.051, 0.05, 0.048], text="s", family="g", margin=0.01)
+    agree.holm("g")
+    assert "sign-flip" not in agree.tally("count", ["steady"], text="x").verdict()

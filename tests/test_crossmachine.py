@@ -73,6 +73,7 @@ def test_survival_moves_the_committed_interval_by_the_whole_interval_of_the_shif
     # the mean shift alone (−0.001) would keep [0.003, 0.015]; its interval's low end −0.005 reaches 0
     assert not result.survives["train.mxfp4"]
     assert result.moved_low["train.mxfp4"] == pytest.approx(-0.001)
+    assert result.survives_mean_shift["train.mxfp4"]  # [0.003, 0.015]: the bound the other way
     # an equivalence moves its 90 % interval: [−0.004 − 0.001, 0.004 + 0.003] = [−0.005, 0.007] within ±0.01
     assert result.survives["ablation.x.none-all.same"]
     assert (result.low["ablation.x.none-all.same"], result.high["ablation.x.none-all.same"]) == (
