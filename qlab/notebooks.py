@@ -56,11 +56,15 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
             return ipynb
     available = list_notebooks()
     stem = candidate.name.removesuffix(".ipynb").removesuffix(".py")
-    matches = [p for p in available if p.stem == stem or p.stem.split("_", 1)[0] == stem]
+    number = stem.zfill(2) if stem.isdigit() else stem  # "2" is notebook 02
+    matches = [p for p in available if p.stem == stem or p.stem.split("_", 1)[0] == number]
     if len(matches) == 1:
         return matches[0]
     names = ", ".join(p.stem for p in available) or "(none)"
-    near = difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5)
+    words = {word: p.stem for p in available for word in p.stem.split("_")[1:]}  # "welfrod" ~ "welford"
+    near = difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5) or [
+        words[word] for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7)
+    ]
     hint = f"did you mean {near[0]}? " if near else ""
     raise ValueError(
         f"unknown notebook {str(name)!r}; {hint}available: {names} (name: one of these, its number or its "

@@ -306,6 +306,9 @@ def test_a_misspelt_notebook_or_parameter_gets_a_did_you_mean(capsys):
     assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
     assert cli.main(["run", "02", "-p", "smok", "true"]) == 2
     assert "did you mean smoke for smok?" in capsys.readouterr().err
+    assert cli.main(["run", "welfrod"]) == 2  # one word of a notebook's topic, misspelt
+    assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
+    assert notebooks.resolve_notebook("2") == notebooks.resolve_notebook("02")  # a number without its 0
 
 
 def test_a_cell_past_its_timeout_is_a_notebook_error_which_qlab_figures_collects_and_goes_on(
