@@ -45,6 +45,29 @@ def list_notebooks() -> list[Path]:
     return sorted(p for p in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
 
 
+def _local_kernel_manager():
+    """jupyter_client's kernel manager talking to the kernel over local (IPC) sockets instead of TCP:
+    nothing listens on the network, and the kernel has no unencrypted-TCP warning to print."""
+    import tempfile
+
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import CaselessStrEnum, default
+
+    class LocalKernelManager(AsyncKernelManager):
+        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+        @default("ip")
+        def _socket_prefix(self) -> str:  # a folder of its own: kernels started side by side never collide
+            return os.path.join(tempfile.mkdtemp(prefix="qlab-kernel-"), "ipc")
+
+        def cleanup_ipc_files(self) -> None:
+            super().cleanup_ipc_files()
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.ip))
+
+    return LocalKernelManager
+
+
 def resolve_notebook(name: str | os.PathLike) -> Path:
     """Find a notebook by path (.ipynb or its paired .py), by stem, or by its number ("02")."""
     if not isinstance(name, (str, os.PathLike)):
@@ -198,6 +221,7 @@ def run_notebook(
                 execution_timeout=timeout,
                 progress_bar=False,
                 log_output=False,
+                kernel_manager_class=_local_kernel_manager(),
             )
     except (
         CellTimeoutError,

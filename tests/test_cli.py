@@ -353,3 +353,10 @@ def test_run_takes_the_profile_as_a_flag_or_as_a_parameter(monkeypatch):
     assert cli.main(["run", "05", "-p", "profile", "paper"]) == 1
     assert cli.main(["run", "05", "--profile", "paper", "-p", "profile", "paper"]) == 1
     assert given == [{"profile": "paper"}] * 3
+
+
+def test_a_run_talks_to_its_kernel_over_local_sockets_and_prints_no_network_warning(tiny, capfd):
+    assert cli.main(["run", str(tiny), "--smoke"]) == 0
+    err = capfd.readouterr().err
+    assert "without encryption" not in err and "IPKernelApp" not in err, err
+    assert notebooks._local_kernel_manager()().transport == "ipc"
