@@ -368,10 +368,14 @@ for preset, keys in rht_keys.items():
 if len(rht):
     rht["Holm-adjusted p"] = [claims[key].p_adjusted for keys in rht_keys.values() for key in keys]
 
+def variant_key(family: str, variant: str) -> str:
+    return f"{family}.{variant.replace('/', '.').replace(' ', '_').replace('+', 'plus_')}"
+
+
 train_keys = []
 for row in differences.variant.drop_duplicates():
     part = differences[differences.variant == row].sort_values("seed")
-    key = f"train.{row.replace('/', '.').replace(' ', '_').replace('+', 'plus_')}"
+    key = variant_key("train", row)
     claims.paired(key, part.difference, text=f"{row} − FP32, validation loss", family="train", unit="nats",
                   margin=margin)
     train_keys.append(key)
@@ -390,7 +394,7 @@ if len(fp32_losses) >= 4:
     kept_keys = []
     for row in differences.variant.drop_duplicates():
         part = differences[(differences.variant == row) & (differences.seed != extreme_seed)].sort_values("seed")
-        key = f"train_without.{row.replace('/', '.').replace(' ', '_').replace('+', 'plus_')}"
+        key = variant_key("train_without", row)
         claims.paired(key, part.difference, text=f"{row} − FP32, validation loss, without seed {extreme_seed}",
                       family="train_without", unit="nats", margin=margin)
         kept_keys.append(key)

@@ -291,10 +291,10 @@ def _cmd_run(args) -> int:
     if args.smoke and params.get("smoke", True) is not True:
         raise ValueError(f"--smoke and -p smoke {params['smoke']} disagree; give smoke once")
     if args.profile is not None:
-        if "profile" not in notebooks.notebook_parameters(notebooks.resolve_notebook(args.notebook)):
+        path = notebooks.resolve_notebook(args.notebook)
+        if "profile" not in notebooks.notebook_parameters(path):
             raise ValueError(
-                f"notebook {notebooks.resolve_notebook(args.notebook).stem} has no profile parameter, so "
-                f"--profile {args.profile} cannot apply"
+                f"notebook {path.stem} has no profile parameter, so --profile {args.profile} cannot apply"
             )
         if params.get("profile", args.profile) != args.profile:
             raise ValueError(

@@ -187,17 +187,15 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
             low, high = claim.low_90, claim.high_90
         else:
             continue
+
+        def holds(low: float, high: float, kind=kind, margin=claim.margin) -> bool:
+            """Whether an interval still excludes zero (resolved) or lies within ±margin (equivalent)."""
+            return (low > 0 or high < 0) if kind == "resolved" else (-margin < low and high < margin)
+
         interval = (low, high)
         low, high = low + shift["shift_low"], high + shift["shift_high"]
-        survives = (
-            (low > 0 or high < 0) if kind == "resolved" else (-claim.margin < low and high < claim.margin)
-        )
-        point_low, point_high = interval[0] + shift["shift"], interval[1] + shift["shift"]
-        survives_point = (
-            (point_low > 0 or point_high < 0)
-            if kind == "resolved"
-            else (-claim.margin < point_low and point_high < claim.margin)
-        )
+        survives = holds(low, high)
+        survives_point = holds(interval[0] + shift["shift"], interval[1] + shift["shift"])
         rows.append({"key": claim.key, "kind": kind, "value": claim.value, "low": interval[0],
                      "high": interval[1], "shift": shift["shift"], "shift_low": shift["shift_low"],
                      "shift_high": shift["shift_high"], "moved_low": low, "moved_high": high,

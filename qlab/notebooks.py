@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import math
 import os
 import time
@@ -45,6 +46,7 @@ def list_notebooks() -> list[Path]:
     return sorted(p for p in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
 
 
+@functools.cache  # one class per process: papermill instantiates it for each run
 def _local_kernel_manager():
     """jupyter_client's kernel manager talking to the kernel over local (IPC) sockets instead of TCP:
     nothing listens on the network, and the kernel has no unencrypted-TCP warning to print."""
