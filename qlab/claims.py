@@ -12,8 +12,10 @@ A placeholder ``{key}`` shows the value and its interval as the claim's digits s
 [−0.0012, +0.0080]"); ``{key:value}``, ``{key:interval}``, ``{key:p}`` and ``{key:n}`` show one part;
 ``{key:verdict}`` states what the test says: "resolved: paired t over 5 seeds, Holm-adjusted p = 0.003
 (14 comparisons)", or "not resolved (Holm-adjusted p = 0.41); these 5 seeds detect 0.0093 nats at 80 %
-power", or "equivalent within ±0.01 nats (TOST p = 0.002)". The text rendered from a run whose
-parameters differ from the committed defaults starts with a banner naming them, so a smoke or
+power", or "equivalent within ±0.01 nats (TOST p = 0.002)"; ``{key:outcome}`` says it in a few words for
+a plain answer ("resolved over 5 seeds", "equivalent within ±0.01 nats", "2 resolved, 5 equivalent,
+4 undecided"), and ``{key:amount}`` is the value with its unit, no interval. The text rendered from a
+run whose parameters differ from the committed defaults starts with a banner naming them, so a smoke or
 interactive run never reads like the committed findings. Rendered lines are joined into paragraphs
 without hard wraps, so a number never begins a line and turns it into a numbered list.
 
@@ -52,7 +54,7 @@ DIRECTIONS = ("lower", "higher")
 _KEY = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _PLACEHOLDER = re.compile(r"\{([A-Za-z0-9_.+-]+)(?::([a-z_]+))?\}")
 MEASURED = "measured [95 % interval]"  # the column every claims table shows value and interval in
-PARTS = ("value", "interval", "interval90", "p", "n", "verdict", "text", "both")
+PARTS = ("value", "amount", "interval", "interval90", "p", "n", "verdict", "outcome", "text", "both")
 
 
 @dataclass
@@ -219,6 +221,25 @@ class Claim:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
 
+    def outcome(self) -> str:
+        """The verdict in a few words, for a plain-language answer; ``verdict`` says how it was tested."""
+        unit = f" {self.unit}" if self.unit else ""
+        if self.test == "TOST":
+            shown = "equivalent" if self.resolved() else "not shown equivalent"
+            return f"{shown} within ±{self.margin:g}{unit}"
+        if self.test == "paired t":
+            return f"{'resolved' if self.resolved() else 'not resolved'} over {self.n} {self.pairs}"
+        if self.test.startswith("tally"):
+            direction = self.test.removeprefix("tally").strip()
+            text = f"{self.value:.0f} resolved, {self.equivalent:.0f} equivalent"
+            if direction:  # "8 higher, 1 lower, 2 equivalent": the counted direction first
+                other = {"lower": "higher", "higher": "lower"}[direction]
+                opposite = self.n - self.value - self.equivalent - self.undecided
+                text = f"{self.value:.0f} {direction}, {opposite:.0f} {other}"
+                text += f", {self.equivalent:.0f} equivalent"
+            return text + (f", {self.undecided:.0f} undecided" if self.undecided > 0 else "")
+        return self.verdict()
+
     def tally_text(self) -> str:
         """What a tally's tests found, in disjoint classes of its n comparisons."""
         unit = f" {self.unit}" if self.unit else ""
@@ -258,7 +279,12 @@ class Claim:
             "interval90": lambda: self.interval(90),
             "p": self.p_text,
             "n": lambda: str(self.n),
+            "amount": lambda: (
+                self.number(self.value, self.signed)
+                + (f" {self.unit}" if self.unit and not self.test.startswith("tally") else "")
+            ),
             "verdict": self.verdict,
+            "outcome": self.outcome,
             "text": lambda: self.text,
             "both": self.both,
         }[name]()
@@ -631,16 +657,20 @@ def file_claims(path, name: str = "path") -> list[Claim]:
     return found
 
 
-def render_committed(path, template: str) -> str:
+def render_committed(path, template: str, also=()) -> str:
     """``template`` filled from a committed claims file (``{key}``, ``{key:verdict}``, … as
-    ``Claims.render``), with no banner: the text a notebook's committed results state, without running it."""
+    ``Claims.render``), with no banner: the text a notebook's committed results state, without running it.
+    ``also``: more claims files of the same notebook (its machine-dependent ``_claims_timing.csv``)."""
     from types import SimpleNamespace
 
     path = paths.existing_file("path", path, "claims file")
     notebook = path.name.removesuffix("_claims.csv")
     claims = Claims(SimpleNamespace(name=notebook, parameters={}, changed={}), committed=False)
-    for claim in file_claims(path):
-        claims._add(claim)
+    if isinstance(also, (str, bytes)) or not hasattr(also, "__iter__"):
+        raise TypeError(f"also must be a list of claims files, got {checks.shown(also)}")
+    for each in [path, *also]:
+        for claim in file_claims(paths.existing_file("also", each, "claims file")):
+            claims._add(claim)
     return claims.render(template)
 
 

@@ -5,7 +5,7 @@
     qlab figures [--smoke] [--profile paper]    every notebook, default parameters (paper: the
                                                 notebooks with a profile, at paper scale, data/paper/)
                  [--executor E] [--address A]   how their training runs fan out (qlab.runs)
-    qlab sweep NOTEBOOK GRID.yaml [-j N] [--executor serial|processes|ray] [--address A] [--smoke]
+    qlab sweep NOTEBOOK GRID.yaml [-p NAME VALUE ...] [-j N] [--executor serial|processes|ray] [--smoke]
     qlab campaign NOTEBOOK [--profile paper] [--budget 9m | --runs N | --status] [-p NAME VALUE ...]
                                                 a run list finished over many invocations (qlab.campaign)
     qlab findings [--check]                     README's findings table from data/*_claims.csv
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -96,6 +98,11 @@ def _build_parser() -> argparse.ArgumentParser:
     sw = sub.add_parser("sweep", help="run a notebook over the cartesian product of a YAML grid")
     sw.add_argument("notebook", help="path, name or number of the notebook")
     sw.add_argument("grid", help="YAML mapping: parameter -> list of values")
+    sw.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="set one notebook parameter for every point, as qlab run does (a name the grid also sets is "
+        "refused); repeatable",
+    )  # fmt: skip
     sw.add_argument("-j", "--jobs", type=int, default=1, help="points at once (worker processes)")
     sw.add_argument(
         "--executor",
@@ -176,8 +183,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--budgets", default="4.5,5,6", help="comma-separated effective bits per weight element: a plan each"
     )
     report.add_argument(
-        "--score", choices=_plan_score_kinds(), default="measured", help="what the plans are chosen from"
-    )
+        "--score", choices=_plan_score_kinds(), default="measured", metavar="KIND",
+        help="what the plans are chosen from: %(choices)s",
+    )  # fmt: skip
     report.add_argument(
         "--expand", type=int, default=6, help="--score hierarchical: blocks measured by layer"
     )
@@ -218,9 +226,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="plan mode: mean bits per weight element, scales counted",
     )
     advise.add_argument(
-        "--score", choices=_plan_score_kinds(), default="measured",
-        help="plan mode: measured loss changes; the one-backward Fisher-weighted estimate; or hierarchical "
-        "(blocks measured whole, then the --expand most sensitive ones layer by layer)",
+        "--score", choices=_plan_score_kinds(), default="measured", metavar="KIND",
+        help="plan mode, one of %(choices)s: measured loss changes; the one-backward Fisher-weighted "
+        "estimate; or hierarchical (blocks measured whole, then the --expand most sensitive ones layer by "
+        "layer)",
     )  # fmt: skip
     advise.add_argument(
         "--expand", type=int, default=6,
@@ -361,11 +370,18 @@ def _cmd_figures(args) -> int:
     from tqdm.auto import tqdm
 
     failures = []
-    chosen, parameters, output_dir = notebooks.list_notebooks(), {}, None
+    chosen, parameters = notebooks.list_notebooks(), {}
     if args.profile != "cpu":
         chosen = [path for path in chosen if "profile" in notebooks.notebook_parameters(path)]
         parameters = {"profile": args.profile}
-        output_dir = paths.RUNS_DIR / ("smoke" if args.smoke else "") / args.profile
+
+    def executed_copy(path: Path) -> Path | None:
+        """Where ``qlab run`` puts this profile's executed copy (None: the defaults' own place); the
+        executor is left out, since it never changes a result."""
+        if args.profile == "cpu":
+            return None
+        return notebooks.output_folder(path, {**parameters, **({"smoke": True} if args.smoke else {})})[0]
+
     if args.address is not None:
         from qlab.runs import check_address
 
@@ -373,11 +389,11 @@ def _cmd_figures(args) -> int:
             raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")
         os.environ["RAY_ADDRESS"] = check_address(args.address)  # read by the notebooks' run_many
     if args.profile != "cpu":  # a notebook whose run list is incomplete renders nothing (qlab campaign)
-        chosen = [path for path in chosen if _campaign_complete(path, args, output_dir)]
+        chosen = [path for path in chosen if _campaign_complete(path, args, executed_copy(path))]
     bar = tqdm(chosen, desc="notebooks", unit="nb")
     for path in bar:
         bar.set_postfix_str(path.stem)
-        output = None if output_dir is None else output_dir / f"{path.stem}.ipynb"
+        output = executed_copy(path)
         chosen_parameters = dict(parameters)
         if args.executor is not None and "executor" in notebooks.notebook_parameters(path):
             chosen_parameters["executor"] = args.executor
@@ -395,14 +411,14 @@ def _cmd_figures(args) -> int:
     return 1 if failures else 0
 
 
-def _campaign_complete(path: Path, args, output_dir: Path) -> bool:
+def _campaign_complete(path: Path, args, output: Path) -> bool:
     """Whether ``path`` may render at ``args.profile``: it has no run list, or every run is stored."""
     from qlab import campaign, run_lists
 
     if path.stem not in run_lists.RUN_LISTS:
         return True
     parameters = {"smoke": True} if args.smoke else {}
-    run_list, store = campaign_list(path.stem, parameters, args.profile, output_dir / f"{path.stem}.ipynb")
+    run_list, store = campaign_list(path.stem, parameters, args.profile, output)
     state = campaign.progress(run_list, store)
     if not state.complete:
         smoke = " --smoke" if args.smoke else ""
@@ -417,6 +433,7 @@ def _cmd_sweep(args) -> int:
     outcomes = sweep.run_sweep(
         args.notebook,
         args.grid,
+        parameters={name: _parse_value(value) for name, value in args.parameter},
         jobs=args.jobs,
         executor=args.executor,
         address=args.address,
@@ -516,10 +533,25 @@ def _cmd_sync(args) -> int:
     return 0
 
 
-def _plan_score_kinds() -> tuple[str, ...]:
-    from qlab.plan import SCORE_KINDS
+class _ScoreKinds(Sequence):
+    """``qlab.plan.SCORE_KINDS``, imported only when a command's options are checked or its help shown
+    (the options give a metavar, so argparse does not list the choices while building the parser):
+    qlab.plan imports torch, which ``qlab --help`` does not need."""
 
-    return SCORE_KINDS
+    def _kinds(self) -> tuple[str, ...]:
+        from qlab.plan import SCORE_KINDS
+
+        return SCORE_KINDS
+
+    def __getitem__(self, index):
+        return self._kinds()[index]
+
+    def __len__(self) -> int:
+        return len(self._kinds())
+
+
+def _plan_score_kinds() -> Sequence:
+    return _ScoreKinds()
 
 
 def _cmd_report(args) -> int:
@@ -564,6 +596,14 @@ def _cmd_train(args) -> int:
     return launch.run(args)
 
 
+def _checkout_of(notebook) -> Path | None:
+    """The qlab checkout a notebook given by its path lies in (None: a name or number, or no checkout)."""
+    if not isinstance(notebook, str) or not Path(notebook).is_file():
+        return None
+    folder = Path(notebook).resolve().parent
+    return next((f for f in (folder, *folder.parents) if paths.is_checkout(f)), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -577,6 +617,17 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    owner = _checkout_of(getattr(args, "notebook", None))
+    if owner is not None and owner != paths.ROOT:
+        if paths.ROOT_FOUND_BY != "installed":  # standing in one checkout, a notebook of another: ambiguous
+            print(f"qlab: error: {args.notebook} belongs to the checkout at {owner}, but this command writes "
+                  f"into {paths.ROOT} (the {paths.ROOT_FOUND_BY}); run it from {owner} or set "
+                  f"{paths.ROOT_ENV}={owner}", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"qlab: not inside a qlab checkout; using {owner}, the checkout {args.notebook} belongs to",
+              file=sys.stderr)  # fmt: skip
+        command = [sys.executable, "-m", "qlab.cli", *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.call(command, env={**os.environ, paths.ROOT_ENV: str(owner)})
     if paths.ROOT_FOUND_BY == "installed":
         print(f"qlab: not inside a qlab checkout; using the installed one at {paths.ROOT}", file=sys.stderr)
     command = {

@@ -18,10 +18,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import nbformat
+from typing import TYPE_CHECKING
 
 from qlab import checks, paths
+
+if TYPE_CHECKING:
+    import nbformat
 
 KERNEL_NAME = "qlab"
 REPORT_NOTEBOOK = "report_your_model"  # qlab report's template, beside the numbered notebooks
@@ -99,6 +101,8 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
 
 def _read(notebook) -> tuple[Path, nbformat.NotebookNode]:
     """The path and contents of the .ipynb file ``notebook``; errors name the argument ``notebook``."""
+    import nbformat  # here, not at the top: it takes seconds to import, and `qlab --help` needs none of it
+
     path = paths.existing_file("notebook", notebook, "notebook (.ipynb file)")
     try:
         return path, nbformat.read(path, as_version=4)
@@ -330,6 +334,8 @@ def strip_outputs(notebook: Path) -> bool:
             changed = True
     if changed:
         with paths.written_atomically(notebook) as tmp:
+            import nbformat
+
             nbformat.write(nb, tmp)
     return changed
 

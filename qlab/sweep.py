@@ -102,6 +102,7 @@ def run_sweep(
     notebook: str,
     grid_file: str | os.PathLike,
     *,
+    parameters: dict | None = None,
     jobs: int = 1,
     executor: str | None = None,
     address: str | None = None,
@@ -113,7 +114,8 @@ def run_sweep(
 
     ``executor`` (``qlab.runs``): "serial", "processes" or "ray" (``address``: a running cluster's;
     its nodes must share this file system). None: serial for ``jobs == 1``, else ``jobs`` processes.
-    Every parameter name is checked against the notebook before anything runs.
+    ``parameters``: set at every point beside the grid's (a name in both is refused), and so named in
+    every point's folder. Every parameter name is checked against the notebook before anything runs.
     """
     from qlab.runs import EXECUTORS, RunsFailed, check_address, run_many, task
 
@@ -126,7 +128,17 @@ def run_sweep(
         address = check_address(address)
     path = resolve_notebook(notebook)
     grid = load_grid(grid_file)
-    points = [check_parameters(path, params) for params in grid_points(grid)]
+    fixed = {} if parameters is None else parameters
+    if not isinstance(fixed, dict) or not all(isinstance(name, str) for name in fixed):
+        raise TypeError(
+            f"parameters must be a dict of parameter names to values, got {checks.shown(parameters)}"
+        )
+    both = sorted(set(fixed) & set(grid))
+    if both:
+        raise ValueError(
+            f"{', '.join(both)} set both by the grid {grid_file} and as a fixed parameter; set each once"
+        )
+    points = [check_parameters(path, {**params, **fixed}) for params in grid_points(grid)]
     slugs = [point_slug(p) for p in points]
     if len(set(slugs)) != len(slugs):
         repeated = sorted({s for s in slugs if slugs.count(s) > 1})

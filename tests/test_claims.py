@@ -10,6 +10,7 @@ import pytest
 from qlab import claims as claims_module
 from qlab import paths, stats
 from qlab.claims import Claims
+from qlab.results import save_csv
 from qlab.session import NotebookRun
 
 
@@ -48,6 +49,11 @@ def test_equivalence_needs_tost_within_the_margin():
     assert claims["same"].p == stats.tost(near_zero, 0.01)["p"] and claims["same"].p < 0.05
     assert claims.render("{same:verdict}").startswith("equivalent within ±0.01 nats (TOST over 6 seeds")
     assert claims.render("{wide:verdict}").startswith("not shown equivalent within ±0.01 nats")
+    # the few-word forms a plain answer uses, and the value with its unit
+    assert claims.render("{same:outcome}; {wide:outcome}") == (
+        "equivalent within ±0.01 nats; not shown equivalent within ±0.01 nats\n"
+    )
+    assert claims.render("{wide:amount}") == f"{claims['wide'].part('value')} nats\n"
 
 
 def test_a_run_with_other_parameters_renders_under_a_banner():
@@ -214,9 +220,13 @@ def test_a_tally_counts_resolved_equivalent_and_undecided_comparisons():
     )
     detectable = f"{claims['c'].detectable:.3g}".replace("-", "−")
     assert f"1 undecided (these seeds detect up to {detectable} nats at 80 % power, unadjusted α)" in verdict
+    assert tally.outcome() == "1 resolved, 1 equivalent, 1 undecided"
+    assert claims["a"].outcome() == "resolved over 6 seeds"
+    assert claims["c"].outcome() == "not resolved over 6 seeds"
     # a direction counts the resolved ones of its sign and names the others: "a" is resolved higher
     lower = claims.tally("lower", ["a", "b", "c"], text="x", direction="lower")
     assert lower.value == 0 and lower.verdict().startswith("0 of 3 resolved lower and 1 higher after Holm")
+    assert lower.outcome() == "0 lower, 1 higher, 1 equivalent, 1 undecided"
     assert claims.tally("higher", ["a", "b", "c"], text="x", direction="higher").value == 1
     # a resolved comparison inside the margin counts as resolved, not also as equivalent (disjoint classes)
     claims.paired("tiny", [0.001, 0.0011, 0.0009, 0.001, 0.00105, 0.00095], text="t", family="g", margin=0.01)
@@ -307,6 +317,17 @@ def test_a_saved_run_keeps_the_text_it_rendered_beside_its_claims(tmp_path, monk
     second = claims.render("Verdict: {gap:verdict}.")
     assert written.read_text() == first + "\n" + second  # every later rendering joins it
     assert claims_module.render_committed(tmp_path / "data" / "99_demo_claims.csv", "A: {gap}.") == first
+    # a second claims file of the same notebook (its timings) fills the same template
+    timing = Claims(_run())
+    timing.value("time.x", 0.25, text="x time ÷ dense", test="observed", digits=2)
+    save_csv(timing.frame(), "99_demo_claims_timing")
+    both = claims_module.render_committed(
+        tmp_path / "data" / "99_demo_claims.csv", "{gap:amount}, {time.x:value}",
+        also=[tmp_path / "data" / "99_demo_claims_timing.csv"],
+    )  # fmt: skip
+    assert both == f"{claims['gap'].part('value')} nats, 0.25\n"
+    with pytest.raises(TypeError, match="also must be a list of claims files"):
+        claims_module.render_committed(tmp_path / "data" / "99_demo_claims.csv", "A", also="x.csv")
 
 
 def test_a_tally_says_when_the_sign_flip_test_resolves_fewer_than_the_t_test():

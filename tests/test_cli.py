@@ -1,6 +1,8 @@
 """The `qlab` command: run, sweep and their errors, on a tiny throw-away notebook."""
 
 import json
+import subprocess
+import sys
 
 import nbformat
 import pytest
@@ -187,6 +189,21 @@ def test_smoke_sweeps_never_share_directories_with_full_ones(tiny, tmp_path):
     assert not (tmp_path / "runs" / "99_tiny").exists()
 
 
+def test_sweep_takes_fixed_parameters_as_qlab_run_does(tiny, tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [2, 3]\n")
+    assert cli.main(["sweep", str(tiny), str(grid), "-p", "label", "fixed"]) == 0
+    for a in (2, 3):  # every point gets the fixed parameter, and its folder names it
+        point = tmp_path / "runs" / "99_tiny" / f"a={a}__label=fixed"
+        record = json.loads((point / sweep.METRICS_FILE).read_text())
+        assert record["parameters"] == {"a": a, "label": "fixed"} and record["metrics"]["label"] == "fixed"
+    capsys.readouterr()
+    assert cli.main(["sweep", str(tiny), str(grid), "-p", "a", "4"]) == 2  # set twice: refused
+    assert "a set both by the grid" in capsys.readouterr().err
+    assert cli.main(["sweep", str(tiny), str(grid), "-p", "nope", "1"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
 def test_yaml_loader_is_safe(tmp_path):
     grid = tmp_path / "grid.yaml"
     grid.write_text("a: !!python/object/apply:os.system ['echo pwned']\n")
@@ -360,3 +377,15 @@ def test_a_run_talks_to_its_kernel_over_local_sockets_and_prints_no_network_warn
     err = capfd.readouterr().err
     assert "without encryption" not in err and "IPKernelApp" not in err, err
     assert notebooks._local_kernel_manager()().transport == "ipc"
+
+
+def test_qlab_help_imports_neither_torch_nor_nbformat():
+    """``qlab --help`` answers at once: the parser is built without importing what commands need
+    (torch takes seconds; nbformat's schema validator too)."""
+    code = (
+        "import sys\nfrom qlab import cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'nbformat', 'qlab.plan') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -213,8 +213,8 @@ def test_wide_non_last_axis_spans_several_column_tiles(spec, threads):
 @pytest.mark.parametrize("shape", [(100, 600), (40, 5000), (600, 100), (16, 4096)])
 def test_2d_tiles_of_any_block_size_never_straddle_two_work_items(shape, block_size, threads):
     """The kernel cuts the columns into work items about 256 to 4096 wide (wider where there are
-    enough items for the threads); an item must hold whole tiles. Before, with 256-column items,
-    tiles of 7, 24 and 48 columns straddled two items, and each half took its own scale (wrong bits)."""
+    enough items for the threads); an item must hold whole tiles. With plain 256-column items, tiles of
+    7, 24 and 48 columns would straddle two items, and each half would take its own scale (wrong bits)."""
     x = spread_tensor(shape, 20, seed=block_size)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

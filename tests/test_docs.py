@@ -77,6 +77,10 @@ NARRATION = [
             r"\bnext (?:GPU |CPU )?run\b|\bnot been (?:run|measured|timed) yet\b|\bold kernel\b", re.I
         ),  # fmt: skip
     ),
+    (
+        "a change told as history",
+        re.compile(r"(?:^|[.;:] |^\s*(?:#|//|\*)\s*)(?:Before|Previously|Formerly),"),
+    ),
 ]
 SELF = Path(__file__).resolve()
 
@@ -120,6 +124,8 @@ def narration(text: str) -> list[tuple[int, str, str]]:
         "the next GPU r" + "un of this table measures both",
         "the paper profile has not been r" + "un yet",
         "(it fails on the old ker" + "nel)",
+        "splits the integers. Bef" + "ore, torch's ops also ran the copy",
+        "# Previous" + "ly, the scale was computed twice",
     ],
 )
 def test_the_narration_patterns_catch_process_phrases(text):
@@ -140,6 +146,7 @@ def test_the_narration_patterns_catch_process_phrases(text):
         "the kernel cuts the columns into work items about 256 to 4096 wide",
         "for item in items:",
         "    pass",
+        "Before the first step, the scales are computed from the weights.",
     ],
 )
 def test_the_narration_patterns_leave_technical_words_alone(text):
@@ -361,11 +368,14 @@ def test_from_home_the_gpu_table_s_time_column_is_in_view_without_scrolling(site
         _click(page, ".bd-sidebar a, nav a", r"^\s*Benchmarks\s*$")
         assert page.url.endswith("benchmarks.html"), page.url
         table = page.locator("#on-the-gpu-at-a-glance table").first
-        header = table.locator("th").filter(has_text=re.compile(r"^\s*ms\s*$")).first
-        box = header.bounding_box()
+        boxes = [table.locator("th").filter(has_text=re.compile(rf"^\s*{name}\s*$")).first.bounding_box()
+                 for name in ("ms", "% of floor", "measured")]  # fmt: skip
         scrolled = table.evaluate("t => (t.closest('.pst-scrollable-table-container') || t).scrollLeft")
-    assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, box
+        devices = page.locator("#on-the-gpu-at-a-glance h3").all_text_contents()
+    for box in boxes:  # the time, the floor and when it was measured, all in view
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= 1400, boxes
     assert scrolled == 0
+    assert any("H100" in d for d in devices) and any("H200" in d for d in devices), devices
 
 
 @in_chromium
@@ -378,6 +388,8 @@ def test_from_home_a_findings_page_shows_its_answer_and_key_figure_in_the_first_
         answer = page.locator("#the-answer p").nth(1).bounding_box()  # the question, then the answer
         figure = page.locator("#the-answer img").first.bounding_box()
         claims_open = page.locator("#claims details").first.evaluate("d => d.open")
+        kappa = page.locator("#the-answer a.glossary-term").filter(has_text="κ").first.get_attribute("href")
+    assert kappa is not None and kappa.endswith("glossary.html#kappa"), kappa  # a term linked at first use
     assert answer is not None and 0 <= answer["y"] < 900, answer
     assert figure is not None and 0 <= figure["y"] < 900 and figure["height"] > 100, figure
     assert claims_open is False  # the claims table is there, collapsed
@@ -395,7 +407,7 @@ def test_code_blocks_wrap_instead_of_running_off_the_page(site, page_name):
     assert blocks > 0 and cut == [], cut
 
 
-def test_every_findings_page_has_an_answer_filled_from_its_committed_claims():
+def test_every_findings_page_has_a_short_answer_filled_from_its_committed_claims():
     import yaml
 
     from qlab import claims
@@ -404,10 +416,14 @@ def test_every_findings_page_has_an_answer_filled_from_its_committed_claims():
     notebooks = sorted(p.stem for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
     assert sorted(answers) == notebooks
     for name, entry in answers.items():
-        text = claims.render_committed(
-            ROOT / "data" / f"{name}_claims.csv", entry["answer"]
-        )  # KeyError: drift
+        also = sorted((ROOT / "data").glob(f"{name}_claims_*.csv"))
+        path = ROOT / "data" / f"{name}_claims.csv"
+        text = claims.render_committed(path, entry["answer"], also=also)  # KeyError: drift
         assert "{" not in text and entry["question"].endswith("?")
+        assert len(text.split()) <= 70, f"{name}'s answer runs to {len(text.split())} words: {text}"
+        assert "Holm" not in text and "TOST" not in text  # the tests' names belong under "How sure"
+        assert entry["evidence"] and all(claims.render_committed(path, f"{{{key}:verdict}}", also=also)
+                                         for key in entry["evidence"])  # fmt: skip
         assert (ROOT / "figures" / f"{entry['figure']}.png").exists(), entry["figure"]
 
 
@@ -494,6 +510,55 @@ def test_no_page_types_a_benchmark_timing():
     )
 
 
+@pytest.mark.docs
+@pytest.mark.xdist_group("docs")
+def test_each_page_links_a_glossary_term_where_it_first_uses_it(site):
+    link = re.compile(
+        r'<a class="[^"]*glossary-term[^"]*" href="[^"]*glossary.html#([a-z0-9-]+)"[^>]*>([^<]+)</a>'
+    )
+    linked = {}
+    for page in site.rglob("*.html"):
+        html = page.read_text(encoding="utf-8")
+        labels = [label for label, _ in link.findall(html)]
+        assert len(labels) == len(set(labels)), f"{page.name} links a term twice: {labels}"
+        # never inside code, a heading or another link
+        inside = r"<(code|pre|h[1-6])\b[^>]*>(?:(?!</\1>).)*glossary-term"
+        assert not re.search(inside, html, flags=re.S), page
+        linked[page.relative_to(site).as_posix()] = set(labels)
+    assert "glossary.html" not in linked or linked["glossary.html"] == set()
+    assert {"sqnr", "e8m0", "amax"} <= linked["formats_and_scaling.html"]
+    assert {"ste", "amax"} <= linked["probes.html"] | linked["recipes.html"]
+    assert {"holm", "tost", "paired-test"} <= linked["findings.html"]
+    assert "seed-bug" in linked["_generated/findings/01_gradient_norm_discrepancy.html"]
+
+
+def _words_between_headings(text: str) -> list[int]:
+    """Words of prose (fenced blocks left out, tables counted) between one heading and the next."""
+    counts, words, fence = [], 0, None
+    for line in text.splitlines():
+        opening = re.match(r"^(`{3,}|~{3,})", line)
+        if fence:
+            fence = None if line.startswith(fence) and not line.strip(fence[0]).strip() else fence
+            continue
+        if opening:
+            fence = opening.group(1)
+        elif re.match(r"^#{1,6} ", line):
+            counts, words = counts + [words], 0
+        else:
+            words += len(line.split())
+    return counts + [words]
+
+
+@pytest.mark.parametrize(
+    "page", sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "glossary.md")
+)
+def test_no_page_runs_on_for_more_than_500_words_without_a_heading(page):
+    """A reader scans a page by its headings (and the site's table of contents); the glossary is a
+    list of definitions, each its own target."""
+    longest = max(_words_between_headings((ROOT / "docs" / page).read_text(encoding="utf-8")))
+    assert longest <= 500, f"docs/{page} has {longest} words between two headings"
+
+
 def test_every_glossary_term_is_linked_from_a_page_that_uses_it():
     glossary = (ROOT / "docs" / "glossary.md").read_text()
     labels = re.findall(r"^\(([a-z0-9-]+)\)=$", glossary, flags=re.MULTILINE)
@@ -516,6 +581,106 @@ def test_a_docstring_s_usage_example_becomes_a_literal_block_and_prose_stays_pro
     assert qlab_docs.literal_examples(quoted) == quoted
     already = ["Example::", "", "    y = f(x)"]
     assert qlab_docs.literal_examples(already) == already
+
+
+def _qlab_docs():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("qlab_docs", ROOT / "docs" / "_ext" / "qlab_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "docstring, expected",
+    [  # plain text as qlab writes it → the reStructuredText the API pages get
+        ("Counts of |x| per binade.", ["Counts of \\|x\\| per binade."]),
+        ("Every notebooks/*.py, *really*.", ["Every notebooks/\\*.py, *really*."]),
+        ("As clip_grad_norm_ applied it; ``x_`` kept.", ["As clip_grad_norm\\_ applied it; ``x_`` kept."]),
+        (
+            "Specs:\n\n| a | b |\n|---|---|\n| 1 | 2 |",
+            [
+                "Specs:",
+                "",
+                ".. list-table::",
+                "   :header-rows: 1",
+                "",
+                "   * - a",
+                "     - b",
+                "   * - 1",
+                "     - 2",
+                "",
+            ],
+        ),
+        (
+            "Attributes:\n  size: a count;\n  rows: the rows, laid\n    over two lines.",
+            ["| Attributes:", "|   size: a count;", "|   rows: the rows, laid", "|     over two lines."],
+        ),
+        ("Valid already:\n\n- an item\n  continued\n- another", None),
+        ("* a starred item\n* another", None),
+        (
+            "A doctest:\n\n>>> f(|x|)\n1\n\nAfter |x|.",
+            ["A doctest:", "", ">>> f(|x|)", "1", "", "After \\|x\\|."],
+        ),
+        ("Run it:\n\n    qlab run 02 --smoke", ["Run it:", "", "::", "", "    qlab run 02 --smoke"]),
+    ],
+)
+def test_a_plain_text_docstring_becomes_restructuredtext_that_renders_as_laid_out(docstring, expected):
+    qlab_docs = _qlab_docs()
+    lines = docstring.splitlines()
+    out = qlab_docs.docstring_rst(lines)
+    assert out == (lines if expected is None else expected)
+    assert qlab_docs._valid_rst("\n".join(out))
+
+
+def test_the_gpu_glance_keeps_each_part_s_latest_run_and_a_kernel_s_fastest_setting(tmp_path):
+    qlab_docs = _qlab_docs()
+    head = "machine,device,date,commit,part,shape,kernel,ms,gbps,percent_of_clone,speedup\n"
+    rows = [
+        "m,GPU A,2026-01-01,aaa,linear,4×4,fp8_delayed (gemm unrecorded),27.5,,,",  # an older run of the part
+        'm,GPU A,2026-01-02,bbb,linear,4×4,"fp8_delayed, gemm=scaled_mm",27.2,,,0.08',
+        'm,GPU A,2026-01-02,bbb,ln,8×8,"forward, rows per tile 1, 4 warps",0.3,,,1.1',
+        'm,GPU A,2026-01-02,bbb,ln,8×8,"forward, rows per tile 4, 8 warps",0.1,900,87,1.2',  # the fastest
+    ]
+    (tmp_path / "bench_kernels_gpu.csv").write_text(head + "\n".join(rows) + "\n")
+    (tmp_path / "bench_train_gpu.csv").write_text(
+        "machine,device,date,commit,model,mode,compile_mode,recipe,ratio\n"
+        "m,GPU B,2026-01-03,ccc,CharGPT,compiled,default,fp32,1.00\n"
+        "m,GPU B,2026-01-03,ccc,CharGPT,compiled,default,mxfp8,1.52 (1.48–1.55)\n"
+    )
+    text = qlab_docs.gpu_at_a_glance(tmp_path)
+    assert "gemm unrecorded" not in text and "2026-01-01" not in text
+    assert "| linear: fp8_delayed, gemm=scaled_mm | 4×4 | 27.2 |" in text
+    assert "rows per tile 4, 8 warps | 8×8 | 0.1 | 900 | 87 | 1.2 | 2026-01-02 · bbb |" in text
+    assert "rows per tile 1" not in text
+    assert "| ms | GB/s | % of floor | × baseline | measured |" in text
+    gpu_b = text[text.index("### GPU B") :]
+    assert "| CharGPT | compiled, default | mxfp8 | 1.52 (1.48–1.55) | 2026-01-03 · ccc |" in gpu_b
+    assert text.index("### GPU A") < text.index("### GPU B")
+
+
+def test_no_public_docstring_falls_back_to_preformatted_text():
+    import qlab
+
+    qlab_docs = _qlab_docs()
+    preformatted = []
+    for module_name in qlab_docs.modules():
+        module = importlib.import_module(module_name)
+        objects = [(module_name, module)]
+        for name in qlab_docs.public_names(module_name):
+            obj = getattr(module, name)
+            objects.append((f"{module_name}.{name}", obj))
+            if inspect.isclass(obj):
+                members = [(attr, value) for attr, value in vars(obj).items() if not attr.startswith("_")]
+                objects += [(f"{module_name}.{name}.{attr}", value) for attr, value in members
+                            if inspect.isfunction(value) or isinstance(value, property)]  # fmt: skip
+        for name, obj in objects:
+            doc = inspect.getdoc(obj)
+            shown = qlab_docs.docstring_rst(doc.splitlines()) if doc else []
+            if shown[:2] == ["::", ""] and not doc.startswith("::"):
+                preformatted.append(name)
+    assert qlab is not None and preformatted == []
 
 
 def test_only_a_finished_copy_at_the_default_parameters_is_shown_as_executed():

@@ -640,7 +640,9 @@ ENTRY_POINTS = {
     "claims.render_committed": (
         claims.render_committed,
         lambda: dict(
-            path=claims_folder() / "99_fuzz_claims.csv", template="{gap} ({gap:verdict}); {loss:value}"
+            path=claims_folder() / "99_fuzz_claims.csv",
+            template="{gap} ({gap:verdict}); {loss:value}",
+            also=[],
         ),
     ),
     "claims.update_readme": (

@@ -63,3 +63,39 @@ def test_a_qlab_root_that_is_no_checkout_is_refused(tmp_path):
                           capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 2 and done.stdout == ""
     assert f"QLAB_ROOT={tmp_path / 'none'} is not a qlab checkout" in done.stderr
+
+
+def _tiny_notebook(path: Path) -> Path:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "qlab", "display_name": "Python (qlab)", "language": "python"}
+    parameters = nbformat.v4.new_code_cell("a = 1")
+    parameters.metadata["tags"] = ["parameters"]
+    body = "import pandas as pd\nfrom qlab.results import save_csv\n"
+    body += "save_csv(pd.DataFrame({'a': [a]}), 'tiny')"
+    nb.cells = [parameters, nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_a_notebook_run_by_its_path_writes_into_its_own_checkout(tmp_path):
+    first, second = _checkout(tmp_path / "first"), _checkout(tmp_path / "second")
+    notebook = _tiny_notebook(second / "notebooks" / "99_tiny.ipynb")
+    env = {k: v for k, v in os.environ.items() if k not in (paths.ROOT_ENV, paths.RESULTS_ENV)}
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    done = subprocess.run([sys.executable, "-m", "qlab.cli", "run", str(notebook), "-p", "a", "2"],
+                          cwd=outside, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"using {second.resolve()}, the checkout {notebook} belongs to" in done.stderr
+    written = second / "runs" / "interactive" / "99_tiny" / "a=2" / "data" / "tiny.csv"
+    assert written.read_text() == "a\n2\n"
+    installed = Path(paths.__file__).resolve().parent.parent
+    assert not (installed / "runs" / "interactive" / "99_tiny").exists()
+    # standing in another checkout, it is refused before anything runs: which checkout is meant?
+    refused = subprocess.run([sys.executable, "-m", "qlab.cli", "run", str(notebook)],
+                             cwd=first, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2, refused.stderr
+    assert f"belongs to the checkout at {second.resolve()}, but this command writes into" in refused.stderr
+    assert not (first / "runs").exists()

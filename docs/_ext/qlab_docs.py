@@ -11,9 +11,10 @@
   _generated/results/bench_quantize.md```): the docs' benchmark tables are these, never typed.
 - ``benchmark_results.md``: every one of them, one section per file.
 
-A file is rewritten only when its text changes, so an unchanged page is not read again. Docstrings that
-are not valid reStructuredText (qlab writes them as plain text with markdown tables) are shown as
-preformatted text instead of failing the ``-W`` build.
+A file is rewritten only when its text changes, so an unchanged page is not read again. qlab's docstrings
+are plain text (usage examples, markdown tables, |x|, items laid out one per line): ``docstring_rst``
+turns each into reStructuredText that renders as laid out; one it cannot is shown preformatted, and a
+test keeps that list empty.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def claims_markdown(path: Path) -> str:
     import pandas as pd
 
     table = markdown_table(pd.DataFrame(rows, columns=["claim", qclaims.MEASURED, "test"]))
-    return table.replace("{", "&#123;").replace("}", "&#125;")
+    return _braces(table)
 
 
 def _strip_widgets(nb) -> None:
@@ -135,22 +136,34 @@ def answers() -> dict:
 
 
 def answer_markdown(name: str, folder: Path) -> list[str]:
-    """The short answer a findings page opens with: the question, the answer filled from the committed
-    claims, the key figure (copied beside the page)."""
+    """The short answer a findings page opens with: the question, the plain answer filled from the
+    committed claims, the key figure (copied beside the page), then "How sure": each evidence claim with
+    its value, interval and the full verdict of its test."""
     from qlab import claims as qclaims
 
     entry = answers().get(name)
     if entry is None:
         raise ValueError(f"docs/answers.yaml has no answer for notebook {name}")
-    text = qclaims.render_committed(ROOT / "data" / f"{name}_claims.csv", entry["answer"])
+    claims = ROOT / "data" / f"{name}_claims.csv"
+    also = sorted((ROOT / "data").glob(f"{name}_claims_*.csv"))
+    text = qclaims.render_committed(claims, entry["answer"], also=also)
+    evidence = "".join(f"- {{{key}:text}}: {{{key}}} — {{{key}:verdict}}\n" for key in entry["evidence"])
+    evidence = qclaims.render_committed(claims, evidence, also=also)
     figure = ROOT / "figures" / f"{entry['figure']}.png"
     _write(folder / "figures" / figure.name, figure.read_bytes())
     return [
         "## The answer\n",
         f"**{entry['question']}**\n",
-        text.replace("{", "&#123;").replace("}", "&#125;") + "\n",
+        _braces(text) + "\n",
         f"![{entry['figure']}](figures/{figure.name})\n",
+        "**How sure.** The claims behind the answer, each with its 95 % interval and its test:\n",
+        _braces(evidence) + "\n",
     ]
+
+
+def _braces(text: str) -> str:
+    """Markdown whose { and } stay text (MyST would read {name} as a role)."""
+    return text.replace("{", "&#123;").replace("}", "&#125;")
 
 
 def findings_page(name: str) -> None:
@@ -167,7 +180,7 @@ def findings_page(name: str) -> None:
     )
     said = ROOT / "data" / f"{name}_claims.md"
     if said.exists():  # the prose the notebook filled in from these claims when it wrote them
-        text = said.read_text(encoding="utf-8").replace("{", "&#123;").replace("}", "&#125;")
+        text = _braces(said.read_text(encoding="utf-8"))
         parts += ["## What the notebook concludes\n",
                   f"The notebook's text as it filled it in from its claims (`data/{name}_claims.md`):\n",
                   text + "\n"]  # fmt: skip
@@ -326,7 +339,7 @@ def results_table(path: Path) -> str:
         f"Generated from `benchmarks/results/{path.name}` ({len(frame)} rows; a benchmark run appends "
         "rows to it, with the machine, device, date, torch and commit it ran with):",
         "",
-        markdown_table(frame).replace("{", "&#123;").replace("}", "&#125;"),
+        _braces(markdown_table(frame)),
         "",
     ]
     return "\n".join(lines)
@@ -347,9 +360,7 @@ def benchmark_results() -> None:
     for path in paths:
         _write(OUT / "results" / f"{path.stem}.md", results_table(path))
         lines += [f"## `{path.name}`", "", f"```{{include}} results/{path.stem}.md", "```", ""]
-    gpu = ROOT / "benchmarks" / "results" / "bench_kernels_gpu.csv"
-    if gpu.exists():
-        _write(OUT / "results" / "gpu_at_a_glance.md", gpu_at_a_glance(gpu))
+    _write(OUT / "results" / "gpu_at_a_glance.md", gpu_at_a_glance(ROOT / "benchmarks" / "results"))
     stale = set((OUT / "results").glob("*.md")) - {OUT / "results" / f"{p.stem}.md" for p in paths}
     stale -= {OUT / "results" / "gpu_at_a_glance.md"}
     for path in stale:
@@ -357,33 +368,61 @@ def benchmark_results() -> None:
     _write(OUT / "benchmark_results.md", "\n".join(lines))
 
 
-GPU_AT_A_GLANCE = ("part", "kernel", "shape", "ms", "gbps", "percent_of_clone", "speedup", "date", "commit")
+def _latest_run(frame, within: list[str]):
+    """The rows of ``frame`` from the last (date, commit) that measured each group of ``within``, in file
+    order: a later run of a part replaces the whole part, so no row of an older run stays beside it."""
+    last = frame.groupby(within, sort=False)[["date", "commit"]].transform("last")
+    return frame[(frame.date == last.date) & (frame.commit == last.commit)]
 
 
-def gpu_at_a_glance(path: Path) -> str:
-    """One small table per GPU of ``bench_kernels_gpu.csv``: the latest row of each (part, kernel, shape)
-    — a later run of a row replaces it — and of a kernel tried at several launch settings ("…, rows per
-    tile 4, 8 warps") only the fastest, with the columns a reader needs first (time, GB/s, % of a
-    same-run copy, speedup over the row's baseline, date, commit)."""
+def _measured(rows) -> list[str]:
+    return [f"{date} · {commit}" for date, commit in zip(rows.date, rows.commit)]
+
+
+def gpu_at_a_glance(folder: Path) -> str:
+    """Per GPU, one small table of the kernels (``bench_kernels_gpu.csv``) and one of the training step
+    (``bench_train_gpu.csv``): the latest run of each part, and of a kernel tried at several launch
+    settings ("…, rows per tile 4, 8 warps") only the fastest. Columns a reader needs first: time, GB/s,
+    % of the floor (a copy of the same bytes timed in the same run), speed over the row's baseline, and
+    when and at which commit it was measured."""
     import pandas as pd
 
     from qlab.results import markdown_table
 
-    frame = results_frame(path)
-    latest = frame.drop_duplicates(["device", "part", "kernel", "shape"], keep="last").copy()
-    latest["family"] = latest.kernel.str.split(", rows per tile").str[0]
-    latest["order"] = range(len(latest))
-    latest["seconds"] = pd.to_numeric(latest.ms, errors="coerce")
-    fastest = latest.sort_values("seconds").drop_duplicates(["device", "part", "family", "shape"])
-    fastest = fastest.sort_values("order")
-    names = {"gbps": "GB/s", "percent_of_clone": "% of copy", "speedup": "× baseline"}
+    tables: dict[str, list[str]] = {}
+    kernels = folder / "bench_kernels_gpu.csv"
+    if kernels.exists():
+        frame = _latest_run(results_frame(kernels), ["device", "part"])
+        frame = frame.drop_duplicates(["device", "part", "kernel", "shape"], keep="last").copy()
+        frame["family"] = frame.kernel.str.split(", rows per tile").str[0]
+        frame["order"] = range(len(frame))
+        frame["seconds"] = pd.to_numeric(frame.ms, errors="coerce")
+        frame = frame.sort_values("seconds").drop_duplicates(["device", "part", "family", "shape"])
+        for device, rows in frame.sort_values("order").groupby("device", sort=False):
+            table = pd.DataFrame(
+                {"operation": rows.part + ": " + rows.kernel, "shape": rows["shape"], "ms": rows.ms}
+            )
+            ratios = (("gbps", "GB/s"), ("percent_of_clone", "% of floor"), ("speedup", "× baseline"))
+            for column, name in ratios:
+                if column in rows and (rows[column].str.strip() != "").any():
+                    table[name] = rows[column].values
+            table["measured"] = _measured(rows)
+            intro = f"Kernels and layers (`{kernels.name}`):\n\n"
+            tables.setdefault(device, []).append(intro + markdown_table(table))
+    train = folder / "bench_train_gpu.csv"
+    if train.exists():
+        frame = _latest_run(results_frame(train), ["device", "model", "compile_mode"])
+        frame = frame.drop_duplicates(["device", "model", "compile_mode", "recipe"], keep="last")
+        for device, rows in frame.groupby("device", sort=False):
+            table = pd.DataFrame({"model": rows.model, "compiled": rows["mode"] + ", " + rows.compile_mode,
+                                  "recipe": rows.recipe, "step ÷ FP32 step": rows.ratio,
+                                  "measured": _measured(rows)})  # fmt: skip
+            intro = f"Training step (`{train.name}`):\n\n"
+            tables.setdefault(device, []).append(intro + markdown_table(table))
     lines = []
-    for device, rows in fastest.groupby("device", sort=False):
-        columns = [c for c in GPU_AT_A_GLANCE if c in rows and (rows[c].str.strip() != "").any()]
-        table = markdown_table(rows[columns].rename(columns=names))
-        lines += [f"**{device}** (`benchmarks/results/{path.name}`, the latest run of each row)", "",
-                  table.replace("{", "&#123;").replace("}", "&#125;"), ""]  # fmt: skip
-    return "\n".join(lines) or f"`benchmarks/results/{path.name}` holds no GPU rows.\n"
+    for device, parts in tables.items():
+        lines += [f"### {device}", ""] + [_braces(part) + "\n" for part in parts]
+    return "\n".join(lines) or "`benchmarks/results/` holds no GPU rows.\n"
 
 
 # --- docstrings -----------------------------------------------------------------------------------
@@ -411,7 +450,7 @@ def _valid_rst(text: str) -> bool:
     return True
 
 
-_CODE = re.compile(r"\w\(|\s=\s|^>>> ")
+_CODE = re.compile(r"\w\(|\s=\s|^>>> |^qlab\s")  # a call, an assignment, a doctest, a command line
 
 
 def literal_examples(lines: list[str]) -> list[str]:
@@ -437,12 +476,184 @@ def literal_examples(lines: list[str]) -> list[str]:
     return out
 
 
+def _blocks(lines: list[str]):
+    """``lines`` cut into (kind, lines) runs: "blank", "literal" (the indented block after a paragraph
+    ending in "::", or a doctest), "table" (markdown pipe rows) and "text" (a paragraph)."""
+    index, literal_after = 0, False
+    while index < len(lines):
+        line = lines[index]
+        if not line.strip():
+            end = index
+            while end < len(lines) and not lines[end].strip():
+                end += 1
+            yield "blank", lines[index:end]
+            index = end
+            continue
+        indent = len(line) - len(line.lstrip())
+        if literal_after and indent > 0 or line.lstrip().startswith(">>> "):
+            end = index + 1  # a literal block runs on while indented (or blank); a doctest while not blank
+            indented = literal_after and indent > 0
+            more = (lambda item: not item.strip() or item.startswith(" ")) if indented else str.strip
+            while end < len(lines) and more(lines[end]):
+                end += 1
+            while not lines[end - 1].strip():
+                end -= 1
+            yield "literal", lines[index:end]
+            index, literal_after = end, False
+            continue
+        end = index
+        while end < len(lines) and lines[end].strip():
+            end += 1
+        paragraph = lines[index:end]
+        if all(item.lstrip().startswith("|") for item in paragraph):
+            yield "table", paragraph
+        else:
+            yield "text", paragraph
+            literal_after = paragraph[-1].rstrip().endswith("::")
+        index = end
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip().strip("|").split("|")]
+
+
+def _list_table(rows: list[str]) -> list[str]:
+    """A markdown pipe table as a reStructuredText list-table (its first row the header)."""
+    rows = [row for row in rows if not re.fullmatch(r"[\s|:-]+", row)]  # the |---|---| line
+    out = [".. list-table::", "   :header-rows: 1", ""]
+    for row in rows:
+        for number, cell in enumerate(_cells(row)):
+            out.append(f"   {'*' if number == 0 else ' '} - {_escaped(cell) or '..'}")
+    return out + [""]
+
+
+_INLINE_LITERAL = re.compile(r"(``.+?``)")
+_STRAY = re.compile(r"(?<!\\)([|*]|(?<=\w)_(?!\w))")  # |x|, notebooks/*.py, torch's random_
+_EMPHASIS = re.compile(r"(?<![\w*\\])(\*\*?)[^\s*][^*]*?(?<!\s)\1(?![\w*])")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with each "|", each "*" that opens no emphasis and each name's trailing "_" escaped,
+    outside inline literals: plain-text docstrings mean |x|, notebooks/*.py and random_ literally."""
+    bullet = re.match(r"\s*\* ", text)  # a "* " list item keeps its marker
+    lead, text = (bullet.group(0), text[bullet.end() :]) if bullet else ("", text)
+    parts = _INLINE_LITERAL.split(text)
+    for number in range(0, len(parts), 2):  # the even parts lie outside ``…``
+        plain, out, last = parts[number], [], 0
+        for match in _EMPHASIS.finditer(plain):
+            out += [_STRAY.sub(r"\\\1", plain[last : match.start()]), match.group(0)]
+            last = match.end()
+        parts[number] = "".join(out) + _STRAY.sub(r"\\\1", plain[last:])
+    return lead + "".join(parts)
+
+
+def _line_block(paragraph: list[str]) -> list[str]:
+    """A paragraph laid out by hand (hanging indents, one item per line) as a line block: its line
+    breaks and indents kept, its inline markup still rendered."""
+    base = min(len(line) - len(line.lstrip()) for line in paragraph)
+    return ["| " + line[base:] for line in paragraph]
+
+
+def docstring_rst(lines: list[str]) -> list[str]:
+    """A plain-text docstring as reStructuredText that renders as its author laid it out: usage
+    examples and "::" blocks as code, markdown tables as tables, stray "|", "*" and trailing "_"
+    escaped, and, where the text is still not valid, paragraphs with hanging indents as line blocks."""
+    out = []
+    for kind, block in _blocks(literal_examples(lines)):
+        if kind == "table":
+            block = _list_table(block)
+        elif kind == "text":
+            block = [_escaped(line) for line in block]
+        out += block
+    if _valid_rst("\n".join(out)):
+        return out
+    laid_out = []
+    for kind, block in _blocks(out):
+        indents = sorted({len(line) - len(line.lstrip()) for line in block})
+        bullet = re.match(r"\s*[-*] ", block[0]) is not None and indents == [indents[0], indents[0] + 2]
+        laid_out += _line_block(block) if kind == "text" and len(indents) > 1 and not bullet else block
+    if _valid_rst("\n".join(laid_out)):
+        return laid_out
+    return ["::", ""] + [("    " + line) if line.strip() else "" for line in lines] + [""]
+
+
 def process_docstring(app, what, name, obj, options, lines) -> None:
-    lines[:] = literal_examples(lines)
-    text = "\n".join(lines)
-    if not text.strip() or _valid_rst(text) and "\n|" not in "\n" + text:
+    lines[:] = docstring_rst(lines)
+
+
+# --- glossary terms linked where a page first uses them -------------------------------------------
+
+GLOSSARY_TERMS = {  # glossary.md's label → the words that name the term in prose
+    "amax": r"\bamax\b",
+    "detectable-effect": r"\bdetectable effects?\b|\bat 80 % power\b",
+    "device-kind": r"\bdevice kinds?\b",
+    "e8m0": r"\bE8M0\b",
+    "effective-bits": r"\beffective bits\b",
+    "holm": r"\bHolm\b",
+    "kappa": r"κ",
+    "paired-test": r"\bpaired (?:t-tests?|tests?|t)\b",
+    "rht": r"\bRHT\b|\bHadamard transform\b",
+    "rne-sr": r"\bRNE\b|\bstochastic rounding\b|\bSR\b",
+    "seed-bug": r"\b[Tt]he seed['’]s (?:bug|backward)\b",
+    "sign-flip": r"\bsign-flip test\b",
+    "sqnr": r"\bSQNR\b",
+    "ste": r"\bSTE\b|\bstraight-through estimator\b",
+    "tost": r"\bTOST\b",
+    "wave": r"\bwaves?\b",
+}
+
+
+def glossary_definitions() -> dict[str, str]:
+    """glossary.md's label → its definition's first sentence, as plain text (a link's tooltip)."""
+    text = (DOCS / "glossary.md").read_text(encoding="utf-8")
+    found = {}
+    for label, body in re.findall(r"^\(([a-z0-9-]+)\)=\n(.*?)(?=\n\n|\Z)", text, flags=re.M | re.S):
+        link = r"\[([^]]+)\]\([^)]+\)|\{ref\}`([^<`]+)[^`]*`"  # [text](page) or {ref}`text <label>`
+        plain = re.sub(link, lambda m: m.group(1) or m.group(2), body)
+        plain = re.sub(r"[*`]", "", " ".join(plain.split()))
+        first = re.split(r"(?<=[a-z)])\. ", plain)[0]
+        found[label] = first if len(first) <= 200 else first[: first.rindex(" ", 0, 200)] + " …"
+    return found
+
+
+def link_glossary_terms(app, doctree, docname: str) -> None:
+    """Each glossary term's first use in a page's prose (not in code, titles, links or the
+    glossary itself) made a link to its definition, with the definition as the link's tooltip."""
+    from docutils import nodes
+    from sphinx import addnodes
+
+    if docname in ("glossary", "genindex", "search") or app.builder.format != "html":
         return
-    lines[:] = ["::", ""] + [("    " + line) if line.strip() else "" for line in text.splitlines()] + [""]
+    skip = (nodes.literal, nodes.literal_block, nodes.reference, nodes.title, nodes.raw, nodes.math,
+            nodes.math_block, nodes.rubric, nodes.target, nodes.FixedTextElement,
+            addnodes.desc_signature)  # fmt: skip
+    definitions = glossary_definitions()
+    patterns = {label: re.compile(words) for label, words in GLOSSARY_TERMS.items()}
+    glossary = app.builder.get_relative_uri(docname, "glossary")
+
+    def in_prose(node) -> bool:
+        parent = node.parent
+        while parent is not None:
+            if isinstance(parent, skip) or "cell_output" in parent.get("classes", []):
+                return False
+            parent = parent.parent
+        return True
+
+    for text in [t for t in doctree.findall(nodes.Text) if in_prose(t)]:
+        while patterns:
+            found = [(m.start(), label, m) for label, p in patterns.items() if (m := p.search(str(text)))]
+            if not found:
+                break
+            _, label, match = min(found)
+            del patterns[label]
+            value = str(text)
+            link = nodes.reference(
+                "", match.group(0), refuri=f"{glossary}#{label}", internal=True,
+                reftitle=definitions.get(label, ""), classes=["glossary-term"],
+            )  # fmt: skip
+            after = nodes.Text(value[match.end() :])
+            text.parent.replace(text, [nodes.Text(value[: match.start()]), link, after])
+            text = after
 
 
 def generate(app) -> None:
@@ -466,4 +677,5 @@ def generate(app) -> None:
 def setup(app):
     app.connect("builder-inited", generate)
     app.connect("autodoc-process-docstring", process_docstring)
+    app.connect("doctree-resolved", link_glossary_terms)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
