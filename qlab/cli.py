@@ -42,6 +42,18 @@ def _parse_value(text: str):
         return text
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with "(default: …)" after each option whose default is a value (not None, off
+    or empty) and whose help does not state it already."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qlab", description="qlab: low-precision training numerics lab bench"
@@ -271,6 +283,9 @@ def _build_parser() -> argparse.ArgumentParser:
     launch.add_arguments(
         sub.add_parser("train", help="train a model (qlab.train); --nproc N runs DDP via torchrun")
     )
+    parser.formatter_class = _HelpFormatter
+    for command in sub.choices.values():
+        command.formatter_class = _HelpFormatter
     return parser
 
 

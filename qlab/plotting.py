@@ -141,9 +141,9 @@ def mean_band(
 def delta_band(
     ax, frame, x: str, y: str, *, baseline: str, by: str, pair: str = "seed", method: str = "t", **line_kwargs
 ):
-    """Draw on ``ax`` Δ``y`` against the ``baseline`` run of the same ``pair`` (seed) at the same ``x``,
-    as ``mean_band`` lines with bands per value of ``by``, and a dashed zero line: where a band leaves
-    zero the difference is resolved over the seeds. Returns the summary of the differences."""
+    """Draw on ``ax`` the difference in ``y`` from the ``baseline`` run of the same ``pair`` (seed) at
+    the same ``x``, as ``mean_band`` lines with bands per value of ``by``, and a dashed zero line: where
+    a band leaves zero the difference is resolved over the seeds. Returns the summary of the differences."""
     from qlab import stats
 
     _check_axes(ax)

@@ -62,7 +62,7 @@ def read_csv(path: str | os.PathLike, columns=(), *, name: str = "path", what: s
 
 
 def save_metrics(name: str, **metrics) -> Path:
-    """Write scalar ``metrics`` to ``data/<name>.json`` (sorted keys); `qlab sweep` collects them.
+    """Write scalar ``metrics`` to ``data/<name>.json`` (sorted keys); ``qlab sweep`` collects them.
 
     Values must be JSON scalars (numbers, strings, booleans, None); numpy/torch scalars are
     converted with ``.item()``. Non-finite floats are written as null.

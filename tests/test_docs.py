@@ -618,6 +618,18 @@ def _qlab_docs():
             ["| Attributes:", "|   size: a count;", "|   rows: the rows, laid", "|     over two lines."],
         ),
         ("Valid already:\n\n- an item\n  continued\n- another", None),
+        (
+            "Modules:\n    paths     where things live\n    kernels   the fast path,\n              compiled",
+            [
+                "Modules:",
+                "",
+                ".. code-block:: text",
+                "",
+                "    paths     where things live",
+                "    kernels   the fast path,",
+                "              compiled",
+            ],
+        ),
         ("* a starred item\n* another", None),
         (
             "A doctest:\n\n>>> f(|x|)\n1\n\nAfter |x|.",

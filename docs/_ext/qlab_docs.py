@@ -2,14 +2,19 @@
 
 - ``findings/<notebook>.ipynb``: one page per notebook — the executed copy ``runs/<name>.ipynb`` when
   it exists (``qlab figures`` / ``qlab run`` at the default parameters), else the committed notebook
-  without outputs; a first section holds the
-  notebook's committed claims (``data/<name>_claims.csv`` through ``qlab.claims``, and the paper
-  profile's ``data/paper/`` file beside it where one exists) and its committed figures (``figures/``).
+  without outputs. Before the notebook: the answer (``docs/answers.yaml`` filled from the committed
+  ``data/<name>_claims.csv``), its key figure and "How sure" (the evidence claims' verdicts); the
+  conclusions as the notebook rendered them; the other figures; all claims, collapsed (and the paper
+  profile's ``data/paper/`` file beside them where one exists).
 - ``api/<module>.rst``: ``automodule`` of every module of the package.
 - ``results/<file stem>.md``: the table of one file of ``benchmarks/results/`` (columns as the file holds
   them, those empty in every row left out), for a page to include (```{include}
   _generated/results/bench_quantize.md```): the docs' benchmark tables are these, never typed.
-- ``benchmark_results.md``: every one of them, one section per file.
+- ``benchmark_results.md``: every one of them, one section per file; ``results/gpu_at_a_glance.md``:
+  per GPU, the latest run of each kernel and training step.
+
+While Sphinx writes each page, ``link_glossary_terms`` makes the first use of each glossary term in
+its prose a link to the term's definition.
 
 A file is rewritten only when its text changes, so an unchanged page is not read again. qlab's docstrings
 are plain text (usage examples, markdown tables, |x|, items laid out one per line): ``docstring_rst``
@@ -547,6 +552,9 @@ def _escaped(text: str) -> str:
     return lead + "".join(parts)
 
 
+_COLUMNS = re.compile(r"\S {2,}\S")  # text aligned in columns: "paths     where data/ … live"
+
+
 def _line_block(paragraph: list[str]) -> list[str]:
     """A paragraph laid out by hand (hanging indents, one item per line) as a line block: its line
     breaks and indents kept, its inline markup still rendered."""
@@ -557,7 +565,8 @@ def _line_block(paragraph: list[str]) -> list[str]:
 def docstring_rst(lines: list[str]) -> list[str]:
     """A plain-text docstring as reStructuredText that renders as its author laid it out: usage
     examples and "::" blocks as code, markdown tables as tables, stray "|", "*" and trailing "_"
-    escaped, and, where the text is still not valid, paragraphs with hanging indents as line blocks."""
+    escaped, and, where the text is still not valid, paragraphs with hanging indents as line blocks (or,
+    under a heading line ending in ":", items aligned in columns as a literal block)."""
     out = []
     for kind, block in _blocks(literal_examples(lines)):
         if kind == "table":
@@ -571,7 +580,12 @@ def docstring_rst(lines: list[str]) -> list[str]:
     for kind, block in _blocks(out):
         indents = sorted({len(line) - len(line.lstrip()) for line in block})
         bullet = re.match(r"\s*[-*] ", block[0]) is not None and indents == [indents[0], indents[0] + 2]
-        laid_out += _line_block(block) if kind == "text" and len(indents) > 1 and not bullet else block
+        if kind != "text" or len(indents) == 1 or bullet:
+            laid_out += block
+        elif sum(bool(_COLUMNS.search(line)) for line in block) >= 2 and block[0].rstrip().endswith(":"):
+            laid_out += [block[0], "", ".. code-block:: text", ""] + block[1:]  # columns: kept as laid out
+        else:
+            laid_out += _line_block(block)
     if _valid_rst("\n".join(laid_out)):
         return laid_out
     return ["::", ""] + [("    " + line) if line.strip() else "" for line in lines] + [""]
@@ -595,6 +609,7 @@ GLOSSARY_TERMS = {  # glossary.md's label → the words that name the term in pr
     "rht": r"\bRHT\b|\bHadamard transform\b",
     "rne-sr": r"\bRNE\b|\bstochastic rounding\b|\bSR\b",
     "seed-bug": r"\b[Tt]he seed['’]s (?:bug|backward)\b",
+    "the-seed": r"\b[Tt]he seed['’]s\b",  # the seed's code (possessive): "seeds" are random seeds
     "sign-flip": r"\bsign-flip test\b",
     "sqnr": r"\bSQNR\b",
     "ste": r"\bSTE\b|\bstraight-through estimator\b",

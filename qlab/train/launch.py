@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="deprecated spelling of -p KEY VALUE; repeatable",
+        help=argparse.SUPPRESS,  # the deprecated spelling of -p KEY VALUE: still read, not listed
     )
     parser.add_argument(
         "--nproc", type=int, help="processes (DDP through torchrun); overrides the config's nproc"
