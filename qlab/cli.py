@@ -109,13 +109,15 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="run a notebook over the cartesian product of a YAML grid")
     sw.add_argument("notebook", help="path, name or number of the notebook")
-    sw.add_argument("grid", help="YAML mapping: parameter -> list of values")
+    sw.add_argument("grid", help="a YAML file mapping each parameter to its list of values")
     sw.add_argument(
         "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
         help="set one notebook parameter for every point, as qlab run does (a name the grid also sets is "
         "refused); repeatable",
     )  # fmt: skip
-    sw.add_argument("-j", "--jobs", type=int, default=1, help="points at once (worker processes)")
+    sw.add_argument(
+        "-j", "--jobs", "--max-workers", type=int, default=1, help="points at once (worker processes)"
+    )
     sw.add_argument(
         "--executor",
         choices=("serial", "processes", "ray"),
@@ -165,7 +167,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--executor", choices=("serial", "processes", "ray"), default="processes", help="how runs fan out"
     )
     camp.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
-    camp.add_argument("--max-workers", type=int, help="runs at once (default: cores, or runs-per-GPU × GPUs)")
+    camp.add_argument(
+        "-j", "--max-workers", type=int, help="runs at once (default: cores, or runs-per-GPU × GPUs)"
+    )
     camp.add_argument(
         "--runs-per-gpu", type=int, help="runs packed on one GPU (default qlab.runs.RUNS_PER_GPU)"
     )
@@ -293,7 +297,8 @@ def _cmd_list(args) -> int:
     for path in notebooks.list_notebooks():
         print(path.stem)
         for name, info in notebooks.notebook_parameters(path).items():
-            print(f"    {name}: {info['type'] or '?'} = {info['default']}")
+            comment = f"  # {info['help']}" if info["help"] else ""
+            print(f"    {name}: {info['type'] or '?'} = {info['default']}{comment}")
     return 0
 
 
@@ -620,6 +625,14 @@ def _checkout_of(notebook) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `qlab list | head`: the reader stopped reading, which is no error of qlab's
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "lab":

@@ -112,7 +112,8 @@ def _read(notebook) -> tuple[Path, nbformat.NotebookNode]:
 
 
 def notebook_parameters(notebook: Path) -> dict[str, dict]:
-    """The parameters cell's names -> {"default": source text, "type": annotation or None}."""
+    """The parameters cell's names -> {"default": source text, "type": annotation or None, "help": the
+    line's comment or ""}."""
     import papermill
 
     notebook, content = _read(notebook)
@@ -120,7 +121,8 @@ def notebook_parameters(notebook: Path) -> dict[str, dict]:
         raise ValueError(f"notebook {notebook.name} has no cell tagged 'parameters'")
     found = papermill.inspect_notebook(str(notebook))
     return {
-        name: {"default": info["default"], "type": info["inferred_type_name"]} for name, info in found.items()
+        name: {"default": info["default"], "type": info["inferred_type_name"], "help": info.get("help") or ""}
+        for name, info in found.items()
     }
 
 

@@ -389,3 +389,11 @@ def test_qlab_help_imports_neither_torch_nor_nbformat():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``qlab list | head -1``: the pipe closes after one line; qlab stops quietly."""
+    command = f"{sys.executable} -m qlab.cli list | head -1"
+    done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "00_formats_and_scaling"
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr

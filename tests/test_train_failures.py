@@ -146,6 +146,7 @@ def _one_line(capsys) -> str:
         ("a: !!python/object/apply:os.system ['touch {marker}']\n", "not valid (safe) YAML"),
         ("- 1\n- 2\n", "expected a YAML mapping"),
         ("learning_rate: 1\n", "unknown config keys ['learning_rate']"),
+        ("stepz: 3\n", "unknown config keys ['stepz']; did you mean steps for stepz?"),
         ("lr: .inf\n", "lr must be a finite number > 0"),
         ("beta1: 1.5\n", "beta1 must be a finite number in [0, 1)"),
     ],

@@ -7,6 +7,7 @@ notebook exposes them) notebook parameters; an unknown key is an error, never ig
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,7 +352,11 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown config keys {unknown}; expected some of: {', '.join(sorted(known))}")
+            near = {key: difflib.get_close_matches(key, sorted(known), n=1) for key in unknown}
+            hints = "".join(f"did you mean {near[key][0]} for {key}? " for key in unknown if near[key])
+            raise ValueError(
+                f"unknown config keys {unknown}; {hints}expected some of: {', '.join(sorted(known))}"
+            )
         return cls(**data)
 
     def replace(self, **changes) -> TrainConfig:
