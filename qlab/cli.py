@@ -49,7 +49,8 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if "default" in text or default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+        unset = default is None or default is False or default == [] or default == ""
+        if "default" in text or unset or default is argparse.SUPPRESS or not action.option_strings:
             return text
         return f"{text} (default: %(default)s)"
 
@@ -627,9 +628,24 @@ def _checkout_of(notebook) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
-    except BrokenPipeError:  # `qlab list | head`: the reader stopped reading, which is no error of qlab's
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a pipe of something else broke: a real error
+        # `qlab list | head`: the reader of our output stopped reading, which is no error of qlab's
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 0
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (a captured stdout)
+        return False
 
 
 def _main(argv: list[str] | None) -> int:
@@ -646,8 +662,9 @@ def _main(argv: list[str] | None) -> int:
         )
         return 2
     owner = _checkout_of(getattr(args, "notebook", None))
-    if owner is not None and owner != paths.ROOT:
-        if paths.ROOT_FOUND_BY != "installed":  # standing in one checkout, a notebook of another: ambiguous
+    if owner is not None and owner != paths.ROOT and paths.ROOT_FOUND_BY != paths.ROOT_ENV:
+        standing_in_one = paths.ROOT_FOUND_BY == "current directory" and paths.is_checkout(paths.ROOT)
+        if standing_in_one:  # standing in one checkout, a notebook of another: which one is meant?
             print(f"qlab: error: {args.notebook} belongs to the checkout at {owner}, but this command writes "
                   f"into {paths.ROOT} (the {paths.ROOT_FOUND_BY}); run it from {owner} or set "
                   f"{paths.ROOT_ENV}={owner}", file=sys.stderr)  # fmt: skip

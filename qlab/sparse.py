@@ -12,8 +12,8 @@ Two ways to do it, which must give the same gradients and very different costs:
 
 | mode | which entries of dy (N tokens × M features) survive | dx | dW, db |
 |---|---|---|---|
-| ``"shared"`` | the k features of largest Σₙ|dy[n, m]| | dy[:, idx]·W[idx, :] | rows idx: dy[:, idx]ᵀ·x |
-| ``"row"`` | each row's own k largest |dy[n, m]| | sparse(dy)·W | sparse(dy)ᵀ·x (rows any top-k hit) |
+| ``"shared"`` | the k features of largest Σₙ ``|dy[n,m]|`` | dy[:, idx]·W[idx, :] | rows idx: dy[:, idx]ᵀ·x |
+| ``"row"`` | each row's own k largest ``|dy[n,m]|`` | sparse(dy)·W | sparse(dy)ᵀ·x (rows any top-k hit) |
 
 k is a count (int ≥ 1) or a fraction of the features (float in (0, 1]: k = max(1, round(f·M))).
 With k = M every variant is the dense layer, bit for bit. Ties at the k-th magnitude are broken

@@ -397,3 +397,12 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "00_formats_and_scaling"
     assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdout_s_is_an_error(monkeypatch):
+    def broken(args):
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setattr(cli, "_cmd_list", broken)
+    with pytest.raises(BrokenPipeError, match="a worker's pipe"):
+        cli.main(["list"])

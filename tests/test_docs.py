@@ -597,6 +597,7 @@ def _qlab_docs():
     [  # plain text as qlab writes it → the reStructuredText the API pages get
         ("Counts of |x| per binade.", ["Counts of \\|x\\| per binade."]),
         ("Every notebooks/*.py, *really*.", ["Every notebooks/\\*.py, *really*."]),
+        ("notebooks/*.py and tests/*.py", ["notebooks/\\*.py and tests/\\*.py"]),
         ("As clip_grad_norm_ applied it; ``x_`` kept.", ["As clip_grad_norm\\_ applied it; ``x_`` kept."]),
         (
             "Specs:\n\n| a | b |\n|---|---|\n| 1 | 2 |",
@@ -631,6 +632,44 @@ def _qlab_docs():
             ],
         ),
         ("* a starred item\n* another", None),
+        (  # a "|" inside ``…`` or escaped stays in its cell; a short row gets empty cells
+            "T:\n\n| k | rule |\n|---|---|\n| ``|x|`` | a \\| b |\n| all |",
+            [
+                "T:",
+                "",
+                ".. list-table::",
+                "   :header-rows: 1",
+                "",
+                "   * - k",
+                "     - rule",
+                "   * - ``|x|``",
+                "     - a \\| b",
+                "   * - all",
+                "     - ..",
+                "",
+            ],
+        ),
+        (  # a table in a docstring that needs line blocks elsewhere stays a table
+            "T:\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+            "Items:\n  size: a count;\n  rows: the rows, laid\n    over two.",
+            [
+                "T:",
+                "",
+                ".. list-table::",
+                "   :header-rows: 1",
+                "",
+                "   * - a",
+                "     - b",
+                "   * - 1",
+                "     - 2",
+                "",
+                "",
+                "| Items:",
+                "|   size: a count;",
+                "|   rows: the rows, laid",
+                "|     over two.",
+            ],
+        ),
         (
             "A doctest:\n\n>>> f(|x|)\n1\n\nAfter |x|.",
             ["A doctest:", "", ">>> f(|x|)", "1", "", "After \\|x\\|."],
@@ -670,6 +709,10 @@ def test_the_gpu_glance_keeps_each_part_s_latest_run_and_a_kernel_s_fastest_sett
     gpu_b = text[text.index("### GPU B") :]
     assert "| CharGPT | compiled, default | mxfp8 | 1.52 (1.48–1.55) | 2026-01-03 · ccc |" in gpu_b
     assert text.index("### GPU A") < text.index("### GPU B")
+    # a file with a header and no rows, or without the columns a table needs, shows nothing
+    (tmp_path / "bench_kernels_gpu.csv").write_text(head)
+    (tmp_path / "bench_train_gpu.csv").write_text("machine,device,date\nm,GPU B,2026-01-03\n")
+    assert qlab_docs.gpu_at_a_glance(tmp_path) == "`benchmarks/results/` holds no GPU rows.\n"
 
 
 def test_no_public_docstring_falls_back_to_preformatted_text():

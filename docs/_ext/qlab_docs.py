@@ -380,6 +380,21 @@ def _latest_run(frame, within: list[str]):
     return frame[(frame.date == last.date) & (frame.commit == last.commit)]
 
 
+def _gpu_rows(path: Path, needed: list[str], optional: list[str]):
+    """The rows of a GPU results file with a device, as strings (None: no file, or none to show);
+    ``optional`` columns and date/commit are "" where the file has none."""
+    if not path.exists():
+        return None
+    frame = results_frame(path)
+    if not set(needed) <= set(frame.columns):
+        return None
+    frame = frame[frame.device.str.strip() != ""].copy()
+    for column in [*optional, "date", "commit"]:
+        if column not in frame:
+            frame[column] = ""
+    return frame if len(frame) else None
+
+
 def _measured(rows) -> list[str]:
     return [f"{date} · {commit}" for date, commit in zip(rows.date, rows.commit)]
 
@@ -396,8 +411,9 @@ def gpu_at_a_glance(folder: Path) -> str:
 
     tables: dict[str, list[str]] = {}
     kernels = folder / "bench_kernels_gpu.csv"
-    if kernels.exists():
-        frame = _latest_run(results_frame(kernels), ["device", "part"])
+    frame = _gpu_rows(kernels, ["device", "part", "kernel", "ms"], ["shape"])
+    if frame is not None:
+        frame = _latest_run(frame, ["device", "part"])
         frame = frame.drop_duplicates(["device", "part", "kernel", "shape"], keep="last").copy()
         frame["family"] = frame.kernel.str.split(", rows per tile").str[0]
         frame["order"] = range(len(frame))
@@ -415,9 +431,10 @@ def gpu_at_a_glance(folder: Path) -> str:
             intro = f"Kernels and layers (`{kernels.name}`):\n\n"
             tables.setdefault(device, []).append(intro + markdown_table(table))
     train = folder / "bench_train_gpu.csv"
-    if train.exists():
-        frame = _latest_run(results_frame(train), ["device", "model", "compile_mode"])
-        frame = frame.drop_duplicates(["device", "model", "compile_mode", "recipe"], keep="last")
+    frame = _gpu_rows(train, ["device", "model", "recipe", "ratio"], ["mode", "compile_mode"])
+    if frame is not None:
+        frame = _latest_run(frame, ["device", "model", "mode", "compile_mode"])
+        frame = frame.drop_duplicates(["device", "model", "mode", "compile_mode", "recipe"], keep="last")
         for device, rows in frame.groupby("device", sort=False):
             table = pd.DataFrame({"model": rows.model, "compiled": rows["mode"] + ", " + rows.compile_mode,
                                   "recipe": rows.recipe, "step ÷ FP32 step": rows.ratio,
@@ -512,6 +529,10 @@ def _blocks(lines: list[str]):
         paragraph = lines[index:end]
         if all(item.lstrip().startswith("|") for item in paragraph):
             yield "table", paragraph
+            literal_after = False
+        elif paragraph[0].startswith(".. "):  # a directive qlab_docs wrote (a list-table): as it is
+            yield "directive", paragraph
+            literal_after = False
         else:
             yield "text", paragraph
             literal_after = paragraph[-1].rstrip().endswith("::")
@@ -519,22 +540,31 @@ def _blocks(lines: list[str]):
 
 
 def _cells(row: str) -> list[str]:
-    return [cell.strip() for cell in row.strip().strip("|").split("|")]
+    """A markdown table row's cells: split at each "|" that is neither escaped nor inside ``…``."""
+    parts = _INLINE_LITERAL.split(row.strip().removeprefix("|").removesuffix("|"))
+    cells = [""]
+    for number, part in enumerate(parts):
+        pieces = re.split(r"(?<!\\)\|", part) if number % 2 == 0 else [part]
+        cells[-1] += pieces[0]
+        cells += pieces[1:]
+    return [cell.strip() for cell in cells]
 
 
 def _list_table(rows: list[str]) -> list[str]:
     """A markdown pipe table as a reStructuredText list-table (its first row the header)."""
-    rows = [row for row in rows if not re.fullmatch(r"[\s|:-]+", row)]  # the |---|---| line
+    rows = [_cells(row) for row in rows]
+    rows = [rows[0]] + [row for row in rows[1:] if not all(re.fullmatch(r":?-+:?", cell) for cell in row)]
+    width = max(len(row) for row in rows)  # a short row (a cell spanning the rest) gets empty cells
     out = [".. list-table::", "   :header-rows: 1", ""]
     for row in rows:
-        for number, cell in enumerate(_cells(row)):
+        for number, cell in enumerate(row + [""] * (width - len(row))):
             out.append(f"   {'*' if number == 0 else ' '} - {_escaped(cell) or '..'}")
     return out + [""]
 
 
 _INLINE_LITERAL = re.compile(r"(``.+?``)")
 _STRAY = re.compile(r"(?<!\\)([|*]|(?<=\w)_(?!\w))")  # |x|, notebooks/*.py, torch's random_
-_EMPHASIS = re.compile(r"(?<![\w*\\])(\*\*?)[^\s*][^*]*?(?<!\s)\1(?![\w*])")
+_EMPHASIS = re.compile(r"(?<![\w*\\/])(\*\*?)[^\s*][^*]*?(?<!\s)\1(?![\w*])")  # not a glob's /*
 
 
 def _escaped(text: str) -> str:
