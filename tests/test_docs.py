@@ -592,6 +592,11 @@ def _qlab_docs():
     return module
 
 
+TABLE_AB_12 = [  # the markdown table | a | b | over | 1 | 2 | as reStructuredText
+    ".. list-table::", "   :header-rows: 1", "", "   * - a", "     - b", "   * - 1", "     - 2", ""
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "docstring, expected",
     [  # plain text as qlab writes it → the reStructuredText the API pages get
@@ -601,18 +606,7 @@ def _qlab_docs():
         ("As clip_grad_norm_ applied it; ``x_`` kept.", ["As clip_grad_norm\\_ applied it; ``x_`` kept."]),
         (
             "Specs:\n\n| a | b |\n|---|---|\n| 1 | 2 |",
-            [
-                "Specs:",
-                "",
-                ".. list-table::",
-                "   :header-rows: 1",
-                "",
-                "   * - a",
-                "     - b",
-                "   * - 1",
-                "     - 2",
-                "",
-            ],
+            ["Specs:", "", *TABLE_AB_12],
         ),
         (
             "Attributes:\n  size: a count;\n  rows: the rows, laid\n    over two lines.",
@@ -655,14 +649,7 @@ def _qlab_docs():
             [
                 "T:",
                 "",
-                ".. list-table::",
-                "   :header-rows: 1",
-                "",
-                "   * - a",
-                "     - b",
-                "   * - 1",
-                "     - 2",
-                "",
+                *TABLE_AB_12,
                 "",
                 "| Items:",
                 "|   size: a count;",
