@@ -233,12 +233,17 @@ class Claim:
             direction = self.test.removeprefix("tally").strip()
             text = f"{self.value:.0f} resolved, {self.equivalent:.0f} equivalent"
             if direction:  # "8 higher, 1 lower, 2 equivalent": the counted direction first
-                other = {"lower": "higher", "higher": "lower"}[direction]
-                opposite = self.n - self.value - self.equivalent - self.undecided
+                other, opposite = self._tally_opposite(direction)
                 text = f"{self.value:.0f} {direction}, {opposite:.0f} {other}"
                 text += f", {self.equivalent:.0f} equivalent"
             return text + (f", {self.undecided:.0f} undecided" if self.undecided > 0 else "")
         return self.verdict()
+
+    def _tally_opposite(self, direction: str) -> tuple[str, float]:
+        """A directional tally's other direction and how many comparisons resolved that way: those
+        neither counted, equivalent nor undecided."""
+        other = {"lower": "higher", "higher": "lower"}[direction]
+        return other, self.n - self.value - self.equivalent - self.undecided
 
     def tally_text(self) -> str:
         """What a tally's tests found, in disjoint classes of its n comparisons."""
@@ -246,8 +251,7 @@ class Claim:
         direction = self.test.removeprefix("tally").strip()
         count = self.number(self.value, False)
         if direction:
-            other = {"lower": "higher", "higher": "lower"}[direction]
-            opposite = self.n - self.value - self.equivalent - self.undecided
+            other, opposite = self._tally_opposite(direction)
             text = (
                 f"{count} of {self.n} resolved {direction} and {opposite:.0f} {other} after Holm (paired t)"
             )

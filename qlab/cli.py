@@ -200,7 +200,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--budgets", default="4.5,5,6", help="comma-separated effective bits per weight element: a plan each"
     )
     report.add_argument(
-        "--score", choices=_plan_score_kinds(), default="measured", metavar="KIND",
+        "--score", choices=_ScoreKinds(), default="measured", metavar="KIND",
         help="what the plans are chosen from: %(choices)s",
     )  # fmt: skip
     report.add_argument(
@@ -243,7 +243,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="plan mode: mean bits per weight element, scales counted",
     )
     advise.add_argument(
-        "--score", choices=_plan_score_kinds(), default="measured", metavar="KIND",
+        "--score", choices=_ScoreKinds(), default="measured", metavar="KIND",
         help="plan mode, one of %(choices)s: measured loss changes; the one-backward Fisher-weighted "
         "estimate; or hierarchical (blocks measured whole, then the --expand most sensitive ones layer by "
         "layer)",
@@ -569,10 +569,6 @@ class _ScoreKinds(Sequence):
 
     def __len__(self) -> int:
         return len(self._kinds())
-
-
-def _plan_score_kinds() -> Sequence:
-    return _ScoreKinds()
 
 
 def _cmd_report(args) -> int:

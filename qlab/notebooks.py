@@ -15,6 +15,7 @@ import difflib
 import functools
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,14 +90,29 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
         return matches[0]
     names = ", ".join(p.stem for p in available) or "(none)"
     words = {word: p.stem for p in available for word in p.stem.split("_")[1:]}  # "welfrod" ~ "welford"
-    near = difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5) or [
-        words[word] for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7)
-    ]
-    hint = f"did you mean {near[0]}? " if near else ""
+    near = (
+        difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5)
+        or [words[word] for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7)]
+        or _title_matches(stem, available)  # "layernorm": a word of 02's title, not of its name
+    )
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
     raise ValueError(
         f"unknown notebook {str(name)!r}; {hint}available: {names} (name: one of these, its number or its "
         "path)"
     )
+
+
+def _title_matches(word: str, available: list[Path]) -> list[str]:
+    """The notebooks whose title (the paired .py's first heading) has a word close to ``word``."""
+    found = []
+    for ipynb in available:
+        source = ipynb.with_suffix(".py")
+        lines = source.read_text(encoding="utf-8").splitlines() if source.exists() else []
+        title = next((line[4:] for line in lines if line.startswith("# # ")), "")
+        title_words = [w.lower() for w in re.findall(r"[^\W_]+", title)]
+        if difflib.get_close_matches(word.lower(), title_words, n=1, cutoff=0.8):
+            found.append(ipynb.stem)
+    return found
 
 
 def _read(notebook) -> tuple[Path, nbformat.NotebookNode]:

@@ -234,6 +234,7 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
     assert table.sort_values("rank").delta.is_monotonic_decreasing
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time on this machine
 def test_sweep_on_a_ray_cluster_keeps_every_point_a_killed_worker_did_not_touch(tiny, tmp_path, capsys):
     pytest.importorskip("ray", reason="the ray package is not installed: pip install 'qlab[ray]'")
@@ -328,6 +329,10 @@ def test_a_misspelt_notebook_or_parameter_gets_a_did_you_mean(capsys):
     assert "did you mean smoke for smok?" in capsys.readouterr().err
     assert cli.main(["run", "welfrod"]) == 2  # one word of a notebook's topic, misspelt
     assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
+    assert cli.main(["run", "LayerNorm"]) == 2  # a word of the title alone ("…does LayerNorm's variance…")
+    assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
+    assert cli.main(["run", "zzzz"]) == 2  # no word near it: no suggestion, the list alone
+    assert "did you mean" not in capsys.readouterr().err
     assert notebooks.resolve_notebook("2") == notebooks.resolve_notebook("02")  # a number without its 0
 
 
