@@ -13,8 +13,8 @@ environment, so no page is skipped as unchanged), then check Sphinx's inventory 
 every public function and class, and walk the site in Debian's Chromium through Playwright (marked
 ``browser`` as well): every page the navigation reaches is opened, every image on it must have
 loaded (naturalWidth > 0) and every internal link must lead to a page that exists, with its anchor.
-``make test`` runs them after the rest of the suite, so the smoke-executed notebooks of that run are
-the ones rendered.
+They form one xdist group (one build) that runs beside the rest of the suite: a findings page shows an
+executed copy only when it ran at the default parameters, so no smoke run of the suite is rendered.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def public_names() -> dict[str, list[str]]:
     return names
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not module: under xdist, other files' tests run between the site's
 def site():
     """docs/_build/html, built now with warnings as errors (``make docs``' command)."""
     env = {**os.environ, "MPLBACKEND": "Agg"}
@@ -425,6 +425,11 @@ def test_every_findings_page_has_a_short_answer_filled_from_its_committed_claims
         assert entry["evidence"] and all(claims.render_committed(path, f"{{{key}:verdict}}", also=also)
                                          for key in entry["evidence"])  # fmt: skip
         assert (ROOT / "figures" / f"{entry['figure']}.png").exists(), entry["figure"]
+        # the caption says how to read the figure; numbers come from the claims, never typed there
+        # the intervals' level is a method and a notebook's number a name, not results
+        method = re.sub(r"95 %|notebooks? \d\d(?: and \d\d)?", "", entry["caption"])
+        assert 5 <= len(entry["caption"].split()) <= 40  # a number, not a name's digits (FP32, float64):
+        assert not re.search(r"(?<![\w.])\d+(?:\.\d+)?(?!\w)", method), entry["caption"]
 
 
 # --- benchmarks as data ---------------------------------------------------------------------------
@@ -700,6 +705,24 @@ def test_the_gpu_glance_keeps_each_part_s_latest_run_and_a_kernel_s_fastest_sett
     (tmp_path / "bench_kernels_gpu.csv").write_text(head)
     (tmp_path / "bench_train_gpu.csv").write_text("machine,device,date\nm,GPU B,2026-01-03\n")
     assert qlab_docs.gpu_at_a_glance(tmp_path) == "`benchmarks/results/` holds no GPU rows.\n"
+
+
+def test_a_results_table_says_the_values_every_row_shares_once(tmp_path):
+    """A column of one value is said above the table, not repeated down it; a file of one row, or
+    columns that vary, stay in the table."""
+    qlab_docs = _qlab_docs()
+    path = tmp_path / "bench_x.csv"
+    path.write_text(
+        "machine,device,date,recipe,ratio,note\n"
+        "VM A,cpu,2026-01-01,mxfp8,1.5,\n"
+        "VM A,cpu,2026-01-01,nvfp4,2.5,\n"
+    )
+    text = qlab_docs.results_table(path)
+    assert "(2 rows;" in text and "Every row has machine VM A; device cpu; date 2026-01-01:" in text
+    assert "| recipe | ratio |" in text and "| nvfp4 | 2.5 |" in text and "note" not in text
+    path.write_text("machine,device,ratio\nVM A,cpu,1.5\n")
+    one_row = qlab_docs.results_table(path)
+    assert "Every row" not in one_row and "| machine | device | ratio |" in one_row
 
 
 def test_no_public_docstring_falls_back_to_preformatted_text():

@@ -142,8 +142,8 @@ def answers() -> dict:
 
 def answer_markdown(name: str, folder: Path) -> list[str]:
     """The short answer a findings page opens with: the question, the plain answer filled from the
-    committed claims, the key figure (copied beside the page), then "How sure": each evidence claim with
-    its value, interval and the full verdict of its test."""
+    committed claims, the key figure (copied beside the page) with its caption, then "How sure": each
+    evidence claim with its value, interval and the full verdict of its test."""
     from qlab import claims as qclaims
 
     entry = answers().get(name)
@@ -155,12 +155,13 @@ def answer_markdown(name: str, folder: Path) -> list[str]:
     evidence = "".join(f"- {{{key}:text}}: {{{key}}} — {{{key}:verdict}}\n" for key in entry["evidence"])
     evidence = qclaims.render_committed(claims, evidence, also=also)
     figure = ROOT / "figures" / f"{entry['figure']}.png"
+    caption = _braces(" ".join(entry["caption"].split()))
     _write(folder / "figures" / figure.name, figure.read_bytes())
     return [
         "## The answer\n",
         f"**{entry['question']}**\n",
         _braces(text) + "\n",
-        f"![{entry['figure']}](figures/{figure.name})\n",
+        f"```{{figure}} figures/{figure.name}\n:alt: {caption}\n\n{caption}\n```\n",
         "**How sure.** The claims behind the answer, each with its 95 % interval and its test:\n",
         _braces(evidence) + "\n",
     ]
@@ -336,15 +337,20 @@ def results_frame(path: Path):
 
 
 def results_table(path: Path) -> str:
-    """The markdown a page includes for one results file: a line naming the file, then its table."""
+    """The markdown a page includes for one results file: a line naming the file and the values every
+    row shares (a column of one value is said once there, not repeated down the table: the table then
+    fits the page's column), then the table of the columns that vary."""
     from qlab.results import markdown_table
 
     frame = results_frame(path)
+    shared = [column for column in frame.columns if len(frame) > 1 and frame[column].nunique() == 1]
+    every_row = "; ".join(f"{column} {frame[column].iloc[0]}" for column in shared)
     lines = [
         f"Generated from `benchmarks/results/{path.name}` ({len(frame)} rows; a benchmark run appends "
-        "rows to it, with the machine, device, date, torch and commit it ran with):",
+        "rows to it, with the machine, device, date, torch and commit it ran with)"
+        + (f". Every row has {_braces(every_row)}:" if shared else ":"),
         "",
-        _braces(markdown_table(frame)),
+        _braces(markdown_table(frame.drop(columns=shared))),
         "",
     ]
     return "\n".join(lines)
