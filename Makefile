@@ -2,6 +2,7 @@
 #   make figures   bootstrap .venv, run every notebook headless (default parameters)
 #   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode), then build the docs
 #                  site (make docs) and walk it in Chromium
+#   make test-slow the tests make test leaves out (a second run of every notebook, Ray clusters); CI runs both
 # torch is installed first and pinned here, so nothing later resolves a bare `torch` on its own. PyPI's
 # Linux wheel of torch is the CUDA build (GBs of nvidia-* packages): TORCH_INDEX names an index with the
 # CPU build (make kernel TORCH_INDEX=https://download.pytorch.org/whl/cpu); left empty, pip uses the
@@ -19,10 +20,10 @@ BIN           := $(VENV)/bin
 STAMP         := $(VENV)/.qlab-bootstrapped
 export MPLBACKEND := Agg
 
-.PHONY: help figures test lint format lab sync bench kernel docs clean
+.PHONY: help figures test test-slow lint format lab sync bench kernel docs clean
 
 help:  ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,8 +40,10 @@ figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, fi
 	$(BIN)/qlab findings
 
 test: lint  ## lint, unit tests, every notebook in smoke mode, JupyterLab in Chromium, then the docs site
-	$(BIN)/python -m pytest -m "not docs"
-	$(BIN)/python -m pytest -m docs -n 0
+	$(BIN)/python -m pytest -m "not slow"
+
+test-slow: $(STAMP)  ## what make test leaves out: each notebook's second smoke run (same bytes?), Ray clusters, a killed campaign
+	$(BIN)/python -m pytest -m "slow and not docs"
 
 docs: $(STAMP)  ## the documentation site, warnings as errors: docs/_build/html/index.html
 	$(BIN)/python -m sphinx -E -W --keep-going -q -b html docs docs/_build/html

@@ -29,3 +29,31 @@ def _no_warm_pool_between_tests():
     runs = sys.modules.get("qlab.runs")
     if runs is not None:
         runs.close_pools()
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """``smoke_run(notebook)``: the directory of the notebook's one shared smoke run (default
+    parameters, its runs fanned out over 2 worker processes), made by whichever test asks first, in
+    any pytest-xdist worker, and read by every test that needs it."""
+    from filelock import FileLock
+    from run_helpers import FAN_OUT, SMOKE_DONE, smoke_outputs
+
+    from qlab import notebooks
+
+    base = tmp_path_factory.getbasetemp()
+    in_worker = "PYTEST_XDIST_WORKER" in os.environ  # then base is one worker's folder in the run's
+    root = (base.parent if in_worker else base) / "shared-smoke-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(notebook):
+        notebook = notebooks.resolve_notebook(notebook)
+        directory = root / notebook.stem
+        with FileLock(str(root / f"{notebook.stem}.lock")):
+            if not (directory / SMOKE_DONE).exists():
+                fans_out = "executor" in notebooks.notebook_parameters(notebook)
+                smoke_outputs(notebook, directory, root, FAN_OUT if fans_out else None)
+                (directory / SMOKE_DONE).write_text("")
+        return directory
+
+    return get

@@ -1,4 +1,5 @@
-"""Functions the executor tests run in worker processes (importable by name from tests/)."""
+"""Functions the executor tests run in worker processes (importable by name from tests/), and the
+reading of a notebook's smoke run that several test files share."""
 
 import os
 import time
@@ -49,3 +50,25 @@ def hide_module(monkeypatch, hidden: str) -> None:
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", without)
+
+
+SMOKE_DONE = ".smoke-done"  # in a smoke run's folder once the run has finished
+FAN_OUT = {"executor": "processes", "max_workers": 2}  # a fanning-out notebook's shared smoke run
+
+
+def smoke_outputs(notebook, results_dir: Path, tmp_path: Path | None = None, parameters=None) -> dict:
+    """{path relative to ``results_dir``: bytes} of every file the notebook's smoke run wrote there,
+    running it first (its executed copy into ``tmp_path``) unless the folder holds a finished run."""
+    from qlab import notebooks
+
+    if not (results_dir / SMOKE_DONE).exists():
+        output = (tmp_path or results_dir) / f"{Path(notebook).stem}.ipynb"
+        result = notebooks.run_notebook(
+            notebook, parameters, smoke=True, output=output, results_dir=results_dir
+        )
+        assert result.output.exists()
+    return {
+        p.relative_to(results_dir): p.read_bytes()
+        for p in sorted(results_dir.rglob("*"))
+        if p.is_file() and p.name != SMOKE_DONE and p.suffix != ".ipynb"
+    }

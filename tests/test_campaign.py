@@ -262,12 +262,15 @@ def _campaign(output: Path, *arguments: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
+@pytest.mark.slow
 @pytest.mark.notebook
-def test_a_campaign_split_over_three_invocations_and_a_sigkill_renders_one_runs_bytes(tmp_path):
-    """Notebook 03 at smoke sizes: trained in one go, and campaigned over three invocations (the second
-    SIGKILLed, every process of it, once it has stored a run) then rendered from the store."""
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    notebooks.run_notebook(NOTEBOOK_03, smoke=True, output=whole / "03.ipynb")
+def test_a_campaign_split_over_three_invocations_and_a_sigkill_renders_one_runs_bytes(tmp_path, smoke_run):
+    """Notebook 03 at smoke sizes: trained in one go (the shared smoke run, its runs fanned out over
+    worker processes), and campaigned over three invocations (the second SIGKILLed, every process of it,
+    once it has stored a run) then rendered from the store with the same parameters."""
+    from run_helpers import FAN_OUT
+
+    whole, split = smoke_run(NOTEBOOK_03), tmp_path / "split"
     store = split / "data" / "runs"
 
     first = _campaign(split / "03.ipynb", "--runs", "3", "--executor", "serial")
@@ -289,7 +292,7 @@ def test_a_campaign_split_over_three_invocations_and_a_sigkill_renders_one_runs_
     assert third.returncode == 0, output
     assert "12 of 12 runs stored" in output and "complete" in output
 
-    rendered = notebooks.run_notebook(NOTEBOOK_03, smoke=True, output=split / "03.ipynb")
+    rendered = notebooks.run_notebook(NOTEBOOK_03, FAN_OUT, smoke=True, output=split / "03.ipynb")
     executed = rendered.output.read_text()
     assert "12 of 12 runs read from" in executed
     assert _outputs(whole).keys() == _outputs(split).keys()
@@ -321,6 +324,7 @@ def _kill_the_running_ray_task_once(store: Path, stored: int, killed: list) -> t
     return thread
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time on this machine
 @pytest.mark.skipif(
     ray is None or not Path("/proc/self/cmdline").exists(), reason="needs ray and Linux's /proc"

@@ -15,6 +15,7 @@ import jupytext
 import nbformat
 import pandas as pd
 import pytest
+from run_helpers import smoke_outputs
 
 from qlab import notebooks, paths
 
@@ -66,56 +67,10 @@ def test_parameters_cell_is_first_typed_and_commented(ipynb):
     assert "device" in declared and "smoke" in declared
 
 
-def _smoke_outputs(notebook, results_dir, tmp_path, parameters=None):
-    if not (results_dir / SMOKE_DONE).exists():
-        output = tmp_path / f"{notebook.stem}.ipynb"
-        result = notebooks.run_notebook(
-            notebook, parameters, smoke=True, output=output, results_dir=results_dir
-        )
-        assert result.output.exists()
-    return {
-        p.relative_to(results_dir): p.read_bytes()
-        for p in sorted(results_dir.rglob("*"))
-        if p.is_file() and p.name != SMOKE_DONE
-    }
-
-
-SMOKE_DONE = ".smoke-done"
-FAN_OUT = {"executor": "processes", "max_workers": 2}  # a fanning-out notebook's shared smoke run
-
-
-@pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory):
-    """``smoke_run(notebook)``: the directory of the notebook's one shared smoke run (default
-    parameters, its runs fanned out over 2 worker processes), made by whichever test asks first, in
-    any pytest-xdist worker, and read by every test that needs it."""
-    from filelock import FileLock
-
-    base = tmp_path_factory.getbasetemp()
-    in_worker = "PYTEST_XDIST_WORKER" in os.environ  # then base is one worker's folder in the run's
-    root = (base.parent if in_worker else base) / "shared-smoke-runs"
-    root.mkdir(exist_ok=True)
-
-    def get(notebook: Path) -> Path:
-        directory = root / notebook.stem
-        with FileLock(str(root / f"{notebook.stem}.lock")):
-            if not (directory / SMOKE_DONE).exists():
-                fans_out = "executor" in notebooks.notebook_parameters(notebook)
-                _smoke_outputs(notebook, directory, root, FAN_OUT if fans_out else None)
-                (directory / SMOKE_DONE).write_text("")
-        return directory
-
-    return get
-
-
 @pytest.mark.notebook
 @pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, monkeypatch, smoke_run):
-    monkeypatch.chdir(tmp_path)  # notebooks must not depend on the working directory
-    # a notebook whose runs fan out (qlab.runs) ran them in 2 worker processes for the shared run and
-    # runs them one after another here, each run on the same 1 thread: the bytes must not tell them apart
-    fans_out = "executor" in notebooks.notebook_parameters(ipynb)
-    first = _smoke_outputs(ipynb, smoke_run(ipynb), tmp_path)
+def test_smoke_run_writes_its_csvs_and_figures_under_its_name(ipynb, smoke_run):
+    first = smoke_outputs(ipynb, smoke_run(ipynb))
     stored = Path("data", "runs")  # qlab.campaign's store of each training run (03, 07)
     csvs = [p for p in first if p.suffix == ".csv" and not p.is_relative_to(stored)]
     assert csvs and all(str(p).startswith(f"data/{ipynb.stem}") for p in csvs)
@@ -123,12 +78,23 @@ def test_smoke_run_writes_csv_and_figures_deterministically(ipynb, tmp_path, mon
     assert figures, "the notebook saved no figure"
     for stem in figures:
         assert Path("figures", f"{stem}.pdf") in first and Path("figures", f"{stem}.png") in first
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+@pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_second_smoke_run_writes_the_same_bytes(ipynb, tmp_path, monkeypatch, smoke_run):
+    monkeypatch.chdir(tmp_path)  # notebooks must not depend on the working directory
+    # a notebook whose runs fan out (qlab.runs) ran them in 2 worker processes for the shared run and
+    # runs them one after another here, each run on the same 1 thread: the bytes must not tell them apart
+    fans_out = "executor" in notebooks.notebook_parameters(ipynb)
+    first = smoke_outputs(ipynb, smoke_run(ipynb))
     # same parameters and seed on the same machine -> the same CSV and figure bytes, except outputs
     # named *_timing (wall-clock measurements, which no seed can fix); they must exist both times. The
     # rendered text (*_claims.md) is prose: it names the parameters that differ (the second run's
     # executor) and may state wall times; the claims it is filled from are compared as CSV. A stored
     # run's run.json holds its wall time; its CSVs are compared
-    second = _smoke_outputs(
+    second = smoke_outputs(
         ipynb, tmp_path / "b", tmp_path, {"executor": "serial", "max_workers": 2} if fans_out else None
     )
     assert set(first) == set(second)

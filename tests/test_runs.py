@@ -205,6 +205,7 @@ def test_ray_missing_names_the_install_command(monkeypatch):
         run_many([task(run_helpers.threads)], executor="ray")
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time on this machine
 @needs_ray
 def test_ray_cluster_gives_the_serial_results_and_survives_a_killed_worker(tmp_path):

@@ -509,9 +509,10 @@ def test_digit_batches_are_rows_of_the_split():
 
 
 def test_chargpt_learns_shakespeare():
-    config = TrainConfig(
-        steps=300, batch_size=8, warmup_steps=30, lr=2e-3, eval_every=100, eval_batches=4, progress=False
-    )
+    config = TrainConfig(  # a 2-layer CharGPT of width 64: the default one learns as well, 4× slower
+        steps=300, layers=2, width=64, batch_size=8, warmup_steps=30, lr=3e-3, eval_every=100,
+        eval_batches=4, progress=False,
+    )  # fmt: skip
     corpus = D.shakespeare()
     counts = np.bincount(corpus.train.numpy()).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
@@ -520,7 +521,7 @@ def test_chargpt_learns_shakespeare():
     assert list(result.metrics.step) == list(range(1, 301))
     assert result.metrics.val_loss.notna().sum() == 3
     final = result.metrics.val_loss.iloc[-1]
-    assert final < entropy - 0.7, (final, entropy)  # measured ~2.42
+    assert final < entropy - 0.7, (final, entropy)  # measured ~2.50 (the default CharGPT: ~2.46)
 
 
 def test_mlp_learns_digits():
