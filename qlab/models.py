@@ -378,14 +378,37 @@ def block_levels(weight: torch.Tensor, block: int = Q4_1_BLOCK) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4)
 def _shakespeare_tokens(tokenizer, split: str) -> torch.Tensor:
+    """The split's plays as one stream of token ids. A fast tokenizer's ids are kept on disk under
+    ``runs/model_cache/tokens/``, named by a sha256 of the tokenizer's definition and the text: the
+    plays take seconds to tokenize, and every process that studies a pretrained model needs them."""
+    import hashlib
+
+    import numpy as np
+
     from qlab.train import data
 
     plays = data.shakespeare_plays()
     names = data.validation_plays(list(plays))
     chosen = names if split == "val" else [name for name in plays if name not in names]
     text = "\n".join(plays[name] for name in chosen)
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    kept = None
+    if backend is not None:  # a slow tokenizer has no serialized definition to name its ids by
+        digest = hashlib.sha256(backend.to_str().encode() + b"\0" + text.encode()).hexdigest()[:32]
+        kept = paths.RUNS_DIR / "model_cache" / "tokens" / f"{digest}.npy"
+        if kept.is_file():
+            try:
+                return torch.from_numpy(np.load(kept, allow_pickle=False).astype(np.int64))
+            except (OSError, ValueError):  # a damaged file: tokenize again and replace it
+                pass
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
+    stream = torch.tensor(ids, dtype=torch.long)
+    if kept is not None:
+        with contextlib.suppress(OSError):  # a read-only checkout only loses the cache
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            with paths.written_atomically(kept) as tmp, open(tmp, "wb") as stream_file:
+                np.save(stream_file, stream.numpy())
+    return stream
 
 
 def shakespeare_batches(

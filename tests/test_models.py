@@ -11,10 +11,11 @@ from __future__ import annotations
 import importlib.util
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from qlab import models
+from qlab import models, paths
 from qlab.train import data
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -94,6 +95,31 @@ def test_shakespeare_batches_are_fixed_windows_of_the_held_out_plays(minilm):
     held_out = " ".join(plays[name] for name in data.validation_plays(list(plays))).lower()
     words = tokenizer.decode(first[0][0]).split()[1:-1]  # the window's edges may cut a word
     assert words and all(word.replace(" ", "") in held_out.replace(" ", "") for word in words)
+
+
+def test_the_kept_token_ids_are_the_tokenizers_own(minilm, tmp_path, monkeypatch):
+    """The ids kept on disk read back as the tokenizer gives them (its own call on the held-out text is
+    the reference); a damaged file is tokenized again and replaced."""
+    _, tokenizer = minilm
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path)
+    models._shakespeare_tokens.cache_clear()
+    plays = data.shakespeare_plays()
+    text = "\n".join(plays[name] for name in data.validation_plays(list(plays)))
+    expected = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)[
+        "input_ids"
+    ]
+    try:
+        assert models._shakespeare_tokens(tokenizer, "val").tolist() == expected  # tokenized, then kept
+        (kept,) = (tmp_path / "model_cache" / "tokens").glob("*.npy")
+        models._shakespeare_tokens.cache_clear()
+        read_back = models._shakespeare_tokens(tokenizer, "val")
+        assert read_back.dtype == torch.long and read_back.tolist() == expected
+        kept.write_bytes(b"not an array")
+        models._shakespeare_tokens.cache_clear()
+        assert models._shakespeare_tokens(tokenizer, "val").tolist() == expected
+        assert np.load(kept).tolist() == expected  # replaced by the right ids
+    finally:
+        models._shakespeare_tokens.cache_clear()
 
 
 def test_a_missing_wheel_names_the_install_command(monkeypatch):
