@@ -267,9 +267,9 @@ def _campaign(output: Path, *arguments: str, **popen) -> subprocess.Popen:
 def test_a_campaign_split_over_three_invocations_and_a_sigkill_renders_one_runs_bytes(tmp_path, smoke_run):
     """Notebook 03 at smoke sizes: trained in one go (the shared smoke run, its runs fanned out over
     worker processes), and campaigned over three invocations (the second SIGKILLed, every process of it,
-    once it has stored a run) then rendered from the store with the same parameters."""
-    from run_helpers import FAN_OUT
-
+    once it has stored a run) then rendered from the store. Its CSVs, claims and figures must be the
+    uninterrupted run's bytes; the rendered text (*_claims.md) names the parameters that differ (the
+    executor), so it is left out as in the notebooks' determinism test."""
     whole, split = smoke_run(NOTEBOOK_03), tmp_path / "split"
     store = split / "data" / "runs"
 
@@ -292,11 +292,15 @@ def test_a_campaign_split_over_three_invocations_and_a_sigkill_renders_one_runs_
     assert third.returncode == 0, output
     assert "12 of 12 runs stored" in output and "complete" in output
 
-    rendered = notebooks.run_notebook(NOTEBOOK_03, FAN_OUT, smoke=True, output=split / "03.ipynb")
+    rendered = notebooks.run_notebook(NOTEBOOK_03, smoke=True, output=split / "03.ipynb")
     executed = rendered.output.read_text()
     assert "12 of 12 runs read from" in executed
     assert _outputs(whole).keys() == _outputs(split).keys()
-    differing = [name for name, data in _outputs(whole).items() if _outputs(split)[name] != data]
+    differing = [
+        name
+        for name, data in _outputs(whole).items()
+        if not name.endswith("_claims.md") and _outputs(split)[name] != data
+    ]
     assert not differing, differing
 
 
