@@ -213,9 +213,27 @@ def public_names() -> dict[str, list[str]]:
     return names
 
 
-@pytest.fixture(scope="session")  # not module: under xdist, other files' tests run between the site's
+@pytest.fixture(scope="session")
 def site():
-    """docs/_build/html, built now with warnings as errors (``make docs``' command)."""
+    """docs/_build/html, built now with warnings as errors (``make docs``' command), once per test run:
+    an xdist worker tears its session fixtures down whenever its queue runs dry, so the build leaves a
+    stamp naming the run (pytest-xdist's testrunuid) and a later setup in the same run reads it."""
+    from filelock import FileLock
+
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    stamp = SITE.parent / ".built-for-test-run"
+    SITE.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(SITE.parent / ".site.lock")):
+        if run and stamp.is_file() and stamp.read_text() == run and (SITE / "index.html").is_file():
+            return SITE
+        stamp.unlink(missing_ok=True)
+        _build_site()
+        if run:
+            stamp.write_text(run)
+    return SITE
+
+
+def _build_site() -> None:
     env = {**os.environ, "MPLBACKEND": "Agg"}
     env.pop("QLAB_RESULTS_DIR", None)
     command = [
@@ -233,7 +251,6 @@ def site():
     ]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"the docs build failed:\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
-    return SITE
 
 
 @pytest.mark.docs
