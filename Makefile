@@ -2,7 +2,8 @@
 #   make figures   bootstrap .venv, run every notebook headless (default parameters)
 #   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode), then build the docs
 #                  site (make docs) and walk it in Chromium
-#   make test-slow the tests make test leaves out (a second run of every notebook, Ray clusters); CI runs both
+#   make test-slow the tests make test leaves out (a second run of every notebook, Ray clusters, several gloo
+#                  processes); CI runs both
 # torch is installed first and pinned here, so nothing later resolves a bare `torch` on its own. PyPI's
 # Linux wheel of torch is the CUDA build (GBs of nvidia-* packages): TORCH_INDEX names an index with the
 # CPU build (make kernel TORCH_INDEX=https://download.pytorch.org/whl/cpu); left empty, pip uses the
@@ -42,7 +43,7 @@ figures: $(STAMP)  ## run every notebook with default parameters: data/*.csv, fi
 test: lint  ## lint, unit tests, every notebook in smoke mode, JupyterLab in Chromium, then the docs site
 	$(BIN)/python -m pytest -m "not slow"
 
-test-slow: $(STAMP)  ## what make test leaves out: each notebook's second smoke run (same bytes?), Ray clusters, a killed campaign
+test-slow: $(STAMP)  ## what make test leaves out: second notebook runs (same bytes?), Ray, gloo processes, a killed campaign
 	$(BIN)/python -m pytest -m "slow and not docs"
 
 docs: $(STAMP)  ## the documentation site, warnings as errors: docs/_build/html/index.html

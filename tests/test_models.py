@@ -138,6 +138,7 @@ def test_unknown_names_are_refused():
         models.load("minilm-l6", dtype="fp8")
 
 
+@pytest.mark.slow
 def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(smollm2, tmp_path, monkeypatch):
     """The cache (runs/model_cache) must give the model the GGUF file gives: same weights, tokens
     and logits. Measured by loading both ways in this process (~20 s)."""

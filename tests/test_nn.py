@@ -988,6 +988,7 @@ def _rank_histories(tmp_path, reduce_amax: bool, distributed: bool) -> list[dict
     return [torch.load(path) for path in outputs]
 
 
+@pytest.mark.slow
 def test_reduce_amax_gives_every_rank_the_max_of_the_ranks_amaxes(tmp_path):
     # reference: each rank's amax history computed alone (no process group), then their elementwise max
     alone = _rank_histories(tmp_path, reduce_amax=True, distributed=False)

@@ -272,6 +272,7 @@ def _ddp_audit_worker(rank, world_size, init_file, result_file):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_audit_explains_two_rank_gloo_ddp_averaging(tmp_path):
     import pandas as pd
     import torch.multiprocessing as mp

@@ -384,6 +384,7 @@ def _fsdp_worker(rank: int, world_size: int, init_file: str, out_file: str, step
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp2_on_two_gloo_processes_matches_one_process(tmp_path):
     import torch.multiprocessing as mp
 

@@ -635,6 +635,7 @@ def test_evaluation_and_fidelity_do_not_change_training(recipe):
 # --- 8. DDP equivalence -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["fp32", "mxfp8"])
 def test_ddp_matches_one_process(tmp_path, recipe):
     """2 processes × 2 micro-batches × 2 sequences (torchrun through `qlab train --nproc 2`) vs 1 process
@@ -690,6 +691,7 @@ train(TrainConfig(**json.loads(sys.argv[1])), probes=lambda model: Crash(None))
 """
 
 
+@pytest.mark.slow
 def test_exact_ddp_resume_restores_every_ranks_generators(tmp_path):
     """nvfp4 draws stochastic-rounding noise on each rank from that rank's generator: a 2-process run
     that crashes during step 10 and resumes from step 8's checkpoint must give the uninterrupted
