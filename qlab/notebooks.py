@@ -89,10 +89,13 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
     if len(matches) == 1:
         return matches[0]
     names = ", ".join(p.stem for p in available) or "(none)"
-    words = {word: p.stem for p in available for word in p.stem.split("_")[1:]}  # "welfrod" ~ "welford"
+    words: dict[str, list[str]] = {}  # "welfrod" ~ "welford"; "gradient" is in two names
+    for p in available:
+        for word in p.stem.split("_")[1:]:
+            words.setdefault(word, []).append(p.stem)
     near = (
-        difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5)
-        or [words[word] for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7)]
+        [hit for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7) for hit in words[word]]
+        or difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5)
         or _title_matches(stem, available)  # "layernorm": a word of 02's title, not of its name
     )
     hint = f"did you mean {' or '.join(near)}? " if near else ""

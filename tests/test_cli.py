@@ -331,6 +331,8 @@ def test_a_misspelt_notebook_or_parameter_gets_a_did_you_mean(capsys):
     assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
     assert cli.main(["run", "LayerNorm"]) == 2  # a word of the title alone ("…does LayerNorm's variance…")
     assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
+    assert cli.main(["run", "gradient"]) == 2  # a word two notebooks' names share: both named
+    assert "did you mean 01_gradient_norm_discrepancy or 04_gradient_accumulation?" in capsys.readouterr().err
     assert cli.main(["run", "zzzz"]) == 2  # no word near it: no suggestion, the list alone
     assert "did you mean" not in capsys.readouterr().err
     assert notebooks.resolve_notebook("2") == notebooks.resolve_notebook("02")  # a number without its 0

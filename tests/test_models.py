@@ -139,26 +139,59 @@ def test_unknown_names_are_refused():
 
 
 @pytest.mark.slow
-def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(smollm2, tmp_path, monkeypatch):
+def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(tmp_path, monkeypatch):
     """The cache (runs/model_cache) must give the model the GGUF file gives: same weights, tokens
-    and logits. Measured by loading both ways in this process (~20 s)."""
-    cached = models.cache_dir("smollm2-135m")
-    assert (cached / "model.safetensors").is_file()  # the module fixture's load wrote or used it
-    monkeypatch.setattr(models, "cache_dir", lambda name: tmp_path / name)  # no cache: from the GGUF file
+    and logits. The reference is transformers' own GGUF load; qlab converts into an empty cache
+    folder and then reads that cache back (~40 s)."""
+    import transformers
+
+    packaged = models.PACKAGED["smollm2-135m"]
+    options = {"gguf_file": packaged.gguf_file, "local_files_only": True}
+    folder = models.model_path("smollm2-135m")
+    with models.quiet_loading():
+        reference = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, **options)
+        reference_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
+    monkeypatch.setattr(models, "cache_dir", lambda name: tmp_path / name)  # no cache: converted here
     models._load_float32.cache_clear()
     try:
-        from_gguf, tokenizer = models.load("smollm2-135m")
+        from_cache, tokenizer = models.load("smollm2-135m")
     finally:
         models._load_float32.cache_clear()
-    from_cache = smollm2[0]
-    assert from_gguf.state_dict().keys() == from_cache.state_dict().keys()
+    assert (tmp_path / "smollm2-135m" / "model.safetensors").is_file()
+    assert from_cache.state_dict().keys() == reference.state_dict().keys()
     assert all(
-        torch.equal(a, b) for a, b in zip(from_gguf.state_dict().values(), from_cache.state_dict().values())
+        torch.equal(a, b) for a, b in zip(from_cache.state_dict().values(), reference.state_dict().values())
     )
     batch = models.shakespeare_batches(tokenizer, batch_size=1, tokens=32, count=1)[0]
-    assert torch.equal(batch, models.shakespeare_batches(smollm2[1], batch_size=1, tokens=32, count=1)[0])
+    assert torch.equal(
+        batch, models.shakespeare_batches(reference_tokenizer, batch_size=1, tokens=32, count=1)[0]
+    )
     with torch.no_grad():
-        assert torch.equal(from_gguf(input_ids=batch).logits, from_cache(input_ids=batch).logits)
+        assert torch.equal(from_cache(input_ids=batch).logits, reference.eval()(input_ids=batch).logits)
+
+
+def test_reading_the_float32_cache_never_waits_on_its_lock(smollm2):
+    """The lock serializes converting only: with another holder of the lock, a load from a
+    complete cache still returns, with the fixture's weights."""
+    import threading
+
+    from filelock import FileLock
+
+    cached = models.cache_dir("smollm2-135m")
+    assert (cached / "model.safetensors").is_file()  # the module fixture's load wrote or used it
+    loaded = []
+    with FileLock(str(cached.parent / ".smollm2-135m.lock")):
+        models._load_float32.cache_clear()
+        reader = threading.Thread(target=lambda: loaded.append(models.load("smollm2-135m")[0]), daemon=True)
+        reader.start()
+        reader.join(timeout=120)  # reading takes ~6 s here; a waiting reader would wait forever
+        done = not reader.is_alive()
+    reader.join()
+    models._load_float32.cache_clear()
+    assert done, "loading from a complete cache waited for the conversion lock"
+    assert all(
+        torch.equal(a, b) for a, b in zip(loaded[0].state_dict().values(), smollm2[0].state_dict().values())
+    )
 
 
 def test_fine_tune_is_deterministic_and_learns_a_repeated_batch(minilm):
