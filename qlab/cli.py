@@ -340,7 +340,7 @@ def _cmd_run(args) -> int:
     where = (
         f"data/{level} and figures/{level}"
         if result.results is None
-        else f"{paths.shown(result.results)}/data and /figures"
+        else f"{paths.shown(result.results / 'data')} and {paths.shown(result.results / 'figures')}"
     )
     print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
     print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")

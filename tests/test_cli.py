@@ -50,10 +50,8 @@ def test_run_passes_parameters_and_keeps_results_out_of_the_repo(tiny, tmp_path,
     assert metrics == {"a": 7, "square": 49, "label": "hello", "smoke": True}
     assert (folder / "99_tiny.ipynb").exists()
     out = capsys.readouterr().out
-    assert (
-        "ok in" in out
-        and f"executed copy {folder / '99_tiny.ipynb'}; CSVs and figures in {folder}/data" in out
-    )
+    where = f"CSVs and figures in {folder / 'data'} and {folder / 'figures'}\n"
+    assert "ok in" in out and f"executed copy {folder / '99_tiny.ipynb'}; {where}" in out
 
 
 def test_smoke_and_other_parameters_go_to_one_folder_however_they_are_given(tiny, tmp_path):
