@@ -742,6 +742,39 @@ def test_a_results_table_says_the_values_every_row_shares_once(tmp_path):
     assert "Every row" not in one_row and "| machine | device | ratio |" in one_row
 
 
+@pytest.mark.parametrize(
+    "written, shown",
+    [
+        ("0.8940199613571167", "0.894"),  # float32 printed in full: four significant digits
+        ("1.230481665654576e-06", "1.23e-06"),
+        ("-0.36040782928466797", "-0.3604"),
+        ("4.4991", "4.4991"),  # six or fewer significant digits: as written
+        ("790.5", "790.5"),
+        ("0.000123456", "0.000123456"),  # leading zeros are not significant
+        ("12345678", "12345678"),  # an integer is never rounded
+        ("nan", "nan"),
+        ("1.11 (1.08–1.15)", "1.11 (1.08–1.15)"),  # text stays text
+        ("", ""),
+    ],
+)
+def test_a_results_table_shortens_only_long_decimals(written, shown):
+    assert _qlab_docs()._shown_number(written) == shown
+
+
+def test_a_results_table_puts_an_estimate_and_its_interval_in_one_column(tmp_path):
+    path = tmp_path / "bench_y.csv"
+    path.write_text(
+        "machine,score,spearman,spearman_low,spearman_high,seconds\n"
+        "VM A,measured,0.2150001234,0.102,0.322,790.5\n"
+        "VM A,fisher,,,,11.98\n"
+        "VM A,other,-0.36040782928466797,-0.47,-0.25,1.0\n"
+    )
+    text = _qlab_docs().results_table(path)
+    assert "| score | spearman (low–high) | seconds |" in text
+    assert "| measured | 0.215 (0.102–0.322) | 790.5 |" in text and "| fisher |  | 11.98 |" in text
+    assert "| other | -0.3604 (-0.47 to -0.25) | 1.0 |" in text and "spearman_low" not in text
+
+
 def test_no_public_docstring_falls_back_to_preformatted_text():
     import qlab
 

@@ -336,13 +336,48 @@ def results_frame(path: Path):
     return frame[[column for column in frame.columns if (frame[column].str.strip() != "").any()]]
 
 
+def _shown_number(text: str) -> str:
+    """A cell as a results table shows it: a decimal written with more than six significant digits
+    to four (0.8940199613571167 is 0.894; the file keeps every digit); anything else as written."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    mantissa = text.lower().split("e")[0]
+    if "." not in mantissa or len(re.sub(r"\D", "", mantissa).lstrip("0")) <= 6:
+        return text
+    return f"{value:.4g}"
+
+
+def _with_intervals(frame):
+    """Each column X that has X_low and X_high beside it, as one column "X (low–high)" whose cells read
+    "0.894 (0.776–1.01)", or "-0.36 (-0.47 to -0.25)" where a bound is negative (the estimate alone
+    where the file has no interval for that row)."""
+
+    def interval(low: str, high: str) -> str:
+        return f"{low} to {high}" if "-" in low + high else f"{low}–{high}"
+
+    frame = frame.copy()
+    for column in list(frame.columns):
+        low, high = f"{column}_low", f"{column}_high"
+        if low not in frame or high not in frame:
+            continue
+        frame[column] = [
+            f"{x} ({interval(lo, hi)})" if x and lo and hi else x
+            for x, lo, hi in zip(frame[column], frame[low], frame[high])
+        ]
+        frame = frame.drop(columns=[low, high]).rename(columns={column: f"{column} (low–high)"})
+    return frame
+
+
 def results_table(path: Path) -> str:
     """The markdown a page includes for one results file: a line naming the file and the values every
     row shares (a column of one value is said once there, not repeated down the table: the table then
-    fits the page's column), then the table of the columns that vary."""
+    fits the page's column), then the table of the columns that vary, long decimals to four significant
+    digits and each estimate with its interval in one column."""
     from qlab.results import markdown_table
 
-    frame = results_frame(path)
+    frame = _with_intervals(results_frame(path).map(_shown_number))
     shared = [column for column in frame.columns if len(frame) > 1 and frame[column].nunique() == 1]
     every_row = "; ".join(f"{column} {frame[column].iloc[0]}" for column in shared)
     lines = [
