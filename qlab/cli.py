@@ -12,7 +12,7 @@
     qlab sync                                   jupytext-sync notebooks/*.py <-> .ipynb, strip outputs
     qlab lab [JUPYTER LAB OPTIONS]              JupyterLab on the repository root (qlab.lab)
     qlab advise [--model M] [--text F ...] --formats nvfp4,mxfp8,bf16 [--effective-bits B]   a plan
-    qlab advise [--model M] [--recipe R] [--budget F] [--by layers|flops]   keep-in-high-precision advice
+    qlab advise [--model M] [--recipe R] [--keep-fraction F] [--by layers|flops]   layers to keep precise
     qlab train [--config F.yaml] [-p NAME VALUE ...] [--nproc N]   train a model (qlab.train)
 
 Parameter values are parsed as YAML scalars/lists (``-p n 1024 -p dtypes '[float32, bfloat16]'``).
@@ -197,8 +197,9 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--text", nargs="+", default=[], help="UTF-8 text files (default: Shakespeare)")
     report.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated weight formats")
     report.add_argument(
-        "--budgets", default="4.5,5,6", help="comma-separated effective bits per weight element: a plan each"
-    )
+        "--effective-bits", "--budgets", dest="budgets", default="4.5,5,6",
+        help="comma-separated mean bits per weight element, scales counted: a plan each",
+    )  # fmt: skip
     report.add_argument(
         "--score", choices=_ScoreKinds(), default="measured", metavar="KIND",
         help="what the plans are chosen from: %(choices)s",
@@ -254,10 +255,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     advise.add_argument("--recipe", default="nvfp4", help="keep mode: a qlab.recipe preset")
     advise.add_argument(
-        "--budget", type=float, default=0.15, help="keep mode: fraction of the layers (or FLOPs) to keep"
-    )
+        "--keep-fraction", "--budget", dest="budget", type=float, default=0.15,
+        help="keep mode: fraction of the layers (or FLOPs) to keep in high precision",
+    )  # fmt: skip
     advise.add_argument(
-        "--by", choices=("layers", "flops"), default="layers", help="keep mode: the budget's unit"
+        "--by", choices=("layers", "flops"), default="layers", help="keep mode: what --keep-fraction counts"
     )
     advise.add_argument("--batches", type=int, default=2, help="calibration batches")
     advise.add_argument(
@@ -582,7 +584,7 @@ def _cmd_report(args) -> int:
 
     parameters = dict(
         model_name=args.model, tokenizer=args.tokenizer, text=list(args.text),
-        formats=args.formats.split(","), budgets=numbers(args.budgets, "--budgets"), score=args.score,
+        formats=args.formats.split(","), budgets=numbers(args.budgets, "--effective-bits"), score=args.score,
         expand=args.expand, batches=args.batches, held_out=args.held_out, batch_size=args.batch_size,
         tokens=args.tokens, seed=args.seed, dtype=args.dtype, device=args.device,
     )  # fmt: skip

@@ -232,6 +232,22 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
     assert table.sort_values("rank").delta.is_monotonic_decreasing
 
 
+def test_only_the_campaign_says_budget_and_the_older_option_names_still_parse():
+    """--budget is a campaign's wall time; advise's fraction of layers is --keep-fraction and report's
+    bits per element --effective-bits, as advise's plan mode names them (--budget and --budgets, their
+    earlier names, parse to the same values)."""
+    parser = cli._build_parser()
+    for flag in ("--keep-fraction", "--budget"):
+        assert parser.parse_args(["advise", flag, "0.25"]).budget == 0.25
+    for flag in ("--effective-bits", "--budgets"):
+        assert parser.parse_args(["report", flag, "5,6"]).budgets == "5,6"
+    shown = {
+        name: parser._subparsers._group_actions[0].choices[name].format_help()
+        for name in ("advise", "report")
+    }
+    assert "--keep-fraction" in shown["advise"] and "--effective-bits" in shown["report"]
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time on this machine
 def test_sweep_on_a_ray_cluster_keeps_every_point_a_killed_worker_did_not_touch(tiny, tmp_path, capsys):

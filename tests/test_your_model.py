@@ -273,7 +273,8 @@ def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsy
     text = tmp_path / "text.txt"
     text.write_text(TEXT)
     out = tmp_path / "report"
-    arguments = ["report", "--model", folder, "--text", str(text), "--budgets", "6,8", "--out", str(out)]
+    arguments = ["report", "--model", folder, "--text", str(text), "--effective-bits", "6,8"]
+    arguments += ["--out", str(out)]
     assert cli.main([*arguments, "--smoke"]) == 0
     assert "report on" in capsys.readouterr().out
     html = (out / "report_your_model.html").read_text()
