@@ -487,6 +487,7 @@ def run_campaign(
     _check_kinds(state, allow_mixed_devices)
     _check_this_machine(state, kind, allow_mixed_devices)
     say(_status_line(state, store))
+    done_at_start = state.done
     per_round = None  # wall seconds per round of workers measured in this invocation (pool start-up included)
     while state.missing and (max_runs is None or ran < max_runs):
         left = None if budget_s is None else budget_s - (time.monotonic() - started)
@@ -521,7 +522,8 @@ def run_campaign(
         per_round = (time.monotonic() - wave_started) / math.ceil(count / workers)
         ran += count
         state = progress(run_list, store)
-    say(_status_line(state, store))
+    if state.done != done_at_start:  # else the line said at the start still holds
+        say(_status_line(state, store))
     return state
 
 
@@ -544,9 +546,36 @@ def _status_line(state: Progress, store: Path) -> str:
     return line
 
 
-def status(run_list, store: Path | None = None, workers: int | None = None) -> str:
+def render_command(run_list, output=None) -> str:
+    """The ``qlab run`` command that renders ``run_list``'s notebook from the store its runs went to:
+    the notebook's number, ``--profile``, ``--smoke``, every other parameter given that differs from the
+    notebook's default as ``-p NAME VALUE`` (an executor too: it names the results folder), and
+    ``--output`` where the campaign was given one."""
+    import shlex
+
+    import yaml
+
+    from qlab import session
+
+    given = dict(run_list.given)
+    changed = session.changed_parameters(given, session.notebook_defaults(run_list.notebook))
+    words = ["qlab", "run", run_list.notebook[:2]]
+    if given.get("profile", "cpu") != "cpu":
+        words += ["--profile", str(given["profile"])]
+    if changed.pop("smoke", False):
+        words.append("--smoke")
+    for name, value in changed.items():
+        shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...")
+        words += ["-p", name, shlex.quote(shown.strip())]
+    if output is not None:
+        words += ["--output", shlex.quote(str(output))]
+    return " ".join(words)
+
+
+def status(run_list, store: Path | None = None, workers: int | None = None, output=None) -> str:
     """Lines saying how many runs are done per device kind, how many remain, and the time left at the
-    measured rate (device-hours: one run's mean time × the runs left ÷ the runs at once)."""
+    measured rate (device-hours: one run's mean time × the runs left ÷ the runs at once); once all are
+    done, the command that renders the notebook from them (``render_command``)."""
     store = store_dir(run_list) if store is None else Path(store)
     state = progress(run_list, store)
     lines = [_status_line(state, store)]
@@ -554,9 +583,7 @@ def status(run_list, store: Path | None = None, workers: int | None = None) -> s
         lines.append(f"  {kind}: {count} runs, {state.seconds[kind]:.1f} s each on average")
     left = len(state.missing)
     if left == 0:
-        profile = run_list.given.get("profile", "cpu")
-        command = f"qlab run {run_list.notebook[:2]}" + ("" if profile == "cpu" else f" --profile {profile}")
-        lines.append(f"  complete: `{command}` renders it from the store")
+        lines.append(f"  complete: `{render_command(run_list, output)}` renders it from the store")
     elif state.done:
         hours = left * _estimate(state) / 3600
         at_once = f" ÷ {workers} at once = {hours / workers:.2f} h of device time" if workers else ""

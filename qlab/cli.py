@@ -521,7 +521,7 @@ def _cmd_campaign(args) -> int:
     output = None if args.output is None else Path(args.output)
     run_list, store = campaign_list(args.notebook, params, args.profile, output)
     if args.status:
-        print(campaign.status(run_list, store, workers=workers))
+        print(campaign.status(run_list, store, workers=workers, output=output))
         return 0
     state = campaign.run_campaign(
         run_list, budget_s=budget, max_runs=args.runs, executor=args.executor, max_workers=args.max_workers,
@@ -529,13 +529,7 @@ def _cmd_campaign(args) -> int:
         allow_mixed_devices=args.allow_mixed_devices,
     )  # fmt: skip
     if state.complete:
-        shown = " ".join(
-            ["-p profile " + args.profile] * (args.profile != "cpu")
-            + ["--smoke"] * args.smoke
-            + [f"--output {args.output}"] * (args.output is not None)
-        )
-        command = f"qlab run {args.notebook} {shown}".rstrip()
-        print(f"complete: `{command}` renders it from the stored runs")
+        print(f"complete: `{campaign.render_command(run_list, output)}` renders it from the stored runs")
     return 0
 
 

@@ -200,6 +200,38 @@ def test_max_runs_runs_that_many_and_status_counts_them(stored, tmp_path):
     assert "3 of 4 runs stored" in text and "1 runs left" in text
 
 
+@pytest.mark.parametrize(
+    "parameters, profile, output, command",
+    [
+        ({}, "cpu", None, "qlab run 03"),
+        ({}, "paper", None, "qlab run 03 --profile paper"),
+        ({"smoke": True}, "cpu", None, "qlab run 03 --smoke"),
+        (
+            {"smoke": True, "seeds": 3, "executor": "serial"},
+            "cpu",
+            None,
+            "qlab run 03 --smoke -p seeds 3 -p executor serial",
+        ),
+        ({"recipes": ["nvfp4", "mxfp8"]}, "cpu", None, "qlab run 03 -p recipes '[nvfp4, mxfp8]'"),
+        ({"smoke": True}, "cpu", "my runs/03.ipynb", "qlab run 03 --smoke --output 'my runs/03.ipynb'"),
+    ],
+)
+def test_a_complete_campaign_names_the_run_that_reads_its_store(parameters, profile, output, command):
+    """The command said on completion is what `qlab run` needs to read the same store: each parameter
+    that moves the store or the results folder (smoke, seeds, recipes, executor, the profile, the
+    executed copy)."""
+    listed, store = cli.campaign_list("03", parameters, profile, None if output is None else Path(output))
+    assert campaign.render_command(listed, output) == command
+    import shlex
+
+    words = shlex.split(command)[3:]
+    given = {"smoke": True} if "--smoke" in words else {}
+    given.update({words[i + 1]: cli._parse_value(words[i + 2]) for i, w in enumerate(words) if w == "-p"})
+    rendered_profile = words[words.index("--profile") + 1] if "--profile" in words else "cpu"
+    again = cli.campaign_list("03", given, rendered_profile, None if output is None else Path(output))[1]
+    assert again == store
+
+
 def test_campaign_refuses_bad_input_before_any_run(monkeypatch, capsys):
     monkeypatch.setattr(campaign, "_train", lambda *a, **k: pytest.fail("a run started"))
     cases = [
@@ -290,7 +322,8 @@ def test_a_campaign_split_over_three_invocations_and_a_sigkill_renders_one_runs_
     third = _campaign(split / "03.ipynb", "--budget", "10m")
     output = third.communicate(timeout=600)[0]
     assert third.returncode == 0, output
-    assert "12 of 12 runs stored" in output and "complete" in output
+    assert "12 of 12 runs stored" in output
+    assert f"complete: `qlab run 03 --smoke --output {split / '03.ipynb'}`" in output  # the render below
 
     rendered = notebooks.run_notebook(NOTEBOOK_03, smoke=True, output=split / "03.ipynb")
     executed = rendered.output.read_text()
