@@ -1,4 +1,4 @@
-# qlab: two commands do all the set-up on a fresh machine.
+# qlab: each of these targets does all the set-up on a fresh machine.
 #   make figures   bootstrap .venv, run every notebook headless (default parameters)
 #   make test      bootstrap .venv, run pytest (unit tests + every notebook in smoke mode), then build the docs
 #                  site (make docs) and walk it in Chromium

@@ -609,8 +609,12 @@ def main(args) -> int:
     written to ``--plan-out``; without, the layers to keep in high precision for ``--recipe``. Every
     argument is checked before the first loss evaluation."""
     from qlab.host import resolve_device
+    from qlab.recipe import PRESETS
 
     formats = plan.plan_formats(args.formats.split(",")) if args.formats else None
+    if formats is None:
+        checks.choice("--recipe", args.recipe, PRESETS)
+        checks.number("--keep-fraction", args.budget, low=0, high=1)
     device = resolve_device(args.device, argument="--device")
     if args.score == "hierarchical":
         checks.integer("--expand", args.expand, low=0)

@@ -55,6 +55,40 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+# qlab advise's options that belong to one mode: argparse dest -> (flag, default). The parser's default
+# is None, so an option given in the other mode is refused instead of silently ignored.
+ADVISE_PLAN_OPTIONS = {
+    "effective_bits": ("--effective-bits", 6.0),
+    "score": ("--score", "measured"),
+    "expand": ("--expand", 6),
+    "held_out": ("--held-out", 0),
+    "plan_out": ("--plan-out", None),
+}
+ADVISE_KEEP_OPTIONS = {
+    "recipe": ("--recipe", "nvfp4"),
+    "budget": ("--keep-fraction", 0.15),
+    "by": ("--by", "layers"),
+}
+
+
+def _advise_mode_options(args) -> None:
+    """Refuse the other mode's options (ValueError naming them); fill this mode's defaults into ``args``."""
+    mode, other = (
+        (ADVISE_PLAN_OPTIONS, ADVISE_KEEP_OPTIONS)
+        if args.formats
+        else (ADVISE_KEEP_OPTIONS, ADVISE_PLAN_OPTIONS)
+    )
+    stray = [flag for name, (flag, _) in other.items() if getattr(args, name) is not None]
+    if stray:
+        which = "plan mode (--formats given)" if args.formats else "keep mode (no --formats)"
+        needs = "keep mode: leave out --formats" if args.formats else "plan mode: give --formats"
+        verb, owner = ("does", "it belongs") if len(stray) == 1 else ("do", "they belong")
+        raise ValueError(f"{', '.join(stray)} {verb} nothing in {which}; {owner} to {needs}")
+    for name, (_, default) in mode.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qlab", description="qlab: low-precision training numerics lab bench"
@@ -78,7 +112,11 @@ def _build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds one cell may take (default {DEFAULT_TIMEOUT_S})",
     )
-    run.add_argument("--output", help="where the executed copy goes (default runs/NAME.ipynb)")
+    run.add_argument(
+        "--output",
+        help="where the executed copy goes (default runs/NAME.ipynb; with --smoke runs/smoke/, with other "
+        "-p parameters runs/interactive/NAME/...)",
+    )
     run.add_argument(
         "--profile",
         choices=("cpu", "paper"),
@@ -138,9 +176,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run the missing runs of a notebook's run list (03, 07) into data/[PROFILE/]runs/, as many "
         "as fit a budget (without --budget, --runs or --status: every missing run)",
         description="A campaign finishes a notebook's run list (03, 07) over many invocations: each run is "
-        "written to data/<profile>/runs/ as it finishes, so a stopped campaign loses only the runs in "
-        "flight. "
-        "When the list is complete, `qlab run NOTEBOOK --profile PROFILE` renders it from the stored runs.",
+        "written to data/runs/ (data/paper/runs/ for --profile paper) as it finishes, so a stopped "
+        "campaign loses only the runs in flight; --smoke and -p parameters other than the defaults keep "
+        "their runs under runs/ instead. When the list is complete, the campaign names the `qlab run` "
+        "command that renders the notebook from the stored runs.",
     )
     camp.add_argument("notebook", help="name or number of a notebook with a run list (03, 07)")
     camp.add_argument("--profile", choices=("cpu", "paper"), default="cpu", help="the notebook's profile")
@@ -155,7 +194,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     what = camp.add_mutually_exclusive_group()
     what.add_argument(
-        "--budget", help="wall time to spend, e.g. 9m, 90s, 1.5h: no run starts that would not fit"
+        "--budget",
+        help="wall time to spend, e.g. 9m, 90s, 1.5h (a bare number is seconds): no run starts "
+        "that would not fit",
     )
     what.add_argument("--runs", type=int, help="run at most this many missing runs")
     what.add_argument("--status", action="store_true", help="say what is done and what is left; run nothing")
@@ -237,34 +278,41 @@ def _build_parser() -> argparse.ArgumentParser:
     advise.add_argument(
         "--formats", help="plan mode: comma-separated weight formats, e.g. nvfp4,mxfp8,bf16 (qlab.plan)"
     )
+    plan_default = {name: default for name, (_, default) in ADVISE_PLAN_OPTIONS.items()}
+    keep_default = {name: default for name, (_, default) in ADVISE_KEEP_OPTIONS.items()}
     advise.add_argument(
-        "--effective-bits",
-        type=float,
-        default=6.0,
-        help="plan mode: mean bits per weight element, scales counted",
-    )
+        "--effective-bits", type=float,
+        help="plan mode: mean bits per weight element, scales counted "
+        f"(default: {plan_default['effective_bits']:g})",
+    )  # fmt: skip
     advise.add_argument(
-        "--score", choices=_ScoreKinds(), default="measured", metavar="KIND",
+        "--score", choices=_ScoreKinds(), metavar="KIND",
         help="plan mode, one of %(choices)s: measured loss changes; the one-backward Fisher-weighted "
         "estimate; or hierarchical (blocks measured whole, then the --expand most sensitive ones layer by "
-        "layer)",
+        f"layer) (default: {plan_default['score']})",
     )  # fmt: skip
     advise.add_argument(
-        "--expand", type=int, default=6,
-        help="plan mode, --score hierarchical: blocks (decoder layers) measured layer by layer",
-    )  # fmt: skip
-    advise.add_argument("--recipe", default="nvfp4", help="keep mode: a qlab.recipe preset")
-    advise.add_argument(
-        "--keep-fraction", "--budget", dest="budget", type=float, default=0.15,
-        help="keep mode: fraction of the layers (or FLOPs) to keep in high precision",
+        "--expand", type=int,
+        help="plan mode, --score hierarchical: blocks (decoder layers) measured layer by layer "
+        f"(default: {plan_default['expand']})",
     )  # fmt: skip
     advise.add_argument(
-        "--by", choices=("layers", "flops"), default="layers", help="keep mode: what --keep-fraction counts"
+        "--recipe", help=f"keep mode: a qlab.recipe preset (default: {keep_default['recipe']})"
     )
+    advise.add_argument(
+        "--keep-fraction", "--budget", dest="budget", type=float, metavar="F",
+        help="keep mode: fraction of the layers (or FLOPs) to keep in high precision "
+        f"(default: {keep_default['budget']:g})",
+    )  # fmt: skip
+    advise.add_argument(
+        "--by", choices=("layers", "flops"),
+        help=f"keep mode: what --keep-fraction counts (default: {keep_default['by']})",
+    )  # fmt: skip
     advise.add_argument("--batches", type=int, default=2, help="calibration batches")
     advise.add_argument(
-        "--held-out", type=int, default=0,
-        help="plan mode: batches of other windows (--text) or the held-out plays to check the plan on",
+        "--held-out", type=int,
+        help="plan mode: batches of other windows (--text) or the held-out plays to check the plan on "
+        f"(default: {plan_default['held_out']})",
     )  # fmt: skip
     advise.add_argument("--batch-size", type=int, default=2, help="windows per batch")
     advise.add_argument("--tokens", type=int, default=64, help="tokens per window")
@@ -591,6 +639,7 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_advise(args) -> int:
+    _advise_mode_options(args)
     from qlab import advisor
 
     return advisor.main(args)

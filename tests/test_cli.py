@@ -232,6 +232,28 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
     assert table.sort_values("rank").delta.is_monotonic_decreasing
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--formats", "nvfp4,bf16", "--budget", "5"], "--keep-fraction does nothing in plan mode"),
+        (
+            ["--formats", "nvfp4,bf16", "--recipe", "mxfp8", "--by", "flops"],
+            "--recipe, --by do nothing in plan",
+        ),
+        (["--effective-bits", "5"], "--effective-bits does nothing in keep mode (no --formats)"),
+        (["--score", "approximated", "--plan-out", "p.json"], "--score, --plan-out do nothing in keep mode"),
+        (["--keep-fraction", "1.5"], "--keep-fraction must be a finite number in [0, 1], got 1.5"),
+        (["--recipe", "nosuch"], "unknown --recipe 'nosuch'"),
+    ],
+)
+def test_advise_refuses_the_other_modes_options_before_loading_a_model(argv, message, monkeypatch, capsys):
+    from qlab import models
+
+    monkeypatch.setattr(models, "load_any", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(["advise", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_only_the_campaign_says_budget_and_the_older_option_names_still_parse():
     """--budget is a campaign's wall time; advise's fraction of layers is --keep-fraction and report's
     bits per element --effective-bits, as advise's plan mode names them (--budget and --budgets, their
