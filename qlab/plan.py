@@ -88,7 +88,7 @@ def weight_bits(format_name: str, out_features: int, in_features: int) -> int:
     if format_name == HIGH_PRECISION:
         return HIGH_PRECISION_BITS * out_features * in_features
     spec = get_recipe(format_name, backward_override=None).weight
-    element_bits = spec.bits if isinstance(spec, IntSpec) else get_format(spec.element).bits
+    element_bits = _element_bits(spec)
     rows, columns, scales = out_features, in_features, 1
     if spec.block_size is not None:
         tile = spec.tile_rows
@@ -98,8 +98,36 @@ def weight_bits(format_name: str, out_features: int, in_features: int) -> int:
     elif spec.granularity == "axis":  # one scale per output row
         scales = out_features
     scale_bits = 8 if isinstance(spec, MXSpec | NVFP4Spec) else 32  # E8M0 / E4M3 codes, else FP32
-    global_bits = 32 if isinstance(spec, NVFP4Spec) and spec.global_scale else 0
-    return rows * columns * element_bits + scales * scale_bits + global_bits
+    return rows * columns * element_bits + scales * scale_bits + _global_bits(format_name)
+
+
+def _global_bits(format_name: str) -> int:
+    """Bits of a weight's one per-tensor scale beside its block scales (NVFP4's FP32 global scale)."""
+    if format_name == HIGH_PRECISION:
+        return 0
+    spec = get_recipe(format_name, backward_override=None).weight
+    return 32 if isinstance(spec, NVFP4Spec) and spec.global_scale else 0
+
+
+def _element_bits(spec) -> int:
+    return spec.bits if isinstance(spec, IntSpec) else get_format(spec.element).bits
+
+
+def fewest_bits(formats) -> float:
+    """A lower bound on the bits per weight element of any layer in ``formats``: the cheapest format's
+    code bits, plus its block scales' share where it has blocks (padding, per-row or per-tensor scales
+    only add bits). An effective-bits budget below it fits no model, whatever its shapes."""
+    bounds = []
+    for name in plan_formats(formats):
+        spec = None if name == HIGH_PRECISION else get_recipe(name, backward_override=None).weight
+        if spec is None:
+            bounds.append(float(HIGH_PRECISION_BITS))
+        elif spec.block_size is None:
+            bounds.append(float(_element_bits(spec)))
+        else:
+            side = 2**12  # a multiple of every block and tile: codes and block scales, nothing padded
+            bounds.append((weight_bits(name, side, side) - _global_bits(name)) / side**2)
+    return min(bounds)
 
 
 def _check_layout(table: pd.DataFrame) -> pd.DataFrame:

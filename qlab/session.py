@@ -242,6 +242,16 @@ def check_values(where: str, values: dict, annotations: dict[str, str]) -> None:
                     rule(parameter if index is None else f"{parameter}[{index}]", element)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{error} (in the parameters cell of {where})") from None
+    if "budgets" in values and "formats" in values:  # the one rule that reads two parameters
+        from qlab.plan import fewest_bits
+
+        floor = fewest_bits(values["formats"])
+        below = [budget for budget in values["budgets"] if budget < floor]
+        if below:
+            raise ValueError(
+                f"budgets {below} are below the {floor:g} bits per weight element of the cheapest of formats "
+                f"{values['formats']}: no plan fits (in the parameters cell of {where})"
+            )
 
 
 def check_parameters(name: str, values: dict) -> None:

@@ -56,6 +56,26 @@ def test_weight_bits_of_a_large_layer_follow_the_formats_definitions():
         assert Fraction(plan.weight_bits(name, n, n), n * n) == bits, name
 
 
+@pytest.mark.parametrize(
+    "format_name, bound",
+    [  # the formats' definitions: code bits, plus block scales where the format has blocks
+        ("nvfp4", 4 + Fraction(8, 16 * 16)),
+        ("mxfp8", 8 + Fraction(8, 32)),
+        ("mxfp4", 4 + Fraction(8, 32)),
+        ("fp8_blockwise", 8 + Fraction(32, 128 * 128)),
+        ("fp8_tensorwise", Fraction(8)),  # one FP32 scale: its share tends to 0 as the layer grows
+        ("int8_per_token", Fraction(8)),  # an FP32 scale per row: its share tends to 0 with the row's length
+        ("bf16", Fraction(16)),
+    ],
+)
+def test_fewest_bits_is_the_formats_lower_bound_and_no_layer_goes_below(format_name, bound):
+    assert plan.fewest_bits([format_name]) == float(bound)
+    for shape in [(1, 1), (33, 17), (130, 257), (4096, 4096), (8, 65536)]:
+        assert Fraction(plan.weight_bits(format_name, *shape), shape[0] * shape[1]) >= bound, shape
+    with_others = ["bf16", *{"mxfp8", format_name} - {"bf16"}]  # each named once
+    assert plan.fewest_bits(with_others) == float(min(bound, 8 + Fraction(8, 32)))
+
+
 def _random_table(rng: random.Random, layers: int, formats: int) -> pd.DataFrame:
     rows = []
     for layer in range(layers):

@@ -295,6 +295,8 @@ def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsy
     assert "formats[1] names 'mxfp9', not a recipe preset" in capsys.readouterr().err
     assert cli.main([*arguments[:2], str(tmp_path / "nowhere"), *arguments[3:]]) == 2
     assert "is neither a packaged model" in capsys.readouterr().err
+    assert cli.main([*arguments[:6], "0.15,6", "--formats", "nvfp4,mxfp8"]) == 2  # a fraction, not bits
+    assert "budgets [0.15] are below the 4.03125 bits per weight element" in capsys.readouterr().err
 
 
 @pytest.mark.notebook
