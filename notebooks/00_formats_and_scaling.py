@@ -32,7 +32,7 @@
 # over all the comparisons).
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 20 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 device: str = "auto"  # unused: every quantizer here runs on the CPU; kept for the notebook convention
 seed: int = 0  # seeds every random draw
 tokens: int = 2048  # rows of each synthetic activation tensor

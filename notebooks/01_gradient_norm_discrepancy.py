@@ -24,7 +24,7 @@
 # scale, gradient accumulation, clipping, DDP averaging — and, in the seed's code, a genuine bug.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds × 3000 fp16 steps: a 16-core machine)
 device: str = "auto"  # unused: everything trains on the CPU (DDP over gloo)
 seed: int = 0  # seeds the model and the data

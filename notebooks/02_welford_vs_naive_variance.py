@@ -35,7 +35,7 @@
 # packaged model on one batch (a single observation per model); section 8 trains `ln_train_seeds` seeds and pairs every comparison by seed.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 30 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 device: str = "auto"  # where torch's own layer_norm runs for comparison: "auto", "cpu" or "cuda"
 seed: int = 0  # seeds every random draw
 n: int = 1024  # row length for the κ sweeps

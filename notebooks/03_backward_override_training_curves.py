@@ -45,7 +45,7 @@
 # Single runs are one command: `qlab train -p recipe mxfp8 -p backward_override dequantized -p steps 2000`.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, seeds ≥ 5: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 15  # independent runs per configuration (seed 0, 1, ...); the claims state what they detect

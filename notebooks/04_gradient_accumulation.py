@@ -36,7 +36,7 @@
 # `data/04_gradient_accumulation_claims_timing.csv`.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 20 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seed: int = 0  # seeds every random draw
 tokens: int = 512  # tokens per micro-batch

@@ -40,7 +40,7 @@
 # difference" is claimed only through an equivalence test (TOST) within `margin`.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (10 seeds, 3000 steps, a 1.0M-parameter CharGPT: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 10  # digits runs per k and mode; seed s draws the initial weights, the batches and train/test split s

@@ -42,7 +42,7 @@
 # all-MiniLM-L6-v2's float32 weights before and after the same Q4_1 round trip.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 90 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (16 seeds of 4 sequences of 512 tokens, 300 fine-tune steps: a GPU)
 device: str = "auto"  # where the model runs: "auto", "cpu" or "cuda"
 seed: int = 0  # the first seed: held-out batch i, and scan batch i, are drawn from seed + i

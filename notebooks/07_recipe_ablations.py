@@ -34,7 +34,7 @@
 #    fidelity to FP32 measured along the way.
 
 # %% tags=["parameters"]
-smoke: bool = False  # tiny sizes, for the test suite (< 60 s)
+smoke: bool = False  # tiny sizes: a quick check that every cell runs (the test suite runs each so)
 profile: str = "cpu"  # "cpu" (these sizes) or "paper" (5 blocks × 128 wide, 3000 steps, seeds ≥ 5: a GPU)
 device: str = "auto"  # "auto", "cpu" or "cuda"
 seeds: int = 15  # SR seeds / synthetic-operand seeds / training seeds (intervals need ≥ 2)
