@@ -934,6 +934,7 @@ ENTRY_POINTS = {
         qlab_plan.weight_bits,
         lambda: dict(format_name="nvfp4", out_features=32, in_features=64),
     ),
+    "plan.fewest_bits": (qlab_plan.fewest_bits, lambda: dict(formats=["nvfp4", "bf16"])),
     "advisor.layer_table": (advisor.layer_table, lambda: dict(model=tiny(), formats=["mxfp8", "bf16"])),
     "plan.cheapest_bits": (qlab_plan.cheapest_bits, lambda: dict(table=plan_table())),
     "plan.check_budget": (qlab_plan.check_budget, lambda: dict(table=plan_table(), effective_bits=12.0)),
@@ -1455,7 +1456,7 @@ NOT_GENERATED = {
     "(tests/test_campaign.py: damaged stores, budgets, mixed devices, bad input to qlab campaign)": """
         campaign.planned_kind campaign.write_run campaign.read_run campaign.progress campaign.results
         campaign.run_campaign
-        campaign.status campaign.train_for_store""",
+        campaign.status campaign.train_for_store campaign.render_command""",
     "any values make a claim key (each written with str()); the atomic writer is reached through the "
     "writers above": """
         claims.key_for paths.written_atomically""",
