@@ -615,6 +615,11 @@ def main(args) -> int:
     if formats is None:
         checks.choice("--recipe", args.recipe, PRESETS)
         checks.number("--keep-fraction", args.budget, low=0, high=1)
+    else:
+        checks.number("--effective-bits", args.effective_bits, low=0, open_low=True)
+        plan.check_reachable(
+            formats, [args.effective_bits], argument="--effective-bits", formats_name="--formats"
+        )
     device = resolve_device(args.device, argument="--device")
     if args.score == "hierarchical":
         checks.integer("--expand", args.expand, low=0)
@@ -631,7 +636,7 @@ def main(args) -> int:
             "encoder is scored by its hidden-state error, zero there with zero gradient: use --score measured"
         )
     table = layer_table(model, formats)
-    plan.check_budget(table, args.effective_bits)
+    plan.check_budget(table, args.effective_bits, argument="--effective-bits")
     score = score_function(args.score, expand=args.expand)
     table = score(model, batches, formats, loss_fn=loss_fn, progress=True)
     if args.score == "hierarchical":

@@ -616,7 +616,7 @@ class _ScoreKinds(Sequence):
 
 
 def _cmd_report(args) -> int:
-    from qlab.plan import slug
+    from qlab.plan import check_reachable, plan_formats, slug
 
     def numbers(text: str, option: str) -> list[float]:
         try:
@@ -630,11 +630,17 @@ def _cmd_report(args) -> int:
         expand=args.expand, batches=args.batches, held_out=args.held_out, batch_size=args.batch_size,
         tokens=args.tokens, seed=args.seed, dtype=args.dtype, device=args.device,
     )  # fmt: skip
+    try:
+        formats = plan_formats(parameters["formats"])
+    except ValueError:
+        formats = None  # run_report's check of every parameter names the bad format
+    if formats:
+        check_reachable(formats, parameters["budgets"], argument="--effective-bits", formats_name="--formats")
     folder = Path(args.out) if args.out else paths.RUNS_DIR / "report" / slug(args.model)
     result, html = notebooks.run_report(parameters, folder, smoke=args.smoke, timeout=args.timeout)
     print(f"report on {args.model}: ok in {result.seconds:.1f} s")
     print(f"  {paths.shown(html)} (HTML), {paths.shown(result.output)}; CSVs, claims and figures in "
-          f"{paths.shown(folder)}/data and /figures")  # fmt: skip
+          f"{paths.shown(folder / 'data')} and {paths.shown(folder / 'figures')}")  # fmt: skip
     return 0
 
 

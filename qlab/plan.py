@@ -130,6 +130,24 @@ def fewest_bits(formats) -> float:
     return min(bounds)
 
 
+def check_reachable(formats, budgets, *, argument: str = "budgets", formats_name: str = "formats"):
+    """ValueError naming every budget in ``budgets`` (a list of bits per weight element) below
+    ``fewest_bits(formats)``: no model's plan fits those, so they are refused before a model loads.
+    ``argument`` and ``formats_name`` are what the messages call the two."""
+    if isinstance(budgets, str) or not isinstance(budgets, Sequence):
+        raise TypeError(f"{argument} must be a list of numbers of bits, got {checks.shown(budgets)}")
+    for index, budget in enumerate(budgets):
+        checks.number(f"{argument}[{index}]", budget, low=0, open_low=True)
+    floor = fewest_bits(formats)
+    below = [budget for budget in budgets if budget < floor]
+    if below:
+        shown = ", ".join(f"{budget:g}" for budget in below)
+        raise ValueError(
+            f"{argument} {shown} {'is' if len(below) == 1 else 'are'} below the {floor:g} bits per weight "
+            f"element of the cheapest of {formats_name} {','.join(formats)}: no plan fits"
+        )
+
+
 def _check_layout(table: pd.DataFrame) -> pd.DataFrame:
     """A ``layer_table``-shaped frame: one row per (layer, format), one element count per layer."""
     checks.frame_columns("table", table, ["layer", "format", "elements", "bits"])
@@ -162,15 +180,15 @@ def cheapest_bits(table: pd.DataFrame) -> float:
     return float(by_layer.bits.min().sum() / by_layer.elements.first().sum())
 
 
-def check_budget(table: pd.DataFrame, effective_bits: float) -> float:
+def check_budget(table: pd.DataFrame, effective_bits: float, *, argument: str = "effective_bits") -> float:
     """``effective_bits`` if some assignment of ``table`` fits it, else ValueError naming the smallest
-    budget that does (run before any score is measured)."""
+    budget that does (run before any score is measured); messages call the budget ``argument``."""
     table = _check_layout(table)
-    checks.number("effective_bits", effective_bits, low=0, open_low=True)
+    checks.number(argument, effective_bits, low=0, open_low=True)
     by_layer = table.groupby("layer", sort=False)
     if int(by_layer.bits.min().sum()) > math.floor(effective_bits * int(by_layer.elements.first().sum())):
         raise ValueError(
-            f"effective_bits={effective_bits:g} is below the {cheapest_bits(table):.4g} bits per element "
+            f"{argument} {effective_bits:g} is below the {cheapest_bits(table):.4g} bits per element "
             f"that the cheapest format of every layer needs: no plan fits"
         )
     return effective_bits

@@ -243,15 +243,12 @@ def check_values(where: str, values: dict, annotations: dict[str, str]) -> None:
         except (TypeError, ValueError) as error:
             raise type(error)(f"{error} (in the parameters cell of {where})") from None
     if "budgets" in values and "formats" in values:  # the one rule that reads two parameters
-        from qlab.plan import fewest_bits
+        from qlab.plan import check_reachable
 
-        floor = fewest_bits(values["formats"])
-        below = [budget for budget in values["budgets"] if budget < floor]
-        if below:
-            raise ValueError(
-                f"budgets {below} are below the {floor:g} bits per weight element of the cheapest of formats "
-                f"{values['formats']}: no plan fits (in the parameters cell of {where})"
-            )
+        try:
+            check_reachable(values["formats"], values["budgets"], argument="budgets")
+        except ValueError as error:
+            raise ValueError(f"{error} (in the parameters cell of {where})") from None
 
 
 def check_parameters(name: str, values: dict) -> None:

@@ -244,6 +244,9 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
         (["--score", "approximated", "--plan-out", "p.json"], "--score, --plan-out do nothing in keep mode"),
         (["--keep-fraction", "1.5"], "--keep-fraction must be a finite number in [0, 1], got 1.5"),
         (["--recipe", "nosuch"], "unknown --recipe 'nosuch'"),
+        (["--formats", "mxfp8", "--effective-bits", "0"], "--effective-bits must be a finite number > 0"),
+        # MXFP8's cheapest layer: 8-bit codes and one 8-bit E8M0 scale per 32 of them
+        (["--formats", "mxfp8,bf16", "--effective-bits", "8.2"], "below the 8.25 bits per weight element"),
     ],
 )
 def test_advise_refuses_the_other_modes_options_before_loading_a_model(argv, message, monkeypatch, capsys):

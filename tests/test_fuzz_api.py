@@ -938,6 +938,10 @@ ENTRY_POINTS = {
     "advisor.layer_table": (advisor.layer_table, lambda: dict(model=tiny(), formats=["mxfp8", "bf16"])),
     "plan.cheapest_bits": (qlab_plan.cheapest_bits, lambda: dict(table=plan_table())),
     "plan.check_budget": (qlab_plan.check_budget, lambda: dict(table=plan_table(), effective_bits=12.0)),
+    "plan.check_reachable": (
+        qlab_plan.check_reachable,
+        lambda: dict(formats=["nvfp4", "bf16"], budgets=[6.0]),
+    ),
     "plan.solve": (qlab_plan.solve, lambda: dict(table=plan_table(), effective_bits=12.0)),
     "plan.ends_first": (qlab_plan.ends_first, lambda: dict(table=plan_table(), effective_bits=12.0)),
     "plan.stability": (

@@ -12,7 +12,7 @@ import pytest
 import torch
 import transformers
 
-from qlab import advisor, plan, stats
+from qlab import advisor, plan, session, stats
 from qlab import quantize as Q
 from qlab.formats import get_format
 from qlab.nn import QuantLinear, linear_layers, quantize_model, set_submodule
@@ -123,6 +123,22 @@ def test_a_budget_below_every_layers_cheapest_format_is_refused():
     with pytest.raises(ValueError, match="below the .* bits per element that the cheapest format"):
         plan.solve(table, effective_bits=lowest * 0.99)
     plan.solve(table, effective_bits=lowest)  # exactly the cheapest: every layer at its fewest bits
+    with pytest.raises(ValueError, match=r"^--effective-bits 0\.5 is below"):  # the CLI's name for it
+        plan.check_budget(table, 0.5, argument="--effective-bits")
+
+
+def test_budgets_no_model_can_reach_are_refused_in_the_callers_words():
+    # NVFP4 weights: 4-bit codes and one 8-bit E4M3 scale per 16×16 tile, 4 + 8/256 bits per element
+    expected = (
+        "budgets 0.15, 4 are below the 4.03125 bits per weight element of the cheapest of formats nvfp4,mxfp8"
+    )
+    with pytest.raises(ValueError, match=f"^{expected}: no plan fits$"):
+        plan.check_reachable(["nvfp4", "mxfp8"], [0.15, 4, 6], argument="budgets")
+    plan.check_reachable(["nvfp4", "mxfp8"], [4.03125])  # exactly the bound: a model of whole tiles fits it
+    with pytest.raises(
+        ValueError, match=f"^{expected}: no plan fits \\(in the parameters cell of report\\)$"
+    ):
+        session.check_values("report", {"formats": ["nvfp4", "mxfp8"], "budgets": [0.15, 4, 6]}, {})
 
 
 def _tiny_llama(layers: int = 1, seed: int = 0):

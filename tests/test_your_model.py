@@ -213,7 +213,10 @@ def test_qlab_advise_makes_a_plan_for_a_checkpoint_folder_and_text(tmp_path, no_
     assert cli.main([*common, "--formats", "nvfp4,mxfp9"]) == 2
     assert "'mxfp9', not a recipe preset; closest: mxfp8" in capsys.readouterr().err
     assert cli.main([*common, "--formats", "nvfp4,mxfp8", "--effective-bits", "4"]) == 2
-    assert "effective_bits=4 is below the 4.0" in capsys.readouterr().err
+    # NVFP4 weights: 4-bit codes and one E4M3 scale per 16×16 tile, 4 + 8/256 bits (before any model loads)
+    assert "--effective-bits 4 is below the 4.03125 bits per weight element of the cheapest of --formats" in (
+        capsys.readouterr().err
+    )
     assert cli.main([*common, "--formats", "nvfp4", "--text", str(tmp_path / "none.txt")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -296,7 +299,7 @@ def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsy
     assert cli.main([*arguments[:2], str(tmp_path / "nowhere"), *arguments[3:]]) == 2
     assert "is neither a packaged model" in capsys.readouterr().err
     assert cli.main([*arguments[:6], "0.15,6", "--formats", "nvfp4,mxfp8"]) == 2  # a fraction, not bits
-    assert "budgets [0.15] are below the 4.03125 bits per weight element" in capsys.readouterr().err
+    assert "--effective-bits 0.15 is below the 4.03125 bits per weight element" in capsys.readouterr().err
 
 
 @pytest.mark.notebook
