@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -695,8 +696,24 @@ def _stdout_closed() -> bool:
         return False
 
 
+def _joined_negative_values(argv: list[str], options=("--budget",)) -> list[str]:
+    """``--budget -5m`` as ``--budget=-5m``: argparse reads a value that starts with "-" and is not a
+    plain number as an option and says only "expected one argument"; joined, the option's own check says
+    what is wrong with the value."""
+    joined, index = [], 0
+    while index < len(argv):
+        if argv[index] in options and index + 1 < len(argv) and re.match(r"-\.?\d", argv[index + 1]):
+            joined.append(f"{argv[index]}={argv[index + 1]}")
+            index += 2
+        else:
+            joined.append(argv[index])
+            index += 1
+    return joined
+
+
 def _main(argv: list[str] | None) -> int:
     parser = _build_parser()
+    argv = _joined_negative_values(sys.argv[1:] if argv is None else list(argv))
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

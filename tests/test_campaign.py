@@ -161,14 +161,16 @@ def test_runs_from_two_device_kinds_are_refused_unless_allowed(stored, tmp_path,
 
 
 @pytest.mark.parametrize(
-    "text, seconds", [("90s", 90), ("12m", 720), ("1.5h", 5400), ("45", 45), (" 2m ", 120)]
-)
+    "text, seconds", [("90s", 90), ("12m", 720), ("1.5h", 5400), ("45", 45), (" 2m ", 120), (".5m", 30),
+                      ("+2s", 2)]
+)  # fmt: skip
 def test_budgets_parse_to_seconds(text, seconds):
     assert campaign.parse_budget(text) == seconds
 
 
 @pytest.mark.parametrize(
-    "text, error", [("0m", ValueError), ("-1m", ValueError), ("soon", ValueError), ("", ValueError),
+    "text, error", [("0m", ValueError), ("-1m", ValueError), ("-0", ValueError), (".", ValueError),
+                    ("soon", ValueError), ("", ValueError),
                     ("12 minutes", ValueError), ("1e400", ValueError), (True, TypeError), (None, TypeError),
                     (30, TypeError)]
 )  # fmt: skip
@@ -239,6 +241,11 @@ def test_campaign_refuses_bad_input_before_any_run(monkeypatch, capsys):
         (["campaign", "02", "--runs", "1"], "has no run list"),
         (["campaign", "03", "--budget", "0s"], "budget must be more than 0"),
         (["campaign", "03", "--budget", "later"], "budget must be a duration"),
+        (
+            ["campaign", "03", "--budget", "-5m"],
+            "budget must be more than 0",
+        ),  # not argparse's "expected one"
+        (["campaign", "03", "--budget", "-.5"], "budget must be more than 0"),
         (["campaign", "03", "--runs", "0"], "--runs must be at least 1"),
         (["campaign", "03", "-p", "seeds", "0", "--runs", "1"], "seeds"),
         (["campaign", "03", "-p", "colour", "red", "--status"], "colour"),
