@@ -2,9 +2,11 @@
 
     qlab list                                   the notebooks and their parameters
     qlab run NOTEBOOK [-p NAME VALUE ...] [--smoke] [--profile P] [--timeout S] [--output PATH]
+             [--executor E] [--address A]       -p executor E (results then under runs/interactive/)
     qlab figures [--smoke] [--profile paper]    every notebook, default parameters (paper: the
                                                 notebooks with a profile, at paper scale, data/paper/)
-                 [--executor E] [--address A]   how their training runs fan out (qlab.runs)
+                 [--executor E] [--address A]   how their training runs fan out (qlab.runs); a
+                                                changed parameter, as for qlab run
     qlab sweep NOTEBOOK GRID.yaml [-p NAME VALUE ...] [-j N] [--executor serial|processes|ray] [--smoke]
     qlab campaign NOTEBOOK [--profile paper] [--budget 9m | --runs N | --status] [-p NAME VALUE ...]
                                                 a run list finished over many invocations (qlab.campaign)
@@ -123,6 +125,13 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=("cpu", "paper"),
         help="the same as -p profile PROFILE, for the notebooks with a profile parameter (paper: a GPU)",
     )
+    run.add_argument(
+        "--executor",
+        choices=("serial", "processes", "ray"),
+        help="the same as -p executor EXECUTOR: how the notebook's training runs fan out (a changed "
+        "parameter: results go under runs/interactive/)",
+    )
+    run.add_argument("--address", help="with --executor ray: a running cluster's address, e.g. auto")
 
     figures = sub.add_parser("figures", help="run every notebook with default parameters")
     figures.add_argument(
@@ -371,17 +380,24 @@ def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
     if args.smoke and params.get("smoke", True) is not True:
         raise ValueError(f"--smoke and -p smoke {params['smoke']} disagree; give smoke once")
-    if args.profile is not None:
+    for name in ("profile", "executor"):  # --profile P is -p profile P, --executor E -p executor E
+        given = getattr(args, name)
+        if given is None:
+            continue
         path = notebooks.resolve_notebook(args.notebook)
-        if "profile" not in notebooks.notebook_parameters(path):
+        if name not in notebooks.notebook_parameters(path):
             raise ValueError(
-                f"notebook {path.stem} has no profile parameter, so --profile {args.profile} cannot apply"
+                f"notebook {path.stem} has no {name} parameter, so --{name} {given} cannot apply"
             )
-        if params.get("profile", args.profile) != args.profile:
-            raise ValueError(
-                f"--profile {args.profile} and -p profile {params['profile']} disagree; give the profile once"
-            )
-        params["profile"] = args.profile
+        if params.get(name, given) != given:
+            raise ValueError(f"--{name} {given} and -p {name} {params[name]} disagree; give the {name} once")
+        params[name] = given
+    if args.address is not None:
+        from qlab.runs import check_address
+
+        if params.get("executor") != "ray":
+            raise ValueError(f"--address needs --executor ray, got --executor {params.get('executor')}")
+        os.environ["RAY_ADDRESS"] = check_address(args.address)  # read by the notebook's run_many
     stored = _stored_runs(args.notebook, params, args.smoke, args.output)
     result = notebooks.run_notebook(
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
@@ -447,12 +463,21 @@ def _cmd_figures(args) -> int:
         chosen = [path for path in chosen if "profile" in notebooks.notebook_parameters(path)]
         parameters = {"profile": args.profile}
 
+    def notebook_parameters(path: Path) -> dict:
+        """The profile, and the executor where the notebook takes one."""
+        if args.executor is not None and "executor" in notebooks.notebook_parameters(path):
+            return {**parameters, "executor": args.executor}
+        return dict(parameters)
+
     def executed_copy(path: Path) -> Path | None:
-        """Where ``qlab run`` puts this profile's executed copy (None: the defaults' own place); the
-        executor is left out, since it never changes a result."""
-        if args.profile == "cpu":
+        """Where ``qlab run`` with the same parameters puts the executed copy (None: the defaults' own
+        place). An executor is a changed parameter (a serial run's threads per run differ from a pool's,
+        and so may its last bits): its copy and results go under runs/interactive/, never over data/."""
+        chosen_parameters = notebook_parameters(path)
+        if set(chosen_parameters) <= {"profile"} and args.profile == "cpu":
             return None
-        return notebooks.output_folder(path, {**parameters, **({"smoke": True} if args.smoke else {})})[0]
+        smoke = {"smoke": True} if args.smoke else {}
+        return notebooks.output_folder(path, {**chosen_parameters, **smoke})[0]
 
     if args.address is not None:
         from qlab.runs import check_address
@@ -466,9 +491,7 @@ def _cmd_figures(args) -> int:
     for path in bar:
         bar.set_postfix_str(path.stem)
         output = executed_copy(path)
-        chosen_parameters = dict(parameters)
-        if args.executor is not None and "executor" in notebooks.notebook_parameters(path):
-            chosen_parameters["executor"] = args.executor
+        chosen_parameters = notebook_parameters(path)
         try:
             stored = _stored_runs(path, chosen_parameters, args.smoke, output)
             result = notebooks.run_notebook(

@@ -179,8 +179,12 @@ def _check_picklable(runs: list, executor: str) -> None:
 
 def check_address(address: str | None) -> str | None:
     """A Ray cluster address: None (start a local cluster), "auto", "local", "host:port" or
-    "ray://host:port"; a host:port must accept a connection (checked in 3 s)."""
-    if address is None or address in ("auto", "local"):
+    "ray://host:port"; a host:port must accept a connection (checked in 3 s), and "auto" must find a
+    running cluster the way Ray will (``$RAY_ADDRESS``, the last ``ray start``, a running GCS)."""
+    if address is None or address == "local":
+        return address
+    if address == "auto":
+        _check_a_cluster_runs()
         return address
     if not isinstance(address, str):
         raise TypeError(
@@ -200,6 +204,23 @@ def check_address(address: str | None) -> str | None:
             "and pass the address it prints, or address=None for a local cluster"
         ) from None
     return address
+
+
+def _check_a_cluster_runs() -> None:
+    """ValueError unless Ray's own search for address "auto" finds a cluster (skipped where Ray is not
+    installed, where run_many says so, or where this Ray version keeps the search elsewhere)."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+    except ImportError:
+        return
+    try:
+        get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        raise ValueError(
+            "address 'auto': no running Ray cluster found on this machine ($RAY_ADDRESS unset, no `ray "
+            "start` recorded, no Ray process running); start one with `ray start --head`, or give its "
+            "address as host:port"
+        ) from None
 
 
 # --- one run, wherever it executes -----------------------------------------------------------------

@@ -322,6 +322,65 @@ def test_figures_refuses_an_address_without_the_ray_executor(capsys):
     assert "--address needs --executor ray, got --executor None" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("profile", ["cpu", "paper"])
+def test_figures_with_an_executor_keeps_those_notebooks_results_out_of_data(profile, tmp_path, monkeypatch):
+    """A chosen executor is a changed parameter, as with qlab run -p executor (a serial run's threads per
+    run differ from a pool's): the executed copy and the results go under runs/interactive/, together."""
+    import types
+
+    calls = {}
+
+    def run_notebook(path, parameters, *, output=None, **options):
+        calls[path.stem] = (parameters, output)
+        return types.SimpleNamespace(seconds=1.0)
+
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(notebooks, "run_notebook", run_notebook)
+    monkeypatch.setattr(cli, "_record_seconds", lambda *row: pytest.fail("a wall time was recorded"))
+    monkeypatch.setattr(cli, "_campaign_complete", lambda *a: True)
+    monkeypatch.setattr(cli, "_stored_runs", lambda *a: 0)
+    assert cli.main(["figures", "--profile", profile, "--executor", "serial"]) == 0
+    assert calls
+    for stem, (parameters, output) in calls.items():
+        takes_one = "executor" in notebooks.notebook_parameters(notebooks.resolve_notebook(stem))
+        profile_part = {} if profile == "cpu" else {"profile": profile}
+        assert parameters == {**profile_part, **({"executor": "serial"} if takes_one else {})}, stem
+        if takes_one:
+            folder = tmp_path / "runs" / "interactive" / stem / "executor=serial"
+            assert output == folder / f"{stem}.ipynb", stem
+            from qlab import session
+
+            assert session.interactive_dir(stem, {"executor": "serial"}) == folder  # where the kernel writes
+        elif profile == "cpu":
+            assert output is None, stem
+
+
+def test_run_executor_is_the_executor_parameter_and_bad_combinations_are_refused(monkeypatch, capsys):
+    import types
+
+    calls = []
+
+    def run_notebook(path, parameters, **options):
+        calls.append(parameters)
+        path = notebooks.resolve_notebook(path)
+        return types.SimpleNamespace(notebook=path, output=path, results=None, seconds=1.0)
+
+    monkeypatch.setattr(notebooks, "run_notebook", run_notebook)
+    monkeypatch.setattr(cli, "_record_seconds", lambda *row: pytest.fail("a wall time was recorded"))
+    assert cli.main(["run", "02", "--executor", "serial"]) == 0
+    assert calls == [{"executor": "serial"}]
+    cases = [
+        (["06", "--executor", "serial"], "06_real_model_numerics has no executor parameter"),
+        (["02", "--executor", "serial", "-p", "executor", "ray"], "disagree; give the executor once"),
+        (["02", "--address", "auto"], "--address needs --executor ray, got --executor None"),
+        (["02", "--executor", "ray", "--address", "nowhere"], "address must be 'auto', 'host:port'"),
+    ]
+    for argv, message in cases:
+        assert cli.main(["run", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert len(calls) == 1
+
+
 def test_findings_check_reports_a_stale_readme(tmp_path, monkeypatch, capsys):
     from qlab import claims
 

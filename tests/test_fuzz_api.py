@@ -739,7 +739,7 @@ ENTRY_POINTS = {
     ),
     "runs.describe": (qlab_runs.describe, lambda: dict(run=train_config(seed=3))),
     "runs.cache_key": (qlab_runs.cache_key, lambda: dict(run=train_config(), threads=2)),
-    "runs.check_address": (qlab_runs.check_address, lambda: dict(address="auto")),
+    "runs.check_address": (qlab_runs.check_address, lambda: dict(address="local")),
     "runs.task": (qlab_runs.task, lambda: dict(function=stats.holm)),
     "runs.run_many": (
         qlab_runs.run_many,

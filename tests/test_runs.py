@@ -16,7 +16,7 @@ import run_helpers
 import torch
 
 from qlab import runs
-from qlab.runs import RunsFailed, Task, run_many, task
+from qlab.runs import RunsFailed, Task, check_address, run_many, task
 from qlab.train import TrainConfig
 
 TINY = TrainConfig(
@@ -199,6 +199,18 @@ def test_an_unreachable_ray_address_is_refused_at_once():
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.xdist_group("ray")  # no local Ray cluster of another test is running meanwhile
+def test_address_auto_without_a_running_cluster_is_refused_before_any_run(monkeypatch):
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", "/nonexistent-qlab-ray")  # where Ray records the last `ray start`
+    with pytest.raises(ValueError, match="address 'auto': no running Ray cluster found on this machine"):
+        run_many([task(pytest.fail, "ran")], executor="ray", address="auto")
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # how qlab run --address hands it to a notebook
+    with pytest.raises(ValueError, match="address 'auto': no running Ray cluster"):
+        run_many([task(pytest.fail, "ran")], executor="ray")
+
+
 def test_ray_missing_names_the_install_command(monkeypatch):
     run_helpers.hide_module(monkeypatch, "ray")
     with pytest.raises(ImportError, match=r"pip install 'qlab\[ray\]'"):
@@ -220,6 +232,7 @@ def test_ray_cluster_gives_the_serial_results_and_survives_a_killed_worker(tmp_p
         on_ray = run_many(configs, executor="ray", threads_per_run=1, progress=False)
         for a, b in zip(serial, on_ray):
             _same_train_results(a, b)
+        assert check_address("auto") == "auto"  # Ray's own search finds this running cluster
 
         with pytest.raises(RunsFailed, match="ValueError: run 2 fails on purpose") as caught:
             run_many([task(run_helpers.fail_on, v, 2) for v in range(4)], executor="ray", progress=False)
