@@ -117,8 +117,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--output",
-        help="where the executed copy goes (default runs/NAME.ipynb; with --smoke runs/smoke/, with other "
-        "-p parameters runs/interactive/NAME/...)",
+        help="where the executed copy goes (default runs/NAME.ipynb, runs/paper/NAME.ipynb for --profile "
+        "paper; with --smoke runs/smoke/, with other -p parameters runs/interactive/NAME/...)",
     )
     run.add_argument(
         "--profile",
@@ -187,8 +187,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "as fit a budget (without --budget, --runs or --status: every missing run)",
         description="A campaign finishes a notebook's run list (03, 07) over many invocations: each run is "
         "written to data/runs/ (data/paper/runs/ for --profile paper) as it finishes, so a stopped "
-        "campaign loses only the runs in flight; --smoke and -p parameters other than the defaults keep "
-        "their runs under runs/ instead. When the list is complete, the campaign names the `qlab run` "
+        "campaign loses only the runs in flight. --smoke and -p parameters that change the runs keep them "
+        "where `qlab run` with the same options writes its results (runs/smoke/, runs/interactive/, or "
+        "beside a smoke run's --output); -p executor, max_workers and allow_mixed_devices share the "
+        "committed store. When the list is complete, the campaign names the `qlab run` "
         "command that renders the notebook from the stored runs.",
     )
     camp.add_argument("notebook", help="name or number of a notebook with a run list (03, 07)")
@@ -248,9 +250,10 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument("--text", nargs="+", default=[], help="UTF-8 text files (default: Shakespeare)")
     report.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated weight formats")
     report.add_argument(
-        "--effective-bits", "--budgets", dest="budgets", default="4.5,5,6",
+        "--effective-bits", dest="budgets", default="4.5,5,6", metavar="BITS",
         help="comma-separated mean bits per weight element, scales counted: a plan each",
     )  # fmt: skip
+    report.add_argument("--budgets", dest="budgets", help=argparse.SUPPRESS)  # its earlier name
     report.add_argument(
         "--score", choices=_ScoreKinds(), default="measured", metavar="KIND",
         help="what the plans are chosen from: %(choices)s",
@@ -310,10 +313,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--recipe", help=f"keep mode: a qlab.recipe preset (default: {keep_default['recipe']})"
     )
     advise.add_argument(
-        "--keep-fraction", "--budget", dest="budget", type=float, metavar="F",
+        "--keep-fraction", dest="budget", type=float, metavar="F",
         help="keep mode: fraction of the layers (or FLOPs) to keep in high precision "
         f"(default: {keep_default['budget']:g})",
     )  # fmt: skip
+    advise.add_argument("--budget", dest="budget", type=float, help=argparse.SUPPRESS)  # its earlier name
     advise.add_argument(
         "--by", choices=("layers", "flops"),
         help=f"keep mode: what --keep-fraction counts (default: {keep_default['by']})",
@@ -403,12 +407,14 @@ def _cmd_run(args) -> int:
         args.notebook, params, smoke=args.smoke, timeout=args.timeout, output=args.output
     )
     profile = params.get("profile", "cpu")
-    level = "" if profile == "cpu" else f"{profile}/"
-    where = (
-        f"data/{level} and figures/{level}"
-        if result.results is None
-        else f"{paths.shown(result.results / 'data')} and {paths.shown(result.results / 'figures')}"
-    )
+    level = "" if profile == "cpu" else f"/{profile}"
+    folder = result.results
+    if folder is None:  # the kernel chose, as the results folder rule says
+        folder = notebooks.results_folder(
+            result.notebook, {**params, **({"smoke": True} if args.smoke else {})}, args.output
+        )
+    base = paths.ROOT if folder is None else Path(folder)
+    where = f"{paths.shown(base / 'data')}{level} and {paths.shown(base / 'figures')}{level}"
     print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
     print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")
     if not args.smoke and set(params) <= {"profile"} and result.notebook.parent == paths.NOTEBOOKS_DIR:
@@ -558,7 +564,7 @@ def campaign_list(notebook: str, parameters: dict, profile: str, output: Path | 
     params = notebooks.check_parameters(path, {**parameters, "profile": profile})
     values = {**notebooks.parameter_defaults(path), **params}
     session.check_parameters(path.stem, values)  # the rules the notebook's session.start applies
-    results_dir = notebooks.output_folder(path, params, output)[1]
+    results_dir = notebooks.results_folder(path, params, output)
     settings = {} if results_dir is None else {paths.RESULTS_ENV: str(results_dir)}
     if profile != "cpu":
         settings[paths.PROFILE_ENV] = profile

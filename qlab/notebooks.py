@@ -93,8 +93,17 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
     for p in available:
         for word in p.stem.split("_")[1:]:
             words.setdefault(word, []).append(p.stem)
+    single_word = "_" not in stem  # "04_gradient" or "gradient_norm" is closest to one whole name
+    prefix = stem.split("_", 1)[0]
+    numbered = [p.stem for p in available if not single_word and p.stem.split("_", 1)[0] == prefix.zfill(2)]
     near = (
-        [hit for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7) for hit in words[word]]
+        numbered  # "03_backward": the number names it
+        or [
+            hit
+            for word in difflib.get_close_matches(stem, list(words), n=1, cutoff=0.7)
+            for hit in words[word]
+        ]
+        * single_word
         or difflib.get_close_matches(stem, [p.stem for p in available], n=1, cutoff=0.5)
         or _title_matches(stem, available)  # "layernorm": a word of 02's title, not of its name
     )
@@ -183,6 +192,11 @@ def check_parameters(notebook: Path, parameters: dict) -> dict:
     }
     annotations = {name: info["type"] for name, info in declared.items() if info["type"]}
     session.check_values(notebook.stem, checked, annotations)
+    pair = {"budgets", "formats"}  # the rule that reads two parameters: one given, the other's default
+    if pair & set(checked) and pair <= set(declared) and not pair <= set(checked):
+        defaults = parameter_defaults(notebook)
+        both = {name: checked[name] if name in checked else defaults[name] for name in sorted(pair)}
+        session.check_values(notebook.stem, both, annotations)
     return checked
 
 
@@ -301,6 +315,23 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     elif folder is not None and changed == {"smoke": True}:
         folder = Path(output).parent  # a chosen copy keeps a smoke run's results beside it
     return Path(output), results_dir if results_dir is not None else folder
+
+
+def results_folder(path: Path, parameters: dict, output=None) -> Path | None:
+    """The folder whose data/ and figures/ a run of ``path`` with these parameters writes (None: the
+    committed ones), as ``output_folder`` chooses it or, where that leaves it to the kernel,
+    as ``qlab.session.start`` will: ``$QLAB_RESULTS_DIR`` if set, else runs/interactive/ for changed
+    parameters (a chosen executed copy with changed parameters)."""
+    from qlab import session
+
+    folder = output_folder(path, parameters, output)[1]
+    if folder is not None:
+        return folder
+    if os.environ.get(paths.RESULTS_ENV):
+        return Path(os.environ[paths.RESULTS_ENV])
+    changed = session.changed_parameters(parameters, parameter_defaults(path))
+    changed = {name: changed[name] for name in parameter_defaults(path) if name in changed}
+    return session.interactive_dir(path.stem, changed) if changed else None
 
 
 def parameter_defaults(notebook: Path) -> dict:

@@ -202,27 +202,57 @@ def test_max_runs_runs_that_many_and_status_counts_them(stored, tmp_path):
     assert "3 of 4 runs stored" in text and "1 runs left" in text
 
 
+NB03 = "03_backward_override_training_curves"
+
+
 @pytest.mark.parametrize(
-    "parameters, profile, output, command",
+    "parameters, profile, output, command, store",
     [
-        ({}, "cpu", None, "qlab run 03"),
-        ({}, "paper", None, "qlab run 03 --profile paper"),
-        ({"smoke": True}, "cpu", None, "qlab run 03 --smoke"),
+        ({}, "cpu", None, "qlab run 03", "data/runs"),
+        ({}, "paper", None, "qlab run 03 --profile paper", "data/paper/runs"),
+        ({"smoke": True}, "cpu", None, "qlab run 03 --smoke", "runs/smoke/data/runs"),
         (
             {"smoke": True, "seeds": 3, "executor": "serial"},
             "cpu",
             None,
             "qlab run 03 --smoke -p seeds 3 -p executor serial",
+            f"runs/interactive/{NB03}/smoke=True__seeds=3__executor=serial/data/runs",
         ),
-        ({"recipes": ["nvfp4", "mxfp8"]}, "cpu", None, "qlab run 03 -p recipes '[nvfp4, mxfp8]'"),
-        ({"smoke": True}, "cpu", "my runs/03.ipynb", "qlab run 03 --smoke --output 'my runs/03.ipynb'"),
+        (
+            {"recipes": ["nvfp4", "mxfp8"]},
+            "cpu",
+            None,
+            "qlab run 03 -p recipes '[nvfp4, mxfp8]'",
+            f"runs/interactive/{NB03}/recipes=--nvfp4----mxfp8--/data/runs",  # paths.point_slug
+        ),
+        (
+            {"smoke": True},
+            "cpu",
+            "my runs/03.ipynb",
+            "qlab run 03 --smoke --output 'my runs/03.ipynb'",
+            "my runs/data/runs",  # a chosen copy keeps a smoke run's results beside it
+        ),
+        (  # a chosen copy of a run with changed parameters: the kernel's session picks runs/interactive/
+            {"seeds": 3},
+            "paper",
+            "x/03.ipynb",
+            "qlab run 03 --profile paper -p seeds 3 --output x/03.ipynb",
+            f"runs/interactive/{NB03}/seeds=3/data/paper/runs",
+        ),
     ],
 )
-def test_a_complete_campaign_names_the_run_that_reads_its_store(parameters, profile, output, command):
+def test_a_complete_campaign_names_the_run_that_reads_its_store(
+    parameters, profile, output, command, store, monkeypatch, tmp_path
+):
     """The command said on completion is what `qlab run` needs to read the same store: each parameter
     that moves the store or the results folder (smoke, seeds, recipes, executor, the profile, the
-    executed copy)."""
-    listed, store = cli.campaign_list("03", parameters, profile, None if output is None else Path(output))
+    executed copy). The stores are those the results-folder rule of the running page names."""
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.chdir(tmp_path)
+    listed, found = cli.campaign_list("03", parameters, profile, None if output is None else Path(output))
+    root = paths.ROOT if store.startswith("data/") else tmp_path
+    assert Path(found).absolute() == (root / store).absolute()
     assert campaign.render_command(listed, output) == command
     import shlex
 
@@ -231,7 +261,7 @@ def test_a_complete_campaign_names_the_run_that_reads_its_store(parameters, prof
     given.update({words[i + 1]: cli._parse_value(words[i + 2]) for i, w in enumerate(words) if w == "-p"})
     rendered_profile = words[words.index("--profile") + 1] if "--profile" in words else "cpu"
     again = cli.campaign_list("03", given, rendered_profile, None if output is None else Path(output))[1]
-    assert again == store
+    assert again == found
 
 
 def test_campaign_refuses_bad_input_before_any_run(monkeypatch, capsys):

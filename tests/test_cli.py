@@ -271,6 +271,7 @@ def test_only_the_campaign_says_budget_and_the_older_option_names_still_parse():
         for name in ("advise", "report")
     }
     assert "--keep-fraction" in shown["advise"] and "--effective-bits" in shown["report"]
+    assert "--budget" not in shown["advise"] and "--budgets" not in shown["report"]
 
 
 @pytest.mark.slow
@@ -431,6 +432,13 @@ def test_a_misspelt_notebook_or_parameter_gets_a_did_you_mean(capsys):
     assert "did you mean 02_welford_vs_naive_variance?" in capsys.readouterr().err
     assert cli.main(["run", "gradient"]) == 2  # a word two notebooks' names share: both named
     assert "did you mean 01_gradient_norm_discrepancy or 04_gradient_accumulation?" in capsys.readouterr().err
+    for typed, meant in [
+        ("04_gradient", "04_gradient_accumulation"),  # the number names one
+        ("3_backwrd", "03_backward_override_training_curves"),
+        ("gradient_norm", "01_gradient_norm_discrepancy"),  # two words: the closest whole name
+    ]:
+        assert cli.main(["run", typed]) == 2
+        assert f"did you mean {meant}? " in capsys.readouterr().err, typed
     assert cli.main(["run", "zzzz"]) == 2  # no word near it: no suggestion, the list alone
     assert "did you mean" not in capsys.readouterr().err
     assert notebooks.resolve_notebook("2") == notebooks.resolve_notebook("02")  # a number without its 0

@@ -752,6 +752,7 @@ def test_a_results_table_says_the_values_every_row_shares_once(tmp_path):
         ("790.5", "790.5"),
         ("0.000123456", "0.000123456"),  # leading zeros are not significant
         ("12345678", "12345678"),  # an integer is never rounded
+        ("135475200.0", "135475200.0"),  # nor one pandas wrote as a float (an int column with gaps)
         ("nan", "nan"),
         ("1.11 (1.08–1.15)", "1.11 (1.08–1.15)"),  # text stays text
         ("", ""),
@@ -768,11 +769,13 @@ def test_a_results_table_puts_an_estimate_and_its_interval_in_one_column(tmp_pat
         "VM A,measured,0.2150001234,0.102,0.322,790.5\n"
         "VM A,fisher,,,,11.98\n"
         "VM A,other,-0.36040782928466797,-0.47,-0.25,1.0\n"
+        "VM A,tiny,1e-06,1e-07,2,3.0\n"
     )
     text = _qlab_docs().results_table(path)
     assert "| score | spearman (low–high) | seconds |" in text
     assert "| measured | 0.215 (0.102–0.322) | 790.5 |" in text and "| fisher |  | 11.98 |" in text
     assert "| other | -0.3604 (-0.47 to -0.25) | 1.0 |" in text and "spearman_low" not in text
+    assert "| tiny | 1e-06 (1e-07–2) | 3.0 |" in text  # an exponent's minus is no negative bound
 
 
 def test_no_public_docstring_falls_back_to_preformatted_text():

@@ -139,6 +139,14 @@ def test_budgets_no_model_can_reach_are_refused_in_the_callers_words():
         ValueError, match=f"^{expected}: no plan fits \\(in the parameters cell of report\\)$"
     ):
         session.check_values("report", {"formats": ["nvfp4", "mxfp8"], "budgets": [0.15, 4, 6]}, {})
+    from qlab import notebooks, paths
+
+    report = paths.NOTEBOOKS_DIR / "report_your_model.ipynb"
+    defaults = notebooks.parameter_defaults(report)
+    floor = plan.fewest_bits(defaults["formats"])
+    with pytest.raises(ValueError, match=f"^budgets 0.15 is below the {floor:g} bits .* cheapest of formats"):
+        notebooks.check_parameters(report, {"budgets": [0.15]})  # against the default formats
+    assert notebooks.check_parameters(report, {"budgets": [floor]}) == {"budgets": [floor]}
 
 
 def _tiny_llama(layers: int = 1, seed: int = 0):

@@ -346,6 +346,8 @@ def _shown_number(text: str) -> str:
     mantissa = text.lower().split("e")[0]
     if "." not in mantissa or len(re.sub(r"\D", "", mantissa).lstrip("0")) <= 6:
         return text
+    if re.fullmatch(r"-?\d+\.0*", mantissa) and "e" not in text.lower():  # 135475200.0: a whole number
+        return text
     return f"{value:.4g}"
 
 
@@ -355,7 +357,8 @@ def _with_intervals(frame):
     where the file has no interval for that row)."""
 
     def interval(low: str, high: str) -> str:
-        return f"{low} to {high}" if "-" in low + high else f"{low}–{high}"
+        negative = low.startswith("-") or high.startswith("-")  # not 1e-07's minus
+        return f"{low} to {high}" if negative else f"{low}–{high}"
 
     frame = frame.copy()
     for column in list(frame.columns):
