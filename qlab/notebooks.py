@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 KERNEL_NAME = "qlab"
 REPORT_NOTEBOOK = "report_your_model"  # qlab report's template, beside the numbered notebooks
 DEFAULT_TIMEOUT_S = 1800  # per cell
+PATH_PARAMETERS = ("model_name", "tokenizer", "text")  # parameters that may name a file or folder
 
 
 class NotebookError(RuntimeError):
@@ -240,7 +241,7 @@ def run_notebook(
     params = dict(parameters or {})
     if smoke:
         params["smoke"] = True
-    params = check_parameters(path, params)
+    params = _absolute_paths(check_parameters(path, params))
     _require_kernel()
     output, results_dir = output_folder(path, params, output, results_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -315,6 +316,20 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     elif folder is not None and changed == {"smoke": True}:
         folder = Path(output).parent  # a chosen copy keeps a smoke run's results beside it
     return Path(output), results_dir if results_dir is not None else folder
+
+
+def _absolute_paths(params: dict) -> dict:
+    """``params`` with each relative path that exists from here, in ``PATH_PARAMETERS``, made absolute:
+    the kernel runs in the executed copy's folder, where "corpus.txt" or "./my-checkpoint" is not."""
+
+    def absolute(value):
+        if isinstance(value, list):
+            return [absolute(item) for item in value]
+        if isinstance(value, str) and value and not Path(value).is_absolute() and Path(value).exists():
+            return str(Path(value).absolute())
+        return value
+
+    return {name: absolute(value) if name in PATH_PARAMETERS else value for name, value in params.items()}
 
 
 def results_folder(path: Path, parameters: dict, output=None) -> Path | None:

@@ -273,10 +273,10 @@ def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsy
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))  # the kernel runs the report
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = "someone/tiny-llama"
-    text = tmp_path / "text.txt"
-    text.write_text(TEXT)
+    (tmp_path / "text.txt").write_text(TEXT)
+    monkeypatch.chdir(tmp_path)  # a text named relative to where the command is typed, as the docs do
     out = tmp_path / "report"
-    arguments = ["report", "--model", folder, "--text", str(text), "--effective-bits", "6,8"]
+    arguments = ["report", "--model", folder, "--text", "text.txt", "--effective-bits", "6,8"]
     arguments += ["--out", str(out)]
     assert cli.main([*arguments, "--smoke"]) == 0
     assert "report on" in capsys.readouterr().out
