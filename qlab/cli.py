@@ -588,7 +588,10 @@ def _cmd_campaign(args) -> int:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     if args.smoke:
         params["smoke"] = True
-    budget = None if args.budget is None else campaign.parse_budget(args.budget)
+    try:
+        budget = None if args.budget is None else campaign.parse_budget(args.budget)
+    except ValueError as error:
+        raise ValueError(f"--{error}") from None  # "--budget must be ...", the option as typed
     if args.runs is not None and args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")
     if args.address is not None:
@@ -601,6 +604,9 @@ def _cmd_campaign(args) -> int:
     if args.status:
         print(campaign.status(run_list, store, workers=workers, output=output))
         return 0
+    if args.profile == "paper" and args.executor != "ray" and not _has_cuda():
+        print("qlab: warning: the paper profile is sized for a GPU and this machine has none; a run takes "
+              "far longer here (--status gives the rate once one has finished)", file=sys.stderr)  # fmt: skip
     state = campaign.run_campaign(
         run_list, budget_s=budget, max_runs=args.runs, executor=args.executor, max_workers=args.max_workers,
         runs_per_gpu=args.runs_per_gpu, address=args.address, store=store,
@@ -702,9 +708,19 @@ def _checkout_of(notebook) -> Path | None:
     return next((f for f in (folder, *folder.parents) if paths.is_checkout(f)), None)
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
+    except KeyboardInterrupt:
+        print("qlab: interrupted; what finished is kept (a campaign's stored runs, a sweep's complete "
+              "points): run the same command again to continue", file=sys.stderr)  # fmt: skip
+        return 130
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # a pipe of something else broke: a real error

@@ -83,6 +83,8 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
         ipynb = candidate.with_suffix(".ipynb").resolve()
         if ipynb.exists():
             return ipynb
+    if candidate.suffix in (".ipynb", ".py") and len(candidate.parts) > 1 and not candidate.exists():
+        raise ValueError(f"notebook {str(name)!r}: no such file")
     available = list_notebooks()
     stem = candidate.name.removesuffix(".ipynb").removesuffix(".py")
     number = stem.zfill(2) if stem.isdigit() else stem  # "2" is notebook 02
@@ -298,6 +300,11 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     data/<profile>/ and figures/<profile>/, where the session puts them)."""
     from qlab import session
 
+    if output is not None:  # a folder holds the copy under the notebook's name; anything else is a .ipynb
+        if Path(output).is_dir() or str(output).endswith(("/", os.sep)):
+            output = Path(output) / f"{path.stem}.ipynb"
+        elif Path(output).suffix != ".ipynb":
+            raise ValueError(f"output must name a .ipynb file or a folder, got {str(output)!r}")
     defaults = parameter_defaults(path)
     changed = session.changed_parameters(parameters, defaults)
     changed = {name: changed[name] for name in defaults if name in changed}  # the kernel's session's order

@@ -525,3 +525,40 @@ def test_a_broken_pipe_that_is_not_stdout_s_is_an_error(monkeypatch):
     monkeypatch.setattr(cli, "_cmd_list", broken)
     with pytest.raises(BrokenPipeError, match="a worker's pipe"):
         cli.main(["list"])
+
+
+def test_output_is_a_notebook_or_a_folder_and_a_missing_path_is_no_such_file(tmp_path, capsys):
+    path = notebooks.resolve_notebook("02")
+    assert notebooks.output_folder(path, {"smoke": True}, tmp_path) == (
+        tmp_path / f"{path.stem}.ipynb",
+        tmp_path,
+    )
+    assert notebooks.output_folder(path, {}, f"{tmp_path}/new/")[0] == tmp_path / "new" / f"{path.stem}.ipynb"
+    assert cli.main(["run", "02", "--smoke", "--output", str(tmp_path / "out.txt")]) == 2
+    assert "output must name a .ipynb file or a folder, got" in capsys.readouterr().err
+    assert cli.main(["run", str(tmp_path / "x.ipynb")]) == 2
+    assert f"notebook '{tmp_path / 'x.ipynb'}': no such file" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_interrupt_is_one_line_saying_what_is_kept(monkeypatch, capsys):
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main(["campaign", "03"]) == 130
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "interrupted; what finished is kept" in err
+
+
+def test_a_paper_campaign_on_a_machine_without_a_gpu_says_so(monkeypatch, capsys):
+    import types
+
+    from qlab import campaign
+
+    monkeypatch.setattr(cli, "_has_cuda", lambda: False)
+    monkeypatch.setattr(campaign, "run_campaign", lambda *a, **k: types.SimpleNamespace(complete=False))
+    assert cli.main(["campaign", "03", "--profile", "paper", "--runs", "1"]) == 0
+    assert "the paper profile is sized for a GPU and this machine has none" in capsys.readouterr().err
+    assert cli.main(["campaign", "03", "--runs", "1"]) == 0
+    assert "sized for a GPU" not in capsys.readouterr().err
