@@ -621,6 +621,12 @@ def main(args) -> int:
             formats, [args.effective_bits], argument="--effective-bits", formats_name="--formats"
         )
     device = resolve_device(args.device, argument="--device")
+    checks.integer("--top", args.top, low=1)
+    for option, target in (("--out", args.out), ("--plan-out", getattr(args, "plan_out", None))):
+        if target is not None and Path(target).is_dir():
+            raise ValueError(f"{option} must name a file to write, got the folder {target}")
+    if args.out is not None and not Path(args.out).parent.is_dir():
+        raise ValueError(f"--out {args.out}: its folder {Path(args.out).parent} does not exist")
     if args.score == "hierarchical":
         checks.integer("--expand", args.expand, low=0)
     model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)

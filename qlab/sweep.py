@@ -126,6 +126,10 @@ def run_sweep(
     checks.choice("executor", executor, EXECUTORS)
     if executor == "ray":
         address = check_address(address)
+    elif address is not None:  # refused before any point's folder is made
+        raise ValueError(
+            f"address is for the ray executor, got executor {executor!r} and address {address!r}"
+        )
     path = resolve_notebook(notebook)
     grid = load_grid(grid_file)
     fixed = {} if parameters is None else parameters

@@ -247,6 +247,12 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
         (["--formats", "mxfp8", "--effective-bits", "0"], "--effective-bits must be a finite number > 0"),
         # MXFP8's cheapest layer: 8-bit codes and one 8-bit E8M0 scale per 32 of them
         (["--formats", "mxfp8,bf16", "--effective-bits", "8.2"], "below the 8.25 bits per weight element"),
+        (["--top", "0"], "--top must be an int ≥ 1, got 0"),
+        (["--out", "nowhere-qlab/t.csv"], "--out nowhere-qlab/t.csv: its folder nowhere-qlab does not exist"),
+        (
+            ["--formats", "nvfp4", "--plan-out", "."],
+            "--plan-out must name a file to write, got the folder .",
+        ),
     ],
 )
 def test_advise_refuses_the_other_modes_options_before_loading_a_model(argv, message, monkeypatch, capsys):
@@ -315,6 +321,14 @@ def test_sweep_refuses_an_unreachable_ray_address_before_running_anything(tiny, 
     grid.write_text("a: [1]\n")
     assert cli.main(["sweep", str(tiny), str(grid), "--executor", "ray", "--address", "127.0.0.1:9"]) == 2
     assert "no Ray cluster answers there" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sweep_refuses_an_address_without_the_ray_executor_and_makes_no_folder(tiny, tmp_path, capsys):
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [1]\n")
+    assert cli.main(["sweep", str(tiny), str(grid), "--address", "auto"]) == 2
+    assert "address is for the ray executor, got executor 'serial'" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
