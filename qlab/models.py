@@ -297,7 +297,8 @@ def checkpoint_folder_or_tokenizer(name: str) -> Path:
     raise ValueError(f"tokenizer {str(name)!r} must be a folder holding a tokenizer or a cached hub id")
 
 
-def _read_text(path) -> str:
+def read_text(path) -> str:
+    """The text of a UTF-8 file that holds some; ValueError naming the path otherwise."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"text file {str(path)!r} does not exist")
@@ -336,7 +337,7 @@ def text_batches(
     checks.integer("count", count, low=1, high=2**20)
     checks.integer("held_out", held_out, low=0, high=2**20)
     checks.seed("seed", seed)
-    text = "\n".join(_read_text(path) for path in files)
+    text = "\n".join(read_text(path) for path in files)
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     windows = len(ids) // tokens
     wanted = (count + held_out) * batch_size

@@ -154,7 +154,13 @@ def _plan_format(name, value):
 
 
 def _text_file(name, value):
+    from qlab.models import read_text
+
     paths.existing_file(name, value, "UTF-8 text file")
+    try:
+        read_text(value)  # before a kernel starts: a file that is not UTF-8, or holds no text
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
 
 
 def _fraction(name, value):

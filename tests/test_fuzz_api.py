@@ -1446,7 +1446,7 @@ NOT_GENERATED = {
     "checkpoints and text read from files: built, saved and read in tests/test_your_model.py (folders, a "
     "hub cache, no network, non-UTF-8 and short text)": """
         models.load_any models.checkpoint_folder models.checkpoint_folder_or_tokenizer models.model_kind
-        models.text_batches advisor.plan_batches""",
+        models.text_batches models.read_text advisor.plan_batches""",
     "the advisor's argument checks, reached through layer_sensitivity, group_sensitivity and the plan's "
     "score functions above": """
         advisor.check_measurement advisor.check_layers""",

@@ -170,6 +170,13 @@ def test_text_windows_are_disjoint_drawn_by_seed_and_short_text_says_how_many_it
         models.text_batches(tokenizer, blank)
     with pytest.raises(ValueError, match="does not exist"):
         models.text_batches(tokenizer, tmp_path / "missing.txt")
+    from qlab import notebooks, paths
+
+    report = paths.NOTEBOOKS_DIR / "report_your_model.ipynb"  # checked before a kernel starts
+    with pytest.raises(ValueError, match=r"^text\[1\]: text file .* is not UTF-8: byte 3 is 0xe9"):
+        notebooks.check_parameters(report, {"text": [str(path), str(latin1)]})
+    with pytest.raises(ValueError, match=r"^text\[0\]: text file .* holds no text"):
+        notebooks.check_parameters(report, {"text": [str(blank)]})
 
 
 def test_qlab_advise_makes_a_plan_for_a_checkpoint_folder_and_text(tmp_path, no_network, capsys, monkeypatch):
