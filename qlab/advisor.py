@@ -622,6 +622,15 @@ def main(args) -> int:
         )
     device = resolve_device(args.device, argument="--device")
     checks.integer("--top", args.top, low=1)
+    sizes = [
+        ("--batches", args.batches, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--tokens", args.tokens, 2),
+    ]
+    if formats is not None:  # plan mode's
+        sizes.append(("--held-out", args.held_out, 0))
+    for option, value, low in sizes:
+        checks.integer(option, value, low=low)
     for option, target in (("--out", args.out), ("--plan-out", getattr(args, "plan_out", None))):
         if target is not None and Path(target).is_dir():
             raise ValueError(f"{option} must name a file to write, got the folder {target}")

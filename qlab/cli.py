@@ -672,6 +672,16 @@ def _cmd_report(args) -> int:
         formats = None  # run_report's check of every parameter names the bad format
     if formats:
         check_reachable(formats, parameters["budgets"], argument="--effective-bits", formats_name="--formats")
+    report = paths.NOTEBOOKS_DIR / f"{notebooks.REPORT_NOTEBOOK}.ipynb"
+    try:
+        notebooks.check_parameters(report, parameters)
+    except (TypeError, ValueError) as error:  # name the option typed, not the notebook's parameter
+        options = {"model_name": "--model", "budgets": "--effective-bits", "formats": "--formats"}
+        name = re.match(r"\w+", str(error))
+        if name and name[0] in parameters:
+            shown = options.get(name[0], "--" + name[0].replace("_", "-"))
+            raise type(error)(shown + str(error)[len(name[0]) :]) from None
+        raise
     folder = Path(args.out) if args.out else paths.RUNS_DIR / "report" / slug(args.model)
     result, html = notebooks.run_report(parameters, folder, smoke=args.smoke, timeout=args.timeout)
     print(f"report on {args.model}: ok in {result.seconds:.1f} s")

@@ -248,6 +248,8 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
         # MXFP8's cheapest layer: 8-bit codes and one 8-bit E8M0 scale per 32 of them
         (["--formats", "mxfp8,bf16", "--effective-bits", "8.2"], "below the 8.25 bits per weight element"),
         (["--top", "0"], "--top must be an int ≥ 1, got 0"),
+        (["--batches", "0"], "--batches must be an int ≥ 1, got 0"),
+        (["--formats", "nvfp4", "--tokens", "1"], "--tokens must be an int ≥ 2, got 1"),
         (["--out", "nowhere-qlab/t.csv"], "--out nowhere-qlab/t.csv: its folder nowhere-qlab does not exist"),
         (
             ["--formats", "nvfp4", "--plan-out", "."],
@@ -322,6 +324,20 @@ def test_sweep_refuses_an_unreachable_ray_address_before_running_anything(tiny, 
     assert cli.main(["sweep", str(tiny), str(grid), "--executor", "ray", "--address", "127.0.0.1:9"]) == 2
     assert "no Ray cluster answers there" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--held-out", "0"], "--held-out must be an int ≥ 1, got 0"),
+        (["--model", "./nope"], "--model: model './nope' is neither a packaged model"),
+        (["--effective-bits", "0.15"], "--effective-bits 0.15 is below"),
+    ],
+)
+def test_report_names_the_option_typed_before_a_kernel_starts(argv, message, monkeypatch, capsys):
+    monkeypatch.setattr(notebooks, "run_report", lambda *a, **k: pytest.fail("the report ran"))
+    assert cli.main(["report", *argv]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_sweep_refuses_an_address_without_the_ray_executor_and_makes_no_folder(tiny, tmp_path, capsys):
