@@ -531,6 +531,9 @@ def _campaign_complete(path: Path, args, output: Path) -> bool:
 
 
 def _cmd_sweep(args) -> int:
+    from qlab import checks
+
+    checks.integer("-j", args.jobs, low=1)
     outcomes = sweep.run_sweep(
         args.notebook,
         args.grid,

@@ -345,6 +345,8 @@ def test_sweep_refuses_an_address_without_the_ray_executor_and_makes_no_folder(t
     grid.write_text("a: [1]\n")
     assert cli.main(["sweep", str(tiny), str(grid), "--address", "auto"]) == 2
     assert "address is for the ray executor, got executor 'serial'" in capsys.readouterr().err
+    assert cli.main(["sweep", str(tiny), str(grid), "-j", "0"]) == 2
+    assert "-j must be an int ≥ 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
 
