@@ -655,7 +655,7 @@ class _ScoreKinds(Sequence):
 
 
 def _cmd_report(args) -> int:
-    from qlab.plan import check_reachable, plan_formats, slug
+    from qlab.plan import slug
 
     def numbers(text: str, option: str) -> list[float]:
         try:
@@ -669,12 +669,6 @@ def _cmd_report(args) -> int:
         expand=args.expand, batches=args.batches, held_out=args.held_out, batch_size=args.batch_size,
         tokens=args.tokens, seed=args.seed, dtype=args.dtype, device=args.device,
     )  # fmt: skip
-    try:
-        formats = plan_formats(parameters["formats"])
-    except ValueError:
-        formats = None  # run_report's check of every parameter names the bad format
-    if formats:
-        check_reachable(formats, parameters["budgets"], argument="--effective-bits", formats_name="--formats")
     report = paths.NOTEBOOKS_DIR / f"{notebooks.REPORT_NOTEBOOK}.ipynb"
     try:
         notebooks.check_parameters(report, parameters)
