@@ -534,6 +534,7 @@ def _cmd_sweep(args) -> int:
     from qlab import checks
 
     checks.integer("-j", args.jobs, low=1)
+    sweep.load_grid(args.grid, argument="grid")  # its errors name the argument typed, not run_sweep's
     outcomes = sweep.run_sweep(
         args.notebook,
         args.grid,

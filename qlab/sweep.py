@@ -26,10 +26,11 @@ METRICS_FILE = "metrics.json"
 ERROR_FILE = "error.txt"
 
 
-def load_grid(path: str | os.PathLike) -> dict[str, list]:
-    """Read a grid: a YAML mapping of parameter name -> list of values (a scalar means one value)."""
-    path = paths.existing_file("path", path, "grid file")
-    where = f"grid file path={paths.shown(path)}"
+def load_grid(path: str | os.PathLike, argument: str = "path") -> dict[str, list]:
+    """Read a grid: a YAML mapping of parameter name -> list of values (a scalar means one value).
+    Errors name ``argument`` (what the caller typed: ``grid`` on the command line)."""
+    path = paths.existing_file(argument, path, "grid file")
+    where = f"{argument} {paths.shown(path)}"
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
@@ -131,7 +132,7 @@ def run_sweep(
             f"address is for the ray executor, got executor {executor!r} and address {address!r}"
         )
     path = resolve_notebook(notebook)
-    grid = load_grid(grid_file)
+    grid = load_grid(grid_file, argument="grid_file")
     fixed = {} if parameters is None else parameters
     if not isinstance(fixed, dict) or not all(isinstance(name, str) for name in fixed):
         raise TypeError(

@@ -151,6 +151,16 @@ def test_sweep_rejects_bad_grids_before_running_anything(tiny, tmp_path, text, m
     assert not (tmp_path / "runs").exists()
 
 
+def test_sweep_names_its_grid_argument_when_the_file_is_missing_or_unreadable(tiny, tmp_path, capsys):
+    assert cli.main(["sweep", str(tiny), str(tmp_path / "absent.yaml")]) == 2
+    assert "grid must name an existing grid file" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("label: [\xe9]\n".encode("latin-1"))
+    assert cli.main(["sweep", str(tiny), str(latin1)]) == 2
+    assert f"grid {latin1} is not UTF-8 text" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_grid_points_product_and_slugs():
     points = sweep.grid_points({"a": [1, 2], "b": ["x", "y z"]})
     assert points == [{"a": 1, "b": "x"}, {"a": 1, "b": "y z"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y z"}]

@@ -1000,7 +1000,7 @@ def test_cli_unknown_key(capsys):
 def test_train_takes_run_s_parameter_syntax_and_the_old_one_with_a_deprecation_line(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(
-        "qlab.train.config.load_config", lambda path, overrides: seen.append(overrides) or 1 / 0
+        "qlab.train.config.load_config", lambda path, overrides, argument: seen.append(overrides) or 1 / 0
     )
     with pytest.raises(ZeroDivisionError):  # stopped right after the configuration is assembled
         launch.main(["-p", "lr", "0.01", "-p", "recipe", "nvfp4"])
@@ -1020,9 +1020,16 @@ def test_cli_config_that_is_not_a_mapping(tmp_path, capsys, text):
     assert "expected a YAML mapping" in err and str(path) in err
 
 
-def test_cli_missing_config_file(tmp_path, capsys):
+def test_cli_missing_or_unreadable_config_file_names_the_option(tmp_path, capsys):
     assert cli.main(["train", "--config", str(tmp_path / "absent.yaml")]) == 2
-    assert "absent.yaml" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--config must name an existing config file" in err and "absent.yaml" in err
+    assert cli.main(["train", "--config", str(tmp_path)]) == 2
+    assert "--config must be a config file, got the folder" in capsys.readouterr().err
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("recipe: \xe9\n".encode("latin-1"))  # not UTF-8: refused, never read as a replacement
+    assert cli.main(["train", "--config", str(latin1)]) == 2
+    assert f"--config {latin1} is not UTF-8 text" in capsys.readouterr().err
 
 
 def test_cli_trains_one_process(tmp_path, capsys):

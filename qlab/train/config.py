@@ -363,17 +363,25 @@ class TrainConfig:
         return self.from_dict({**self.to_dict(), **changes})
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
-    """A TrainConfig from a YAML file (optional) with ``key=value`` overrides (values parsed as YAML)."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | dict | None = None, argument: str = "path"
+) -> TrainConfig:
+    """A TrainConfig from a YAML file (optional) with ``key=value`` overrides (values parsed as YAML).
+    Errors about the file name ``argument`` (what the caller typed: ``--config`` on the command line)."""
     from qlab import paths
 
     data = {}
     if path is not None:
-        path = paths.existing_file("path", path, "config file")
-        loaded = _safe_yaml(path.read_text(errors="replace"), f"config file path={path}")
+        path = paths.existing_file(argument, path, "config file")
+        where = f"{argument} {paths.shown(path)}"
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{where} is not UTF-8 text: {err}") from None
+        loaded = _safe_yaml(text, where)
         if loaded is not None and not isinstance(loaded, dict):
             kind = type(loaded).__name__
-            raise ValueError(f"config file path={path}: expected a YAML mapping of config keys, got {kind}")
+            raise ValueError(f"{where}: expected a YAML mapping of config keys, got {kind}")
         data.update(loaded or {})
     if isinstance(overrides, dict):
         data.update(overrides)

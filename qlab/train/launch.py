@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print("qlab train: --set KEY=VALUE is deprecated; write -p KEY VALUE", file=sys.stderr)
     overrides = [f"{name}={value}" for name, value in getattr(args, "parameter", [])] + list(args.overrides)
     overrides += [f"nproc={args.nproc}"] if args.nproc is not None else []
-    config = load_config(args.config, overrides)  # errors surface before any process starts
+    config = load_config(args.config, overrides, argument="--config")  # errors come before a process starts
     under_torchrun = "LOCAL_RANK" in os.environ
     if config.nproc > 1 and not under_torchrun:
         command = [
