@@ -724,6 +724,24 @@ def test_the_gpu_glance_keeps_each_part_s_latest_run_and_a_kernel_s_fastest_sett
     assert qlab_docs.gpu_at_a_glance(tmp_path) == "`benchmarks/results/` holds no GPU rows.\n"
 
 
+def test_the_scoring_time_sentence_is_the_latest_run_on_the_largest_model(tmp_path):
+    qlab_docs = _qlab_docs()
+    path = tmp_path / "bench_plan.csv"
+    path.write_text(
+        "machine,date,commit,model,score,layers,calibration_batches,tokens,seconds\n"
+        "VM A,2026-01-01,aaa,big,measured,200,3,64,790.5\n"  # an older run: left out
+        "VM A,2026-01-02,bbb,big,measured,200,3,64,1756.81\n"
+        "VM A,2026-01-02,bbb,big,measured,200,3,64,1756.81\n"  # one row per budget: said once
+        "VM A,2026-01-02,bbb,big,approximated,200,3,64,27.65\n"
+        "VM A,2026-01-02,bbb,small,measured,37,3,64,31.92\n"  # a smaller model: left out
+    )
+    text = qlab_docs.scoring_time(path)
+    assert "big's 200 layers on 3 calibration batches of 64 tokens" in text
+    assert "measured 1757 s, approximated 28 s (VM A, 2026-01-02" in text
+    assert "790" not in text and "small" not in text
+    assert "no timed run" in qlab_docs.scoring_time(tmp_path / "absent.csv")
+
+
 def test_a_results_table_says_the_values_every_row_shares_once(tmp_path):
     """A column of one value is said above the table, not repeated down it; a file of one row, or
     columns that vary, stay in the table."""
@@ -754,6 +772,9 @@ def test_a_results_table_says_the_values_every_row_shares_once(tmp_path):
         ("12345678", "12345678"),  # an integer is never rounded
         ("135475200.0", "135475200.0"),  # nor one pandas wrote as a float (an int column with gaps)
         ("nan", "nan"),
+        ("0.9999999403953552", "0.9999999"),  # float32's value below 1: never "1", which reads as exact
+        ("-1.0000001192092896", "-1.0000001"),
+        ("2.00001234567", "2.00001"),  # digits are added only until the value no longer reads whole
         ("1.11 (1.08–1.15)", "1.11 (1.08–1.15)"),  # text stays text
         ("", ""),
     ],

@@ -348,7 +348,10 @@ def _shown_number(text: str) -> str:
         return text
     if re.fullmatch(r"-?\d+\.0*", mantissa) and "e" not in text.lower():  # 135475200.0: a whole number
         return text
-    return f"{value:.4g}"
+    digits = 4
+    while digits < 17 and float(f"{value:.{digits}g}") == round(value) != value:
+        digits += 1  # 0.9999999403953552 is 0.99999994, never "1", which would read as exact
+    return f"{value:.{digits}g}"
 
 
 def _with_intervals(frame):
@@ -409,9 +412,15 @@ def benchmark_results() -> None:
     for path in paths:
         _write(OUT / "results" / f"{path.stem}.md", results_table(path))
         lines += [f"## `{path.name}`", "", f"```{{include}} results/{path.stem}.md", "```", ""]
-    _write(OUT / "results" / "gpu_at_a_glance.md", gpu_at_a_glance(ROOT / "benchmarks" / "results"))
+    folder = ROOT / "benchmarks" / "results"
+    sentences = {
+        "gpu_at_a_glance.md": gpu_at_a_glance(folder),
+        "scoring_time.md": scoring_time(folder / "bench_plan.csv"),
+    }
+    for name, text in sentences.items():
+        _write(OUT / "results" / name, text)
     stale = set((OUT / "results").glob("*.md")) - {OUT / "results" / f"{p.stem}.md" for p in paths}
-    stale -= {OUT / "results" / "gpu_at_a_glance.md"}
+    stale -= {OUT / "results" / name for name in sentences}
     for path in stale:
         path.unlink()
     _write(OUT / "benchmark_results.md", "\n".join(lines))
@@ -441,6 +450,27 @@ def _gpu_rows(path: Path, needed: list[str], optional: list[str]):
 
 def _measured(rows) -> list[str]:
     return [f"{date} · {commit}" for date, commit in zip(rows.date, rows.commit)]
+
+
+def scoring_time(path: Path) -> str:
+    """One sentence from ``bench_plan.csv``: how long each score kind took in its latest run on the
+    largest packaged model, with the machine, the layers and the calibration batches it was timed on."""
+    import pandas as pd
+
+    if not path.exists():
+        return "`benchmarks/results/bench_plan.csv` holds no timed run yet.\n"
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+    frame = frame[frame.layers.astype(int) == frame.layers.astype(int).max()]
+    last = frame[(frame.date == frame.date.iloc[-1]) & (frame.commit == frame.commit.iloc[-1])]
+    last = last.drop_duplicates("score")
+    row = last.iloc[0]
+    times = ", ".join(f"{r.score} {float(r.seconds):.0f} s" for r in last.itertuples())
+    return _braces(
+        f"Scoring is the slow part, and it grows with layers × formats × batches. `benchmarks/bench_plan.py`"
+        f" scored {row.model}'s {row.layers} layers on {row.calibration_batches} calibration batches of "
+        f"{row.tokens} tokens in these times per score kind: {times} ({row.machine}, {row.date}, "
+        f"`bench_plan.csv`).\n"
+    )
 
 
 def gpu_at_a_glance(folder: Path) -> str:
