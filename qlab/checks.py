@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import yaml
+
 if TYPE_CHECKING:  # torch is imported where a check needs it: the CLI needs these checks, not torch
     import torch
 
@@ -98,6 +100,27 @@ def boolean(name: str, value) -> bool:
     if type(value).__name__ == "bool_":  # numpy.bool_, without importing numpy
         return bool(value)
     raise TypeError(f"{name} must be a bool (True or False), got {shown(value)}")
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """The safe loader with YAML 1.2's booleans: only true and false (True, TRUE, False, FALSE)."""
+
+
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+
+
+def yaml_value(text: str):
+    """``text`` read as YAML the way qlab reads every file and ``-p`` value: the safe loader (no tag
+    constructs an object) with YAML 1.2's booleans, so only true and false are bools and yes, no, on
+    and off stay words, which a bool parameter refuses by name instead of reading "no" as False.
+    Raises yaml.YAMLError for text that is not YAML."""
+    return yaml.load(text, Loader=_YamlLoader)
 
 
 def choice(name: str, value, choices: Sequence):

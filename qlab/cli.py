@@ -34,13 +34,13 @@ from pathlib import Path
 
 import yaml
 
-from qlab import notebooks, paths, sweep
+from qlab import checks, notebooks, paths, sweep
 from qlab.notebooks import DEFAULT_TIMEOUT_S, NotebookError
 
 
 def _parse_value(text: str):
     try:
-        return yaml.safe_load(text)
+        return checks.yaml_value(text)
     except yaml.YAMLError:
         return text
 

@@ -32,7 +32,7 @@ def load_grid(path: str | os.PathLike, argument: str = "path") -> dict[str, list
     path = paths.existing_file(argument, path, "grid file")
     where = f"{argument} {paths.shown(path)}"
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = checks.yaml_value(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise ValueError(f"{where} is not UTF-8 text: {err}") from None
     except yaml.YAMLError as err:

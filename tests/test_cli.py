@@ -219,6 +219,36 @@ def test_yaml_loader_is_safe(tmp_path):
         sweep.load_grid(grid)
 
 
+@pytest.mark.parametrize(
+    "text, value",
+    [  # YAML 1.2's booleans: only true and false; YAML 1.1's yes, no, on and off stay the words typed
+        ("true", True),
+        ("False", False),
+        ("no", "no"),
+        ("yes", "yes"),
+        ("off", "off"),
+        ("[on, true, 1e6, 3]", ["on", True, "1e6", 3]),
+        ("'no'", "no"),
+    ],
+)
+def test_p_values_are_yaml_with_only_true_and_false_for_booleans(text, value):
+    parsed = cli._parse_value(text)
+    assert parsed == value and [type(v) for v in [parsed]] == [type(value)]
+
+
+def test_a_bool_parameter_refuses_no_by_name_and_a_str_parameter_keeps_it(tiny, tmp_path, capsys):
+    assert cli.main(["run", str(tiny), "-p", "fail", "no", "--smoke"]) == 2
+    assert "fail must be a bool (True or False), got 'no' (str)" in capsys.readouterr().err
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("label: [no, off]\n")  # words, not two Falses (which a str parameter would refuse)
+    assert cli.main(["sweep", str(tiny), str(grid), "--smoke"]) == 0
+    for word in ("no", "off"):
+        record = json.loads(
+            (tmp_path / "runs" / "smoke" / "99_tiny" / f"label={word}" / "metrics.json").read_text()
+        )
+        assert record["metrics"]["label"] == word
+
+
 def test_list_and_resolve(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out

@@ -1399,8 +1399,9 @@ NOT_GENERATED = {
         checks.generator checks.seed checks.tensor checks.same_device checks.allocatable
         checks.all_finite checks.holds_nan checks.floating_dtype checks.module checks.matches
         checks.patterns checks.batches checks.frame_columns checks.names checks.closest
-        checks.patterns_match session.check_values session.check_parameters paths.existing_file
-        paths.existing_folder paths.writable_file paths.result_name models.check_token_ids""",
+        checks.patterns_match checks.yaml_value session.check_values session.check_parameters
+        paths.existing_file paths.existing_folder paths.writable_file paths.result_name
+        models.check_token_ids""",
     "kernel launchers and fast paths behind qlab.kernels' checked entry points (tests/test_kernels.py)": """
         kernels.triton_available kernels.cpu_qdq.available kernels.cpu_qdq.covers kernels.cpu_qdq.qdq
         kernels.cpu_qdq.stochastic_noise kernels.cpu_qdq.draws_like_torch kernels.cpu_qdq.tensor_stats

@@ -401,7 +401,7 @@ def load_config(
 def _safe_yaml(text: str, where: str):
     """YAML through the safe loader (no tags that construct objects); errors name ``where``."""
     try:
-        return yaml.safe_load(text)
+        return checks.yaml_value(text)
     except yaml.YAMLError as err:
         detail = " ".join(str(err).split())
         raise ValueError(f"{where}: not valid (safe) YAML: {detail}") from None
