@@ -382,6 +382,8 @@ def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
 
 def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
+    if args.output is not None:
+        notebooks.check_output(args.output, "--output")
     if args.smoke and params.get("smoke", True) is not True:
         raise ValueError(f"--smoke and -p smoke {params['smoke']} disagree; give smoke once")
     for name in ("profile", "executor"):  # --profile P is -p profile P, --executor E -p executor E
@@ -592,6 +594,8 @@ def _cmd_campaign(args) -> int:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     if args.smoke:
         params["smoke"] = True
+    if args.output is not None:
+        notebooks.check_output(args.output, "--output")
     try:
         budget = None if args.budget is None else campaign.parse_budget(args.budget)
     except ValueError as error:

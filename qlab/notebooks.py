@@ -290,6 +290,19 @@ def run_notebook(
     return RunResult(path, output, time.perf_counter() - start, params, results_dir)
 
 
+def check_output(output, argument: str = "output") -> Path | None:
+    """``output`` as the Path of an executed copy (a .ipynb file), or None where it names a folder
+    (one that exists, or a path ending in a slash), which holds the copy under the notebook's name;
+    anything else is refused, naming ``argument``."""
+    if not isinstance(output, (str, os.PathLike)):
+        raise TypeError(f"{argument} must be a path (str or os.PathLike), got {checks.shown(output)}")
+    if Path(output).is_dir() or str(output).endswith(("/", os.sep)):
+        return None
+    if Path(output).suffix != ".ipynb":
+        raise ValueError(f"{argument} must name a .ipynb file or a folder, got {str(output)!r}")
+    return Path(output)
+
+
 def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -> tuple[Path, Path | None]:
     """(executed copy, folder of data/ and figures/) for a run of the notebook at ``path`` with these
     parameters, unless the caller chose them. One rule, however the parameters were given (``smoke=True``
@@ -300,11 +313,9 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
     data/<profile>/ and figures/<profile>/, where the session puts them)."""
     from qlab import session
 
-    if output is not None:  # a folder holds the copy under the notebook's name; anything else is a .ipynb
-        if Path(output).is_dir() or str(output).endswith(("/", os.sep)):
+    if output is not None:  # a folder holds the copy under the notebook's name
+        if check_output(output) is None:
             output = Path(output) / f"{path.stem}.ipynb"
-        elif Path(output).suffix != ".ipynb":
-            raise ValueError(f"output must name a .ipynb file or a folder, got {str(output)!r}")
     defaults = parameter_defaults(path)
     changed = session.changed_parameters(parameters, defaults)
     changed = {name: changed[name] for name in defaults if name in changed}  # the kernel's session's order

@@ -607,7 +607,11 @@ def test_output_is_a_notebook_or_a_folder_and_a_missing_path_is_no_such_file(tmp
     )
     assert notebooks.output_folder(path, {}, f"{tmp_path}/new/")[0] == tmp_path / "new" / f"{path.stem}.ipynb"
     assert cli.main(["run", "02", "--smoke", "--output", str(tmp_path / "out.txt")]) == 2
-    assert "output must name a .ipynb file or a folder, got" in capsys.readouterr().err
+    assert "--output must name a .ipynb file or a folder, got" in capsys.readouterr().err
+    assert cli.main(["campaign", "03", "--status", "--output", str(tmp_path / "out.txt")]) == 2
+    assert "--output must name a .ipynb file or a folder, got" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^output must name a .ipynb file"):  # Python names its argument
+        notebooks.output_folder(path, {}, tmp_path / "out.txt")
     assert cli.main(["run", str(tmp_path / "x.ipynb")]) == 2
     assert f"notebook '{tmp_path / 'x.ipynb'}': no such file" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
