@@ -224,8 +224,13 @@ def _build_parser() -> argparse.ArgumentParser:
     camp.add_argument(
         "-j", "--max-workers", type=int, help="runs at once (default: cores, or runs-per-GPU × GPUs)"
     )
+    from qlab.runs import RUNS_PER_GPU
+
     camp.add_argument(
-        "--runs-per-gpu", type=int, help="runs packed on one GPU (default qlab.runs.RUNS_PER_GPU)"
+        "--runs-per-gpu",
+        type=int,
+        default=RUNS_PER_GPU,
+        help="runs packed on one GPU (qlab.runs.RUNS_PER_GPU)",
     )
 
     found = sub.add_parser("findings", help="regenerate README.md's findings table from data/*_claims.csv")
@@ -602,6 +607,9 @@ def _cmd_campaign(args) -> int:
         raise ValueError(f"--{error}") from None  # "--budget must be ...", the option as typed
     if args.runs is not None and args.runs < 1:
         raise ValueError(f"--runs must be at least 1, got {args.runs}")
+    checks.integer("--runs-per-gpu", args.runs_per_gpu, low=1)
+    if args.max_workers is not None:
+        checks.integer("-j", args.max_workers, low=1)
     if args.address is not None:
         if args.executor != "ray":
             raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")

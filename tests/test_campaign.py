@@ -277,6 +277,11 @@ def test_campaign_refuses_bad_input_before_any_run(monkeypatch, capsys):
         ),  # not argparse's "expected one"
         (["campaign", "03", "--budget", "-.5"], "budget must be more than 0"),
         (["campaign", "03", "--runs", "0"], "--runs must be at least 1"),
+        (
+            ["campaign", "03", "--runs-per-gpu", "0", "--runs", "1"],
+            "--runs-per-gpu must be an int ≥ 1, got 0",
+        ),
+        (["campaign", "03", "-j", "0", "--runs", "1"], "-j must be an int ≥ 1, got 0"),
         (["campaign", "03", "-p", "seeds", "0", "--runs", "1"], "seeds"),
         (["campaign", "03", "-p", "colour", "red", "--status"], "colour"),
         (["campaign", "03", "--address", "auto", "--status"], "--address needs --executor ray"),
