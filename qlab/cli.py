@@ -818,6 +818,8 @@ def _main(argv: list[str] | None) -> int:
         "train": _cmd_train,
     }[args.command]
     try:
+        if getattr(args, "timeout", None) is not None:  # run, figures, sweep, report: before any notebook
+            checks.integer("--timeout", args.timeout, low=1)
         return command(args)
     except (NotebookError, FloatingPointError) as err:  # a notebook failed; training diverged
         print(f"qlab: {err}", file=sys.stderr)

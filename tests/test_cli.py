@@ -249,6 +249,15 @@ def test_a_bool_parameter_refuses_no_by_name_and_a_str_parameter_keeps_it(tiny, 
         assert record["metrics"]["label"] == word
 
 
+@pytest.mark.parametrize(
+    "argv", [["run", "02"], ["figures", "--smoke"], ["sweep", "02", "grid.yaml"], ["report"]]
+)
+def test_timeout_is_refused_by_its_option_name_before_any_notebook(argv, monkeypatch, capsys):
+    monkeypatch.setattr(notebooks, "run_notebook", lambda *a, **k: pytest.fail("a notebook started"))
+    assert cli.main([*argv, "--timeout", "0"]) == 2
+    assert capsys.readouterr().err == "qlab: error: --timeout must be an int ≥ 1, got 0\n"
+
+
 def test_list_and_resolve(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
