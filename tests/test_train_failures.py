@@ -180,6 +180,13 @@ def test_bad_overrides_are_one_line_and_exit_2(capsys, override, expected):
     assert expected in _one_line(capsys)
 
 
+def test_nproc_is_refused_by_the_option_typed(capsys):
+    assert cli.main(["train", "--nproc", "0"]) == 2
+    assert _one_line(capsys) == "qlab: error: --nproc must be an int ≥ 1, got 0"
+    assert cli.main(["train", "-p", "nproc", "0"]) == 2
+    assert _one_line(capsys) == "qlab: error: nproc must be an int ≥ 1, got 0"
+
+
 def test_the_old_set_syntax_without_a_value_says_what_it_expected(capsys):
     assert cli.main(["train", "--set", "lr"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

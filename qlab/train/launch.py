@@ -37,12 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Validate the config, then train here (one process or already under torchrun) or launch torchrun."""
+    from qlab import checks
     from qlab.train.config import load_config
 
     if args.overrides:
         print("qlab train: --set KEY=VALUE is deprecated; write -p KEY VALUE", file=sys.stderr)
     overrides = [f"{name}={value}" for name, value in getattr(args, "parameter", [])] + list(args.overrides)
-    overrides += [f"nproc={args.nproc}"] if args.nproc is not None else []
+    if args.nproc is not None:
+        checks.integer("--nproc", args.nproc, low=1)
+        overrides.append(f"nproc={args.nproc}")
     config = load_config(args.config, overrides, argument="--config")  # errors come before a process starts
     under_torchrun = "LOCAL_RANK" in os.environ
     if config.nproc > 1 and not under_torchrun:
