@@ -55,6 +55,21 @@ def without(recipe: Recipe, ingredients) -> Recipe:
     return recipe.replace(**changes)
 
 
+def with_scale_mode(recipe: Recipe, mode: str) -> Recipe:
+    """``recipe`` with every MX spec's block-scale mode set to ``mode`` (one of
+    ``scaling.MX_SCALE_MODES``): "rceil" never puts an element past the element format's largest value,
+    so beside "floor" it shows what FLOOR's saturation costs. Other specs are unchanged; the name says
+    the mode."""
+    from qlab.quantize import MXSpec
+    from qlab.scaling import MX_SCALE_MODES
+
+    recipe = _recipe(recipe)
+    checks.choice("mode", mode, MX_SCALE_MODES)
+    changes = {role: dataclasses.replace(getattr(recipe, role), mode=mode)
+               for role in ROLES if isinstance(getattr(recipe, role), MXSpec)}  # fmt: skip
+    return recipe.replace(name=f"{recipe.name}, {mode.upper()} scales", **changes)
+
+
 def uses(recipe: Recipe, ingredient: str) -> bool:
     """Whether any spec of ``recipe`` has ``ingredient`` switched on."""
     recipe = _recipe(recipe)

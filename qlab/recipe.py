@@ -214,7 +214,9 @@ def _presets() -> dict[str, dict]:
             wgrad_grad_output=NVFP4Spec(hadamard=True, rounding="stochastic"),
         ),
         # "Training LLMs with MXFP4" (Tseng et al. 2025): the forward stays in high precision; the backward
-        # GEMMs run in MXFP4 with stochastic rounding, and the wgrad operands are Hadamard-rotated first
+        # GEMMs run in MXFP4 with stochastic rounding, and the wgrad operands are Hadamard-rotated first.
+        # The paper's reference code also scales each operand by 3/4 before SR (and the output by 16/9) so
+        # that FLOOR's scale cannot saturate it; this preset does not (notebook 07 measures the difference)
         "mxfp4_training": dict(
             dgrad_grad_output=MXSpec("e2m1", rounding="stochastic"),
             dgrad_weight=MXSpec("e2m1", rounding="stochastic"),

@@ -121,3 +121,29 @@ def test_switched_off_names_the_ingredients_of_a_variant_label():
     assert ablation.switched_off("mxfp4_training", "none") == ["stochastic_rounding", "hadamard"]
     with pytest.raises(ValueError, match="no variant 'no 2D weight'"):
         ablation.switched_off("mxfp4_training", "no 2D weight")  # it has no 2-D weight tiles to remove
+
+
+def test_with_scale_mode_changes_only_the_mx_specs_scale_mode():
+    import dataclasses
+
+    from qlab.quantize import MXSpec, clipped_block_fraction
+
+    floor = get_recipe("mxfp4_training", backward_override=None)
+    rceil = ablation.with_scale_mode(floor, "rceil")
+    assert rceil.name == "mxfp4_training, RCEIL scales"
+    for role in ROLES:
+        before, after = getattr(floor, role), getattr(rceil, role)
+        if isinstance(before, MXSpec):  # the mode changed, every other field kept
+            assert after == dataclasses.replace(before, mode="rceil") and before.mode == "floor"
+        else:
+            assert after == before
+    nvfp4 = get_recipe("nvfp4", backward_override=None)
+    assert ablation.with_scale_mode(nvfp4, "rceil").replace(name="nvfp4") == nvfp4  # no MX spec
+    # amax 56 = 1.75·2⁵: FLOOR's scale 2^(5 − emax 2) = 8 puts it at 7, past E2M1's 6 (saturated);
+    # RCEIL's scale 2^⌈log₂(56/6)⌉ = 16 puts it at 3.5
+    x = torch.full((1, 32), 0.5)
+    x[0, 0] = 56.0
+    assert clipped_block_fraction(x, floor.dgrad_weight) == 1.0
+    assert clipped_block_fraction(x, rceil.dgrad_weight) == 0.0
+    with pytest.raises(ValueError, match="mode"):
+        ablation.with_scale_mode(floor, "round")

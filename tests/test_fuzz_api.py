@@ -865,6 +865,10 @@ ENTRY_POINTS = {
         ablation.without,
         lambda: dict(recipe=R.get_recipe("nvfp4"), ingredients=["hadamard", "2d_weight"]),
     ),
+    "ablation.with_scale_mode": (
+        ablation.with_scale_mode,
+        lambda: dict(recipe=R.get_recipe("mxfp4_training"), mode="rceil"),
+    ),
     "ablation.uses": (ablation.uses, lambda: dict(recipe=R.get_recipe("nvfp4"), ingredient="hadamard")),
     "ablation.switched_off": (ablation.switched_off, lambda: dict(preset="nvfp4", label="no SR")),
     "ablation.gemm_outputs": (
