@@ -1043,8 +1043,9 @@ def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
 def clipped_block_fraction(x: torch.Tensor, spec: str | Spec, axis: int = -1) -> float:
     """Fraction of MX/NVFP4 blocks with at least one element beyond the element max after scaling.
 
-    Those elements saturate (lose more than rounding); FLOOR scales can do this, RCEIL cannot.
-    Blocks with NaN/inf are left out.
+    Those elements saturate to the max: one within half a step above it loses no more than rounding
+    would, one further out loses more. FLOOR scales can do this, RCEIL cannot. Blocks with NaN/inf are
+    left out.
     """
     spec = get_spec(spec)
     if spec.block_size is None:
