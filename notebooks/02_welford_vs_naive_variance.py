@@ -49,7 +49,7 @@ chargpt_steps: int = 300  # FP32 CharGPT steps before its LayerNorm inputs are m
 pretrained_models: list[str] = ["smollm2-135m", "minilm-l6"]  # packaged models measured in section 7
 ln_train_seeds: int = 10  # training seeds per LayerNorm variant in section 8
 ln_train_steps: int = 300  # steps per run in section 8
-margin: float = 0.005  # nats, set before the runs: in section 8 every pair gets a TOST at ±margin
+margin: float = 0.005  # nats, set before the committed runs (after pilot runs): in section 8 every pair gets a TOST at ±margin
 executor: str = "processes"  # how runs fan out: "serial", "processes" (one per core) or "ray" (a Ray cluster)
 max_workers: int = 0  # runs at once (0: every usable core, or qlab.runs.RUNS_PER_GPU per GPU)
 

@@ -359,7 +359,8 @@ class Claims:
                headline: bool = False, margin: float | None = None) -> Claim:  # fmt: skip
         """A paired difference (one value per seed): the paired t-test, its 95 % interval, the exact
         sign-flip test beside it and the effect these seeds detect at 80 % power; ``family`` groups it
-        for ``holm``. Given ``margin`` (declared before the data), also the TOST claim ``<key>.same``."""
+        for ``holm``. Given ``margin`` (a notebook parameter, fixed before the committed runs), also
+        the TOST claim ``<key>.same``."""
         differences = list(differences)
         test = stats.paired_test(differences)
         flips = stats.sign_flip_test(differences)
@@ -410,7 +411,7 @@ class Claims:
             if f"{member.key}.same" not in self:
                 raise ValueError(
                     f"tally {key!r}: {member.key!r} has no equivalence test {member.key + '.same'!r}; give "
-                    "the comparison a margin declared before the data"
+                    "the comparison a margin (a notebook parameter, fixed before the runs)"
                 )
             same.append(self[f"{member.key}.same"])
             if not math.isfinite(same[-1].p_adjusted):
