@@ -103,7 +103,20 @@ def boolean(name: str, value) -> bool:
 
 
 class _YamlLoader(yaml.SafeLoader):
-    """The safe loader with YAML 1.2's booleans: only true and false (True, TRUE, False, FALSE)."""
+    """The safe loader with YAML 1.2's booleans (only true and false: True, TRUE, False, FALSE) that
+    refuses a key given twice in one mapping, which PyYAML would resolve silently to the last value."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice (line {key_node.start_mark.line + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _YamlLoader.yaml_implicit_resolvers = {
@@ -118,8 +131,8 @@ _YamlLoader.add_implicit_resolver(
 def yaml_value(text: str):
     """``text`` read as YAML the way qlab reads every file and ``-p`` value: the safe loader (no tag
     constructs an object) with YAML 1.2's booleans, so only true and false are bools and yes, no, on
-    and off stay words, which a bool parameter refuses by name instead of reading "no" as False.
-    Raises yaml.YAMLError for text that is not YAML."""
+    and off stay words, which a bool parameter refuses by name instead of reading "no" as False; a key
+    given twice in one mapping is an error. Raises yaml.YAMLError for text that is not YAML."""
     return yaml.load(text, Loader=_YamlLoader)
 
 

@@ -76,6 +76,8 @@ ADVISE_KEEP_OPTIONS = {
 
 def _advise_mode_options(args) -> None:
     """Refuse the other mode's options (ValueError naming them); fill this mode's defaults into ``args``."""
+    if args.formats is not None and not args.formats.strip(","):  # --formats "": not keep mode unasked
+        raise ValueError(f"--formats must name weight formats (e.g. nvfp4,mxfp8,bf16), got {args.formats!r}")
     mode, other = (
         (ADVISE_PLAN_OPTIONS, ADVISE_KEEP_OPTIONS)
         if args.formats
@@ -385,6 +387,13 @@ def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
     return campaign.progress(run_list, store).done
 
 
+def _address_needs_ray(executor) -> None:
+    """--address is for the ray executor: a ValueError saying which executor was given, if any."""
+    if executor != "ray":
+        given = f"got --executor {executor}" if executor else "and no executor was given"
+        raise ValueError(f"--address needs --executor ray, {given}")
+
+
 def _cmd_run(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
     if args.output is not None:
@@ -406,8 +415,7 @@ def _cmd_run(args) -> int:
     if args.address is not None:
         from qlab.runs import check_address
 
-        if params.get("executor") != "ray":
-            raise ValueError(f"--address needs --executor ray, got --executor {params.get('executor')}")
+        _address_needs_ray(params.get("executor"))
         os.environ["RAY_ADDRESS"] = check_address(args.address)  # read by the notebook's run_many
     stored = _stored_runs(args.notebook, params, args.smoke, args.output)
     result = notebooks.run_notebook(
@@ -495,8 +503,7 @@ def _cmd_figures(args) -> int:
     if args.address is not None:
         from qlab.runs import check_address
 
-        if args.executor != "ray":
-            raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")
+        _address_needs_ray(args.executor)
         os.environ["RAY_ADDRESS"] = check_address(args.address)  # read by the notebooks' run_many
     if args.profile != "cpu":  # a notebook whose run list is incomplete renders nothing (qlab campaign)
         chosen = [path for path in chosen if _campaign_complete(path, args, executed_copy(path))]
@@ -611,8 +618,7 @@ def _cmd_campaign(args) -> int:
     if args.max_workers is not None:
         checks.integer("-j", args.max_workers, low=1)
     if args.address is not None:
-        if args.executor != "ray":
-            raise ValueError(f"--address needs --executor ray, got --executor {args.executor}")
+        _address_needs_ray(args.executor)
         check_address(args.address)
     workers = plan(args.executor, args.max_workers, None, args.runs_per_gpu)[0]
     output = None if args.output is None else Path(args.output)
@@ -824,7 +830,9 @@ def _main(argv: list[str] | None) -> int:
     except (NotebookError, FloatingPointError) as err:  # a notebook failed; training diverged
         print(f"qlab: {err}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as err:
+    except BrokenPipeError:
+        raise  # main decides: a reader that stopped early, or a real error
+    except (ValueError, TypeError, OSError, ModuleNotFoundError) as err:  # OSError: e.g. a path not makeable
         print(f"qlab: error: {err}", file=sys.stderr)
         return 2
 

@@ -141,6 +141,7 @@ def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, c
         ("- 1\n- 2\n", "must be a non-empty mapping"),
         ("a: []\n", "empty list of values"),
         ("b: [1]\n", "unknown parameter(s) b"),
+        ("a: [1]\na: [2]\n", "the key 'a' is given twice (line 2)"),  # never the last one silently
     ],
 )
 def test_sweep_rejects_bad_grids_before_running_anything(tiny, tmp_path, text, message, capsys):
@@ -401,7 +402,7 @@ def test_sweep_refuses_an_address_without_the_ray_executor_and_makes_no_folder(t
 
 def test_figures_refuses_an_address_without_the_ray_executor(capsys):
     assert cli.main(["figures", "--address", "auto"]) == 2
-    assert "--address needs --executor ray, got --executor None" in capsys.readouterr().err
+    assert "--address needs --executor ray, and no executor was given" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("profile", ["cpu", "paper"])
@@ -454,7 +455,7 @@ def test_run_executor_is_the_executor_parameter_and_bad_combinations_are_refused
     cases = [
         (["06", "--executor", "serial"], "06_real_model_numerics has no executor parameter"),
         (["02", "--executor", "serial", "-p", "executor", "ray"], "disagree; give the executor once"),
-        (["02", "--address", "auto"], "--address needs --executor ray, got --executor None"),
+        (["02", "--address", "auto"], "--address needs --executor ray, and no executor was given"),
         (["02", "--executor", "ray", "--address", "nowhere"], "address must be 'auto', 'host:port'"),
     ]
     for argv, message in cases:
@@ -647,3 +648,19 @@ def test_a_paper_campaign_on_a_machine_without_a_gpu_says_so(monkeypatch, capsys
     assert "the paper profile is sized for a GPU and this machine has none" in capsys.readouterr().err
     assert cli.main(["campaign", "03", "--runs", "1"]) == 0
     assert "sized for a GPU" not in capsys.readouterr().err
+
+
+def test_a_path_that_cannot_be_made_is_one_line_not_a_traceback(tmp_path, capsys):
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    argv = ["train", "-p", "task", "digits", "-p", "steps", "1", "-p", "out_dir", str(blocker / "run")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qlab: error: ") and "Not a directory" in err and "Traceback" not in err
+
+
+def test_advise_refuses_empty_formats_and_run_says_no_executor_was_given(capsys):
+    assert cli.main(["advise", "--formats", ""]) == 2
+    assert "--formats must name weight formats (e.g. nvfp4,mxfp8,bf16), got ''" in capsys.readouterr().err
+    assert cli.main(["run", "02", "--address", "auto"]) == 2
+    assert "--address needs --executor ray, and no executor was given" in capsys.readouterr().err

@@ -1011,7 +1011,7 @@ def test_train_takes_run_s_parameter_syntax_and_the_old_one_with_a_deprecation_l
     assert "--set KEY=VALUE is deprecated; write -p KEY VALUE" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text", ["- steps\n- 3\n", "just a string\n", "42\n"])
+@pytest.mark.parametrize("text", ["- steps\n- 3\n", "just a string\n", "42\n", "", "# only a comment\n"])
 def test_cli_config_that_is_not_a_mapping(tmp_path, capsys, text):
     path = tmp_path / "run.yaml"
     path.write_text(text)

@@ -145,6 +145,7 @@ def _one_line(capsys) -> str:
         ("steps: 3\n  lr: 2\n", "not valid (safe) YAML"),
         ("a: !!python/object/apply:os.system ['touch {marker}']\n", "not valid (safe) YAML"),
         ("- 1\n- 2\n", "expected a YAML mapping"),
+        ("steps: 3\nsteps: 4\n", "the key 'steps' is given twice"),
         ("learning_rate: 1\n", "unknown config keys ['learning_rate']"),
         ("stepz: 3\n", "unknown config keys ['stepz']; did you mean steps for stepz?"),
         ("lr: .inf\n", "lr must be a finite number > 0"),

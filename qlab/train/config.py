@@ -379,10 +379,10 @@ def load_config(
         except UnicodeDecodeError as err:
             raise ValueError(f"{where} is not UTF-8 text: {err}") from None
         loaded = _safe_yaml(text, where)
-        if loaded is not None and not isinstance(loaded, dict):
-            kind = type(loaded).__name__
+        if not isinstance(loaded, dict):  # an empty file too: it would train the defaults unasked
+            kind = "an empty file" if loaded is None else type(loaded).__name__
             raise ValueError(f"{where}: expected a YAML mapping of config keys, got {kind}")
-        data.update(loaded or {})
+        data.update(loaded)
     if isinstance(overrides, dict):
         data.update(overrides)
     elif overrides is not None and not isinstance(overrides, (list, tuple)):

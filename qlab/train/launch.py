@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError) as err:
+    except (
+        ValueError,
+        TypeError,
+        OSError,
+        ModuleNotFoundError,
+    ) as err:  # OSError: e.g. an out_dir not makeable
         print(f"qlab train: error: {err}", file=sys.stderr)
         return 2
     except FloatingPointError as err:  # training diverged (qlab.train.loop.TrainingDiverged)
