@@ -387,6 +387,11 @@ def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
     return campaign.progress(run_list, store).done
 
 
+def _as_typed(value) -> str:
+    """A -p value as YAML writes it (false, not Python's False), the way it was typed."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+
+
 def _address_needs_ray(executor) -> None:
     """--address is for the ray executor: a ValueError saying which executor was given, if any."""
     if executor != "ray":
@@ -399,7 +404,7 @@ def _cmd_run(args) -> int:
     if args.output is not None:
         notebooks.check_output(args.output, "--output")
     if args.smoke and params.get("smoke", True) is not True:
-        raise ValueError(f"--smoke and -p smoke {params['smoke']} disagree; give smoke once")
+        raise ValueError(f"--smoke and -p smoke {_as_typed(params['smoke'])} disagree; give smoke once")
     for name in ("profile", "executor"):  # --profile P is -p profile P, --executor E -p executor E
         given = getattr(args, name)
         if given is None:
@@ -560,7 +565,9 @@ def _cmd_sweep(args) -> int:
         timeout=args.timeout,
     )
     counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "skipped", "failed")}
-    print(f"sweep: {counts['ok']} ran, {counts['skipped']} already complete, {counts['failed']} failed")
+    folder = paths.shown(sweep.sweep_folder(args.notebook, args.smoke))
+    print(f"sweep: {counts['ok']} ran, {counts['skipped']} already complete, {counts['failed']} failed; "
+          f"each point in {folder}/<its parameters>/")  # fmt: skip
     for outcome in outcomes:
         if outcome.status == "failed":
             print(f"  FAILED {outcome.slug}: {outcome.detail}", file=sys.stderr)
@@ -605,6 +612,8 @@ def _cmd_campaign(args) -> int:
     if "profile" in params:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     if args.smoke:
+        if params.get("smoke", True) is not True:
+            raise ValueError(f"--smoke and -p smoke {_as_typed(params['smoke'])} disagree; give smoke once")
         params["smoke"] = True
     if args.output is not None:
         notebooks.check_output(args.output, "--output")

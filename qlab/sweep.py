@@ -99,6 +99,13 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
     return PointOutcome(directory.name, "ok")
 
 
+def sweep_folder(notebook: str | os.PathLike, smoke: bool = False) -> Path:
+    """The folder holding a sweep's points: ``runs/<notebook>/``, or ``runs/smoke/<notebook>/`` for
+    a smoke sweep; each point in a subfolder named by its parameters."""
+    path = resolve_notebook(notebook)
+    return (paths.RUNS_DIR / "smoke" if smoke else paths.RUNS_DIR) / path.stem
+
+
 def run_sweep(
     notebook: str,
     grid_file: str | os.PathLike,
@@ -125,6 +132,10 @@ def run_sweep(
     if executor is None:
         executor = "serial" if jobs == 1 else "processes"
     checks.choice("executor", executor, EXECUTORS)
+    if executor == "serial" and jobs > 1:
+        raise ValueError(
+            f"jobs {jobs} runs points at once and executor 'serial' one at a time; give one of them"
+        )
     if executor == "ray":
         address = check_address(address)
     elif address is not None:  # refused before any point's folder is made
@@ -148,7 +159,9 @@ def run_sweep(
     if len(set(slugs)) != len(slugs):
         repeated = sorted({s for s in slugs if slugs.count(s) > 1})
         raise ValueError(f"grid {grid_file} lists the same point more than once: {', '.join(repeated)}")
-    root = (paths.RUNS_DIR / "smoke" if smoke else paths.RUNS_DIR) / path.stem
+    if smoke and any(point.get("smoke", True) is not True for point in points):
+        raise ValueError("smoke=True and a point's smoke false disagree; give smoke once")
+    root = sweep_folder(path, smoke)
     outcomes, pending = [], []
     for params in points:
         directory = root / point_slug(params)

@@ -282,6 +282,10 @@ def test_campaign_refuses_bad_input_before_any_run(monkeypatch, capsys):
             "--runs-per-gpu must be an int ≥ 1, got 0",
         ),
         (["campaign", "03", "-j", "0", "--runs", "1"], "-j must be an int ≥ 1, got 0"),
+        (
+            ["campaign", "03", "--smoke", "-p", "smoke", "false", "--status"],
+            "--smoke and -p smoke false disagree",
+        ),
         (["campaign", "03", "-p", "seeds", "0", "--runs", "1"], "seeds"),
         (["campaign", "03", "-p", "colour", "red", "--status"], "colour"),
         (["campaign", "03", "--address", "auto", "--status"], "--address needs --executor ray"),

@@ -105,7 +105,7 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
         ),
         (["run", "03", "--profile", "paper", "-p", "profile", "cpu"], "--profile paper and -p profile cpu"),
         (["run", "02", "--profile", "paper"], "has no profile parameter, so --profile paper cannot apply"),
-        (["run", "02", "--smoke", "-p", "smoke", "false"], "--smoke and -p smoke False disagree"),
+        (["run", "02", "--smoke", "-p", "smoke", "false"], "--smoke and -p smoke false disagree"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
@@ -189,10 +189,18 @@ def test_sweep_refuses_a_grid_with_repeated_points(tiny, tmp_path, capsys):
     assert "the same point more than once: a=1" in capsys.readouterr().err
 
 
-def test_smoke_sweeps_never_share_directories_with_full_ones(tiny, tmp_path):
+def test_smoke_sweeps_never_share_directories_with_full_ones(tiny, tmp_path, capsys):
     grid = tmp_path / "grid.yaml"
     grid.write_text("a: [5]\n")
     assert cli.main(["sweep", str(tiny), str(grid), "--smoke"]) == 0
+    assert (
+        f"each point in {tmp_path / 'runs' / 'smoke' / '99_tiny'}/<its parameters>/"
+        in capsys.readouterr().out
+    )
+    for argv in (["-p", "smoke", "false"], ["-j", "2", "--executor", "serial"]):  # options that disagree
+        assert cli.main(["sweep", str(tiny), str(grid), "--smoke", *argv]) == 2, argv
+    err = capsys.readouterr().err
+    assert "smoke=True and a point's smoke false disagree" in err and "executor 'serial' one at a time" in err
     record = json.loads((tmp_path / "runs" / "smoke" / "99_tiny" / "a=5" / sweep.METRICS_FILE).read_text())
     assert record["metrics"]["smoke"] is True
     assert not (tmp_path / "runs" / "99_tiny").exists()

@@ -1436,7 +1436,7 @@ NOT_GENERATED = {
         cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main cli.campaign_list""",
     "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
         notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder
-        notebooks.results_folder notebooks.check_output
+        notebooks.results_folder notebooks.check_output sweep.sweep_folder
         notebooks.run_report notebooks.export_html""",
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
