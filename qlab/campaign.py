@@ -432,7 +432,9 @@ def _train(
 
 # --- what qlab campaign calls ----------------------------------------------------------------------
 
-_BUDGET = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s*(s|m|h)?")  # a sign, so -5m is "not > 0"
+_BUDGET = re.compile(
+    r"([-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?)\s*(s|m|h)?"
+)  # signed: -5m is "not > 0"
 
 
 def parse_budget(budget) -> float:

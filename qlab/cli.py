@@ -795,8 +795,9 @@ def _main(argv: list[str] | None) -> int:
     parser = _build_parser()
     argv = _joined_negative_values(sys.argv[1:] if argv is None else list(argv))
     args, unknown = parser.parse_known_args(argv)
-    if unknown and args.command != "lab":
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown and args.command != "lab":  # the subcommand's usage, not the list of every subcommand
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        subcommands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.jupyter_options = unknown
     if paths.ROOT_FOUND_BY == paths.ROOT_ENV and not paths.is_checkout(paths.ROOT):
         print(

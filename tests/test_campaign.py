@@ -162,7 +162,7 @@ def test_runs_from_two_device_kinds_are_refused_unless_allowed(stored, tmp_path,
 
 @pytest.mark.parametrize(
     "text, seconds", [("90s", 90), ("12m", 720), ("1.5h", 5400), ("45", 45), (" 2m ", 120), (".5m", 30),
-                      ("+2s", 2)]
+                      ("+2s", 2), ("1e3", 1000), ("1.5e1m", 900)]
 )  # fmt: skip
 def test_budgets_parse_to_seconds(text, seconds):
     assert campaign.parse_budget(text) == seconds

@@ -672,3 +672,11 @@ def test_advise_refuses_empty_formats_and_run_says_no_executor_was_given(capsys)
     assert "--formats must name weight formats (e.g. nvfp4,mxfp8,bf16), got ''" in capsys.readouterr().err
     assert cli.main(["run", "02", "--address", "auto"]) == 2
     assert "--address needs --executor ray, and no executor was given" in capsys.readouterr().err
+
+
+def test_an_extra_argument_gets_its_subcommand_s_usage(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["list", "extra"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: qlab list") and "qlab list: error: unrecognized arguments: extra" in err
