@@ -632,10 +632,21 @@ def main(args) -> int:
     for option, value, low in sizes:
         checks.integer(option, value, low=low)
     for option, target in (("--out", args.out), ("--plan-out", getattr(args, "plan_out", None))):
-        if target is not None and Path(target).is_dir():
+        if target is None:
+            continue
+        if Path(target).is_dir():
             raise ValueError(f"{option} must name a file to write, got the folder {target}")
+        nearest = next(folder for folder in Path(target).absolute().parents if folder.exists())
+        if not nearest.is_dir():  # the folders to make would go through a file
+            raise ValueError(f"{option} {target}: {nearest} is a file, so no folder can be made inside it")
     if args.out is not None and not Path(args.out).parent.is_dir():
         raise ValueError(f"--out {args.out}: its folder {Path(args.out).parent} does not exist")
+    for text in args.text or []:
+        paths.existing_file("--text", text, "UTF-8 text file")
+    checks.seed("--seed", args.seed)
+    if args.tokenizer is not None and args.model in models.PACKAGED:
+        raise ValueError(f"--tokenizer is for a checkpoint folder or hub id; the packaged model {args.model} "
+                         "brings its own tokenizer")  # fmt: skip
     if args.score == "hierarchical":
         checks.integer("--expand", args.expand, low=0)
     model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)

@@ -313,6 +313,16 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
             ["--formats", "nvfp4", "--plan-out", "."],
             "--plan-out must name a file to write, got the folder .",
         ),
+        (
+            ["--formats", "nvfp4", "--plan-out", "pyproject.toml/p.json"],
+            "pyproject.toml is a file, so no folder",
+        ),
+        (["--text", "qlab"], "--text must be a UTF-8 text file, got the folder qlab"),
+        (["--seed", "-1"], "--seed must be an int in [0, "),
+        (
+            ["--tokenizer", "x"],
+            "--tokenizer is for a checkpoint folder or hub id; the packaged model smollm2-135m",
+        ),
     ],
 )
 def test_advise_refuses_the_other_modes_options_before_loading_a_model(argv, message, monkeypatch, capsys):
