@@ -181,6 +181,15 @@ def test_bad_overrides_are_one_line_and_exit_2(capsys, override, expected):
     assert expected in _one_line(capsys)
 
 
+def test_a_keep_pattern_naming_no_layer_is_refused_even_where_nothing_is_quantized(capsys):
+    args = [
+        "train",
+        *_set("task=digits", "recipe=fp32", "steps=1", "keep_high_precision=haed", "progress=false"),
+    ]
+    assert cli.main(args) == 2
+    assert "keep_high_precision pattern 'haed' matches no Linear layer" in _one_line(capsys)
+
+
 def test_nproc_is_refused_by_the_option_typed(capsys):
     assert cli.main(["train", "--nproc", "0"]) == 2
     assert _one_line(capsys) == "qlab: error: --nproc must be an int ≥ 1, got 0"

@@ -38,7 +38,7 @@ from qlab.ablation import without
 from qlab.host import progress, resolve_device
 from qlab.kernels.compiled import COMPILE_OPTIONS
 from qlab.kernels.noise import NOISE_STAYS_OUT_OF_CUDA_GRAPHS
-from qlab.nn import QuantLinear, plain_linears, quantize_model
+from qlab.nn import QuantLinear, linear_layers, plain_linears, quantize_model
 from qlab.numerics import use_stats_layer_norms
 from qlab.probes import gradient_agreement
 from qlab.recipe import get_recipe
@@ -115,7 +115,11 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
         use_stats_layer_norms(model, config.layer_norm, LAYER_NORM_ACC[config.layer_norm_acc])
     if config.recipe_plan is not None:
         quantize_model(model, config.recipe_plan, seed=config.seed + 10_000 * rank, gemm=config.gemm)
-    elif config.recipe not in BASELINES:
+    elif config.recipe in BASELINES:  # nothing is quantized, but a pattern naming no layer is still a typo
+        keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
+        names = [name for name, _, why in linear_layers(model) if why is None]
+        checks.patterns_match("keep_high_precision", keep, names, what="Linear layer")
+    else:
         keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         quantize_model(
             model,
