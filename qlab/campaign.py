@@ -555,8 +555,6 @@ def render_command(run_list, output=None) -> str:
     ``--output`` where the campaign was given one."""
     import shlex
 
-    import yaml
-
     from qlab import session
 
     given = dict(run_list.given)
@@ -567,8 +565,7 @@ def render_command(run_list, output=None) -> str:
     if changed.pop("smoke", False):
         words.append("--smoke")
     for name, value in changed.items():
-        shown = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...")
-        words += ["-p", name, shlex.quote(shown.strip())]
+        words += ["-p", name, shlex.quote(checks.yaml_text(value))]
     if output is not None:
         words += ["--output", shlex.quote(str(output))]
     return " ".join(words)

@@ -136,6 +136,12 @@ def yaml_value(text: str):
     return yaml.load(text, Loader=_YamlLoader)
 
 
+def yaml_text(value) -> str:
+    """``value`` as YAML writes it on one line (false, 1.0e-06, [nvfp4, mxfp8]): what ``yaml_value``
+    reads back, and how a ``-p`` value is shown to the user who typed it."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
+
+
 def choice(name: str, value, choices: Sequence):
     """One of ``choices`` (compared with ==, after a type check against the choices' types)."""
     if not any(type(value) is type(c) and value == c for c in choices):

@@ -387,11 +387,6 @@ def _stored_runs(notebook, parameters: dict, smoke: bool, output) -> int:
     return campaign.progress(run_list, store).done
 
 
-def _as_typed(value) -> str:
-    """A -p value as YAML writes it (false, not Python's False), the way it was typed."""
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
-
-
 def _address_needs_ray(executor) -> None:
     """--address is for the ray executor: a ValueError saying which executor was given, if any."""
     if executor != "ray":
@@ -404,7 +399,9 @@ def _cmd_run(args) -> int:
     if args.output is not None:
         notebooks.check_output(args.output, "--output")
     if args.smoke and params.get("smoke", True) is not True:
-        raise ValueError(f"--smoke and -p smoke {_as_typed(params['smoke'])} disagree; give smoke once")
+        raise ValueError(
+            f"--smoke and -p smoke {checks.yaml_text(params['smoke'])} disagree; give smoke once"
+        )
     for name in ("profile", "executor"):  # --profile P is -p profile P, --executor E -p executor E
         given = getattr(args, name)
         if given is None:
@@ -613,7 +610,9 @@ def _cmd_campaign(args) -> int:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     if args.smoke:
         if params.get("smoke", True) is not True:
-            raise ValueError(f"--smoke and -p smoke {_as_typed(params['smoke'])} disagree; give smoke once")
+            raise ValueError(
+                f"--smoke and -p smoke {checks.yaml_text(params['smoke'])} disagree; give smoke once"
+            )
         params["smoke"] = True
     if args.output is not None:
         notebooks.check_output(args.output, "--output")

@@ -116,11 +116,12 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
     if config.recipe_plan is not None:
         quantize_model(model, config.recipe_plan, seed=config.seed + 10_000 * rank, gemm=config.gemm)
     elif config.recipe in BASELINES:  # nothing is quantized, but a pattern naming no layer is still a typo
-        keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
         names = [name for name, _, why in linear_layers(model) if why is None]
-        checks.patterns_match("keep_high_precision", keep, names, what="Linear layer")
+        checks.patterns_match(
+            "keep_high_precision", _keep_patterns(model, config), names, what="Linear layer"
+        )
     else:
-        keep = [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
+        keep = _keep_patterns(model, config)
         quantize_model(
             model,
             without(get_recipe(config.recipe, backward_override=config.backward_override), config.ablate),
@@ -132,6 +133,11 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
         keep = [pattern for name in config.topk_keep for pattern in _expand(model, name)]
         sparsify_model(model, config.topk, mode=config.topk_mode, keep=keep)
     return model
+
+
+def _keep_patterns(model: nn.Module, config: TrainConfig) -> list[str]:
+    """The config's keep_high_precision as fnmatch patterns of ``model``'s layer names."""
+    return [pattern for name in config.keep_patterns() for pattern in _expand(model, name)]
 
 
 def _expand(model: nn.Module, pattern: str) -> list[str]:
