@@ -120,6 +120,20 @@ def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
     return pairs
 
 
+def difference_spread(notebook: str, runs: pd.DataFrame) -> pd.DataFrame:
+    """The seed-to-seed standard deviation of each paired comparison a − b that ``notebook`` states,
+    over the seeds that ran both: key, n, sd — the spread its paired interval is built on (seed effects
+    common to a and b cancel in it, so it is usually far below ``seed_spread``'s)."""
+    checks.choice("notebook", notebook, NOTEBOOKS)
+    checks.frame_columns("runs", runs, RUN_COLUMNS)
+    wide = runs.pivot_table(index="seed", columns="config", values="val_loss")
+    rows = []
+    for key, a, b in comparison_pairs(notebook, list(dict.fromkeys(runs.config))):
+        differences = (wide[a] - wide[b]).dropna()
+        rows.append({"key": key, "n": len(differences), "sd": float(differences.std(ddof=1))})
+    return pd.DataFrame(rows, columns=["key", "n", "sd"])
+
+
 def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_name: str, second_name: str):
     """Each comparison of ``notebook`` estimated on both machines from the seeds both ran: key, a, b,
     n, <machine>_mean/_low/_high (paired t, 95 %), shift (second − first), shift_low/shift_high (the 95 %
@@ -157,18 +171,37 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
     return pd.DataFrame(rows)
 
 
+def _holm_level_interval(claim, alpha: float = ALPHA) -> tuple[float, float, float]:
+    """(confidence, low, high): the interval of a committed claim at the level its Holm step tested it,
+    so that it excludes zero (a paired t) or lies within ±margin (a TOST) exactly when its adjusted p is
+    at most ``alpha``. The step's level is alpha · p / p_adjusted (alpha itself when unadjusted); the
+    standard error is read back from the stored 95 % interval (90 % for a TOST) and n seeds."""
+    p_adjusted = claim.p_adjusted
+    adjusted = isinstance(p_adjusted, float) and math.isfinite(p_adjusted) and p_adjusted > 0
+    level = alpha * claim.p / p_adjusted if adjusted else alpha
+    equivalence = claim.test == "TOST"
+    low, high = (claim.low_90, claim.high_90) if equivalence else (claim.low, claim.high)
+    stored = stats.t_quantile(1 - alpha if equivalence else 1 - alpha / 2, claim.n - 1)
+    error = (high - low) / 2 / stored
+    if error == 0 or level <= 0:
+        return (1 - 2 * level if equivalence else 1 - level), low, high
+    half = stats.t_quantile(1 - level if equivalence else 1 - level / 2, claim.n - 1) * error
+    return (1 - 2 * level if equivalence else 1 - level), claim.value - half, claim.value + half
+
+
 def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """For each committed claim that resolves a comparison (paired t, adjusted p ≤ 0.05) or shows it
-    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval (95 % for a
-    paired t, the 90 % one TOST reads for an equivalence) moved by the whole 95 % interval of the
-    comparison's shift — low + shift_low, high + shift_high, so the shift's spread over seeds widens
-    it — and whether the moved interval still excludes zero (resolved) or still lies within ±margin
-    (equivalent). Columns: key, kind, value, low, high, shift, shift_low, shift_high, moved_low,
-    moved_high, survives, and survives_mean_shift: whether the interval moved by the mean shift
-    alone (low + shift, high + shift) still holds — the bound the other way, which a few seeds on
+    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval at the level its
+    Holm step tested it (``_holm_level_interval``: wider than the stored 95 % one in a family, so that it
+    holds exactly when the committed verdict does) moved by the whole 95 % interval of the comparison's
+    shift — low + shift_low, high + shift_high, so the shift's spread over seeds widens it — and
+    whether the moved interval still excludes zero (resolved) or still lies within ±margin
+    (equivalent). Columns: key, kind, value, confidence, low, high, shift, shift_low, shift_high,
+    moved_low, moved_high, survives, and survives_mean_shift: whether the interval moved by the mean
+    shift alone (low + shift, high + shift) still holds — the bound the other way, which a few seeds on
     the second machine make far apart."""
     checks.frame_columns("committed", committed, ["key", "test", "value", "low", "high", "low_90", "high_90",
-                                                  "p", "p_adjusted"])  # fmt: skip
+                                                  "n", "p", "p_adjusted"])  # fmt: skip
     checks.frame_columns("measured", measured, ["key", "shift", "shift_low", "shift_high"])
     shifts = measured.set_index("key")[["shift", "shift_low", "shift_high"]]
     rows = []
@@ -181,12 +214,12 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         if not (isinstance(p, float) and math.isfinite(p) and p <= ALPHA):
             continue
         if claim.test == "paired t" and claim.key in shifts.index:
-            kind, shift, (low, high) = "resolved", shifts.loc[claim.key], (claim.low, claim.high)
+            kind, shift = "resolved", shifts.loc[claim.key]
         elif claim.test == "TOST" and claim.key.removesuffix(".same") in shifts.index:
             kind, shift = "equivalent", shifts.loc[claim.key.removesuffix(".same")]
-            low, high = claim.low_90, claim.high_90
         else:
             continue
+        confidence, low, high = _holm_level_interval(claim)
 
         def holds(low: float, high: float, kind=kind, margin=claim.margin) -> bool:
             """Whether an interval still excludes zero (resolved) or lies within ±margin (equivalent)."""
@@ -196,14 +229,16 @@ def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
         low, high = low + shift["shift_low"], high + shift["shift_high"]
         survives = holds(low, high)
         survives_point = holds(interval[0] + shift["shift"], interval[1] + shift["shift"])
-        rows.append({"key": claim.key, "kind": kind, "value": claim.value, "low": interval[0],
-                     "high": interval[1], "shift": shift["shift"], "shift_low": shift["shift_low"],
-                     "shift_high": shift["shift_high"], "moved_low": low, "moved_high": high,
-                     "survives": bool(survives), "survives_mean_shift": bool(survives_point)})  # fmt: skip
+        rows.append({"key": claim.key, "kind": kind, "value": claim.value, "confidence": confidence,
+                     "low": interval[0], "high": interval[1], "shift": shift["shift"],
+                     "shift_low": shift["shift_low"], "shift_high": shift["shift_high"], "moved_low": low,
+                     "moved_high": high, "survives": bool(survives),
+                     "survives_mean_shift": bool(survives_point)})  # fmt: skip
     columns = [
         "key",
         "kind",
         "value",
+        "confidence",
         "low",
         "high",
         "shift",

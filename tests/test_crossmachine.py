@@ -55,13 +55,13 @@ def test_survival_moves_the_committed_interval_by_the_whole_interval_of_the_shif
     nan = math.nan
     committed = pd.DataFrame([
         {"key": "train.nvfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "low_90": nan,
-         "high_90": nan, "p": 0.001, "p_adjusted": 0.01, "margin": nan},
+         "high_90": nan, "n": 5, "p": 0.001, "p_adjusted": 0.001, "margin": nan},
         {"key": "train.mxfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016, "low_90": nan,
-         "high_90": nan, "p": 0.001, "p_adjusted": 0.01, "margin": nan},
+         "high_90": nan, "n": 5, "p": 0.001, "p_adjusted": 0.001, "margin": nan},
         {"key": "ablation.x.none-all.same", "test": "TOST", "value": 0.0, "low": -0.006, "high": 0.006,
-         "low_90": -0.004, "high_90": 0.004, "p": 0.01, "p_adjusted": nan, "margin": 0.01},
+         "low_90": -0.004, "high_90": 0.004, "n": 5, "p": 0.01, "p_adjusted": nan, "margin": 0.01},
         {"key": "train.bf16", "test": "paired t", "value": 0.0, "low": -0.01, "high": 0.01, "low_90": nan,
-         "high_90": nan, "p": 0.9, "p_adjusted": 1.0, "margin": nan},  # not resolved: not a finding to test
+         "high_90": nan, "n": 5, "p": 0.9, "p_adjusted": 1.0, "margin": nan},  # not resolved: not a finding
     ])  # fmt: skip
     measured = pd.DataFrame({"key": ["train.nvfp4", "train.mxfp4", "ablation.x.none-all", "train.bf16"],
                              "shift": [-0.001, -0.001, 0.001, 0.0],
@@ -69,6 +69,9 @@ def test_survival_moves_the_committed_interval_by_the_whole_interval_of_the_shif
                              "shift_high": [0.001, 0.003, 0.003, 0.0]})  # fmt: skip
     result = crossmachine.survival(committed, measured).set_index("key")
     assert list(result.index) == ["train.nvfp4", "train.mxfp4", "ablation.x.none-all.same"]
+    # unadjusted (p_adjusted == p): the stored intervals themselves, at 95 % and 90 %
+    assert result.confidence["train.nvfp4"] == pytest.approx(0.95)
+    assert result.confidence["ablation.x.none-all.same"] == pytest.approx(0.90)
     assert result.survives["train.nvfp4"]  # [0.004 − 0.003, 0.016 + 0.001] = [0.001, 0.017] excludes 0
     # the mean shift alone (−0.001) would keep [0.003, 0.015]; its interval's low end −0.005 reaches 0
     assert not result.survives["train.mxfp4"]
@@ -76,10 +79,57 @@ def test_survival_moves_the_committed_interval_by_the_whole_interval_of_the_shif
     assert result.survives_mean_shift["train.mxfp4"]  # [0.003, 0.015]: the bound the other way
     # an equivalence moves its 90 % interval: [−0.004 − 0.001, 0.004 + 0.003] = [−0.005, 0.007] within ±0.01
     assert result.survives["ablation.x.none-all.same"]
-    assert (result.low["ablation.x.none-all.same"], result.high["ablation.x.none-all.same"]) == (
-        -0.004,
-        0.004,
-    )
+    assert result.low["ablation.x.none-all.same"] == pytest.approx(-0.004)
+    assert result.high["ablation.x.none-all.same"] == pytest.approx(0.004)
+
+
+def test_survival_reads_a_holm_adjusted_claim_at_the_level_its_holm_step_used():
+    """A claim resolved at Holm-adjusted p ≤ 0.05 was tested at level 0.05 · p / p_adjusted: its
+    interval at that level (scipy's t quantiles, float64) is what must still exclude zero — the stored
+    95 % interval is narrower and would overstate what survives."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    nan, n = math.nan, 4
+    error = 0.0015  # the standard error behind the stored interval
+    half_95 = float(scipy_stats.t.ppf(0.975, n - 1)) * error
+    t = 0.01 / error
+    p = float(2 * scipy_stats.t.sf(t, n - 1))
+    committed = pd.DataFrame([
+        {"key": "train.nvfp4", "test": "paired t", "value": 0.01, "low": 0.01 - half_95,
+         "high": 0.01 + half_95, "low_90": nan, "high_90": nan, "n": n, "p": p, "p_adjusted": 4 * p,
+         "margin": nan},
+        {"key": "ablation.x.none-all.same", "test": "TOST", "value": 0.0, "low": nan, "high": nan,
+         "low_90": -float(scipy_stats.t.ppf(0.95, n - 1)) * error,
+         "high_90": float(scipy_stats.t.ppf(0.95, n - 1)) * error, "n": n, "p": 0.004, "p_adjusted": 0.02,
+         "margin": 0.01},
+    ])  # fmt: skip
+    assert 4 * p <= 0.05  # resolved after Holm (a family of four, this the smallest p)
+    measured = pd.DataFrame({"key": ["train.nvfp4", "ablation.x.none-all"], "shift": [0.0, 0.0],
+                             "shift_low": [0.0, 0.0], "shift_high": [0.0, 0.0]})  # fmt: skip
+    result = crossmachine.survival(committed, measured).set_index("key")
+    level = 0.05 / 4
+    half = float(scipy_stats.t.ppf(1 - level / 2, n - 1)) * error
+    assert result.confidence["train.nvfp4"] == pytest.approx(1 - level)
+    assert result.low["train.nvfp4"] == pytest.approx(0.01 - half, rel=1e-9)  # bisection vs scipy: 1e-9
+    assert result.high["train.nvfp4"] == pytest.approx(0.01 + half, rel=1e-9)
+    assert result.low["train.nvfp4"] > 0  # holds exactly when the adjusted p ≤ 0.05 ...
+    assert result.survives["train.nvfp4"]  # ... and with no shift it still does
+    level = 0.05 * 0.004 / 0.02
+    half = float(scipy_stats.t.ppf(1 - level, n - 1)) * error
+    assert result.confidence["ablation.x.none-all.same"] == pytest.approx(1 - 2 * level)
+    assert result.high["ablation.x.none-all.same"] == pytest.approx(half, rel=1e-9)
+    # a shift the stored 90 % interval would absorb (0.0047 + 0.005 < 0.01) leaves the Holm-level one
+    assert half + 0.005 > 0.01 > float(scipy_stats.t.ppf(0.95, n - 1)) * error + 0.005
+    measured.loc[1, ["shift", "shift_low", "shift_high"]] = 0.005
+    moved = crossmachine.survival(committed, measured).set_index("key")
+    assert not moved.survives["ablation.x.none-all.same"]
+
+
+def test_difference_spread_is_the_sd_of_the_paired_differences_not_of_either_config():
+    # a seed effect shared by both configs (0, 1, 2) cancels: nvfp4 − fp32 = 0.1, 0.2, 0.3 (sd 0.1)
+    committed = runs({"fp32": [2.0, 3.0, 4.0], "nvfp4": [2.1, 3.2, 4.3]})
+    spread = crossmachine.difference_spread("07_recipe_ablations", committed).set_index("key")
+    assert spread.sd["train.nvfp4"] == pytest.approx(0.1) and spread.n["train.nvfp4"] == 3
+    assert crossmachine.seed_spread(committed).set_index("config").sd["nvfp4"] == pytest.approx(1.1)
 
 
 def test_comparisons_give_the_interval_of_the_shift_over_seeds():

@@ -171,9 +171,9 @@ def runs_folder() -> Path:
 def committed_claims() -> pd.DataFrame:
     return pd.DataFrame([
         {"key": "train.nvfp4", "test": "paired t", "value": 0.2, "low": 0.1, "high": 0.3, "low_90": math.nan,
-         "high_90": math.nan, "p": 0.001, "p_adjusted": 0.01, "margin": math.nan},
+         "high_90": math.nan, "n": 5, "p": 0.001, "p_adjusted": 0.01, "margin": math.nan},
         {"key": "train.nvfp4/no_SR.same", "test": "TOST", "value": 0.0, "low": -0.005, "high": 0.005,
-         "low_90": -0.004, "high_90": 0.004, "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
+         "low_90": -0.004, "high_90": 0.004, "n": 5, "p": 0.01, "p_adjusted": math.nan, "margin": 0.01},
     ])  # fmt: skip
 
 
@@ -668,6 +668,10 @@ ENTRY_POINTS = {
     ),
     "crossmachine.run_shifts": (crossmachine.run_shifts, lambda: dict(moved=runs(0.1), reference=runs())),
     "crossmachine.seed_spread": (crossmachine.seed_spread, lambda: dict(runs=runs())),
+    "crossmachine.difference_spread": (
+        crossmachine.difference_spread,
+        lambda: dict(notebook="07_recipe_ablations", runs=runs()),
+    ),
     "crossmachine.comparison_pairs": (
         crossmachine.comparison_pairs,
         lambda: dict(notebook="07_recipe_ablations", configs=["fp32", "nvfp4", "nvfp4/no SR"]),
