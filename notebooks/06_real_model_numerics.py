@@ -608,9 +608,9 @@ for a, b in (("rule", "none"), ("last", "rule"), ("measured", "rule")):
                       margin=margin if b == "rule" else None)  # its TOST, <key>.same, Holm-adjusted with the t's
     claims.holm(f"keep-{a}")
 for recipe in keep_recipes:
-    means = keep_table[keep_table.recipe == recipe].pivot_table(index="seed", columns="keep", values="loss").mean()
-    claims.value(f"keep.{recipe}.last_share", (means["none"] - means["last"]) / (means["none"] - means["rule"]),
-                 test="computed", digits=2, text=f"{recipe}: the last layer alone's share of the rule's benefit (means)")
+    per_seed = keep_table[keep_table.recipe == recipe].pivot_table(index="seed", columns="keep", values="loss")
+    claims.ratio(f"keep.{recipe}.last_share", per_seed["none"] - per_seed["last"], per_seed["none"] - per_seed["rule"],
+                 digits=2, text=f"{recipe}: the last layer alone's share of the rule's benefit (means)")
 if sensitivity_recipe in keep_recipes:
     claims[f"keep.{sensitivity_recipe}.measured-rule"].headline = True
 wide = in_sample.pivot_table(index="seed", columns="keep", values="loss")
@@ -723,11 +723,11 @@ compare_rows = [key for recipe in keep_recipes for a in ("measured", "last")
                 for key in (f"keep.{recipe}.{a}-rule", f"keep.{recipe}.{a}-rule.same")]
 helped = [recipe for recipe in keep_recipes
           if claims[f"keep.{recipe}.rule-none"].resolved() and claims[f"keep.{recipe}.rule-none"].value < 0]
-shares = [f"{recipe} {claims[f'keep.{recipe}.last_share'].part('value')}" for recipe in helped]
+shares = [f"{recipe} {claims[f'keep.{recipe}.last_share'].part('both')}" for recipe in helped]
 others = [recipe for recipe in keep_recipes if recipe not in helped]
 share_text = ("**The last layer alone.** Where the rule resolvably lowers the loss, the last layer alone recovers "
-              f"this share of the rule's gain (computed from the means: (nothing kept − last alone) ÷ (nothing kept − "
-              f"rule)): {', '.join(shares)}." if shares else
+              f"this share of the rule's gain (the ratio of the means (nothing kept − last alone) ÷ (nothing kept − "
+              f"rule), with Fieller's 95 % interval over the seeds): {', '.join(shares)}." if shares else
               "**The last layer alone.** The rule resolvably lowers the loss under no recipe, so no share of its gain "
               "is stated.")
 if shares and others:

@@ -48,6 +48,7 @@ TESTS = (
     "estimate",
     "bootstrap",
     "computed",
+    "Fieller",
     "",
 )  # "" with n > 0: a mean over n, 95 % interval
 DIRECTIONS = ("lower", "higher")
@@ -69,8 +70,9 @@ class Claim:
     "tally higher" counts in value only the resolved ones of that sign, the n − value − equivalent −
     undecided others resolved the other way), "observed" (a single observation), "estimate" (a statistic
     of n samples — a ratio, an extreme, a median — stated without an interval), "bootstrap" (a statistic
-    of n resampled units with its 95 % percentile bootstrap interval) or "computed" (exact arithmetic, no
-    sampling)."""
+    of n resampled units with its 95 % percentile bootstrap interval), "Fieller" (a ratio of two paired
+    means over n pairs with Fieller's 95 % interval, none where the denominator is not resolved) or
+    "computed" (exact arithmetic, no sampling)."""
 
     key: str
     text: str
@@ -217,6 +219,10 @@ class Claim:
             return f"an estimate{over}, no interval"
         if self.test == "bootstrap":
             return f"over {self.n} units, 95 % percentile bootstrap interval"
+        if self.test == "Fieller":
+            if self.interval():
+                return f"a ratio of means over {self.n} {self.pairs}, 95 % Fieller interval"
+            return f"a ratio of means over {self.n} {self.pairs}, denominator not resolved: no interval"
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
@@ -347,6 +353,14 @@ class Claims:
         return self._add(Claim(key, text, float(value), math.nan if low is None else float(low),
                                math.nan if high is None else float(high), int(n), test, unit=unit,
                                digits=digits, headline=headline))  # fmt: skip
+
+    def ratio(self, key: str, numerators, denominators, *, text: str, unit: str = "", digits: int = 4,
+              headline: bool = False) -> Claim:  # fmt: skip
+        """mean(numerators) / mean(denominators), paired per seed, with Fieller's 95 % interval
+        (``qlab.stats.ratio_interval``; none where the denominator's mean is not resolved from zero)."""
+        result = stats.ratio_interval(list(numerators), list(denominators))
+        return self._add(Claim(key, text, result["ratio"], result["low"], result["high"], result["n"],
+                               "Fieller", unit=unit, digits=digits, headline=headline))  # fmt: skip
 
     def mean(self, key: str, values, *, text: str, unit: str = "", digits: int = 4, headline: bool = False):
         """The mean of ``values`` with its 95 % Student-t interval (``qlab.stats.mean_interval``)."""

@@ -8,6 +8,7 @@
     adjusted = holm([0.01, 0.04, 0.03])                 # Holm's step-down adjusted p-values
     equivalent = tost(differences, margin=0.01)         # p of "|true mean| < margin" (two one-sided tests)
     mde = detectable_effect(sd=0.0056, n=5)             # smallest paired mean difference 80 % power finds
+    share = ratio_interval(gains_a, gains_b)            # mean(a) / mean(b) with Fieller's 95 % interval
 
 The t interval is mean ± t·s/√n with s the sample standard deviation (n − 1) and t the two-sided
 95 % quantile of Student's t with n − 1 degrees of freedom, computed to full double precision (no
@@ -325,6 +326,36 @@ def tost(differences, margin: float) -> dict:
         p_upper = t_cdf((mean - margin) / error, n - 1)
     return {"n": n, "mean": mean, "sd": sd, "margin": margin, "p_lower": p_lower, "p_upper": p_upper,
             "p": max(p_lower, p_upper)}  # fmt: skip
+
+
+def ratio_interval(numerators, denominators, alpha: float = 0.05) -> dict:
+    """A ratio of two paired means, mean(numerators) / mean(denominators) (one pair per seed, ≥ 2),
+    with Fieller's (1 − alpha) interval: the ratios R that the paired t-test of numerator − R ·
+    denominator does not reject at alpha. Exact under normal per-seed pairs, which the delta method
+    is not with few seeds. Returns n, ratio, low, high and bounded: the interval is finite only where
+    the denominator's mean is itself resolved from zero at alpha; otherwise low and high are NaN."""
+    top = _finite_values("numerators", numerators)
+    bottom = _finite_values("denominators", denominators)
+    checks.number("alpha", alpha, low=0, high=1, open_low=True, open_high=True)
+    if len(top) != len(bottom):
+        raise ValueError(f"numerators and denominators must pair up, got {len(top)} and {len(bottom)} values")
+    n = len(top)
+    if n < 2:
+        raise ValueError(f"a ratio interval needs at least 2 pairs (seeds), got {n}")
+    mean_top, mean_bottom = float(top.mean()), float(bottom.mean())
+    if mean_bottom == 0:
+        raise ValueError("denominators must not average to zero: the ratio is undefined")
+    covariance = np.cov(np.stack([top, bottom]), ddof=1)
+    q = _t_quantile_cached(1 - alpha / 2, n - 1) ** 2 / n
+    # (mean_top − R·mean_bottom)² ≤ q · var(top − R·bottom): a·R² − 2·b·R + c ≤ 0
+    a = mean_bottom**2 - q * covariance[1, 1]
+    b = mean_top * mean_bottom - q * covariance[0, 1]
+    c = mean_top**2 - q * covariance[0, 0]
+    ratio = mean_top / mean_bottom
+    if a <= 0:
+        return {"n": n, "ratio": ratio, "low": math.nan, "high": math.nan, "bounded": False}
+    root = math.sqrt(max(b * b - a * c, 0.0))
+    return {"n": n, "ratio": ratio, "low": (b - root) / a, "high": (b + root) / a, "bounded": True}
 
 
 def detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:

@@ -281,6 +281,16 @@ def test_an_estimate_says_it_has_no_interval():
     assert lowest.verdict() == "an estimate, no interval"
 
 
+def test_a_ratio_of_means_carries_fiellers_interval_or_says_why_it_has_none():
+    claims = Claims(_run())
+    share = claims.ratio("share", [0.30, 0.42, 0.25, 0.37], [0.50, 0.61, 0.44, 0.58], text="a gain's share")
+    assert share.value == pytest.approx(1.34 / 2.13, rel=1e-12)  # (0.30+0.42+0.25+0.37) / (0.50+…+0.58)
+    assert share.low < share.value < share.high
+    assert share.verdict() == "a ratio of means over 4 seeds, 95 % Fieller interval"
+    unresolved = claims.ratio("loose", [0.5, 0.1, 0.4], [1.0, -0.5, 0.8], text="a share of no resolved gain")
+    assert unresolved.interval() == "" and "denominator not resolved" in unresolved.verdict()
+
+
 def test_every_committed_headline_states_its_test():
     # the committed findings: no count headline without a test, no null headline without its TOST
     problems = [

@@ -322,3 +322,33 @@ def test_detectable_effect_reaches_the_normal_formula_and_the_power_it_promises(
     assert stats.seeds_for_effect(0.0056, 0.005) == min(
         n for n in range(2, 100) if stats.detectable_effect(0.0056, n) <= 0.005
     )
+
+
+def test_fieller_bounds_are_the_ratios_a_paired_t_test_just_rejects():
+    """At each bound R of Fieller's interval the paired t-test of numerator − R·denominator has p = 0.05
+    exactly (scipy's t distribution, float64); inside it p > 0.05, outside p < 0.05."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    top = np.array([0.30, 0.42, 0.25, 0.37])  # four seeds: a part of a gain ...
+    bottom = np.array([0.50, 0.61, 0.44, 0.58])  # ... and the whole gain, correlated across seeds
+    result = stats.ratio_interval(top, bottom)
+    assert result["bounded"] and result["n"] == 4
+    assert result["ratio"] == pytest.approx(top.mean() / bottom.mean(), rel=1e-15)
+
+    def p_at(ratio):
+        return float(scipy_stats.ttest_1samp(top - ratio * bottom, 0.0).pvalue)
+
+    assert p_at(result["low"]) == pytest.approx(0.05, rel=1e-9)
+    assert p_at(result["high"]) == pytest.approx(0.05, rel=1e-9)
+    assert result["low"] < result["ratio"] < result["high"]
+    width = result["high"] - result["low"]
+    assert p_at(result["low"] + 0.01 * width) > 0.05 and p_at(result["low"] - 0.01 * width) < 0.05
+
+
+def test_fieller_has_no_bounded_interval_where_the_denominator_is_not_resolved():
+    # denominator 1, −0.5, 0.8: mean 0.43, t = 0.43/(0.78/√3) ≈ 0.96 < 4.30 — zero is a plausible mean
+    result = stats.ratio_interval([0.5, 0.1, 0.4], [1.0, -0.5, 0.8])
+    assert not result["bounded"] and math.isnan(result["low"]) and math.isnan(result["high"])
+    with pytest.raises(ValueError, match="pair up"):
+        stats.ratio_interval([1.0, 2.0], [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="average to zero"):
+        stats.ratio_interval([1.0, 2.0], [1.0, -1.0])
