@@ -248,3 +248,34 @@ def test_a_diverging_run_exits_1_with_one_line(tmp_path, capsys):
     args += _set("progress=false", f"out_dir={tmp_path}")
     assert cli.main(args) == 1
     assert "training stopped at step" in _one_line(capsys)
+
+
+def test_a_fresh_run_into_another_runs_out_dir_is_refused_before_it_writes(tmp_path):
+    first = TrainConfig(**{**DIGITS, "steps": 2}, checkpoint_every=1, out_dir=str(tmp_path))
+    train(first)
+    before = {name: (tmp_path / name).read_bytes() for name in L.RUN_FILES}
+    with pytest.raises(
+        ValueError, match=r"holds another run \(checkpoint.pt, metrics.csv, config.yaml\).*resume=true"
+    ):
+        train(TrainConfig(**{**DIGITS, "steps": 2}, lr=1e6, out_dir=str(tmp_path)))
+    assert {name: (tmp_path / name).read_bytes() for name in L.RUN_FILES} == before  # nothing overwritten
+
+
+def test_resume_without_a_checkpoint_refuses_files_of_a_run_with_other_settings(tmp_path):
+    train(TrainConfig(**{**DIGITS, "steps": 2}, out_dir=str(tmp_path)))  # no checkpoint_every: no checkpoint
+    (tmp_path / L.CHECKPOINT).unlink(missing_ok=True)
+    with pytest.raises(ValueError, match=r"different settings \['lr'\] and no checkpoint"):
+        train(TrainConfig(**{**DIGITS, "steps": 2}, lr=0.5, out_dir=str(tmp_path), resume=True))
+    # the same settings restart the run that left no checkpoint
+    assert (
+        train(TrainConfig(**{**DIGITS, "steps": 2}, out_dir=str(tmp_path), resume=True)).metrics.step.max()
+        == 2
+    )
+
+
+def test_the_cli_refuses_another_runs_out_dir_in_one_line(tmp_path, capsys):
+    args = ["train", *_set("task=digits", "steps=1", "progress=false", f"out_dir={tmp_path}")]
+    assert cli.main(args) == 0
+    capsys.readouterr()
+    assert cli.main(args) == 2
+    assert "holds another run" in _one_line(capsys)

@@ -49,6 +49,9 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, overrides, argument="--config")  # errors come before a process starts
     under_torchrun = "LOCAL_RANK" in os.environ
     if config.nproc > 1 and not under_torchrun:
+        from qlab.train.loop import check_out_dir
+
+        check_out_dir(config)  # once here, not once per process
         command = [
             sys.executable,
             "-m",
@@ -60,7 +63,13 @@ def run(args: argparse.Namespace) -> int:
         ] + (["--config", args.config] if args.config else [])
         for item in overrides:
             command += ["-p", *item.split("=", 1)]
-        return subprocess.call(command)
+        torchrun = subprocess.Popen(command)
+        try:
+            return torchrun.wait()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: torchrun stops its workers on SIGTERM
+            torchrun.terminate()
+            torchrun.wait()
+            raise
     from qlab.train.loop import train
 
     result = train(config)

@@ -530,6 +530,42 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc")
 
 
+RUN_FILES = (CHECKPOINT, "metrics.csv", "config.yaml")  # what a run leaves in its out_dir
+
+
+def check_out_dir(config) -> None:
+    """Refuse an ``out_dir`` holding another run's files before anything is written or trained: a fresh
+    run (resume=false) would overwrite that run's config.yaml and metrics.csv, and a divergence before
+    its own first checkpoint would name the other run's checkpoint as its last finite one. With
+    resume=true and no checkpoint, the files left must be those of a run with the same settings."""
+    if not config.out_dir:
+        return
+    out_dir = Path(config.out_dir)
+    found = [name for name in RUN_FILES if (out_dir / name).is_file()]
+    if not found:
+        return
+    where = f"out_dir {out_dir} holds another run ({', '.join(found)})"
+    if not config.resume:
+        raise ValueError(
+            f"{where}: resume=true continues it; to start afresh, give another out_dir or remove those files"
+        )
+    if CHECKPOINT in found or "config.yaml" not in found:
+        return  # load_checkpoint compares the checkpoint's settings
+    try:
+        saved = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (ValueError, yaml.YAMLError) as err:
+        raise ValueError(f"{out_dir / 'config.yaml'} cannot be read as a run's config: {err}") from None
+    current = config.to_dict()
+    if not isinstance(saved, dict):
+        raise ValueError(f"{out_dir / 'config.yaml'} is not a run's config (a YAML mapping)")
+    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k])
+    if changed:
+        raise ValueError(
+            f"{where}, written with different settings {changed} and no checkpoint to resume from: give "
+            "another out_dir or remove those files"
+        )
+
+
 def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int = 0) -> dict:
     """Restore a checkpoint into the run's objects — bit for bit on CPU (gloo), also under DDP: rank r
     takes rank r's QuantLinear states (stochastic-rounding generators, delayed-scaling histories). A rank the
@@ -686,6 +722,9 @@ class _Run:
 def _start(config: TrainConfig, probes) -> _Run:
     """Build the model, optimizer and scaler; resume from the checkpoint; write config and vocabulary."""
     rank, world_size, device = _distributed(config)
+    check_out_dir(config)  # every rank, before any rank writes
+    if world_size > 1:
+        dist.barrier()
     batches = Batches(config)
     vocab_size = len(batches.vocabulary) if batches.vocabulary is not None else None
     model = build_model(config, vocab_size, rank).to(device)
