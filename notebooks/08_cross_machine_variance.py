@@ -164,7 +164,7 @@ save_figure(fig, f"{NAME}_comparisons")
 # Holm-corrected) or show equivalent (TOST within their margin), the committed interval is moved by the
 # shift measured for that comparison in section 2; the finding survives when the moved interval still
 # excludes zero (or still lies within the margin). The interval is the one at the level the claim's
-# Holm step tested it (0.05 · p / p_adjusted; column `confidence`), so that before any move it holds
+# Holm step tested it (α · p / p_adjusted; column `confidence`), so that before any move it holds
 # exactly when the committed verdict does: the stored 95 % interval of a claim in a family is
 # narrower than the test that resolved it.
 

@@ -748,19 +748,45 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so that qlab stops as after Ctrl-C: Python's default
+    SIGTERM would end qlab at once and leave a notebook's kernel and its pool workers running."""
+
+
+def _stop(signum, frame):
+    """SIGINT and SIGTERM: end the running notebooks' kernels with their process groups (quietly, and
+    their pool workers with them), then unwind as an interrupt."""
+    import signal
+
+    notebooks.kill_kernels()
+    raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    import threading
+
+    handle = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if handle:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            previous[number] = signal.signal(number, _stop)
     try:
         return _main(argv)
-    except KeyboardInterrupt:
-        print("qlab: interrupted; what finished is kept (a campaign's stored runs, a sweep's complete "
+    except KeyboardInterrupt as err:
+        how = "stopped by SIGTERM" if isinstance(err, Terminated) else "interrupted"
+        print(f"qlab: {how}; what finished is kept (a campaign's stored runs, a sweep's complete "
               "points): run the same command again to continue", file=sys.stderr)  # fmt: skip
-        return 130
+        return 143 if isinstance(err, Terminated) else 130
     except BrokenPipeError:
         if not _stdout_closed():
             raise  # a pipe of something else broke: a real error
         # `qlab list | head`: the reader of our output stopped reading, which is no error of qlab's
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 0
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _stdout_closed() -> bool:

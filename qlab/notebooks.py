@@ -50,6 +50,22 @@ def list_notebooks() -> list[Path]:
     return sorted(p for p in paths.NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
 
 
+_KERNEL_GROUPS: set[int] = set()  # process groups of the kernels this process has running
+
+
+def kill_kernels() -> None:
+    """SIGKILL every kernel this process started and is still running, with its whole process group
+    (jupyter_client starts each kernel as a process-group leader, so a notebook's pool workers are in it).
+    For an interrupted ``qlab run``: papermill's own shutdown would leave the kernel printing tracebacks
+    of its closed sockets, and an ended qlab would leave the group running."""
+    import signal
+
+    for group in list(_KERNEL_GROUPS):
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+        _KERNEL_GROUPS.discard(group)
+
+
 @functools.cache  # one class per process: papermill instantiates it for each run
 def _local_kernel_manager():
     """jupyter_client's kernel manager talking to the kernel over local (IPC) sockets instead of TCP:
@@ -66,7 +82,15 @@ def _local_kernel_manager():
         def _socket_prefix(self) -> str:  # a folder of its own: kernels started side by side never collide
             return os.path.join(tempfile.mkdtemp(prefix="qlab-kernel-"), "ipc")
 
+        async def _async_launch_kernel(self, kernel_cmd, **kw) -> None:
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+            group = getattr(self.provisioner, "pgid", None)
+            if group:
+                self._qlab_group = group
+                _KERNEL_GROUPS.add(group)
+
         def cleanup_ipc_files(self) -> None:
+            _KERNEL_GROUPS.discard(getattr(self, "_qlab_group", None))
             super().cleanup_ipc_files()
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.ip))

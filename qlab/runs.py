@@ -477,6 +477,19 @@ def close_pools() -> None:
 atexit.register(close_pools)
 
 
+def _kill_pool() -> None:
+    """Kill the warm pool's workers now, runs in flight and all: after an interrupt, ``close_pools``
+    would wait for every running run to finish. (Python 3.11's executor has no kill_workers; its
+    ``_processes`` maps pid to process.)"""
+    pool = _WARM_POOL.pop("pool", None)
+    _WARM_POOL.clear()
+    if pool is None:
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _run_processes(runs, pending, workers, threads, gpus, finish) -> None:
     pool = _pool(workers, gpus)
     finished = False
@@ -500,8 +513,11 @@ def _run_processes(runs, pending, workers, threads, gpus, finish) -> None:
                 )
             finish(futures[future], status, value)
         finished = not broken
+    except KeyboardInterrupt:  # Ctrl-C, or qlab's SIGTERM: the runs in flight are lost either way
+        _kill_pool()
+        raise
     finally:
-        if not finished:  # interrupted, or a worker died: the pool is not fit for the next call
+        if not finished:  # a worker died: the pool is not fit for the next call
             close_pools()
 
 

@@ -72,3 +72,23 @@ def smoke_outputs(notebook, results_dir: Path, tmp_path: Path | None = None, par
         for p in sorted(results_dir.rglob("*"))
         if p.is_file() and p.name != SMOKE_DONE and p.suffix != ".ipynb"
     }
+
+
+def outliving(pids, seconds: float = 10.0) -> list[int]:
+    """Those of ``pids`` still running (not gone, not zombies) after up to ``seconds``; they are then
+    SIGKILLed, so that a failing test leaves nothing behind."""
+    import signal
+
+    def running(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in pids if running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    return alive

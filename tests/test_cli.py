@@ -690,3 +690,47 @@ def test_an_extra_argument_gets_its_subcommand_s_usage(capsys):
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: qlab list") and "qlab list: error: unrecognized arguments: extra" in err
+
+
+POOL_BODY = """import concurrent.futures, multiprocessing, os, pathlib, time
+pool = concurrent.futures.ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+futures = [pool.submit(time.sleep, 600) for _ in range(2)]
+while len(multiprocessing.active_children()) < 2:
+    time.sleep(0.05)
+for process in [*multiprocessing.active_children(), multiprocessing.current_process()]:
+    pathlib.Path(pid_dir, str(process.pid)).write_text("")
+time.sleep(600)"""
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_a_stopped_run_ends_its_kernel_and_the_kernels_pool_workers_in_one_line(tmp_path, stop):
+    """``qlab run`` sent SIGTERM (a job scheduler, ``kill``) or SIGINT (Ctrl-C) while the notebook's
+    pool works: it exits 143 / 130 with one line, and neither the kernel nor its workers outlive it
+    (Python's default SIGTERM left both running; the kernel's shutdown printed socket tracebacks)."""
+    import signal
+    import time
+
+    import run_helpers
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "qlab", "display_name": "Python (qlab)", "language": "python"}
+    params = nbformat.v4.new_code_cell('pid_dir: str = ""  # where the kernel and its workers write pids')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(POOL_BODY)]
+    nbformat.write(nb, tmp_path / "99_pool.ipynb")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    argv = [sys.executable, "-m", "qlab.cli", "run", str(tmp_path / "99_pool.ipynb"), "-p", "pid_dir",
+            str(pids), "--output", str(tmp_path / "out.ipynb")]  # fmt: skip
+    qlab = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = [int(p.name) for p in pids.iterdir()]
+    assert len(started) == 3, "the kernel and its two workers never started"
+    qlab.send_signal(getattr(signal, stop))
+    stdout, stderr = qlab.communicate(timeout=60)
+    assert qlab.returncode == {"SIGTERM": 143, "SIGINT": 130}[stop]
+    assert stderr.strip().startswith("qlab: ") and "\n" not in stderr.strip(), stderr  # no kernel tracebacks
+
+    assert not run_helpers.outliving(started)

@@ -434,6 +434,10 @@ ENTRY_POINTS = {
     "stats.paired_test": (stats.paired_test, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2], alpha=0.05)),
     "stats.holm": (stats.holm, lambda: dict(p_values=[0.01, 0.04, 0.3])),
     "stats.tost": (stats.tost, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2], margin=0.5)),
+    "stats.ratio_interval": (
+        stats.ratio_interval,
+        lambda: dict(numerators=[0.3, 0.4, 0.2], denominators=[0.5, 0.6, 0.45], alpha=0.05),
+    ),
     "stats.sign_flip_test": (stats.sign_flip_test, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2])),
     "stats.detectable_effect": (stats.detectable_effect, lambda: dict(sd=1.0, n=5, alpha=0.05, power=0.8)),
     "stats.seeds_for_effect": (stats.seeds_for_effect, lambda: dict(sd=1.0, effect=0.5, most=100)),
@@ -1437,11 +1441,12 @@ NOT_GENERATED = {
         nn.replace_linears nn.conversion_report nn.plain_linears nn.set_submodule nn.QlabLinear""",
     "command lines: argv parsed (add_arguments fills the parser), then training, torchrun or a server "
     "(tests/test_cli.py)": """
-        cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main cli.campaign_list""",
+        cli.main lab.main train.launch.add_arguments train.launch.run train.launch.main cli.campaign_list
+        cli.Terminated""",
     "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
         notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder
         notebooks.results_folder notebooks.check_output sweep.sweep_folder
-        notebooks.run_report notebooks.export_html""",
+        notebooks.run_report notebooks.export_html notebooks.kill_kernels""",
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
         seed_model.ddp_audit train.loop.compiled_step_model""",
@@ -1459,8 +1464,9 @@ NOT_GENERATED = {
     "the advisor's argument checks, reached through layer_sensitivity, group_sensitivity and the plan's "
     "score functions above": """
         advisor.check_measurement advisor.check_layers""",
-    "training checkpoints, written and read by train.loop.train's runs (tests/test_train.py)": """
-        train.loop.save_checkpoint train.loop.load_checkpoint""",
+    "training checkpoints and out_dirs, written and read by train.loop.train's runs (tests/test_train.py, "
+    "tests/test_train_failures.py)": """
+        train.loop.save_checkpoint train.loop.load_checkpoint train.loop.check_out_dir""",
     "no arguments to generate: where results go, the plotting style, the notebooks and cores there are, "
     "whether a runner without a browser drives this process, the kernel's language, quiet model loading": """
         paths.results_root paths.data_dir paths.figures_dir plotting.use_paper_style notebooks.list_notebooks

@@ -90,6 +90,31 @@ def test_a_killed_worker_fails_its_run_and_keeps_the_finished_ones(tmp_path):
     assert caught.value.results[0] == 9 and caught.value.results[1] is None
 
 
+def test_an_interrupt_kills_the_pools_workers_at_once_instead_of_waiting_for_their_runs(tmp_path):
+    """Ctrl-C (or qlab's SIGTERM, raised as an interrupt) while two 120-s runs are in flight: the
+    process ends in seconds and leaves no worker behind; the pool's own shutdown would wait for them."""
+    import subprocess
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import run_helpers\n"
+        "from qlab import runs\n"
+        "runs.run_many([runs.task(run_helpers.pid_then_sleep, sys.argv[2], 120) for _ in range(2)],\n"
+        "              max_workers=2, estimated_seconds=240, progress=False)\n"
+    )
+    tests = os.path.dirname(__file__)
+    driver = subprocess.Popen([sys.executable, "-c", code, tests, str(tmp_path)], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len([p for p in tmp_path.iterdir() if p.name.isdigit()]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(workers) == 2, "the workers never started"
+    driver.send_signal(signal.SIGINT)
+    assert driver.wait(timeout=60) != 0  # well before the runs' 120 s
+    driver.stderr.close()
+
+    assert not run_helpers.outliving(workers)
+
+
 def _kill_first_pid_in(folder, settle: float = 1.0) -> threading.Thread:
     """Kill the worker that wrote its pid into folder, once the other run has left folder/done.
 
