@@ -94,10 +94,24 @@ def _advise_mode_options(args) -> None:
             setattr(args, name, default)
 
 
+def _version() -> str:
+    """qlab's version and the torch it runs on (read from the installed metadata: no torch import)."""
+    from importlib import metadata
+
+    import qlab
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    return f"qlab {qlab.__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qlab", description="qlab: low-precision training numerics lab bench"
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("list", help="list the notebooks and their parameters")
@@ -268,15 +282,18 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--expand", type=int, default=6, help="--score hierarchical: blocks measured by layer"
     )
-    report.add_argument("--batches", type=int, default=3, help="calibration batches")
-    report.add_argument("--held-out", type=int, default=8, help="held-out batches each plan is checked on")
-    report.add_argument("--batch-size", type=int, default=2, help="windows per batch")
-    report.add_argument("--tokens", type=int, default=64, help="tokens per window")
+    for option, default, words in REPORT_SIZES:  # None: not given (--smoke sets its own sizes)
+        report.add_argument(option, type=int, default=None, help=f"{words} (default: {default})")
     report.add_argument("--seed", type=int, default=0, help="which windows are drawn")
     report.add_argument("--dtype", choices=("float32", "bf16"), default="float32", help="the model's dtype")
-    report.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu or cuda")
+    report.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda or cuda:N")
     report.add_argument("--out", help="the report's folder (default runs/report/<model>/)")
-    report.add_argument("--smoke", action="store_true", help="tiny sizes: a check that the report runs")
+    report.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (" + ", ".join(f"{o} {v}" for o, v in REPORT_SMOKE_SIZES.items()) + "): a check "
+        "that the report runs",
+    )
     report.add_argument(
         "--timeout", type=int, default=notebooks.DEFAULT_TIMEOUT_S, help="seconds one notebook cell may take"
     )
@@ -340,7 +357,9 @@ def _build_parser() -> argparse.ArgumentParser:
     advise.add_argument("--seed", type=int, default=0, help="which windows are drawn")
     advise.add_argument("--dtype", choices=("float32", "bf16"), default="float32", help="the model's dtype")
     advise.add_argument(
-        "--device", default="auto", help="where the model runs: auto (CUDA when there is one), cpu or cuda"
+        "--device",
+        default="auto",
+        help="where the model runs: auto (CUDA when there is one), cpu, cuda or cuda:N",
     )
     advise.add_argument("--top", type=int, default=15, help="rows of the table to print")
     advise.add_argument("--out", help="write the whole table to this CSV file")
@@ -608,6 +627,13 @@ def _cmd_campaign(args) -> int:
     params = {name: _parse_value(value) for name, value in args.parameter}
     if "profile" in params:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
+    fan_out = (("executor", "--executor"), ("max_workers", "-j"), ("runs_per_gpu", "--runs-per-gpu"))
+    for name, option in fan_out:
+        if name in params:  # the notebook's own fan-out: the campaign runs the list itself, with its options
+            raise ValueError(
+                f"qlab campaign runs the list itself: give {option} {checks.yaml_text(params[name])}, "
+                f"not -p {name}"
+            )
     if args.smoke:
         if params.get("smoke", True) is not True:
             raise ValueError(
@@ -681,8 +707,35 @@ class _ScoreKinds(Sequence):
         return len(self._kinds())
 
 
+REPORT_SIZES = (  # the report's size options: option, default, help
+    ("--batches", 3, "calibration batches"),
+    ("--held-out", 8, "held-out batches each plan is checked on"),
+    ("--batch-size", 2, "windows per batch"),
+    ("--tokens", 64, "tokens per window"),
+)
+REPORT_SMOKE_SIZES = {"--batches": 2, "--held-out": 2, "--batch-size": 1, "--tokens": 16}  # the notebook's
+
+
+def _report_sizes(args) -> None:
+    """Fill the report's size options: their defaults, or --smoke's tiny sizes, which the notebook sets
+    and which a size given beside --smoke would silently lose; --tokens needs a next token to predict."""
+    given = [o for o, _, _ in REPORT_SIZES if getattr(args, o[2:].replace("-", "_")) is not None]
+    if args.smoke and given:
+        raise ValueError(
+            f"--smoke sets its own sizes ({', '.join(f'{o} {v}' for o, v in REPORT_SMOKE_SIZES.items())}); "
+            f"give {' '.join(given)} or --smoke, not both"
+        )
+    for option, default, _ in REPORT_SIZES:
+        name = option[2:].replace("-", "_")
+        value = getattr(args, name)
+        setattr(args, name, default if value is None else value)
+    checks.integer("--tokens", args.tokens, low=2)  # a window of one token has nothing to predict
+
+
 def _cmd_report(args) -> int:
     from qlab.plan import slug
+
+    _report_sizes(args)
 
     def numbers(text: str, option: str) -> list[float]:
         try:

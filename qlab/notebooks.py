@@ -169,15 +169,18 @@ def _read(notebook) -> tuple[Path, nbformat.NotebookNode]:
 def notebook_parameters(notebook: Path) -> dict[str, dict]:
     """The parameters cell's names -> {"default": source text, "type": annotation or None, "help": the
     line's comment or ""}."""
-    import papermill
+    from papermill.translators import PythonTranslator
 
     notebook, content = _read(notebook)
-    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in content.cells):
+    tagged = [c for c in content.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not tagged:
         raise ValueError(f"notebook {notebook.name} has no cell tagged 'parameters'")
-    found = papermill.inspect_notebook(str(notebook))
+    # papermill's inspect_notebook needs a kernelspec in the file; every notebook runs in the qlab
+    # (Python) kernel, so its parameters cell is read as Python whatever the file says
+    found = PythonTranslator.inspect(tagged[0])
     return {
-        name: {"default": info["default"], "type": info["inferred_type_name"], "help": info.get("help") or ""}
-        for name, info in found.items()
+        info.name: {"default": info.default, "type": info.inferred_type_name, "help": info.help or ""}
+        for info in found
     }
 
 
@@ -285,6 +288,7 @@ def run_notebook(
                 str(output),
                 parameters=params,
                 kernel_name=KERNEL_NAME,
+                language="python",  # what the qlab kernel speaks, whatever the file's metadata says
                 cwd=str(output.parent),
                 execution_timeout=timeout,
                 progress_bar=False,

@@ -136,6 +136,17 @@ def _packaged_model(name, value):
     checks.choice(name, value, tuple(PACKAGED))
 
 
+def _second_machine(name, value):
+    """A folder of runs under data/cross_cpu/ (one holding a machine.json), as notebook 08 reads it."""
+    folder = paths.ROOT / "data" / "cross_cpu"
+    found = sorted(p.parent.name for p in folder.glob("*/machine.json"))
+    if value not in found:
+        raise ValueError(
+            f"{name} must name a folder of runs under {paths.shown(folder)}/ ({', '.join(found) or 'none'}), "
+            f"got {value!r}"
+        )
+
+
 def _any_model(name, value):
     """A packaged name, a checkpoint folder or a hub id in the local Hugging Face cache (never fetched)."""
     from qlab.models import PACKAGED, checkpoint_folder
@@ -212,6 +223,7 @@ PARAMETER_RULES = {
     "fractions": _fraction,
     "text_fractions": _fraction,
     "keep_fraction": lambda name, value: checks.number(name, value, low=0, high=1),
+    "second": _second_machine,
 }
 
 

@@ -289,6 +289,8 @@ def test_campaign_refuses_bad_input_before_any_run(monkeypatch, capsys):
         (["campaign", "03", "-p", "seeds", "0", "--runs", "1"], "seeds"),
         (["campaign", "03", "-p", "colour", "red", "--status"], "colour"),
         (["campaign", "03", "--address", "auto", "--status"], "--address needs --executor ray"),
+        (["campaign", "03", "-p", "executor", "serial", "--status"], "--executor serial, not -p executor"),
+        (["campaign", "03", "-p", "max_workers", "3", "-j", "2", "--status"], "-j 3, not -p max_workers"),
     ]
     for argv, message in cases:
         assert cli.main(argv) == 2, argv

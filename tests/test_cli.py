@@ -106,6 +106,9 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
         (["run", "03", "--profile", "paper", "-p", "profile", "cpu"], "--profile paper and -p profile cpu"),
         (["run", "02", "--profile", "paper"], "has no profile parameter, so --profile paper cannot apply"),
         (["run", "02", "--smoke", "-p", "smoke", "false"], "--smoke and -p smoke false disagree"),
+        (["run", "08", "-p", "second", "nosuch"], "second must name a folder of runs under data/cross_cpu/"),
+        (["report", "--smoke", "--tokens", "32"], "--smoke sets its own sizes (--batches 2, --held-out 2"),
+        (["report", "--tokens", "1"], "--tokens must be an int ≥ 2, got 1"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
@@ -734,3 +737,35 @@ def test_a_stopped_run_ends_its_kernel_and_the_kernels_pool_workers_in_one_line(
     assert stderr.strip().startswith("qlab: ") and "\n" not in stderr.strip(), stderr  # no kernel tracebacks
 
     assert not run_helpers.outliving(started)
+
+
+def test_a_notebook_without_a_kernelspec_runs_in_the_qlab_kernel(tiny, tmp_path, capsys):
+    """A .ipynb made by ``jupytext --to ipynb`` has no kernelspec: papermill's own inspection refused it
+    ("No kernel name found in notebook"); every notebook runs in the qlab kernel anyway."""
+    nb = nbformat.read(tiny, as_version=4)
+    del nb.metadata["kernelspec"]
+    nbformat.write(nb, tiny)
+    assert cli.main(["run", str(tiny), "-p", "a", "4", "--output", str(tmp_path / "out.ipynb")]) == 0
+    assert "ok in" in capsys.readouterr().out
+
+
+def test_the_reports_smoke_sizes_are_the_notebooks():
+    """``qlab report --smoke`` names the sizes the report notebook sets under smoke: the same numbers."""
+    import re
+
+    source = (paths.NOTEBOOKS_DIR / "report_your_model.py").read_text()
+    names, values = re.search(r"if smoke:\n    ([\w, ]+) = ([\d, ]+)\n", source).groups()
+    from_notebook = dict(zip(names.split(", "), map(int, values.split(", "))))
+    assert from_notebook == {o[2:].replace("-", "_"): v for o, v in cli.REPORT_SMOKE_SIZES.items()}
+
+
+def test_version_names_qlab_and_the_torch_it_runs_on(capsys):
+    import importlib.metadata
+
+    import qlab
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"qlab {qlab.__version__} (torch {importlib.metadata.version('torch')}, Python 3.")
