@@ -65,7 +65,7 @@ device = this_run.device
 if smoke:
     tokens, hidden, sr_points, sr_draws, draws = 64, 128, 25, 200, 3
 use_paper_style()
-claims = Claims(this_run)
+claims = Claims(this_run, pairs="draws")  # paired tests pair the same draws of a distribution
 print(f"tokens={tokens} hidden={hidden} sr_points={sr_points} sr_draws={sr_draws} draws={draws}")
 
 

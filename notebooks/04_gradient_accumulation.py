@@ -306,7 +306,7 @@ fig.suptitle(f"One accumulation step, {tokens} tokens × {in_features} → {out_
 save_figure(fig, f"{NAME}_timing")
 
 # %%
-timing = Claims(this_run)  # saved apart: times are not reproducible to the byte
+timing = Claims(this_run, pairs="repeats")  # saved apart: times are not reproducible to the byte
 per_repeat = repeats.pivot(index="repeat", columns="method", values="step_ms")
 TIME_PAIRS = [("fused, FP32 main_grad", "autograd, FP32 .grad"), ("autograd, BF16 .grad", "autograd, FP32 .grad"),
               ("fused, FP32 main_grad, BF16 params", "fused, FP32 main_grad")]

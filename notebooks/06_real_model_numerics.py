@@ -134,7 +134,7 @@ def losses(batches):
 
 
 baseline = losses(held_out)
-claims = Claims(this_run)
+claims = Claims(this_run, pairs="held-out batches")  # each paired test pairs the same batches
 claims.mean("baseline", list(baseline.values()), text=f"{model_name}'s held-out loss", unit="nats/token")
 print(f"{model_name}: {LAYERS} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters; "
       f"{seeds} held-out batches (seeds {SEEDS[0]}…{SEEDS[-1]}) of {batch_size}×{tokens} tokens; "
@@ -581,7 +581,7 @@ for grouping, prefix, family in (("decoder layer", "scan.layer", "scan-layers"),
     part = sensitivity[sensitivity.grouping == grouping]
     for group in dict.fromkeys(part.group):
         claims.paired(f"{prefix}.{group.split()[-1]}", part[part.group == group].sort_values("seed").delta,
-                      family=family, unit="nats",
+                      family=family, unit="nats", over="scan batches",
                       text=f"{group} alone quantized by {sensitivity_recipe} − unquantized, scan windows")
     claims.holm(family)
 layer_keys = [f"scan.layer.{layer}" for layer in ranked]
@@ -614,7 +614,7 @@ for recipe in keep_recipes:
 if sensitivity_recipe in keep_recipes:
     claims[f"keep.{sensitivity_recipe}.measured-rule"].headline = True
 wide = in_sample.pivot_table(index="seed", columns="keep", values="loss")
-claims.paired("insample.measured-rule", wide["measured"] - wide["rule"], unit="nats",
+claims.paired("insample.measured-rule", wide["measured"] - wide["rule"], unit="nats", over="scan batches",
               text=f"{sensitivity_recipe}, scan windows the measured set was chosen on: keeping {KEEP_WORDS['measured']} − "
                    f"keeping {KEEP_WORDS['rule']}")
 
@@ -638,16 +638,16 @@ claims.holm("grad")
 
 # 5. fine-tune: finetune_seeds runs per recipe, each the mean over the held-out batches; paired by fine-tune seed
 bf16_runs = per_finetune[per_finetune.recipe == "bf16"].sort_values("finetune_seed")
-claims.paired("finetune.bf16.gain", bf16_runs.moved, unit="nats",
+claims.paired("finetune.bf16.gain", bf16_runs.moved, unit="nats", over="fine-tunes",
               text="BF16 fine-tune: held-out loss after − before")
 for recipe_name in finetune_recipes:
     part = against_bf16[against_bf16.recipe == recipe_name].sort_values("finetune_seed")
     claims.paired(f"finetune.{recipe_name}.start", (before[recipe_name] - before["bf16"]).sort_index(),
                   family="finetune.start", unit="nats",
-                  text=f"{recipe_name} − BF16, held-out loss before the fine-tune (the forward's cost; pairs: held-out batches)")
-    claims.paired(f"finetune.{recipe_name}", part.held_out_after_minus_bf16, family="finetune", unit="nats",
+                  text=f"{recipe_name} − BF16, held-out loss before the fine-tune (the forward's cost)")
+    claims.paired(f"finetune.{recipe_name}", part.held_out_after_minus_bf16, family="finetune", unit="nats", over="fine-tunes",
                   margin=finetune_margin, text=f"{recipe_name} fine-tune − BF16 fine-tune, held-out loss after it")
-    claims.paired(f"finetune.{recipe_name}.moved", part.moved_minus_bf16, family="finetune.moved", unit="nats",
+    claims.paired(f"finetune.{recipe_name}.moved", part.moved_minus_bf16, family="finetune.moved", unit="nats", over="fine-tunes",
                   margin=finetune_margin,
                   text=f"{recipe_name} − BF16, how far the fine-tune moved the held-out loss from each one's own start")
 for family in ("finetune.start", "finetune", "finetune.moved"):
@@ -723,11 +723,22 @@ compare_rows = [key for recipe in keep_recipes for a in ("measured", "last")
                 for key in (f"keep.{recipe}.{a}-rule", f"keep.{recipe}.{a}-rule.same")]
 helped = [recipe for recipe in keep_recipes
           if claims[f"keep.{recipe}.rule-none"].resolved() and claims[f"keep.{recipe}.rule-none"].value < 0]
-shares = [f"{recipe} {claims[f'keep.{recipe}.last_share'].part('both')}" for recipe in helped]
+def share_words(recipe: str) -> str:
+    """A share with its interval, and which of 0 (nothing recovered) and 1 (all of it) the interval holds."""
+    share = claims[f"keep.{recipe}.last_share"]
+    holds = [bound for bound in (0, 1) if share.low <= bound <= share.high]
+    said = {(0, 1): " (holds 0 and 1: these batches do not place it)", (0,): " (holds 0)",
+            (1,): " (holds 1: not told apart from the whole gain)"}.get(tuple(holds), "")
+    return f"{recipe} {share.part('both')}{said}"
+
+
+shares = [share_words(recipe) for recipe in helped]
 others = [recipe for recipe in keep_recipes if recipe not in helped]
 share_text = ("**The last layer alone.** Where the rule resolvably lowers the loss, the last layer alone recovers "
               f"this share of the rule's gain (the ratio of the means (nothing kept − last alone) ÷ (nothing kept − "
-              f"rule), with Fieller's 95 % interval over the seeds): {', '.join(shares)}." if shares else
+              f"rule), with Fieller's 95 % interval over the held-out batches, unadjusted): {'; '.join(shares)}. "
+              "An interval that excludes 1 is the unadjusted paired t of last alone − rule; the table above tests "
+              "that comparison Holm-adjusted." if shares else
               "**The last layer alone.** The rule resolvably lowers the loss under no recipe, so no share of its gain "
               "is stated.")
 if shares and others:
@@ -741,7 +752,7 @@ if sensitivity_recipe in keep_recipes:
                       "measured on different windows and their difference is not tested, so no selection effect is "
                       "claimed.")
 display(Markdown(claims.render(f"""
-**Keep sets** (judged on the {seeds} held-out windows, paired by seed; every projection outside the kept layers
+**Keep sets** (judged on the {seeds} held-out batches, paired by batch; every projection outside the kept layers
 quantized; each question Holm-corrected over the recipes): first what quantizing everything costs and what the
 rule (keep layers {', '.join(map(str, KEEP_SETS['rule']))}) buys back,
 """) + "\n" + claims.table(keep_rows) + "\n\n" + claims.render(

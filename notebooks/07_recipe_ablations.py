@@ -342,13 +342,14 @@ claims.mean("sr.mean", first_layer.wgrad_rel_error_of_mean, digits=3,
 claims.mean("sr.excess", sr_excess, digits=2, headline=True,
             text=f"error of the mean of {sr_draws} SR draws ÷ the unbiased prediction (rms draw error / √{sr_draws}), "
                  f"mean over the {sr_last.layer.nunique()} captured layers (one batch each) per sequence of draws")
-claims.paired("sr.excess.log", np.log(sr_excess), digits=3, family="sr",
+claims.paired("sr.excess.log", np.log(sr_excess), digits=3, family="sr", over="sequences of draws",
               text="log of that excess, against 0 (unbiased, independent draws)")
 claims.mean("sr.excess.rceil", sr_excess_rceil, digits=2,
             text="the same excess with RCEIL scales, which never saturate (per sequence of draws)")
-claims.paired("sr.excess.rceil.log", np.log(sr_excess_rceil), digits=3, family="sr",
+claims.paired("sr.excess.rceil.log", np.log(sr_excess_rceil), digits=3, family="sr", over="sequences of draws",
               text="log of the RCEIL excess, against 0 (unbiased, independent draws)")
 claims.paired("sr.excess.floor-rceil", np.log(sr_excess) - np.log(sr_excess_rceil), digits=3, family="sr",
+              over="sequences of draws",
               text="log of the FLOOR excess − log of the RCEIL excess, paired by sequence of draws")
 claims.holm("sr")
 
@@ -368,7 +369,7 @@ for preset in ("nvfp4", "mxfp4_training"):
             a = with_rht[with_rht.layer == layer].set_index("seed").rel_error.sort_index()
             b = without[without.layer == layer].set_index("seed").rel_error.reindex(a.index)
             key = key_for("rht", preset, source, layer)
-            claims.paired(key, np.log(a / b), family=f"rht.{preset}", margin=rht_margin,
+            claims.paired(key, np.log(a / b), family=f"rht.{preset}", margin=rht_margin, over="SR seeds",
                           text=f"{preset}, {source} {layer}: log(wgrad error with RHT ÷ without), per SR seed")
             rht_keys.setdefault(preset, []).append(key)
             rht_rows.append({"recipe": preset, "operands": source, "layer": layer, "wgrad error with RHT": a.mean(),

@@ -20,8 +20,10 @@ interactive run never reads like the committed findings. Rendered lines are join
 without hard wraps, so a number never begins a line and turns it into a numbered list.
 
 The claims file holds one row per claim: key, text, value, low, high, n, test, p (raw), p_adjusted,
-family, margin, detectable, unit, digits, headline — what ``qlab findings`` builds the README's table
-from (headline claims only) and what the drift tests recompute from the committed data.
+family, margin, detectable, unit, digits, headline and pairs (what a paired test's pairs are: seeds,
+draws, held-out batches; "seeds" where a file written before this column lacks it) — what ``qlab
+findings`` builds the README's table from (headline claims only) and what the drift tests recompute from
+the committed data.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ ALPHA = 0.05
 COLUMNS = (
     "key", "text", "value", "low", "high", "n", "test", "p", "p_adjusted", "p_sign_flip",
     "p_sign_flip_adjusted", "family", "margin", "low_90", "high_90", "detectable", "equivalent", "undecided",
-    "sign_flip_resolved", "unit", "digits", "headline",
+    "sign_flip_resolved", "unit", "digits", "headline", "pairs",
 )  # fmt: skip
+SAVED_BEFORE_PAIRS = COLUMNS[:-1]  # a claims file written before the pairs were named: its pairs are seeds
 TESTS = (
     "paired t",
     "TOST",
@@ -97,12 +100,14 @@ class Claim:
     digits: int = 4
     headline: bool = False
     family_size: int = field(default=0, repr=False)
-    pairs: str = field(default="seeds", repr=False)  # what a verdict calls the pairs (not saved)
+    pairs: str = field(default="seeds", repr=False)  # what a verdict calls the pairs: seeds, draws, ...
 
     def __post_init__(self):
-        for name in ("key", "text", "test", "family", "unit"):
+        for name in ("key", "text", "test", "family", "unit", "pairs"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a str, got {checks.shown(getattr(self, name))}")
+        if not self.pairs:
+            raise ValueError("pairs must name what the pairs are (seeds, draws, ...), got an empty string")
         for name in (
             "value",
             "low",
@@ -332,8 +337,10 @@ class Claims:
     def __contains__(self, key: str) -> bool:
         return key in self._claims
 
-    def _add(self, claim: Claim) -> Claim:
-        claim.pairs = self.pairs
+    def _add(self, claim: Claim, over: str | None = None) -> Claim:
+        if over is not None and (not isinstance(over, str) or not over):
+            raise TypeError(f"over must be a non-empty str naming the pairs, got {checks.shown(over)}")
+        claim.pairs = over or self.pairs
         if not isinstance(claim.key, str) or not _KEY.match(claim.key):
             raise ValueError(f"key must be letters, digits and . _ + -, got {claim.key!r}")
         if not isinstance(claim.text, str) or not claim.text:
@@ -355,12 +362,13 @@ class Claims:
                                digits=digits, headline=headline))  # fmt: skip
 
     def ratio(self, key: str, numerators, denominators, *, text: str, unit: str = "", digits: int = 4,
-              headline: bool = False) -> Claim:  # fmt: skip
-        """mean(numerators) / mean(denominators), paired per seed, with Fieller's 95 % interval
-        (``qlab.stats.ratio_interval``; none where the denominator's mean is not resolved from zero)."""
+              headline: bool = False, over: str | None = None) -> Claim:  # fmt: skip
+        """mean(numerators) / mean(denominators), paired per seed (``over``: what the pairs are, when
+        not the Claims' pairs), with Fieller's 95 % interval (``qlab.stats.ratio_interval``; none where
+        the denominator's mean is not resolved from zero)."""
         result = stats.ratio_interval(list(numerators), list(denominators))
         return self._add(Claim(key, text, result["ratio"], result["low"], result["high"], result["n"],
-                               "Fieller", unit=unit, digits=digits, headline=headline))  # fmt: skip
+                               "Fieller", unit=unit, digits=digits, headline=headline), over)  # fmt: skip
 
     def mean(self, key: str, values, *, text: str, unit: str = "", digits: int = 4, headline: bool = False):
         """The mean of ``values`` with its 95 % Student-t interval (``qlab.stats.mean_interval``)."""
@@ -370,25 +378,28 @@ class Claims:
                           headline=headline)  # fmt: skip
 
     def paired(self, key: str, differences, *, text: str, family: str = "", unit: str = "", digits: int = 4,
-               headline: bool = False, margin: float | None = None) -> Claim:  # fmt: skip
+               headline: bool = False, margin: float | None = None,
+               over: str | None = None) -> Claim:  # fmt: skip
         """A paired difference (one value per seed): the paired t-test, its 95 % interval, the exact
         sign-flip test beside it and the effect these seeds detect at 80 % power; ``family`` groups it
         for ``holm``. Given ``margin`` (a notebook parameter, fixed before the committed runs), also
-        the TOST claim ``<key>.same``."""
+        the TOST claim ``<key>.same``. ``over`` names the pairs ("draws", "fine-tunes") where they are
+        not the Claims' own."""
         differences = list(differences)
         test = stats.paired_test(differences)
         flips = stats.sign_flip_test(differences)
         detectable = stats.detectable_effect(test["sd"], test["n"])
         claim = self._add(Claim(key, text, test["mean"], test["low"], test["high"], test["n"], "paired t",
                                 test["p"], p_sign_flip=flips["p"], family=family, detectable=detectable,
-                                unit=unit, digits=digits, headline=headline))  # fmt: skip
+                                unit=unit, digits=digits, headline=headline), over)  # fmt: skip
         if margin is not None:
             within = f"{text}, within ±{margin:g}{' ' + unit if unit else ''}"
-            self.equivalence(f"{key}.same", differences, margin=margin, unit=unit, digits=digits, text=within)
+            self.equivalence(f"{key}.same", differences, margin=margin, unit=unit, digits=digits, text=within,
+                             over=over)  # fmt: skip
         return claim
 
     def equivalence(self, key: str, differences, *, margin: float, text: str, unit: str = "", digits: int = 4,
-                    headline: bool = False) -> Claim:  # fmt: skip
+                    headline: bool = False, over: str | None = None) -> Claim:  # fmt: skip
         """ "No difference" as a TOST equivalence test against ``margin``, stated up front: low/high hold
         the 95 % interval, low_90/high_90 the 90 % interval the test reads."""
         differences = list(differences)
@@ -398,7 +409,7 @@ class Claims:
         return self._add(Claim(key, text, result["mean"], interval_95["low"], interval_95["high"],
                                result["n"], "TOST", result["p"], margin=margin, low_90=interval_90["low"],
                                high_90=interval_90["high"], unit=unit, digits=digits,
-                               headline=headline))  # fmt: skip
+                               headline=headline), over)  # fmt: skip
 
     def tally(
         self, key: str, keys, *, text: str, direction: str | None = None, headline: bool = False
@@ -448,11 +459,12 @@ class Claims:
                                test="tally" if direction is None else f"tally {direction}",
                                margin=margins.pop(), detectable=detectable, equivalent=float(len(equivalent)),
                                undecided=float(len(undecided)), sign_flip_resolved=by_flips, unit=unit,
-                               digits=0, headline=headline))  # fmt: skip
+                               digits=0, headline=headline), members[0].pairs)  # fmt: skip
 
     def paired_family(self, frame: pd.DataFrame, value: str, *, family: str, pairs, text: str,
                       by: str = "recipe", between: str = "override", pair: str = "seed", unit: str = "",
-                      digits: int = 4, margin: float | None = None) -> list[str]:  # fmt: skip
+                      digits: int = 4, margin: float | None = None,
+                      over: str | None = None) -> list[str]:  # fmt: skip
         """For each group of ``by`` and each (a, b) of ``pairs`` present in its ``between`` column, the
         paired claim ``<family>.<group>.<a>-<b>`` (other characters than a key's become "_") of
         value(a) − value(b) with the same ``pair`` key
@@ -468,9 +480,8 @@ class Claims:
                     continue
                 key = key_for(family, group, f"{a}-{b}")
                 label = text.format(group=group, a=a, b=b)
-                self.paired(
-                    key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits, margin=margin
-                )
+                self.paired(key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits,
+                            margin=margin, over=over)  # fmt: skip
                 keys.append(key)
         if keys:
             self.holm(family)
@@ -593,17 +604,24 @@ def load(path) -> pd.DataFrame:
 def _load(path, name: str) -> pd.DataFrame:
     from qlab.results import read_csv
 
-    return read_csv(path, COLUMNS, name=name, what="claims file", keep_default_na=False, na_values=[""])
+    frame = read_csv(
+        path, SAVED_BEFORE_PAIRS, name=name, what="claims file", keep_default_na=False, na_values=[""]
+    )
+    if "pairs" not in frame:
+        frame["pairs"] = "seeds"
+    return frame
 
 
 def from_row(row) -> Claim:
     """The Claim a claims-file row describes (``family_size`` recounted by ``findings``)."""
     if not isinstance(row, (dict, pd.Series)):
         raise TypeError(f"row must be a claims-file row (a dict or pandas Series), got {checks.shown(row)}")
-    missing = [name for name in COLUMNS if name not in row]
+    missing = [name for name in SAVED_BEFORE_PAIRS if name not in row]
     if missing:
         raise ValueError(f"row is not a claims-file row: it lacks {missing}")
-    values = {name: row[name] for name in COLUMNS}
+    values = {name: row[name] for name in SAVED_BEFORE_PAIRS}
+    pairs = row["pairs"] if "pairs" in row else "seeds"
+    values["pairs"] = "seeds" if _missing(pairs) or pairs == "" else str(pairs)
     try:
         for name in ("text", "test", "family", "unit"):
             values[name] = "" if _missing(values[name]) else str(values[name])

@@ -121,17 +121,19 @@ def comparison_pairs(notebook: str, configs) -> list[tuple[str, str, str]]:
 
 
 def difference_spread(notebook: str, runs: pd.DataFrame) -> pd.DataFrame:
-    """The seed-to-seed standard deviation of each paired comparison a − b that ``notebook`` states,
-    over the seeds that ran both: key, n, sd — the spread its paired interval is built on (seed effects
-    common to a and b cancel in it, so it is usually far below ``seed_spread``'s)."""
+    """Each paired comparison a − b that ``notebook`` states, over the seeds that ran both: key, n, sd
+    (the seed-to-seed standard deviation of a − b; seed effects common to a and b cancel in it, so it
+    is usually far below ``seed_spread``'s) and error = sd/√n, the standard error of its mean — the
+    scale its paired interval is built on, and the one a shift of that mean is read against."""
     checks.choice("notebook", notebook, NOTEBOOKS)
     checks.frame_columns("runs", runs, RUN_COLUMNS)
     wide = runs.pivot_table(index="seed", columns="config", values="val_loss")
     rows = []
     for key, a, b in comparison_pairs(notebook, list(dict.fromkeys(runs.config))):
         differences = (wide[a] - wide[b]).dropna()
-        rows.append({"key": key, "n": len(differences), "sd": float(differences.std(ddof=1))})
-    return pd.DataFrame(rows, columns=["key", "n", "sd"])
+        sd = float(differences.std(ddof=1))
+        rows.append({"key": key, "n": len(differences), "sd": sd, "error": sd / math.sqrt(len(differences))})
+    return pd.DataFrame(rows, columns=["key", "n", "sd", "error"])
 
 
 def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_name: str, second_name: str):
@@ -172,9 +174,10 @@ def comparisons(notebook: str, first: pd.DataFrame, second: pd.DataFrame, first_
 
 
 def _holm_level_interval(claim, alpha: float = ALPHA) -> tuple[float, float, float]:
-    """(confidence, low, high): the interval of a committed claim at the level its Holm step tested it,
-    so that it excludes zero (a paired t) or lies within ±margin (a TOST) exactly when its adjusted p is
-    at most ``alpha``. The step's level is alpha · p / p_adjusted (alpha itself when unadjusted); the
+    """(confidence, low, high): the interval of a committed claim at the level at which it agrees with
+    the claim's adjusted p — it excludes zero (a paired t) or lies within ±margin (a TOST) exactly when
+    the adjusted p is at most ``alpha``. That level is alpha · p / p_adjusted: Holm's step level
+    alpha/(m − k + 1), or smaller where Holm's running maximum binds (alpha itself when unadjusted). The
     standard error is read back from the stored 95 % interval (90 % for a TOST) and n seeds."""
     p_adjusted = claim.p_adjusted
     adjusted = isinstance(p_adjusted, float) and math.isfinite(p_adjusted) and p_adjusted > 0
@@ -191,15 +194,15 @@ def _holm_level_interval(claim, alpha: float = ALPHA) -> tuple[float, float, flo
 
 def survival(committed: pd.DataFrame, measured: pd.DataFrame) -> pd.DataFrame:
     """For each committed claim that resolves a comparison (paired t, adjusted p ≤ 0.05) or shows it
-    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval at the level its
-    Holm step tested it (``_holm_level_interval``: wider than the stored 95 % one in a family, so that it
-    holds exactly when the committed verdict does) moved by the whole 95 % interval of the comparison's
-    shift — low + shift_low, high + shift_high, so the shift's spread over seeds widens it — and
-    whether the moved interval still excludes zero (resolved) or still lies within ±margin
-    (equivalent). Columns: key, kind, value, confidence, low, high, shift, shift_low, shift_high,
-    moved_low, moved_high, survives, and survives_mean_shift: whether the interval moved by the mean
-    shift alone (low + shift, high + shift) still holds — the bound the other way, which a few seeds on
-    the second machine make far apart."""
+    equivalent (TOST, p ≤ 0.05) and whose comparison ``measured`` holds: its interval at the level at
+    which it agrees with the adjusted p (``_holm_level_interval``: wider than the stored 95 % one in a
+    family, so that it holds exactly when the committed verdict does) moved by the whole 95 % interval of
+    the comparison's shift — low + shift_low, high + shift_high, so the shift's spread over seeds widens
+    it — and whether the moved interval still excludes zero (resolved) or still lies within ±margin
+    (equivalent): a strict check, not a test at a stated level. Columns: key, kind, value, confidence,
+    low, high, shift, shift_low, shift_high, moved_low, moved_high, survives, and survives_mean_shift:
+    whether the interval moved by the mean shift alone (low + shift, high + shift) still holds — the
+    lenient check; a few seeds on the second machine make the two far apart."""
     checks.frame_columns("committed", committed, ["key", "test", "value", "low", "high", "low_90", "high_90",
                                                   "n", "p", "p_adjusted"])  # fmt: skip
     checks.frame_columns("measured", measured, ["key", "shift", "shift_low", "shift_high"])

@@ -8,6 +8,7 @@ listed in ``DEPRECATED_ALIASES``."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import qlab
@@ -186,3 +187,17 @@ def test_no_module_takes_another_modules_private_names():
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_readme_and_the_architecture_page_name_every_module_in_its_layer():
+    """The README's Layout and docs/architecture.md's table list the layers above: every module, in
+    the layer it is tested in (a module added here and not there fails)."""
+    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = dict(re.findall(r"^\| ([a-z ]+) \| (.+) \|$", page, flags=re.MULTILINE))
+    for layer, members in LAYERS.items():
+        names = {m.removeprefix("qlab.") for m in members if m != "qlab"}
+        row = rows[layer]
+        assert not [n for n in names if not re.search(rf"\b{n}\b", row)], (layer, row)
+        assert not [n for n in names if f"`{n}`" not in layout and f"`{n}/`" not in layout], layer

@@ -144,6 +144,38 @@ def test_claims_files_round_trip():
         assert math.isnan(again.margin)
 
 
+def test_a_claims_pairs_are_named_saved_and_read_back(tmp_path, monkeypatch):
+    """Draws, fine-tunes, held-out batches: a verdict names what its pairs are, per claim where they
+    differ from the notebook's, through the file; a file written before the pairs column reads as seeds."""
+    monkeypatch.setenv(paths.RESULTS_ENV, str(tmp_path))
+    claims = Claims(_run(), pairs="draws")
+    claims.paired("gap", [0.010, 0.012, 0.011, 0.009, 0.013], text="a − b", family="f", margin=0.05)
+    claims.paired("tune", [0.010, 0.012, 0.011], text="fine-tuned a − b", family="g", over="fine-tunes")
+    claims.holm("f")
+    claims.holm("g")
+    claims.tally("gaps", ["gap"], text="gaps resolved")
+    assert claims["gap"].verdict().startswith("resolved: paired t over 5 draws")
+    assert "TOST over 5 draws" in claims["gap.same"].verdict()
+    assert "over 3 fine-tunes" in claims["tune"].verdict()
+    assert claims["gaps"].pairs == "draws"  # a tally's pairs are its comparisons'
+    path = claims.save()
+    saved = claims_module.load(path)
+    assert saved.set_index("key").pairs.to_dict() == {
+        "gap": "draws", "gap.same": "draws", "tune": "fine-tunes", "gaps": "draws"
+    }  # fmt: skip
+    for row in saved.to_dict("records"):  # family sizes are recounted by findings, not saved
+        again = claims_module.from_row(pd.Series(row))
+        assert again.pairs == claims[row["key"]].pairs
+    tune = claims_module.from_row(saved[saved.key == "tune"].iloc[0])
+    assert "paired t over 3 fine-tunes" in tune.verdict()
+    older = saved.drop(columns=["pairs"])
+    older.to_csv(tmp_path / "older_claims.csv", index=False)
+    assert set(claims_module.load(tmp_path / "older_claims.csv").pairs) == {"seeds"}
+    assert "over 5 seeds" in claims_module.from_row(pd.Series(older.iloc[0])).verdict()
+    with pytest.raises(TypeError, match="over must be a non-empty str"):
+        claims.paired("bad", [0.1, 0.2], text="x", over="")
+
+
 def test_paired_family_pairs_by_seed_within_each_group_and_corrects_the_family():
     frame = pd.DataFrame({
         "recipe": ["r"] * 6 + ["s"] * 4,

@@ -129,6 +129,7 @@ def test_difference_spread_is_the_sd_of_the_paired_differences_not_of_either_con
     committed = runs({"fp32": [2.0, 3.0, 4.0], "nvfp4": [2.1, 3.2, 4.3]})
     spread = crossmachine.difference_spread("07_recipe_ablations", committed).set_index("key")
     assert spread.sd["train.nvfp4"] == pytest.approx(0.1) and spread.n["train.nvfp4"] == 3
+    assert spread.error["train.nvfp4"] == pytest.approx(0.1 / math.sqrt(3))  # the mean's standard error
     assert crossmachine.seed_spread(committed).set_index("config").sd["nvfp4"] == pytest.approx(1.1)
 
 
