@@ -72,5 +72,6 @@ bench: $(STAMP)  ## speed benchmarks (ratios against a baseline in the same run)
 	$(BIN)/python benchmarks/bench_sparse.py
 	$(BIN)/python benchmarks/bench_kernels_gpu.py
 
-clean:  ## remove runs/ (executed notebooks) and the built site; keeps .venv, data/ and figures/
-	rm -rf runs/ docs/_build/ docs/_generated/
+clean:  ## remove runs/ (executed notebooks, caches) and the built site; keeps runs/plans/ and runs/report/ (yours), .venv, data/, figures/
+	if [ -d runs ]; then find runs -mindepth 1 -maxdepth 1 ! -name plans ! -name report -exec rm -rf {} +; fi
+	rm -rf docs/_build/ docs/_generated/

@@ -611,7 +611,7 @@ def main(args) -> int:
     from qlab.host import resolve_device
     from qlab.recipe import PRESETS
 
-    formats = plan.plan_formats(args.formats.split(",")) if args.formats else None
+    formats = plan.plan_formats(args.formats.split(","), "--formats") if args.formats else None
     if formats is None:
         checks.choice("--recipe", args.recipe, PRESETS)
         checks.number("--keep-fraction", args.budget, low=0, high=1)
@@ -649,7 +649,12 @@ def main(args) -> int:
                          "brings its own tokenizer")  # fmt: skip
     if args.score == "hierarchical":
         checks.integer("--expand", args.expand, low=0)
-    model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)
+    try:
+        model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)
+    except (ValueError, TypeError) as error:  # name the option typed: "--model 'x' is neither ..."
+        if str(error).startswith(("model ", "tokenizer ")):
+            raise type(error)(f"--{error}") from None
+        raise
     model = model.to(device)
     batches, held_out = _batches(args, tokenizer)
     batches, held_out = [b.to(device) for b in batches], [b.to(device) for b in held_out]

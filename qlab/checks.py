@@ -142,6 +142,17 @@ def yaml_text(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
+def given_once(pairs, option: str = "-p") -> dict:
+    """``option NAME VALUE`` pairs as typed on a command line, as {name: value}; a name given twice is
+    refused (argparse's list keeps both, and a dict would silently keep the last)."""
+    given: dict = {}
+    for name, value in pairs:
+        if name in given:
+            raise ValueError(f"{option} {name} given twice ({given[name]}, then {value}); give it once")
+        given[name] = value
+    return given
+
+
 def choice(name: str, value, choices: Sequence):
     """One of ``choices`` (compared with ==, after a type check against the choices' types)."""
     if not any(type(value) is type(c) and value == c for c in choices):

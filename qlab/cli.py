@@ -390,6 +390,7 @@ def _cmd_list(args) -> int:
         for name, info in notebooks.notebook_parameters(path).items():
             comment = f"  # {info['help']}" if info["help"] else ""
             print(f"    {name}: {info['type'] or '?'} = {info['default']}{comment}")
+    print(f"{notebooks.REPORT_NOTEBOOK}: the report on your own model, run by `qlab report` (see its --help)")
     return 0
 
 
@@ -414,7 +415,7 @@ def _address_needs_ray(executor) -> None:
 
 
 def _cmd_run(args) -> int:
-    params = {name: _parse_value(value) for name, value in args.parameter}
+    params = {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
     if args.output is not None:
         notebooks.check_output(args.output, "--output")
     if args.smoke and params.get("smoke", True) is not True:
@@ -451,13 +452,13 @@ def _cmd_run(args) -> int:
         )
     base = paths.ROOT if folder is None else Path(folder)
     where = f"{paths.shown(base / 'data')}{level} and {paths.shown(base / 'figures')}{level}"
-    print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
-    print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")
     if not args.smoke and set(params) <= {"profile"} and result.notebook.parent == paths.NOTEBOOKS_DIR:
         if stored:
             print(f"qlab: {stored} training runs were read from the store: this wall time is not recorded")
         else:
             _record_seconds(result.notebook.stem, params.get("profile", "cpu"), result.seconds)
+    print(f"{result.notebook.stem}: ok in {result.seconds:.1f} s")
+    print(f"  executed copy {paths.shown(result.output)}; CSVs and figures in {where}")  # the last line
     return 0
 
 
@@ -569,11 +570,12 @@ def _cmd_sweep(args) -> int:
     from qlab import checks
 
     checks.integer("-j", args.jobs, low=1)
+    parameters = {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
     sweep.load_grid(args.grid, argument="grid")  # its errors name the argument typed, not run_sweep's
     outcomes = sweep.run_sweep(
         args.notebook,
         args.grid,
-        parameters={name: _parse_value(value) for name, value in args.parameter},
+        parameters=parameters,
         jobs=args.jobs,
         executor=args.executor,
         address=args.address,
@@ -624,7 +626,7 @@ def _cmd_campaign(args) -> int:
     from qlab import campaign
     from qlab.runs import check_address, plan
 
-    params = {name: _parse_value(value) for name, value in args.parameter}
+    params = {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
     if "profile" in params:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     fan_out = (("executor", "--executor"), ("max_workers", "-j"), ("runs_per_gpu", "--runs-per-gpu"))

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import functools
 import importlib.util
+import io
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,8 +164,10 @@ def _convert_gguf(model_class, folder: Path, gguf_file: str, cached: Path) -> No
     import transformers
 
     options = {"local_files_only": True, "gguf_file": gguf_file}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
-    model = model_class.from_pretrained(folder, dtype=torch.float32, **options)
+    # transformers' GGUF reader draws a tqdm bar of its own, which no transformers setting turns off
+    with contextlib.redirect_stderr(io.StringIO()):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
+        model = model_class.from_pretrained(folder, dtype=torch.float32, **options)
     staging = Path(tempfile.mkdtemp(dir=cached.parent))
     _save_float32(model, staging)
     tokenizer.save_pretrained(staging)

@@ -109,6 +109,13 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
         (["run", "08", "-p", "second", "nosuch"], "second must name a folder of runs under data/cross_cpu/"),
         (["report", "--smoke", "--tokens", "32"], "--smoke sets its own sizes (--batches 2, --held-out 2"),
         (["report", "--tokens", "1"], "--tokens must be an int ≥ 2, got 1"),
+        (["run", "02", "-p", "kappa_max", "1e6", "-p", "kappa_max", "1e7"], "-p kappa_max given twice (1e6,"),
+        (["sweep", "02", "grid.yaml", "-p", "n", "1", "-p", "n", "2"], "-p n given twice (1, then 2)"),
+        (["campaign", "03", "-p", "seeds", "2", "-p", "seeds", "3", "--status"], "-p seeds given twice"),
+        (["train", "-p", "steps", "2", "-p", "steps", "3"], "-p steps given twice (2, then 3)"),
+        (["train", "-p", "nproc", "1", "--nproc", "2"], "--nproc 2 and -p nproc 1: give nproc once"),
+        (["advise", "--formats", "nvfp5"], "--formats names 'nvfp5', not a recipe preset"),
+        (["advise", "--model", "nosuch"], "--model 'nosuch' is neither a packaged model"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
@@ -274,6 +281,7 @@ def test_list_and_resolve(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "02_welford_vs_naive_variance" in out and "smoke: bool = False" in out
+    assert out.splitlines()[-1].startswith("report_your_model: the report on your own model, run by")
     assert notebooks.resolve_notebook("02").name == "02_welford_vs_naive_variance.ipynb"
     assert (
         notebooks.resolve_notebook(paths.NOTEBOOKS_DIR / "02_welford_vs_naive_variance.py").suffix == ".ipynb"
@@ -745,8 +753,10 @@ def test_a_notebook_without_a_kernelspec_runs_in_the_qlab_kernel(tiny, tmp_path,
     nb = nbformat.read(tiny, as_version=4)
     del nb.metadata["kernelspec"]
     nbformat.write(nb, tiny)
-    assert cli.main(["run", str(tiny), "-p", "a", "4", "--output", str(tmp_path / "out.ipynb")]) == 0
+    assert cli.main(["run", str(tiny), "-p", "a", "4"]) == 0
     assert "ok in" in capsys.readouterr().out
+    folder = tmp_path / "runs" / "interactive" / "99_tiny" / "a=4"
+    assert json.loads((folder / "data" / "tiny.json").read_text())["square"] == 16
 
 
 def test_the_reports_smoke_sizes_are_the_notebooks():

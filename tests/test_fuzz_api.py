@@ -1411,7 +1411,8 @@ NOT_GENERATED = {
         checks.generator checks.seed checks.tensor checks.same_device checks.allocatable
         checks.all_finite checks.holds_nan checks.floating_dtype checks.module checks.matches
         checks.patterns checks.batches checks.frame_columns checks.names checks.closest
-        checks.patterns_match checks.yaml_value checks.yaml_text session.check_values session.check_parameters
+        checks.patterns_match checks.yaml_value checks.yaml_text checks.given_once session.check_values
+        session.check_parameters
         paths.existing_file paths.existing_folder paths.writable_file paths.result_name
         models.check_token_ids""",
     "kernel launchers and fast paths behind qlab.kernels' checked entry points (tests/test_kernels.py)": """

@@ -139,10 +139,10 @@ def test_unknown_names_are_refused():
 
 
 @pytest.mark.slow
-def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(tmp_path, monkeypatch):
+def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(tmp_path, monkeypatch, capfd):
     """The cache (runs/model_cache) must give the model the GGUF file gives: same weights, tokens
     and logits. The reference is transformers' own GGUF load; qlab converts into an empty cache
-    folder and then reads that cache back (~40 s)."""
+    folder, saying nothing on stderr (no progress bar), and then reads that cache back (~40 s)."""
     import transformers
 
     packaged = models.PACKAGED["smollm2-135m"]
@@ -153,10 +153,12 @@ def test_the_float32_cache_holds_the_numbers_of_the_gguf_file(tmp_path, monkeypa
         reference_tokenizer = transformers.AutoTokenizer.from_pretrained(folder, **options)
     monkeypatch.setattr(models, "cache_dir", lambda name: tmp_path / name)  # no cache: converted here
     models._load_float32.cache_clear()
+    capfd.readouterr()
     try:
         from_cache, tokenizer = models.load("smollm2-135m")
     finally:
         models._load_float32.cache_clear()
+    assert capfd.readouterr().err == ""
     assert (tmp_path / "smollm2-135m" / "model.safetensors").is_file()
     assert from_cache.state_dict().keys() == reference.state_dict().keys()
     assert all(

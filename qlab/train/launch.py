@@ -42,9 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.overrides:
         print("qlab train: --set KEY=VALUE is deprecated; write -p KEY VALUE", file=sys.stderr)
-    overrides = [f"{name}={value}" for name, value in getattr(args, "parameter", [])] + list(args.overrides)
+    given = checks.given_once(getattr(args, "parameter", []))
+    overrides = [f"{name}={value}" for name, value in given.items()] + list(args.overrides)
     if args.nproc is not None:
         checks.integer("--nproc", args.nproc, low=1)
+        if "nproc" in given:
+            raise ValueError(f"--nproc {args.nproc} and -p nproc {given['nproc']}: give nproc once")
         overrides.append(f"nproc={args.nproc}")
     config = load_config(args.config, overrides, argument="--config")  # errors come before a process starts
     under_torchrun = "LOCAL_RANK" in os.environ
@@ -75,10 +78,12 @@ def run(args: argparse.Namespace) -> int:
     result = train(config)
     if int(os.environ.get("RANK", "0")) == 0:
         last = result.metrics.iloc[-1]
+        saved = "nothing saved (-p out_dir DIR keeps a run)"
+        if config.out_dir:
+            saved = f"results in {config.out_dir}"
         print(
             f"qlab train: {config.recipe} step {int(last.step)} train_loss {last.train_loss:.4f} "
-            f"val_loss {last.val_loss:.4f} in {result.seconds:.1f} s"
-            + (f"; results in {config.out_dir}" if config.out_dir else "")
+            f"val_loss {last.val_loss:.4f} in {result.seconds:.1f} s; {saved}"
         )
     return 0
 
