@@ -71,3 +71,36 @@ def smoke_run(tmp_path_factory):
         return directory
 
     return get
+
+
+_COMMITTED_RESULTS = ("data", "figures")  # what the notebooks' committed runs wrote; no test may touch it
+
+
+def _results_snapshot() -> dict:
+    from qlab import paths
+
+    return {
+        str(path.relative_to(paths.ROOT)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for folder in _COMMITTED_RESULTS
+        for path in (paths.ROOT / folder).rglob("*")
+        if path.is_file()
+    }
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # once, in the process that reports (xdist's too)
+        session.config._qlab_results = _results_snapshot()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test that writes into the committed data/ or figures/ (a notebook run without a results folder
+    of its own) fails the session, naming the files: a clean clone would not show it."""
+    before = getattr(session.config, "_qlab_results", None)
+    if before is None:
+        return
+    after = _results_snapshot()
+    touched = sorted(name for name in after.keys() | before.keys() if after.get(name) != before.get(name))
+    if touched:
+        shown = ", ".join(touched[:10]) + (f" and {len(touched) - 10} more" if len(touched) > 10 else "")
+        print(f"\nqlab: the tests wrote into the committed results: {shown}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
