@@ -31,3 +31,10 @@ def test_every_type_is_checked_before_any_rule():
         TrainConfig(task="mnist", steps="ten")
     with pytest.raises(TypeError, match="topk must be int or float or NoneType"):
         TrainConfig(recipe="mxfp8", topk="5")  # "5" is no fraction, and a string is no count
+
+
+def test_a_misspelt_backward_override_is_named_before_whether_the_recipe_takes_one():
+    with pytest.raises(ValueError, match="unknown backward_override .dequant.; expected one of"):
+        TrainConfig(backward_override="dequant")  # fp32 takes none, but the typo is what to fix first
+    with pytest.raises(ValueError, match="needs a quantized recipe"):
+        TrainConfig(backward_override="dequantized")

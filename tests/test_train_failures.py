@@ -187,7 +187,8 @@ def test_a_keep_pattern_naming_no_layer_is_refused_even_where_nothing_is_quantiz
         *_set("task=digits", "recipe=fp32", "steps=1", "keep_high_precision=haed", "progress=false"),
     ]
     assert cli.main(args) == 2
-    assert "keep_high_precision pattern 'haed' matches no Linear layer" in _one_line(capsys)
+    # the MLP's output layer is layers.2, but the name a user writes is the alias: it comes first
+    assert "pattern 'haed' matches no Linear layer; closest names: head" in _one_line(capsys)
 
 
 def test_nproc_is_refused_by_the_option_typed(capsys):

@@ -19,7 +19,7 @@ from qlab import checks
 from qlab.ablation import INGREDIENTS, uses
 from qlab.nn import check_gemm
 from qlab.numerics import LAYER_NORM_STATS
-from qlab.recipe import PRESETS, get_recipe
+from qlab.recipe import BACKWARD_OVERRIDES, PRESETS, get_recipe
 from qlab.sparse import MODES as TOPK_MODES
 from qlab.sparse import check_k
 
@@ -251,6 +251,8 @@ class TrainConfig:
         if self.recipe_plan is not None:
             self._check_plan_fields(baseline)
         # a backward override changes a quantized recipe's backward: a baseline has none to change
+        if self.backward_override is not None:  # a typo is named as one, whatever the recipe
+            checks.choice("backward_override", self.backward_override, BACKWARD_OVERRIDES[1:])
         if baseline and self.backward_override is not None:
             raise ValueError(
                 f"backward_override={self.backward_override!r} needs a quantized recipe, "

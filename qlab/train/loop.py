@@ -116,11 +116,9 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
     if config.recipe_plan is not None:
         quantize_model(model, config.recipe_plan, seed=config.seed + 10_000 * rank, gemm=config.gemm)
     elif config.recipe in BASELINES:  # nothing is quantized, but a pattern naming no layer is still a typo
-        names = [name for name, _, why in linear_layers(model) if why is None]
-        checks.patterns_match(
-            "keep_high_precision", _keep_patterns(model, config), names, what="Linear layer"
-        )
+        _check_keep_names(model, config)
     else:
+        _check_keep_names(model, config)
         keep = _keep_patterns(model, config)
         quantize_model(
             model,
@@ -133,6 +131,21 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
         keep = [pattern for name in config.topk_keep for pattern in _expand(model, name)]
         sparsify_model(model, config.topk, mode=config.topk_mode, keep=keep)
     return model
+
+
+def _check_keep_names(model: nn.Module, config: TrainConfig) -> None:
+    """Every keep_high_precision entry is one of ``_expand``'s names or matches a Linear layer; a typo is
+    refused with the closest of both (the names a user is told to write come first)."""
+    names = [name for name, _, why in linear_layers(model) if why is None]
+    aliases = ["head", "last_layer"] + (["first_block", "last_block"] if isinstance(model, CharGPT) else [])
+    for pattern in config.keep_patterns():
+        if pattern in ("head", "last_layer", "first_block", "last_block"):
+            continue  # _expand names them, or says why this model has none
+        if not any(checks.matches(name, pattern) for name in names):
+            near = ", ".join(checks.closest(pattern, aliases + names))
+            raise ValueError(
+                f"keep_high_precision pattern {pattern!r} matches no Linear layer; closest names: {near}"
+            )
 
 
 def _keep_patterns(model: nn.Module, config: TrainConfig) -> list[str]:
