@@ -647,7 +647,7 @@ def headline_problems(frame: pd.DataFrame) -> list[str]:
     with no test behind it ("computed", "estimate" or no test — a count headline is a tally of tested
     comparisons), a paired difference that is not resolved and has no TOST beside it (a null
     stated without an equivalence test), a tally without a margin. [] when every headline states its test."""
-    checks.frame_columns("frame", frame, list(COLUMNS))
+    checks.frame_columns("frame", frame, list(SAVED_BEFORE_PAIRS))
     problems, keys = [], set(frame.key)
     for row in frame.itertuples():
         if str(row.headline).lower() != "true":
@@ -707,7 +707,7 @@ def render_committed(path, template: str, also=()) -> str:
         raise TypeError(f"also must be a list of claims files, got {checks.shown(also)}")
     for each in [path, *also]:
         for claim in file_claims(paths.existing_file("also", each, "claims file")):
-            claims._add(claim)
+            claims._add(claim, claim.pairs)  # the pairs the file names, not the Claims' default
     return claims.render(template)
 
 

@@ -830,8 +830,12 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except KeyboardInterrupt as err:
         how = "stopped by SIGTERM" if isinstance(err, Terminated) else "interrupted"
-        print(f"qlab: {how}; what finished is kept (a campaign's stored runs, a sweep's complete "
-              "points): run the same command again to continue", file=sys.stderr)  # fmt: skip
+        if (sys.argv[1:] if argv is None else argv)[:1] == ["train"]:
+            kept = "a run with an out_dir keeps its last checkpoint: add -p resume true to continue it"
+        else:
+            kept = ("what finished is kept (a campaign's stored runs, a sweep's complete points): run the "
+                    "same command again to continue")  # fmt: skip
+        print(f"qlab: {how}; {kept}", file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130
     except BrokenPipeError:
         if not _stdout_closed():

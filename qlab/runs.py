@@ -51,6 +51,7 @@ import pickle
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -255,10 +256,22 @@ def _execute_reporting(run, threads: int):
         return "error", traceback.format_exc()
 
 
+def _stop_worker(signum, frame):
+    """SIGTERM from the parent stopping the pool: end the notebook kernels this worker started (a sweep
+    point's, each with its own pool in its process group), then this worker, at once. Only a worker
+    that ran a notebook has qlab.notebooks loaded; it is looked up, not imported (notebooks imports
+    session, which imports runs)."""
+    notebooks = sys.modules.get("qlab.notebooks")
+    if notebooks is not None:
+        notebooks.kill_kernels()
+    os._exit(128 + signum)
+
+
 def _init_worker(gpus: list[str], counter) -> None:
     """Pool initializer: pin this worker to one GPU (round robin) before CUDA starts; let the parent
-    handle Ctrl+C."""
+    handle Ctrl+C; on SIGTERM, stop with the kernels it started (``_stop_worker``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_worker)
     if gpus:
         with counter.get_lock():
             slot = counter.value
@@ -477,16 +490,26 @@ def close_pools() -> None:
 atexit.register(close_pools)
 
 
+STOP_GRACE_S = 3.0  # how long a stopped worker may take to end its kernels before it is killed
+
+
 def _kill_pool() -> None:
-    """Kill the warm pool's workers now, runs in flight and all: after an interrupt, ``close_pools``
-    would wait for every running run to finish. (Python 3.11's executor has no kill_workers; its
-    ``_processes`` maps pid to process.)"""
+    """Stop the warm pool's workers now, runs in flight and all: after an interrupt, ``close_pools``
+    would wait for every running run to finish. SIGTERM first (a worker ends the kernels it started),
+    then SIGKILL for any still there after ``STOP_GRACE_S``. (Python 3.11's executor has no
+    terminate_workers; its ``_processes`` maps pid to process.)"""
     pool = _WARM_POOL.pop("pool", None)
     _WARM_POOL.clear()
     if pool is None:
         return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        process.kill()
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    for process in workers:
+        process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in workers:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
     pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -168,7 +168,10 @@ def test_a_claims_pairs_are_named_saved_and_read_back(tmp_path, monkeypatch):
         assert again.pairs == claims[row["key"]].pairs
     tune = claims_module.from_row(saved[saved.key == "tune"].iloc[0])
     assert "paired t over 3 fine-tunes" in tune.verdict()
+    rendered = claims_module.render_committed(path, "{tune:verdict}")  # the docs pages render this way
+    assert "paired t over 3 fine-tunes" in rendered
     older = saved.drop(columns=["pairs"])
+    assert claims_module.headline_problems(older) == []  # an older file's frame is still read
     older.to_csv(tmp_path / "older_claims.csv", index=False)
     assert set(claims_module.load(tmp_path / "older_claims.csv").pairs) == {"seeds"}
     assert "over 5 seeds" in claims_module.from_row(pd.Series(older.iloc[0])).verdict()

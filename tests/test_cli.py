@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -114,6 +115,7 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
         (["campaign", "03", "-p", "seeds", "2", "-p", "seeds", "3", "--status"], "-p seeds given twice"),
         (["train", "-p", "steps", "2", "-p", "steps", "3"], "-p steps given twice (2, then 3)"),
         (["train", "-p", "nproc", "1", "--nproc", "2"], "--nproc 2 and -p nproc 1: give nproc once"),
+        (["train", "-p", "lr", "0.01", "--set", "lr=0.02"], "-p lr given twice (0.01, then 0.02)"),
         (["advise", "--formats", "nvfp5"], "--formats names 'nvfp5', not a recipe preset"),
         (["advise", "--model", "nosuch"], "--model 'nosuch' is neither a packaged model"),
     ],
@@ -664,6 +666,8 @@ def test_an_interrupt_is_one_line_saying_what_is_kept(monkeypatch, capsys):
     assert cli.main(["campaign", "03"]) == 130
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "interrupted; what finished is kept" in err
+    assert cli.main(["train", "-p", "out_dir", "x"]) == 130  # the same command again would be refused
+    assert "add -p resume true to continue it" in capsys.readouterr().err
 
 
 def test_a_paper_campaign_on_a_machine_without_a_gpu_says_so(monkeypatch, capsys):
@@ -713,37 +717,72 @@ for process in [*multiprocessing.active_children(), multiprocessing.current_proc
 time.sleep(600)"""
 
 
+def _pool_notebook(folder) -> Path:
+    """A notebook whose kernel starts a pool of two sleeping workers and writes the kernel's and the
+    workers' pids into its pid_dir parameter's folder."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "qlab", "display_name": "Python (qlab)", "language": "python"}
+    params = nbformat.v4.new_code_cell(
+        'pid_dir: str = ""  # where the kernel and its workers write pids\npoint: int = 0  # a sweep sets it'
+    )
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(POOL_BODY)]
+    nbformat.write(nb, folder / "99_pool.ipynb")
+    return folder / "99_pool.ipynb"
+
+
+def _stop_when_started(argv, pids: Path, count: int, stop: str) -> tuple[subprocess.Popen, str, list[int]]:
+    """Start ``argv``; once ``count`` pids are in ``pids``, send ``stop``; (process, stderr, pids)."""
+    import signal
+    import time
+
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while len(list(pids.iterdir())) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    started = [int(p.name) for p in pids.iterdir()]
+    assert len(started) == count, f"{len(started)} of {count} processes started"
+    process.send_signal(getattr(signal, stop))
+    _, stderr = process.communicate(timeout=60)
+    return process, stderr, started
+
+
+def test_a_stopped_sweep_ends_the_kernels_its_workers_started(tmp_path):
+    """``qlab sweep -j 2`` runs each point's notebook from a pool worker, whose kernel is not the main
+    process's: SIGTERM must still end both points' kernels and their pools."""
+    import shutil
+
+    import run_helpers
+
+    notebook = _pool_notebook(tmp_path)
+    (tmp_path / "grid.yaml").write_text("point: [1, 2]\n")
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    argv = [sys.executable, "-m", "qlab.cli", "sweep", str(notebook), str(tmp_path / "grid.yaml"), "-j", "2",
+            "-p", "pid_dir", str(pids)]  # fmt: skip
+    try:
+        qlab, stderr, started = _stop_when_started(argv, pids, 6, "SIGTERM")
+        assert qlab.returncode == 143, stderr
+        assert not run_helpers.outliving(started)
+    finally:
+        shutil.rmtree(sweep.sweep_folder(notebook), ignore_errors=True)
+
+
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
 def test_a_stopped_run_ends_its_kernel_and_the_kernels_pool_workers_in_one_line(tmp_path, stop):
     """``qlab run`` sent SIGTERM (a job scheduler, ``kill``) or SIGINT (Ctrl-C) while the notebook's
     pool works: it exits 143 / 130 with one line, and neither the kernel nor its workers outlive it
     (Python's default SIGTERM left both running; the kernel's shutdown printed socket tracebacks)."""
-    import signal
-    import time
-
     import run_helpers
 
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "qlab", "display_name": "Python (qlab)", "language": "python"}
-    params = nbformat.v4.new_code_cell('pid_dir: str = ""  # where the kernel and its workers write pids')
-    params.metadata["tags"] = ["parameters"]
-    nb.cells = [params, nbformat.v4.new_code_cell(POOL_BODY)]
-    nbformat.write(nb, tmp_path / "99_pool.ipynb")
+    notebook = _pool_notebook(tmp_path)
     pids = tmp_path / "pids"
     pids.mkdir()
-    argv = [sys.executable, "-m", "qlab.cli", "run", str(tmp_path / "99_pool.ipynb"), "-p", "pid_dir",
-            str(pids), "--output", str(tmp_path / "out.ipynb")]  # fmt: skip
-    qlab = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(list(pids.iterdir())) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    started = [int(p.name) for p in pids.iterdir()]
-    assert len(started) == 3, "the kernel and its two workers never started"
-    qlab.send_signal(getattr(signal, stop))
-    stdout, stderr = qlab.communicate(timeout=60)
+    argv = [sys.executable, "-m", "qlab.cli", "run", str(notebook), "-p", "pid_dir", str(pids), "--output",
+            str(tmp_path / "out.ipynb")]  # fmt: skip
+    qlab, stderr, started = _stop_when_started(argv, pids, 3, stop)
     assert qlab.returncode == {"SIGTERM": 143, "SIGINT": 130}[stop]
     assert stderr.strip().startswith("qlab: ") and "\n" not in stderr.strip(), stderr  # no kernel tracebacks
-
     assert not run_helpers.outliving(started)
 
 

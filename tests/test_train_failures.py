@@ -267,11 +267,9 @@ def test_resume_without_a_checkpoint_refuses_files_of_a_run_with_other_settings(
     (tmp_path / L.CHECKPOINT).unlink(missing_ok=True)
     with pytest.raises(ValueError, match=r"different settings \['lr'\] and no checkpoint"):
         train(TrainConfig(**{**DIGITS, "steps": 2}, lr=0.5, out_dir=str(tmp_path), resume=True))
-    # the same settings restart the run that left no checkpoint
-    assert (
-        train(TrainConfig(**{**DIGITS, "steps": 2}, out_dir=str(tmp_path), resume=True)).metrics.step.max()
-        == 2
-    )
+    # the same settings restart the run that left no checkpoint, a tuple as its YAML list
+    settings = {**DIGITS, "steps": 2, "hidden": (16,)}
+    assert train(TrainConfig(**settings, out_dir=str(tmp_path), resume=True)).metrics.step.max() == 2
 
 
 def test_the_cli_refuses_another_runs_out_dir_in_one_line(tmp_path, capsys):

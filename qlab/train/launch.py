@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -42,8 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.overrides:
         print("qlab train: --set KEY=VALUE is deprecated; write -p KEY VALUE", file=sys.stderr)
-    given = checks.given_once(getattr(args, "parameter", []))
-    overrides = [f"{name}={value}" for name, value in given.items()] + list(args.overrides)
+    pairs = list(getattr(args, "parameter", []))
+    for item in args.overrides:  # --set KEY=VALUE is -p KEY VALUE: a key is given once, either way
+        if "=" not in item:
+            raise ValueError(f"--set: expected key=value, got {item!r}")
+        pairs.append(tuple(item.split("=", 1)))
+    given = checks.given_once(pairs)
+    overrides = [f"{name}={value}" for name, value in given.items()]
     if args.nproc is not None:
         checks.integer("--nproc", args.nproc, low=1)
         if "nproc" in given:
@@ -66,11 +72,12 @@ def run(args: argparse.Namespace) -> int:
         ] + (["--config", args.config] if args.config else [])
         for item in overrides:
             command += ["-p", *item.split("=", 1)]
-        torchrun = subprocess.Popen(command)
+        # a session of its own: a terminal's Ctrl-C reaches torchrun once, passed on below, not twice
+        torchrun = subprocess.Popen(command, start_new_session=True)
         try:
             return torchrun.wait()
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: torchrun stops its workers on SIGTERM
-            torchrun.terminate()
+        except KeyboardInterrupt as stop:  # Ctrl-C, or qlab's SIGTERM: torchrun stops its workers on either
+            torchrun.send_signal(signal.SIGTERM if type(stop).__name__ == "Terminated" else signal.SIGINT)
             torchrun.wait()
             raise
     from qlab.train.loop import train

@@ -140,7 +140,8 @@ def _check_keep_names(model: nn.Module, config: TrainConfig) -> None:
     aliases = ["head", "last_layer"] + (["first_block", "last_block"] if isinstance(model, CharGPT) else [])
     for pattern in config.keep_patterns():
         if pattern in ("head", "last_layer", "first_block", "last_block"):
-            continue  # _expand names them, or says why this model has none
+            _expand(model, pattern)  # names them, or says why this model has none
+            continue
         if not any(checks.matches(name, pattern) for name in names):
             near = ", ".join(checks.closest(pattern, aliases + names))
             raise ValueError(
@@ -568,10 +569,12 @@ def check_out_dir(config) -> None:
         saved = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
     except (ValueError, yaml.YAMLError) as err:
         raise ValueError(f"{out_dir / 'config.yaml'} cannot be read as a run's config: {err}") from None
-    current = config.to_dict()
+    current = yaml.safe_load(yaml.safe_dump(config.to_dict()))  # as written: tuples come back as lists
     if not isinstance(saved, dict):
         raise ValueError(f"{out_dir / 'config.yaml'} is not a run's config (a YAML mapping)")
-    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k])
+    # the fields it saved (an older run may lack newer ones), as load_checkpoint compares a checkpoint's
+    compared = [k for k in saved if k in current and k not in RESUMABLE_CHANGES]
+    changed = sorted(k for k in compared if saved[k] != current[k])
     if changed:
         raise ValueError(
             f"{where}, written with different settings {changed} and no checkpoint to resume from: give "
