@@ -45,6 +45,11 @@ def _parse_value(text: str):
         return text
 
 
+def _parameters(args) -> dict:
+    """The ``-p NAME VALUE`` pairs as {name: value}, each value parsed as YAML, a name given twice refused."""
+    return {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """argparse's help, with "(default: …)" after each option whose default is a value (not None, off
     or empty) and whose help does not state it already."""
@@ -415,7 +420,7 @@ def _address_needs_ray(executor) -> None:
 
 
 def _cmd_run(args) -> int:
-    params = {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
+    params = _parameters(args)
     if args.output is not None:
         notebooks.check_output(args.output, "--output")
     if args.smoke and params.get("smoke", True) is not True:
@@ -570,7 +575,7 @@ def _cmd_sweep(args) -> int:
     from qlab import checks
 
     checks.integer("-j", args.jobs, low=1)
-    parameters = {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
+    parameters = _parameters(args)
     sweep.load_grid(args.grid, argument="grid")  # its errors name the argument typed, not run_sweep's
     outcomes = sweep.run_sweep(
         args.notebook,
@@ -626,7 +631,7 @@ def _cmd_campaign(args) -> int:
     from qlab import campaign
     from qlab.runs import check_address, plan
 
-    params = {name: _parse_value(value) for name, value in checks.given_once(args.parameter).items()}
+    params = _parameters(args)
     if "profile" in params:
         raise ValueError("qlab campaign takes the profile as --profile PROFILE, not -p profile")
     fan_out = (("executor", "--executor"), ("max_workers", "-j"), ("runs_per_gpu", "--runs-per-gpu"))

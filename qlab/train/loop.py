@@ -115,18 +115,16 @@ def build_model(config: TrainConfig, vocab_size: int | None = None, rank: int = 
         use_stats_layer_norms(model, config.layer_norm, LAYER_NORM_ACC[config.layer_norm_acc])
     if config.recipe_plan is not None:
         quantize_model(model, config.recipe_plan, seed=config.seed + 10_000 * rank, gemm=config.gemm)
-    elif config.recipe in BASELINES:  # nothing is quantized, but a pattern naming no layer is still a typo
-        _check_keep_names(model, config)
     else:
-        _check_keep_names(model, config)
-        keep = _keep_patterns(model, config)
-        quantize_model(
-            model,
-            without(get_recipe(config.recipe, backward_override=config.backward_override), config.ablate),
-            keep_high_precision=keep,
-            seed=config.seed + 10_000 * rank,
-            gemm=config.gemm,
-        )
+        _check_keep_names(model, config)  # a baseline quantizes nothing, but a typo is still a typo
+        if config.recipe not in BASELINES:
+            quantize_model(
+                model,
+                without(get_recipe(config.recipe, backward_override=config.backward_override), config.ablate),
+                keep_high_precision=_keep_patterns(model, config),
+                seed=config.seed + 10_000 * rank,
+                gemm=config.gemm,
+            )
     if config.topk is not None:
         keep = [pattern for name in config.topk_keep for pattern in _expand(model, name)]
         sparsify_model(model, config.topk, mode=config.topk_mode, keep=keep)
@@ -544,6 +542,12 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
 RESUMABLE_CHANGES = ("resume", "progress", "out_dir", "checkpoint_every", "nproc")
 
 
+def _changed_settings(saved: dict, current: dict) -> list[str]:
+    """The settings a resumed run may not change (all but ``RESUMABLE_CHANGES``) whose saved value
+    differs from the current one; only the fields saved count (an older run may lack newer ones)."""
+    return sorted(k for k in saved if k in current and k not in RESUMABLE_CHANGES and saved[k] != current[k])
+
+
 RUN_FILES = (CHECKPOINT, "metrics.csv", "config.yaml")  # what a run leaves in its out_dir
 
 
@@ -569,12 +573,10 @@ def check_out_dir(config) -> None:
         saved = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
     except (ValueError, yaml.YAMLError) as err:
         raise ValueError(f"{out_dir / 'config.yaml'} cannot be read as a run's config: {err}") from None
-    current = yaml.safe_load(yaml.safe_dump(config.to_dict()))  # as written: tuples come back as lists
     if not isinstance(saved, dict):
         raise ValueError(f"{out_dir / 'config.yaml'} is not a run's config (a YAML mapping)")
-    # the fields it saved (an older run may lack newer ones), as load_checkpoint compares a checkpoint's
-    compared = [k for k in saved if k in current and k not in RESUMABLE_CHANGES]
-    changed = sorted(k for k in compared if saved[k] != current[k])
+    # compared as written: tuples come back from YAML as lists
+    changed = _changed_settings(saved, yaml.safe_load(yaml.safe_dump(config.to_dict())))
     if changed:
         raise ValueError(
             f"{where}, written with different settings {changed} and no checkpoint to resume from: give "
@@ -588,10 +590,8 @@ def load_checkpoint(path: Path, *, model, optimizer, scaler, config, rank: int =
     checkpoint has no states for (resumed with more processes, or a checkpoint from before
     ``quant_by_rank``) takes rank 0's histories and restarts its generators."""
     state = read_checkpoint(path)
-    saved = {k: v for k, v in state["config"].items() if k not in RESUMABLE_CHANGES}
-    current = {k: v for k, v in config.to_dict().items() if k in saved}
-    if saved != current:
-        changed = sorted(k for k in saved if saved[k] != current[k])
+    changed = _changed_settings(state["config"], config.to_dict())
+    if changed:
         raise ValueError(
             f"{path} was written by a run with different settings {changed}; resume with the "
             f"same config (the lr schedule depends on steps, so even steps must match)"
