@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,7 +257,9 @@ def run_notebook(
     ``smoke=True`` sets the notebook's ``smoke`` parameter and, unless ``results_dir`` is given,
     sends data/ and figures/ to ``runs/smoke/``. The executed copy goes to ``output`` (default
     ``runs/[smoke/]<name>.ipynb``) and is kept when a cell fails; the failure raises NotebookError
-    naming the notebook, the cell and the exception.
+    naming the notebook, the cell and the exception. A run whose results are the committed ones
+    writes them under ``runs/staging/`` and moves them into data/ and figures/ only once every cell
+    has run, so a failed or interrupted run leaves the committed results as they were.
     """
     import papermill
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
@@ -274,11 +277,18 @@ def run_notebook(
     _require_kernel()
     output, results_dir = output_folder(path, params, output, results_dir)
     output.parent.mkdir(parents=True, exist_ok=True)
+    staging = None
+    if results_dir is None and results_folder(path, params, output) is None:  # the committed results
+        staging = results_dir = paths.STAGING_DIR / f"{path.stem}.{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+    kept = f"\n  executed copy kept at {output}"
+    if staging is not None:
+        kept += f"\n  data/ and figures/ are as they were; what this run wrote is in {paths.shown(staging)}"
     start = time.perf_counter()
     try:
-        # text progress bars; where results go only when chosen here (smoke, a sweep point): otherwise
-        # qlab.session.start decides from the parameters, so a run with other values than the defaults
-        # writes under runs/interactive/ and never over the committed data/
+        # text progress bars; where results go only when chosen here (smoke, a sweep point, the staging
+        # of a run at the defaults): otherwise qlab.session.start decides from the parameters, so a run
+        # with other values than the defaults writes under runs/interactive/, never over the committed data/
         kernel = {paths.HEADLESS_ENV: "1", paths.ROOT_ENV: str(paths.ROOT)}  # the kernel's cwd is output's
         if results_dir is not None:
             kernel[paths.RESULTS_ENV] = str(results_dir)
@@ -300,22 +310,37 @@ def run_notebook(
         DeadKernelError,
     ) as err:  # a cell past --timeout, a kernel killed: this one fails
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise NotebookError(
-            f"notebook {path.name} stopped: {type(err).__name__}: {first}\n  executed copy kept at {output}"
-        ) from None
+        raise NotebookError(f"notebook {path.name} stopped: {type(err).__name__}: {first}{kept}") from None
     except PapermillExecutionError as err:
         source = "\n".join("    " + line for line in (err.source or "").splitlines()[:12])
         raise NotebookError(
             f"notebook {path.name} failed in cell In [{err.exec_count}]:\n{source}\n"
-            f"  {err.ename}: {err.evalue}\n  executed copy kept at {output}"
+            f"  {err.ename}: {err.evalue}{kept}"
         ) from None
     for index, cell in enumerate(executed.cells):
         if _expects_error(cell) and not any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
             raise NotebookError(
-                f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing\n"
-                f"  executed copy kept at {output}"
+                f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing{kept}"
             )
+    if staging is not None:
+        publish(staging)
+        results_dir = None
     return RunResult(path, output, time.perf_counter() - start, params, results_dir)
+
+
+def publish(staging: Path, root: Path | None = None) -> list[Path]:
+    """Move every file under ``staging`` to the same place under ``root`` (default: the repository
+    root), each in one step (``os.replace``), then remove ``staging``; the moved files' new paths."""
+    staging = paths.existing_folder("staging", staging)
+    root = paths.ROOT if root is None else paths.existing_folder("root", root)
+    moved = []
+    for source in sorted(p for p in staging.rglob("*") if p.is_file()):
+        target = root / source.relative_to(staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+        moved.append(target)
+    shutil.rmtree(staging)
+    return moved
 
 
 def check_output(output, argument: str = "output") -> Path | None:

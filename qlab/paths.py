@@ -72,6 +72,9 @@ ROOT, ROOT_FOUND_BY = _find_root()
 NOTEBOOKS_DIR = ROOT / "notebooks"
 RUNS_DIR = ROOT / "runs"
 KERNEL_CACHE_DIR = RUNS_DIR / "kernel_cache"  # qlab.kernels.cpu_qdq's shared library, built per machine
+# a headless run at the default parameters writes its data/ and figures/ into runs/staging/<notebook>.<pid>/,
+# which qlab.notebooks moves into place once every cell has run: a failed run leaves the committed ones whole
+STAGING_DIR = RUNS_DIR / "staging"
 
 
 def results_root() -> Path:
@@ -100,8 +103,11 @@ def figures_dir() -> Path:
 
 
 def shown(path: str | os.PathLike) -> str:
-    """``path`` as messages show it: relative to the repository root when inside it."""
+    """``path`` as messages show it: relative to the repository root when inside it; a staged result
+    (under ``STAGING_DIR/<run>/``) as the place it is moved to when its run finishes."""
     path = _path("path", path)
+    if path.is_relative_to(STAGING_DIR) and len(path.relative_to(STAGING_DIR).parts) > 1:
+        return str(Path(*path.relative_to(STAGING_DIR).parts[1:]))
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 

@@ -335,7 +335,10 @@ def start(name: str, namespace: dict) -> NotebookRun:
     check_parameters(name, current)
     profile = current.get("profile", "cpu")
     changed = changed_parameters(current, defaults)
-    if _INHERITED_RESULTS is not None:
+    if _INHERITED_RESULTS is not None and Path(_INHERITED_RESULTS).is_relative_to(paths.STAGING_DIR):
+        why = "default parameters: the committed results, replaced once every cell has run"
+        results_dir = paths.ROOT
+    elif _INHERITED_RESULTS is not None:
         results_dir, why = Path(_INHERITED_RESULTS), "chosen by the runner"
     elif not changed:
         results_dir, why = paths.ROOT, "default parameters: the committed results"

@@ -174,6 +174,69 @@ def test_an_untagged_error_after_a_tagged_one_still_fails_the_run(tmp_path):
         notebooks.run_notebook(source, output=tmp_path / "out.ipynb", results_dir=tmp_path)
 
 
+def _saving_notebook(path, *later_cells):
+    """A notebook at its defaults that saves data/table.csv and figures/plot.png, then runs
+    ``later_cells``."""
+    save = (
+        "import matplotlib.pyplot as plt, pandas as pd\n"
+        "from qlab import plotting, results\n"
+        "plotting.save_figure(plt.figure(), 'plot')\n"
+        "results.save_csv(pd.DataFrame({'x': [1, 2]}), 'table')"
+    )
+    cells = [
+        nbformat.v4.new_code_cell("smoke: bool = False  # unused", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(save),
+        *[nbformat.v4.new_code_cell(source) for source in later_cells],
+    ]
+    metadata = {"kernelspec": {"name": "qlab", "display_name": "qlab", "language": "python"}}
+    nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=metadata), path)
+    return path
+
+
+def test_a_failed_run_at_the_defaults_leaves_the_committed_results_whole(tmp_path, monkeypatch):
+    """A run whose results are the committed ones writes them in runs/staging/ and moves them into data/
+    and figures/ only when every cell has run: a cell failing after the first results were written
+    leaves the committed files as they were, and names where the partial results are."""
+    root = tmp_path / "checkout"
+    monkeypatch.setattr(paths, "ROOT", root)
+    monkeypatch.setattr(paths, "STAGING_DIR", root / "runs" / "staging")
+    monkeypatch.delenv(paths.RESULTS_ENV, raising=False)
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "table.csv").write_text("x\nthe committed result\n")
+    failing = _saving_notebook(tmp_path / "saves.ipynb", "raise RuntimeError('a late failure')")
+    with pytest.raises(notebooks.NotebookError, match="a late failure") as failure:
+        notebooks.run_notebook(failing, output=tmp_path / "failed.ipynb")
+    assert (root / "data" / "table.csv").read_text() == "x\nthe committed result\n"
+    assert not (root / "figures").exists()
+    (staged,) = (root / "runs" / "staging").iterdir()
+    assert f"what this run wrote is in runs/staging/{staged.name}" in str(failure.value)
+    assert (staged / "data" / "table.csv").read_text() == "x\n1\n2\n"
+    executed = nbformat.read(tmp_path / "failed.ipynb", as_version=4)
+    (saving,) = [cell for cell in executed.cells if "save_csv" in cell.source]
+    assert saving.outputs[0].data["text/plain"] == "saved data/table.csv"  # where it goes, not staging
+
+    result = notebooks.run_notebook(_saving_notebook(tmp_path / "saves.ipynb"), output=tmp_path / "ok.ipynb")
+    assert result.results is None
+    assert (root / "data" / "table.csv").read_text() == "x\n1\n2\n"
+    assert (root / "figures" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((root / "runs" / "staging").iterdir()) == []  # moved; the failed one (same pid) replaced
+
+
+def test_publish_moves_every_staged_file_into_place(tmp_path):
+    staging, root = tmp_path / "staging" / "05.123", tmp_path / "root"
+    for name in ("data/a.csv", "data/paper/b.csv", "figures/c.png"):
+        (staging / name).parent.mkdir(parents=True, exist_ok=True)
+        (staging / name).write_text(f"new {name}")
+    (root / "data").mkdir(parents=True)
+    (root / "data" / "a.csv").write_text("old")
+    (root / "data" / "untouched.csv").write_text("kept")
+    moved = notebooks.publish(staging, root)
+    expected = ["data/a.csv", "data/paper/b.csv", "figures/c.png"]
+    assert [p.relative_to(root).as_posix() for p in moved] == expected
+    assert all(p.read_text() == f"new {p.relative_to(root).as_posix()}" for p in moved)
+    assert (root / "data" / "untouched.csv").read_text() == "kept" and not staging.exists()
+
+
 @pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_an_expected_error_says_so_above_it(ipynb):
     """A cell tagged raises-exception opens with a comment saying the error is expected, and the

@@ -91,6 +91,18 @@ def test_a_runner_chooses_for_itself(interactive, monkeypatch, tmp_path):
     assert run.results_dir == tmp_path / "sweep_point"
 
 
+def test_a_staged_run_at_the_defaults_says_the_committed_results_and_writes_the_staging(
+    interactive, monkeypatch, capsys
+):
+    staging = paths.STAGING_DIR / f"{NAME}.1"  # as run_notebook chooses for a run at the defaults
+    monkeypatch.setattr(session, "_INHERITED_RESULTS", str(staging))
+    monkeypatch.setenv(paths.RESULTS_ENV, str(staging))
+    run = session.start(NAME, session.notebook_defaults(NAME))
+    assert run.results_dir == paths.ROOT and paths.results_root() == staging.resolve()
+    assert "results go to data/ and figures/ (default parameters" in capsys.readouterr().out
+    assert paths.shown(staging / "data" / "x.csv") == "data/x.csv" and paths.shown(staging) != "."
+
+
 TRAINING = "03_backward_override_training_curves"
 
 
