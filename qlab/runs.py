@@ -269,9 +269,16 @@ def _stop_worker(signum, frame):
 
 def _init_worker(gpus: list[str], counter) -> None:
     """Pool initializer: pin this worker to one GPU (round robin) before CUDA starts; let the parent
-    handle Ctrl+C; on SIGTERM, stop with the kernels it started (``_stop_worker``)."""
+    handle Ctrl+C; on SIGTERM, stop with the kernels it started (``_stop_worker``). A worker's
+    progress bars share a thread lock: tqdm's default, a multiprocessing lock, is a named semaphore
+    that a worker stopped this way leaves behind ("leaked semaphore objects" at the parent's exit)."""
+    import threading
+
+    from tqdm import tqdm
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _stop_worker)
+    tqdm.set_lock(threading.RLock())
     if gpus:
         with counter.get_lock():
             slot = counter.value

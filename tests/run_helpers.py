@@ -32,9 +32,13 @@ def threads() -> int:
 
 
 def pid_then_sleep(folder: str, seconds: float) -> int:
-    """Write this worker's pid to folder/<pid>, then sleep: the test kills it meanwhile."""
-    Path(folder, str(os.getpid())).write_text("")
-    time.sleep(seconds)
+    """Open a progress bar (as a training run does), write this worker's pid to folder/<pid>, then
+    sleep: the test kills it meanwhile."""
+    from qlab.host import progress
+
+    with progress(total=1, disable=True):
+        Path(folder, str(os.getpid())).write_text("")
+        time.sleep(seconds)
     return os.getpid()
 
 

@@ -110,7 +110,9 @@ def test_an_interrupt_kills_the_pools_workers_at_once_instead_of_waiting_for_the
     assert len(workers) == 2, "the workers never started"
     driver.send_signal(signal.SIGINT)
     assert driver.wait(timeout=60) != 0  # well before the runs' 120 s
+    stderr = driver.stderr.read().decode()
     driver.stderr.close()
+    assert "leaked semaphore" not in stderr, stderr  # a stopped worker's progress-bar lock
 
     assert not run_helpers.outliving(workers)
 
