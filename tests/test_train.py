@@ -676,6 +676,55 @@ def test_ddp_matches_one_process(tmp_path, recipe):
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, their children, ...), read from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        children = parents.get(frontier.pop(), [])
+        found += children
+        frontier += children
+    return found
+
+
+@pytest.mark.slow
+def test_a_stopped_ddp_run_stops_torchrun_and_both_ranks(tmp_path):
+    """``qlab train --nproc 2`` sent SIGTERM while both ranks train: torchrun (in a session of its own,
+    so a signal to qlab's group does not reach it) gets the signal passed on, stops both ranks, and qlab
+    exits 143 with one line that says how to resume."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import run_helpers
+
+    argv = [sys.executable, "-m", "qlab.cli", "train", "--nproc", "2", "-p", "out_dir", str(tmp_path / "ddp"),
+            "-p", "device", "cpu", "-p", "steps", "100000", "-p", "checkpoint_every", "1000"]  # fmt: skip
+    qlab = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while len(_descendants(qlab.pid)) < 3 and time.monotonic() < deadline:  # torchrun and its two ranks
+        time.sleep(0.1)
+    started = _descendants(qlab.pid)
+    assert len(started) >= 3, f"torchrun and two ranks never started: {started}"
+    time.sleep(3)  # into the training loop
+    qlab.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = qlab.communicate(timeout=120)
+    finally:
+        qlab.kill()
+        left = run_helpers.outliving(started)  # killed, so that a failure leaves nothing running
+    assert qlab.returncode == 143, stderr
+    assert stderr.strip().splitlines()[-1].startswith("qlab: stopped by SIGTERM; a run with an out_dir")
+    assert not left
+
+
 _CRASHING_DDP_RUN = """
 import json, sys
 from qlab.probes import ProbeSet
