@@ -95,7 +95,7 @@ parameters = sum(p.numel() for p in model.parameters())
 what = "next-token loss" if kind == models.CAUSAL_LM else "hidden-state error against itself (0)"
 if kind == models.CAUSAL_LM:
     claims.mean("baseline", held_out_losses, text=f"{model_name}'s held-out loss", unit="nats/token")
-print(f"{model_name}: a {kind}, {parameters / 1e6:.1f}M parameters, {len(LAYERS)} convertible layers; "
+print(f"{model_name}: {'an' if kind == models.ENCODER else 'a'} {kind}, {parameters / 1e6:.1f}M parameters, {len(LAYERS)} convertible layers; "
       f"{len(calibration)} calibration and {len(checked)} held-out batches of {batch_size}×{tokens} tokens "
       f"({'text: ' + ', '.join(text) if text else 'Shakespeare'}); scored by its {what}")
 
@@ -129,8 +129,8 @@ save_csv(weights, f"{NAME}_weights")
 ratios = inputs[inputs.stat == "outlier_ratio"]
 ratio_summary = stats.summarize(ratios, "value", ["position", "layer"]).sort_values("position")
 worst = ratio_summary.loc[ratio_summary["mean"].idxmax()]
-claims.mean("outliers.largest", ratios[ratios.layer == worst.layer].value,
-            text=f"the largest input outlier ratio, of {worst.layer}")
+claims.geometric_mean("outliers.largest", ratios[ratios.layer == worst.layer].value,
+                      text=f"the largest input outlier ratio (geometric mean over batches), of {worst.layer}")
 for format_name in INPUT_FORMATS:
     per_batch = inputs[inputs.stat == f"{format_name}/sqnr_db"].groupby("batch").value.median()
     claims.mean(f"sqnr.{format_name}", per_batch, text=f"the median layer's input SQNR in {format_name}", unit="dB",
@@ -164,9 +164,7 @@ save_figure(fig, f"{NAME}_formats")
 # sensitive blocks layer by layer (`hierarchical`). Positive: quantizing hurts.
 
 # %%
-if kind == models.ENCODER and score == "approximated":
-    raise ValueError("score='approximated' needs a task loss with a gradient: an encoder's hidden-state error is "
-                     "zero at the float model, with zero gradient; use 'measured' or 'hierarchical'")
+advisor.check_score(kind, score)  # session.start refused it already, unless score was changed since
 scores = advisor.score_function(score, expand=expand)(model, calibration, formats, loss_fn=calibration_loss,
                                                       progress=True)
 save_csv(scores.drop(columns=[c for c in scores.columns if c.startswith("batch_")]), f"{NAME}_scores")

@@ -604,6 +604,19 @@ def _batches(args, tokenizer) -> tuple[list, list]:
     return models.shakespeare_batches(tokenizer, count=args.batches, **size), []
 
 
+def check_score(kind: str, score: str, *, argument: str = "score") -> None:
+    """Refuse a score (``score_function``'s name) that cannot rank layers of this kind of model
+    (``qlab.models.CAUSAL_LM`` or ``ENCODER``): the approximated score needs a loss whose gradient at the
+    unquantized model is not zero, and an encoder's hidden-state error is zero there, with zero gradient."""
+    checks.choice("kind", kind, models.KINDS)
+    if kind == models.ENCODER and score == "approximated":
+        raise ValueError(
+            f"{argument} 'approximated' needs a loss whose gradient at the unquantized model is not zero; an "
+            f"encoder is scored by its hidden-state error, zero there with zero gradient: use {argument} "
+            "'measured' or 'hierarchical'"
+        )
+
+
 def main(args) -> int:
     """``qlab advise``: with ``--formats``, a plan (a format per layer under ``--effective-bits``, qlab.plan)
     written to ``--plan-out``; without, the layers to keep in high precision for ``--recipe``. Every
@@ -631,6 +644,8 @@ def main(args) -> int:
         sizes.append(("--held-out", args.held_out, 0))
     for option, value, low in sizes:
         checks.integer(option, value, low=low)
+    if formats is not None and args.held_out == 1:  # a paired check needs two batches to vary over
+        raise ValueError("--held-out must be 0 (no check) or at least 2 batches, got 1")
     for option, target in (("--out", args.out), ("--plan-out", getattr(args, "plan_out", None))):
         if target is None:
             continue
@@ -643,13 +658,17 @@ def main(args) -> int:
         raise ValueError(f"--out {args.out}: its folder {Path(args.out).parent} does not exist")
     for text in args.text or []:
         paths.existing_file("--text", text, "UTF-8 text file")
+        try:
+            models.read_text(text)  # empty, or not UTF-8: said before the model loads
+        except ValueError as error:
+            raise ValueError(f"--text: {error}") from None
     checks.seed("--seed", args.seed)
-    if args.tokenizer is not None and args.model in models.PACKAGED:
-        raise ValueError(f"--tokenizer is for a checkpoint folder or hub id; the packaged model {args.model} "
-                         "brings its own tokenizer")  # fmt: skip
     if args.score == "hierarchical":
         checks.integer("--expand", args.expand, low=0)
     try:
+        kind = models.check_source(args.model, args.tokenizer)  # config.json read; no weight loaded yet
+        if formats is not None:
+            check_score(kind, args.score, argument="--score")
         model, tokenizer, kind = models.load_any(args.model, args.dtype, tokenizer=args.tokenizer)
     except (ValueError, TypeError) as error:  # name the option typed: "--model 'x' is neither ..."
         if str(error).startswith(("model ", "tokenizer ")):
@@ -661,11 +680,6 @@ def main(args) -> int:
     loss_fn = causal_lm_loss if kind == models.CAUSAL_LM else hidden_state_error(model, batches)
     if formats is None:
         return _keep_mode(args, model, batches, loss_fn)
-    if kind == models.ENCODER and args.score == "approximated":
-        raise ValueError(
-            "--score approximated needs a loss whose gradient at the unquantized model is not zero; an "
-            "encoder is scored by its hidden-state error, zero there with zero gradient: use --score measured"
-        )
     table = layer_table(model, formats)
     plan.check_budget(table, args.effective_bits, argument="--effective-bits")
     score = score_function(args.score, expand=args.expand)
@@ -708,7 +722,9 @@ def main(args) -> int:
             interval = f"{row.mean:+.4g} [{row.low:+.4g}, {row.high:+.4g}]"
             print(f"  {row.comparison}: {interval}, Holm p = {row.p_holm:.3g}")
     target = (
-        Path(args.plan_out) if args.plan_out else paths.RUNS_DIR / "plans" / f"{plan.slug(args.model)}.json"
+        Path(args.plan_out)
+        if args.plan_out
+        else paths.RUNS_DIR / "plans" / f"{plan.slug(args.model, args.dtype)}.json"
     )
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"plan written to {paths.shown(chosen.save(target))}: quantize_model(model, {str(target)!r})")

@@ -52,6 +52,7 @@ TESTS = (
     "bootstrap",
     "computed",
     "Fieller",
+    "geometric",
     "",
 )  # "" with n > 0: a mean over n, 95 % interval
 DIRECTIONS = ("lower", "higher")
@@ -74,8 +75,9 @@ class Claim:
     undecided others resolved the other way), "observed" (a single observation), "estimate" (a statistic
     of n samples — a ratio, an extreme, a median — stated without an interval), "bootstrap" (a statistic
     of n resampled units with its 95 % percentile bootstrap interval), "Fieller" (a ratio of two paired
-    means over n pairs with Fieller's 95 % interval, none where the denominator is not resolved) or
-    "computed" (exact arithmetic, no sampling)."""
+    means over n pairs with Fieller's 95 % interval, none where the denominator is not resolved),
+    "geometric" (the geometric mean of n positive values, its 95 % interval the Student-t one of their
+    logarithms, exponentiated) or "computed" (exact arithmetic, no sampling)."""
 
     key: str
     text: str
@@ -228,6 +230,9 @@ class Claim:
             if self.interval():
                 return f"a ratio of means over {self.n} {self.pairs}, 95 % Fieller interval"
             return f"a ratio of means over {self.n} {self.pairs}, denominator not resolved: no interval"
+        if self.test == "geometric":
+            interval = ", 95 % interval from the logarithms" if self.interval() else ""
+            return f"geometric mean over {self.n}{interval}"
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
@@ -376,6 +381,15 @@ class Claims:
         mean, low, high = stats.mean_interval(values)
         return self.value(key, mean, low=low, high=high, n=len(values), text=text, unit=unit, digits=digits,
                           headline=headline)  # fmt: skip
+
+    def geometric_mean(self, key: str, values, *, text: str, unit: str = "", digits: int = 4,
+                       headline: bool = False) -> Claim:  # fmt: skip
+        """The geometric mean of positive ``values`` (ratios) with its 95 % interval, Student-t on their
+        logarithms (``qlab.stats.geometric_mean_interval``): it stays positive."""
+        values = list(values)
+        mean, low, high = stats.geometric_mean_interval(values)
+        return self._add(Claim(key, text, mean, low, high, len(values), "geometric", unit=unit, digits=digits,
+                               headline=headline))  # fmt: skip
 
     def paired(self, key: str, differences, *, text: str, family: str = "", unit: str = "", digits: int = 4,
                headline: bool = False, margin: float | None = None,

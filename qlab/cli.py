@@ -766,7 +766,7 @@ def _cmd_report(args) -> int:
             shown = options.get(name[0], "--" + name[0].replace("_", "-"))
             raise type(error)(shown + str(error)[len(name[0]) :]) from None
         raise
-    folder = Path(args.out) if args.out else paths.RUNS_DIR / "report" / slug(args.model)
+    folder = Path(args.out) if args.out else paths.RUNS_DIR / "report" / slug(args.model, args.dtype)
     result, html = notebooks.run_report(parameters, folder, smoke=args.smoke, timeout=args.timeout)
     print(f"report on {args.model}: ok in {result.seconds:.1f} s")
     print(f"  {paths.shown(html)} (HTML), {paths.shown(result.output)}; CSVs, claims and figures in "

@@ -227,6 +227,12 @@ def checkpoint_folder(model: str) -> Path:
             )
         folder = _cached_hub_snapshot(str(model))
     if not folder.is_dir():
+        if folder.suffix.lower() == ".gguf":
+            raise ValueError(
+                f"model {str(model)!r} is a GGUF file; qlab reads Hugging Face checkpoint folders: convert "
+                "it with transformers (AutoModelForCausalLM.from_pretrained(folder, gguf_file=name), then "
+                "save_pretrained) and pass that folder"
+            )
         raise ValueError(f"model {str(model)!r} must be a checkpoint folder, got a file")
     if not (folder / "config.json").is_file():
         raise ValueError(f"{str(folder)!r} is not a Hugging Face checkpoint: it has no config.json")
@@ -266,38 +272,83 @@ def load_any(model: str, dtype: str = "float32", *, tokenizer: str | None = None
     """(model, tokenizer, kind) for a packaged name, a checkpoint folder or a cached hub id, in eval mode
     and ``dtype``, without touching the network. ``tokenizer`` names a folder (or cached hub id) to take
     the tokenizer from when the checkpoint has none. A causal LM loads with its LM head, an encoder as
-    its base model (``model_kind``)."""
+    its base model (``model_kind``). Everything ``check_source`` refuses is refused before a weight loads."""
     checks.choice("dtype", dtype, tuple(DTYPES))
-    if isinstance(model, str) and model in PACKAGED:
+    folder, tokenizer_folder, kind = _source(model, tokenizer)
+    if folder is None:
         loaded, packaged_tokenizer = load(model, dtype)
-        kind = CAUSAL_LM if PACKAGED[model].architecture.endswith("ForCausalLM") else ENCODER
         return loaded, packaged_tokenizer, kind
     import transformers
 
-    folder = checkpoint_folder(model)
-    tokenizer_folder = folder if tokenizer is None else checkpoint_folder_or_tokenizer(tokenizer)
-    if not any((tokenizer_folder / name).is_file() for name in _TOKENIZER_FILES):
-        raise ValueError(
-            f"{str(tokenizer_folder)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): pass "
-            f"--tokenizer FOLDER (tokenizer=) naming one"
-        )
+    model_class = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
     with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        kind = model_kind(config)
-        model_class = transformers.AutoModelForCausalLM if kind == CAUSAL_LM else transformers.AutoModel
-        loaded = model_class.from_pretrained(folder, dtype=DTYPES[dtype], local_files_only=True)
-        loaded_tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)
+        with _loading("model", folder):
+            loaded = model_class.from_pretrained(folder, dtype=DTYPES[dtype], local_files_only=True)
+        with _loading("tokenizer", tokenizer_folder):
+            tokenizer_class = transformers.AutoTokenizer
+            loaded_tokenizer = tokenizer_class.from_pretrained(tokenizer_folder, local_files_only=True)
     return loaded.eval(), loaded_tokenizer, kind
 
 
-def checkpoint_folder_or_tokenizer(name: str) -> Path:
-    """A folder (or cached hub id) to read a tokenizer from: it need not hold weights."""
+def check_source(model: str, tokenizer: str | None = None) -> str:
+    """The kind (``CAUSAL_LM`` or ``ENCODER``) ``load_any(model, tokenizer=tokenizer)`` would load, found
+    from config.json alone: ValueError for a name that is no model, a folder without config, weights or
+    tokenizer, a config transformers cannot read or a kind qlab does not score, and a tokenizer given
+    beside a packaged model (which brings its own)."""
+    return _source(model, tokenizer)[2]
+
+
+def _source(model, tokenizer) -> tuple[Path | None, Path | None, str]:
+    """(checkpoint folder, tokenizer folder, kind); both folders None for a packaged model."""
+    if tokenizer is not None and not isinstance(tokenizer, str | Path):
+        raise TypeError(f"tokenizer must be a folder or a hub id (a str), got {checks.shown(tokenizer)}")
+    if isinstance(model, str) and model in PACKAGED:
+        if tokenizer is not None:
+            raise ValueError(
+                f"tokenizer is for a checkpoint folder or hub id, and the packaged model {model} brings its "
+                f"own; got {str(tokenizer)!r}"
+            )
+        return None, None, CAUSAL_LM if PACKAGED[model].architecture.endswith("ForCausalLM") else ENCODER
+    import transformers
+
+    folder = checkpoint_folder(model)
+    tokenizer_folder = tokenizer_source(folder if tokenizer is None else tokenizer)
+    with paths.environment(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"), quiet_loading():
+        with _loading("model", folder):
+            config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    return folder, tokenizer_folder, model_kind(config)
+
+
+@contextlib.contextmanager
+def _loading(what: str, folder: Path):
+    """Turn what transformers raises on a checkpoint it cannot read (truncated weights, shapes that
+    disagree with config.json, bad JSON, an unknown model type) into one ValueError naming the folder."""
+    try:
+        yield
+    except Exception as error:
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        detail = " ".join(lines[:2])[:300] or type(error).__name__
+        raise ValueError(
+            f"{what} {str(folder)!r} could not be loaded: {type(error).__name__}: {detail}"
+        ) from None
+
+
+def tokenizer_source(name: str | Path) -> Path:
+    """The folder (or cached hub id's snapshot) to read a tokenizer from: it need not hold weights, but
+    must hold one of the tokenizer files (tokenizer.json, vocab.txt, ...); ValueError naming it otherwise."""
     folder = Path(str(name)).expanduser()
-    if folder.is_dir():
-        return folder
-    if str(name).count("/") == 1 and not folder.exists():
-        return _cached_hub_snapshot(str(name))
-    raise ValueError(f"tokenizer {str(name)!r} must be a folder holding a tokenizer or a cached hub id")
+    if not folder.is_dir():
+        if str(name).count("/") != 1 or folder.exists():
+            raise ValueError(
+                f"tokenizer {str(name)!r} must be a folder holding a tokenizer or a cached hub id"
+            )
+        folder = _cached_hub_snapshot(str(name))
+    if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
+        raise ValueError(
+            f"{str(folder)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): pass "
+            f"--tokenizer FOLDER (tokenizer=) naming one"
+        )
+    return folder
 
 
 def read_text(path) -> str:
@@ -307,7 +358,7 @@ def read_text(path) -> str:
         raise ValueError(f"text file {str(path)!r} does not exist")
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark is no text
     except UnicodeDecodeError as error:
         raise ValueError(
             f"text file {str(path)!r} is not UTF-8: byte {error.start} is {data[error.start]:#04x}"
@@ -462,10 +513,29 @@ def check_token_ids(name: str, batch, model: torch.nn.Module) -> torch.Tensor:
     low, high = int(batch.min()), int(batch.max())
     if vocab is not None and (low < 0 or high >= vocab):
         raise ValueError(f"{name} must hold token ids in [0, {vocab}), got ids from {low} to {high}")
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(positions, int) and batch.shape[1] > positions:
+    positions = max_tokens(getattr(model, "config", None))
+    if positions is not None and batch.shape[1] > positions:
         raise ValueError(f"{name} has {batch.shape[1]} tokens a row; the model takes at most {positions}")
     return batch.long()
+
+
+# model types that number positions from padding_idx + 1 (RoBERTa's create_position_ids_from_input_ids)
+_POSITIONS_AFTER_PADDING = frozenset(
+    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "longformer", "data2vec-text", "ibert"}
+)
+
+
+def max_tokens(config) -> int | None:
+    """The most tokens a row a model with this transformers ``config`` takes (None: no limit stated):
+    ``max_position_embeddings``, less ``pad_token_id + 1`` for RoBERTa's family, whose first position
+    id is ``pad_token_id + 1`` (514 positions take 512 tokens)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if not isinstance(positions, int) or isinstance(positions, bool):
+        return None
+    padding = getattr(config, "pad_token_id", None)
+    if getattr(config, "model_type", "") in _POSITIONS_AFTER_PADDING and isinstance(padding, int):
+        return positions - padding - 1
+    return positions
 
 
 MAX_FINE_TUNE_STEPS = 10**6  # steps of one fine_tune call: notebook 06 runs at most 300

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import difflib
 import functools
 import math
@@ -481,15 +482,30 @@ def strip_outputs(notebook: Path) -> bool:
 def run_report(parameters: dict, folder: Path, *, smoke: bool = False,
                timeout: int = DEFAULT_TIMEOUT_S) -> tuple[RunResult, Path]:  # fmt: skip
     """``qlab report``: the report notebook run with ``parameters`` into ``folder`` (its executed copy,
-    data/ and figures/), then exported to HTML beside the copy. Returns (the run, the HTML's path); a
-    failed cell raises NotebookError with the executed copy kept."""
+    data/ and figures/), then exported to HTML beside the copy. Returns (the run, the HTML's path).
+
+    The run writes into ``folder/.partial/``; only once every cell has run and the HTML is written do its
+    files replace the report's files in ``folder`` (those named after the report: a previous run's plan
+    for another budget goes too, anything else in the folder stays). A failed cell raises NotebookError
+    naming the partial executed copy and leaves the last complete report as it was."""
     notebook = paths.NOTEBOOKS_DIR / f"{REPORT_NOTEBOOK}.ipynb"
     folder = Path(folder)
-    output = folder / f"{REPORT_NOTEBOOK}.ipynb"
-    result = run_notebook(
-        notebook, parameters, smoke=smoke, output=output, results_dir=folder, timeout=timeout
-    )
-    return result, export_html(result.output)
+    partial = folder / ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        result = run_notebook(
+            notebook, parameters, smoke=smoke, output=partial / f"{REPORT_NOTEBOOK}.ipynb",
+            results_dir=partial, timeout=timeout,
+        )  # fmt: skip
+    except NotebookError as error:
+        raise NotebookError(f"{error}\n  the report in {paths.shown(folder)} is as it was") from None
+    html = export_html(result.output)
+    for old in [*folder.glob(f"{REPORT_NOTEBOOK}.*"), *folder.glob(f"*/{REPORT_NOTEBOOK}_*")]:
+        if old.is_file():
+            old.unlink()
+    publish(partial, folder)
+    moved = dataclasses.replace(result, output=folder / result.output.name, results=folder)
+    return moved, folder / html.name
 
 
 def export_html(notebook: Path) -> Path:

@@ -75,6 +75,7 @@ KERNEL_CACHE_DIR = RUNS_DIR / "kernel_cache"  # qlab.kernels.cpu_qdq's shared li
 # a headless run at the default parameters writes its data/ and figures/ into runs/staging/<notebook>.<pid>/,
 # which qlab.notebooks moves into place once every cell has run: a failed run leaves the committed ones whole
 STAGING_DIR = RUNS_DIR / "staging"
+PARTIAL = ".partial"  # likewise a report's files, in <report folder>/.partial/ until its run finishes
 
 
 def results_root() -> Path:
@@ -104,10 +105,13 @@ def figures_dir() -> Path:
 
 def shown(path: str | os.PathLike) -> str:
     """``path`` as messages show it: relative to the repository root when inside it; a staged result
-    (under ``STAGING_DIR/<run>/``) as the place it is moved to when its run finishes."""
+    (under ``STAGING_DIR/<run>/`` or a ``.partial/`` folder) as the place it moves to when its run
+    finishes."""
     path = _path("path", path)
     if path.is_relative_to(STAGING_DIR) and len(path.relative_to(STAGING_DIR).parts) > 1:
-        return str(Path(*path.relative_to(STAGING_DIR).parts[1:]))
+        path = ROOT.joinpath(*path.relative_to(STAGING_DIR).parts[1:])
+    if PARTIAL in path.parts[:-1]:
+        path = Path(*[part for part in path.parts if part != PARTIAL])
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 

@@ -194,13 +194,18 @@ def check_budget(table: pd.DataFrame, effective_bits: float, *, argument: str = 
     return effective_bits
 
 
-def slug(model: str) -> str:
-    """A file name for a model named by a packaged name, a folder or a hub id."""
+def slug(model: str, dtype: str = "float32") -> str:
+    """A file name for a model named by a packaged name, a folder or a hub id (its last two parts),
+    loaded in ``dtype`` (any other than float32 is appended: "smollm2-135m-bf16")."""
     if not isinstance(model, str | Path):
         raise TypeError(f"model must be a name, a folder or a hub id, got {checks.shown(model)}")
+    from qlab.models import DTYPES
+
+    checks.choice("dtype", dtype, tuple(DTYPES))
     text = str(model).rstrip("/").replace("\\", "/")
     text = "--".join(part for part in text.split("/")[-2:] if part not in ("", ".", ".."))
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "model"
+    name = "".join(c if c.isalnum() or c in "-_." else "_" for c in text) or "model"
+    return name if dtype == "float32" else f"{name}-{dtype}"
 
 
 def solve(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:
@@ -351,8 +356,10 @@ def effective_bits_of(table: pd.DataFrame, assignment: dict[str, str]) -> float:
 class Plan:
     """A weight format per convertible layer, with what it was chosen on: ``model`` (a name or path),
     ``model_config_sha256`` (``config_hash``), ``text_sha256`` (of the calibration token ids),
-    ``formats`` offered, ``effective_bits`` asked and reached, the score ``kind`` and qlab's version.
-    ``quantize_model(model, plan)`` applies it; ``save``/``load`` keep it as JSON."""
+    ``formats`` offered, ``effective_bits`` asked and reached, the score ``kind``, qlab's version and
+    each layer's weight ``elements`` (empty in a plan saved before they were recorded).
+    ``quantize_model(model, plan)`` applies it to a model with the same layers of the same sizes;
+    ``save``/``load`` keep it as JSON."""
 
     layers: dict[str, str]
     model: str = ""
@@ -363,6 +370,7 @@ class Plan:
     reached_bits: float = math.nan
     kind: str = "measured"
     qlab_version: str = field(default_factory=lambda: __import__("qlab").__version__)
+    elements: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.layers, dict) or not self.layers:
@@ -388,6 +396,14 @@ class Plan:
         if self.formats:
             plan_formats(list(self.formats))
         object.__setattr__(self, "formats", tuple(self.formats))
+        if not isinstance(self.elements, dict):
+            raise TypeError(
+                f"elements must be a dict layer -> weight elements, got {checks.shown(self.elements)}"
+            )
+        for layer, count in self.elements.items():
+            if layer not in self.layers:
+                raise ValueError(f"elements names {layer!r}, a layer the plan gives no format")
+            checks.integer(f"elements[{layer!r}]", count, low=1)
 
     def save(self, path) -> Path:
         """Write the plan as JSON (sorted keys: the same plan gives the same bytes); return the path."""
@@ -413,9 +429,11 @@ class Plan:
             raise ValueError(f"plan file {str(path)!r} has unknown fields {sorted(set(content) - known)}")
         return cls(**content)
 
-    def check_layers(self, have: Sequence[str]) -> None:
+    def check_layers(self, have: Sequence[str] | dict[str, int]) -> None:
         """ValueError naming the plan's layers not in ``have`` (a model's convertible layers) and the
-        layers in ``have`` the plan gives no format."""
+        layers in ``have`` the plan gives no format; given each layer's weight elements (a dict), also
+        those whose size is not the one the plan was made for."""
+        sizes = have if isinstance(have, dict) else {}
         have = list(have)
         missing = [name for name in self.layers if name not in have]
         extra = [name for name in have if name not in self.layers]
@@ -424,6 +442,16 @@ class Plan:
                 f"the plan does not fit this model: {len(missing)} planned layers are not convertible layers "
                 f"of the model {missing[:5]}, {len(extra)} of the model's layers have no format in the plan "
                 f"{extra[:5]}" + (f" (the plan was made for {self.model!r})" if self.model else "")
+            )
+        resized = [name for name, count in self.elements.items() if name in sizes and sizes[name] != count]
+        if resized:
+            shown = ", ".join(
+                f"{name}: {self.elements[name]} in the plan, {sizes[name]} here" for name in resized[:3]
+            )
+            raise ValueError(
+                f"the plan does not fit this model: {len(resized)} layers have other weight sizes than the "
+                f"plan was made for ({shown})"
+                + (f"; the plan was made for {self.model!r}" if self.model else "")
             )
 
 
@@ -443,6 +471,7 @@ def make_plan(table: pd.DataFrame, *, effective_bits: float, model: str = "", mo
         effective_bits=float(effective_bits),
         reached_bits=effective_bits_of(table, assignment),
         kind=kinds.pop(),
+        elements={layer: int(count) for layer, count in zip(table.layer, table.elements)},
     )
 
 

@@ -147,6 +147,17 @@ def _second_machine(name, value):
         )
 
 
+def _tokenizer(name, value):
+    """A folder (or hub id in the local cache) holding a tokenizer; it need not hold weights."""
+    from qlab.models import tokenizer_source
+
+    try:
+        tokenizer_source(value)
+    except (TypeError, ValueError) as error:
+        detail = str(error).removeprefix("tokenizer ")
+        raise type(error)(f"{name}: {detail}") from None
+
+
 def _any_model(name, value):
     """A packaged name, a checkpoint folder or a hub id in the local Hugging Face cache (never fetched)."""
     from qlab.models import PACKAGED, checkpoint_folder
@@ -211,7 +222,7 @@ PARAMETER_RULES = {
     "finetune_recipes": _recipe_name,
     "overrides": lambda name, value: checks.choice(name, value, ("none", "high_precision", "dequantized")),
     "model_name": _any_model,
-    "tokenizer": lambda name, value: value == "" or _any_model(name, value),
+    "tokenizer": lambda name, value: value == "" or _tokenizer(name, value),
     "text": _text_file,
     "formats": _plan_format,
     "score": lambda name, value: checks.choice(name, value, ("measured", "approximated", "hierarchical")),
@@ -260,13 +271,18 @@ def check_values(where: str, values: dict, annotations: dict[str, str]) -> None:
                     rule(parameter if index is None else f"{parameter}[{index}]", element)
         except (TypeError, ValueError) as error:
             raise type(error)(f"{error} (in the parameters cell of {where})") from None
-    if "budgets" in values and "formats" in values:  # the one rule that reads two parameters
-        from qlab.plan import check_reachable
+    try:  # the rules that read two parameters
+        if "budgets" in values and "formats" in values:
+            from qlab.plan import check_reachable
 
-        try:
             check_reachable(values["formats"], values["budgets"], argument="budgets")
-        except ValueError as error:
-            raise ValueError(f"{error} (in the parameters cell of {where})") from None
+        if "model_name" in values and "tokenizer" in annotations:  # the report's: what loading checks first
+            from qlab import advisor, models
+
+            kind = models.check_source(values["model_name"], values.get("tokenizer") or None)
+            advisor.check_score(kind, values.get("score", "measured"))
+    except ValueError as error:
+        raise ValueError(f"{error} (in the parameters cell of {where})") from None
 
 
 def check_parameters(name: str, values: dict) -> None:
@@ -352,8 +368,8 @@ def start(name: str, namespace: dict) -> NotebookRun:
     else:
         os.environ[paths.PROFILE_ENV] = profile
     device = str(resolve_device(current.get("device", "auto"), argument="device"))
-    shown = results_dir.relative_to(paths.ROOT) if results_dir.is_relative_to(paths.ROOT) else results_dir
-    where = "data/ and figures/" if results_dir == paths.ROOT else f"{shown}/data and {shown}/figures"
+    shown = paths.shown(results_dir / "data").removesuffix("data")  # a staged run: where it moves to
+    where = "data/ and figures/" if results_dir == paths.ROOT else f"{shown}data and {shown}figures"
     if profile != "cpu":
         where = where.replace("data", f"data/{profile}").replace("figures", f"figures/{profile}")
         record = {"notebook": name, "profile": profile, "machine": machine(torch.device(device))}

@@ -85,6 +85,21 @@ def mean_interval(
     return mean, mean - half, mean + half
 
 
+def geometric_mean_interval(values) -> tuple[float, float, float]:
+    """(geometric mean, low, high) of positive ``values``: ``mean_interval`` of their natural logarithms
+    (Student-t), exponentiated. For ratios and other quantities on a scale, whose interval must stay
+    positive (an outlier ratio ≥ 1 over two batches gets a t interval below zero); (v, nan, nan) for one."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"values must be a sequence of numbers, got {checks.shown(values)}")
+    values = list(values)
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
+        raise TypeError(f"values must be real numbers, got {values[:5]}")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"values must be positive and finite for a geometric mean, got {values[:5]}")
+    mean, low, high = mean_interval([math.log(v) for v in values])
+    return math.exp(mean), math.exp(low), math.exp(high)
+
+
 def _bootstrap_bounds(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:
     n = len(values)
     if n**n <= _EXACT_BOOTSTRAP_MAX:  # every resample once: index tuples as the digits 0 … nⁿ − 1 base n

@@ -326,6 +326,18 @@ def test_a_ratio_of_means_carries_fiellers_interval_or_says_why_it_has_none():
     assert unresolved.interval() == "" and "denominator not resolved" in unresolved.verdict()
 
 
+def test_a_geometric_mean_keeps_its_interval_positive_and_survives_a_save(tmp_path, monkeypatch):
+    monkeypatch.setenv(paths.RESULTS_ENV, str(tmp_path))
+    claims = Claims(_run())
+    ratio = claims.geometric_mean("ratio", [2.0, 8.0], text="an outlier ratio")
+    assert ratio.value == pytest.approx(4.0, rel=1e-12) and 0 < ratio.low < 4.0 < ratio.high  # √(2·8)
+    assert ratio.verdict() == "geometric mean over 2, 95 % interval from the logarithms"
+    claims.save()
+    (loaded,) = claims_module.load(paths.data_dir() / f"{_run().name}_claims.csv").to_dict("records")
+    assert loaded["test"] == "geometric" and loaded["value"] == pytest.approx(ratio.value, rel=1e-9)
+    assert claims_module.from_row(loaded).verdict() == ratio.verdict()
+
+
 def test_every_committed_headline_states_its_test():
     # the committed findings: no count headline without a test, no null headline without its TOST
     problems = [

@@ -334,7 +334,7 @@ def test_advise_prints_the_ranked_layers_and_the_patterns(tmp_path, capsys):
         (["--seed", "-1"], "--seed must be an int in [0, "),
         (
             ["--tokenizer", "x"],
-            "--tokenizer is for a checkpoint folder or hub id; the packaged model smollm2-135m",
+            "--tokenizer is for a checkpoint folder or hub id, and the packaged model smollm2-135m",
         ),
     ],
 )

@@ -429,6 +429,7 @@ ENTRY_POINTS = {
         ),
     ),
     "stats.mean_interval": (stats.mean_interval, lambda: dict(values=[1.0, 2.0, 4.0], method="t")),
+    "stats.geometric_mean_interval": (stats.geometric_mean_interval, lambda: dict(values=[1.5, 2.0, 4.0])),
     "stats.t_cdf": (stats.t_cdf, lambda: dict(t=1.0, degrees_of_freedom=3.0)),
     "stats.t_quantile": (stats.t_quantile, lambda: dict(probability=0.9, degrees_of_freedom=3.0)),
     "stats.paired_test": (stats.paired_test, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2], alpha=0.05)),
@@ -1460,8 +1461,9 @@ NOT_GENERATED = {
         models.load models.model_path models.cache_dir models.shakespeare_batches advisor.main""",
     "checkpoints and text read from files: built, saved and read in tests/test_your_model.py (folders, a "
     "hub cache, no network, non-UTF-8 and short text)": """
-        models.load_any models.checkpoint_folder models.checkpoint_folder_or_tokenizer models.model_kind
-        models.text_batches models.read_text advisor.plan_batches""",
+        models.load_any models.checkpoint_folder models.tokenizer_source models.model_kind
+        models.text_batches models.read_text advisor.plan_batches models.check_source models.max_tokens
+        advisor.check_score""",
     "the advisor's argument checks, reached through layer_sensitivity, group_sensitivity and the plan's "
     "score functions above": """
         advisor.check_measurement advisor.check_layers""",

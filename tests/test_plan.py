@@ -213,6 +213,14 @@ def test_a_plan_round_trips_through_its_file_and_quantizes_each_layer_in_its_for
         assert isinstance(module, QuantLinear) == (planned != "bf16"), name
     with torch.no_grad():
         assert torch.equal(model(input_ids=batches[0]).logits, expected_model(input_ids=batches[0]).logits)
+    # the same layer names at another width: the plan's sizes (the table's out × in) no longer fit
+    assert chosen.elements["model.layers.0.mlp.up_proj"] == 64 * 32
+    wider = _tiny_llama()
+    wider.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 96, bias=False)
+    refused = r"1 layers have other weight sizes .*model.layers.0.mlp.up_proj: 2048 in the plan, 3072 here"
+    with pytest.raises(ValueError, match=refused):
+        quantize_model(wider, path)
+    assert not any(isinstance(m, QuantLinear) for m in wider.modules())
 
 
 def test_a_plan_for_other_layers_or_a_hand_edited_file_is_refused_by_name(tmp_path):

@@ -118,6 +118,27 @@ def test_mean_interval_of_hand_computed_samples():
     assert single[0] == 0.3 and math.isnan(single[1]) and math.isnan(single[2])
 
 
+def test_geometric_mean_interval_is_scipy_s_t_interval_of_the_logarithms():
+    """scipy's gmean and its t interval on the logs, exponentiated: the interval of a ratio ≥ 1 stays
+    above zero where the arithmetic t interval of [1.2, 6.2] (two batches) goes to −25."""
+    from scipy import stats as scipy_stats
+
+    for values in ([1.2, 6.2], [3.0, 3.5, 9.0, 1.1], [2.0, 2.0]):
+        logs = np.log(values)
+        spread = scipy_stats.sem(logs)
+        low, high = scipy_stats.t.interval(0.95, len(values) - 1, loc=logs.mean(), scale=spread)
+        got = stats.geometric_mean_interval(values)
+        if logs.std() == 0:
+            low, high = logs.mean(), logs.mean()
+        assert got == pytest.approx((scipy_stats.gmean(values), math.exp(low), math.exp(high)), rel=1e-12)
+        assert got[1] > 0
+    assert stats.mean_interval([1.2, 6.2])[1] < -25
+    single = stats.geometric_mean_interval([4.0])
+    assert single[0] == pytest.approx(4.0) and math.isnan(single[1])
+    with pytest.raises(ValueError, match="positive and finite for a geometric mean"):
+        stats.geometric_mean_interval([1.0, 0.0])
+
+
 def test_mean_interval_refuses_empty_and_non_finite():
     with pytest.raises(ValueError, match="at least one"):
         stats.mean_interval([])

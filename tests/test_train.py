@@ -695,7 +695,7 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.mark.slow
 def test_a_stopped_ddp_run_stops_torchrun_and_both_ranks(tmp_path):
-    """``qlab train --nproc 2`` sent SIGTERM while both ranks train: torchrun (in a session of its own,
+    """``qlab train --nproc 2`` sent SIGTERM while both ranks train: torchrun (its own process session,
     so a signal to qlab's group does not reach it) gets the signal passed on, stops both ranks, and qlab
     exits 143 with one line that says how to resume."""
     import signal

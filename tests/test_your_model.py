@@ -259,6 +259,133 @@ def test_qlab_advise_hierarchical_says_what_it_saved_and_refuses_bad_devices_fir
     assert "unknown device --device='tpu9'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type", ["roberta", "mpnet", "bert"])
+def test_max_tokens_is_what_the_model_s_forward_takes(model_type):
+    """RoBERTa's family numbers positions from pad_token_id + 1: of 40 positions, 38 tokens fit; the
+    model's own forward is the reference (one token more fails inside torch's embedding lookup)."""
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=40,
+    )  # fmt: skip
+    model = transformers.AutoModel.from_config(config).eval()
+    limit = models.max_tokens(config)
+    assert limit == (38 if model_type != "bert" else 40)
+    model(input_ids=torch.full((1, limit), 5))
+    too_long = torch.full((1, limit + 1), 5)
+    with pytest.raises(Exception):  # noqa: B017  (whatever torch raises: IndexError or RuntimeError)
+        model(input_ids=too_long)
+    with pytest.raises(ValueError, match=f"has {limit + 1} tokens a row; the model takes at most {limit}"):
+        models.check_token_ids("batch", too_long, model)
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_its_folder(tmp_path, no_network):
+    import json
+
+    truncated = _save(_llama(), tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"^model '.*truncated' could not be loaded: \w+"):
+        models.load_any(str(truncated))
+    resized = _save(_llama(), tmp_path / "resized")
+    config = json.loads((resized / "config.json").read_text())
+    (resized / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(ValueError, match=r"^model '.*resized' could not be loaded: RuntimeError: "):
+        models.load_any(str(resized))
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="is a GGUF file; qlab reads Hugging Face checkpoint folders"):
+        models.load_any(str(tmp_path / "model.gguf"))
+
+
+def test_what_loading_would_refuse_is_refused_from_config_json_alone(tmp_path, no_network, monkeypatch):
+    """check_source reads config.json only: the report's parameters are checked with it before a kernel
+    starts, and qlab advise before a weight loads."""
+    from qlab import notebooks, paths
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", never)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    encoder = _save(_bert(), tmp_path / "encoder")
+    bare = _save(_llama(), tmp_path / "bare", with_tokenizer=False)
+    tokenizer_only = tmp_path / "tokenizer"
+    _tokenizer(tokenizer_only).save_pretrained(tokenizer_only)
+    assert models.check_source(str(encoder)) == models.ENCODER
+    assert models.check_source(str(bare), str(tokenizer_only)) == models.CAUSAL_LM
+    report = paths.NOTEBOOKS_DIR / "report_your_model.ipynb"
+    with pytest.raises(ValueError, match="score 'approximated' needs a loss whose gradient .* encoder"):
+        notebooks.check_parameters(report, {"model_name": str(encoder), "score": "approximated"})
+    with pytest.raises(ValueError, match="has no tokenizer .*--tokenizer FOLDER"):
+        notebooks.check_parameters(report, {"model_name": str(bare)})
+    notebooks.check_parameters(report, {"model_name": str(bare), "tokenizer": str(tokenizer_only)})
+    with pytest.raises(ValueError, match="tokenizer is for a checkpoint folder or hub id, and the packaged"):
+        notebooks.check_parameters(report, {"model_name": "minilm-l6", "tokenizer": str(tokenizer_only)})
+    with pytest.raises(ValueError, match="^tokenizer: .*has no tokenizer"):
+        notebooks.check_parameters(report, {"tokenizer": str(encoder.parent)})
+
+
+def test_a_byte_order_mark_is_no_text(tmp_path):
+    path = tmp_path / "bom.txt"
+    path.write_bytes("\ufeffShall I".encode())
+    assert models.read_text(path) == "Shall I"
+
+
+def test_advise_refuses_a_held_out_check_of_one_batch_before_loading(tmp_path, capsys, monkeypatch):
+    from qlab import cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(models, "load_any", never)
+    assert cli.main(["advise", "--formats", "nvfp4,bf16", "--effective-bits", "8", "--held-out", "1"]) == 2
+    assert "--held-out must be 0 (no check) or at least 2 batches, got 1" in capsys.readouterr().err
+    (tmp_path / "blank.txt").write_text(" \n")
+    assert cli.main(["advise", "--text", str(tmp_path / "blank.txt")]) == 2
+    assert "--text: text file" in capsys.readouterr().err
+
+
+def test_a_failed_report_leaves_the_last_complete_one_and_a_new_one_replaces_all_of_it(tmp_path, monkeypatch):
+    """run_report writes into <folder>/.partial/ and moves the files into place only when every cell ran:
+    a failure leaves the previous report whole; a success also removes the previous run's plan for a
+    budget it no longer has, and leaves files that are not the report's alone."""
+    from pathlib import Path
+
+    import nbformat
+
+    from qlab import notebooks
+
+    def fake_run(notebook, parameters, *, output, results_dir, **kwargs):
+        (results_dir / "data").mkdir(parents=True, exist_ok=True)
+        for budget in parameters["budgets"]:
+            (results_dir / "data" / f"report_your_model_plan_{budget}bits.json").write_text(f"{budget} new")
+        nbformat.write(nbformat.v4.new_notebook(), output)
+        if parameters.get("fail"):
+            raise notebooks.NotebookError(
+                f"notebook report failed in cell In [3]\n  executed copy kept at {output}"
+            )
+        return notebooks.RunResult(Path(notebook), Path(output), 1.0, parameters, results_dir)
+
+    monkeypatch.setattr(notebooks, "run_notebook", fake_run)
+    folder = tmp_path / "report"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "report_your_model_plan_4.5bits.json").write_text("4.5 old")
+    (folder / "data" / "mine.csv").write_text("the user's")
+    (folder / "report_your_model.html").write_text("old html")
+    with pytest.raises(notebooks.NotebookError, match="the report in .*report is as it was"):
+        notebooks.run_report({"budgets": [6], "fail": True}, folder)
+    assert (folder / "report_your_model.html").read_text() == "old html"
+    assert (folder / "data" / "report_your_model_plan_4.5bits.json").read_text() == "4.5 old"
+    assert (folder / ".partial" / "data" / "report_your_model_plan_6bits.json").exists()
+    result, html = notebooks.run_report({"budgets": [6]}, folder)
+    assert html == folder / "report_your_model.html" and "old html" not in html.read_text()
+    assert result.output == folder / "report_your_model.ipynb" and result.results == folder
+    assert sorted(p.name for p in (folder / "data").iterdir()) == [
+        "mine.csv",
+        "report_your_model_plan_6bits.json",
+    ]
+    assert not (folder / ".partial").exists()
+
+
 @pytest.mark.notebook
 def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsys, monkeypatch):
     """The report on a hub id served from a local cache (the kernel reads HF_HUB_CACHE); a checkpoint
@@ -295,7 +422,7 @@ def test_qlab_report_runs_on_a_cached_hub_id_into_its_own_folder(tmp_path, capsy
         assert (rows.family == f"held_out.{budget}").all() and rows.p_adjusted.notna().all()
         saved = json.loads((out / "data" / f"report_your_model_plan_{budget}bits.json").read_text())
         assert saved["model"] == folder and saved["effective_bits"] == float(budget)
-    assert claims.loc["agreement", "test"] == "bootstrap"
+    assert claims.loc["agreement", "test"] == "bootstrap" and not (out / ".partial").exists()
     for figure in ("formats", "scores", "held_out", "agreement"):
         assert list((out / "figures").glob(f"report_your_model_{figure}.*")), figure
     weights = pd.read_csv(out / "data" / "report_your_model_weights.csv")
