@@ -649,6 +649,8 @@ def main(args) -> int:
     for option, target in (("--out", args.out), ("--plan-out", getattr(args, "plan_out", None))):
         if target is None:
             continue
+        if not target:
+            raise ValueError(f"{option} must name a file to write, got an empty string")
         if Path(target).is_dir():
             raise ValueError(f"{option} must name a file to write, got the folder {target}")
         nearest = next(folder for folder in Path(target).absolute().parents if folder.exists())

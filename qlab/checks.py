@@ -147,6 +147,8 @@ def given_once(pairs, option: str = "-p") -> dict:
     refused (argparse's list keeps both, and a dict would silently keep the last)."""
     given: dict = {}
     for name, value in pairs:
+        if not isinstance(name, str) or not name.strip() or name != name.strip():
+            raise ValueError(f"{option} needs a parameter name without spaces around it, got {name!r}")
         if name in given:
             raise ValueError(f"{option} {name} given twice ({given[name]}, then {value}); give it once")
         given[name] = value

@@ -39,6 +39,9 @@ from qlab.notebooks import DEFAULT_TIMEOUT_S, NotebookError
 
 
 def _parse_value(text: str):
+    """A -p value as YAML reads it; an empty one stays the empty string (YAML would read null)."""
+    if not text.strip():
+        return text
     try:
         return checks.yaml_value(text)
     except yaml.YAMLError:
@@ -94,6 +97,11 @@ def _advise_mode_options(args) -> None:
         needs = "keep mode: leave out --formats" if args.formats else "plan mode: give --formats"
         verb, owner = ("does", "it belongs") if len(stray) == 1 else ("do", "they belong")
         raise ValueError(f"{', '.join(stray)} {verb} nothing in {which}; {owner} to {needs}")
+    if args.formats and args.expand is not None and args.score != "hierarchical":
+        raise ValueError(
+            f"--expand does nothing with --score {args.score or ADVISE_PLAN_OPTIONS['score'][1]}; it "
+            "belongs to --score hierarchical"
+        )
     for name, (_, default) in mode.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -112,10 +120,31 @@ def _version() -> str:
     return f"qlab {qlab.__version__} (torch {torch_version}, Python {sys.version.split()[0]})"
 
 
+class _StoreOnce(argparse._StoreAction):
+    """argparse's store, refusing an option given twice, or given beside another spelling of it (an
+    earlier name kept as an alias): argparse would keep the last value and drop the first silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = namespace.__dict__.setdefault("_options_given", {})
+        if option_string is not None and self.dest in seen:
+            earlier = seen[self.dest]
+            twice = "given twice" if earlier == option_string else f"and {earlier} set the same value"
+            parser.error(f"{option_string} {twice}; give it once")
+        seen[self.dest] = option_string
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser (and subcommand parsers) whose plain options may be given once (``_StoreOnce``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="qlab", description="qlab: low-precision training numerics lab bench"
-    )
+    parser = _Parser(prog="qlab", description="qlab: low-precision training numerics lab bench")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -210,9 +239,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "written to data/runs/ (data/paper/runs/ for --profile paper) as it finishes, so a stopped "
         "campaign loses only the runs in flight. --smoke and -p parameters that change the runs keep them "
         "where `qlab run` with the same options writes its results (runs/smoke/, runs/interactive/, or "
-        "beside a smoke run's --output); -p executor, max_workers and allow_mixed_devices share the "
-        "committed store. When the list is complete, the campaign names the `qlab run` "
-        "command that renders the notebook from the stored runs.",
+        "beside a smoke run's --output); --executor, -j and --runs-per-gpu (how runs fan out) and -p "
+        "allow_mixed_devices share the committed store. When the list is complete, the campaign names "
+        "the `qlab run` command that renders the notebook from the stored runs.",
     )
     camp.add_argument("notebook", help="name or number of a notebook with a run list (03, 07)")
     camp.add_argument("--profile", choices=("cpu", "paper"), default="cpu", help="the notebook's profile")
@@ -273,7 +302,9 @@ def _build_parser() -> argparse.ArgumentParser:
     report.add_argument(
         "--tokenizer", default="", help="a folder or cached hub id to take the tokenizer from"
     )
-    report.add_argument("--text", nargs="+", default=[], help="UTF-8 text files (default: Shakespeare)")
+    report.add_argument(
+        "--text", nargs="+", action="extend", default=[], help="UTF-8 text files (default: Shakespeare)"
+    )
     report.add_argument("--formats", default="nvfp4,mxfp8,bf16", help="comma-separated weight formats")
     report.add_argument(
         "--effective-bits", dest="budgets", default="4.5,5,6", metavar="BITS",
@@ -316,7 +347,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "Hugging Face cache (never downloaded)",
     )
     advise.add_argument("--tokenizer", help="a folder or cached hub id to take the tokenizer from")
-    advise.add_argument("--text", nargs="+", help="UTF-8 text files to calibrate on (default: Shakespeare)")
+    advise.add_argument(
+        "--text", nargs="+", action="extend", help="UTF-8 text files to calibrate on (default: Shakespeare)"
+    )
     advise.add_argument(
         "--formats", help="plan mode: comma-separated weight formats, e.g. nvfp4,mxfp8,bf16 (qlab.plan)"
     )
@@ -575,6 +608,8 @@ def _cmd_sweep(args) -> int:
     from qlab import checks
 
     checks.integer("-j", args.jobs, low=1)
+    if args.executor == "serial" and args.jobs > 1:
+        raise ValueError(f"-j {args.jobs} runs points at once and --executor serial one at a time; give one")
     parameters = _parameters(args)
     sweep.load_grid(args.grid, argument="grid")  # its errors name the argument typed, not run_sweep's
     outcomes = sweep.run_sweep(
@@ -597,7 +632,7 @@ def _cmd_sweep(args) -> int:
     return 1 if counts["failed"] else 0
 
 
-def campaign_list(notebook: str, parameters: dict, profile: str, output: Path | None = None):
+def campaign_list(notebook: str, parameters: dict, profile: str, output: str | Path | None = None):
     """(run list, store folder) of ``notebook`` at ``profile`` with these parameters, where ``qlab run``
     with the same parameters (and executed copy ``output``) reads them; checked before anything runs."""
     from qlab import campaign, run_lists, session
@@ -662,7 +697,7 @@ def _cmd_campaign(args) -> int:
         _address_needs_ray(args.executor)
         check_address(args.address)
     workers = plan(args.executor, args.max_workers, None, args.runs_per_gpu)[0]
-    output = None if args.output is None else Path(args.output)
+    output = args.output  # as typed: a trailing "/" names a folder to make
     run_list, store = campaign_list(args.notebook, params, args.profile, output)
     if args.status:
         print(campaign.status(run_list, store, workers=workers, output=output))
@@ -739,6 +774,21 @@ def _report_sizes(args) -> None:
     checks.integer("--tokens", args.tokens, low=2)  # a window of one token has nothing to predict
 
 
+def _check_report_folder(out) -> None:
+    """``--out``: a folder to make or one to write the report's files into; neither a file nor the
+    repository root (whose data/ and figures/ are the committed results)."""
+    if not out:
+        raise ValueError("--out must name a folder for the report, got an empty string")
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--out must name a folder for the report, got the file {out}")
+    if folder.absolute() == paths.ROOT:
+        raise ValueError(
+            f"--out must be a folder other than the repository root ({paths.ROOT}), whose data/ and "
+            "figures/ are the committed results"
+        )
+
+
 def _cmd_report(args) -> int:
     from qlab.plan import slug
 
@@ -750,6 +800,13 @@ def _cmd_report(args) -> int:
         except ValueError:
             raise ValueError(f"{option} must be comma-separated numbers, got {text!r}") from None
 
+    from qlab.host import resolve_device
+
+    resolve_device(args.device, argument="--device")
+    for text in args.text:
+        paths.existing_file("--text", text, "UTF-8 text file")
+    if args.out is not None:
+        _check_report_folder(args.out)
     parameters = dict(
         model_name=args.model, tokenizer=args.tokenizer, text=list(args.text),
         formats=args.formats.split(","), budgets=numbers(args.budgets, "--effective-bits"), score=args.score,
@@ -796,7 +853,10 @@ def _cmd_train(args) -> int:
 
 def _checkout_of(notebook) -> Path | None:
     """The qlab checkout a notebook given by its path lies in (None: a name or number, or no checkout)."""
-    if not isinstance(notebook, str) or not Path(notebook).is_file():
+    try:
+        if not isinstance(notebook, str) or not Path(notebook).is_file():
+            return None
+    except OSError:  # a name too long to be a path: resolve_notebook says it names no notebook
         return None
     folder = Path(notebook).resolve().parent
     return next((f for f in (folder, *folder.parents) if paths.is_checkout(f)), None)

@@ -105,6 +105,8 @@ def resolve_notebook(name: str | os.PathLike) -> Path:
     if not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"name must be a notebook's name, number string or path, got {checks.shown(name)}")
     candidate = Path(name)
+    if len(os.fsencode(candidate.name)) > 255:  # longer than any file name: exists() would raise
+        raise ValueError(f"unknown notebook {str(name)[:60]!r}… ({len(str(name))} characters): no such file")
     if candidate.suffix in (".ipynb", ".py") and candidate.exists():
         ipynb = candidate.with_suffix(".ipynb").resolve()
         if ipynb.exists():
@@ -275,8 +277,17 @@ def run_notebook(
     if smoke:
         params["smoke"] = True
     params = _absolute_paths(check_parameters(path, params))
+    _refuse_executed_copy(path)
     _require_kernel()
     output, results_dir = output_folder(path, params, output, results_dir)
+    if results_dir is not None:  # the kernel runs in the executed copy's folder: a relative path moves
+        results_dir = Path(results_dir).absolute()
+        if results_dir == paths.ROOT:
+            raise ValueError(
+                f"this run's results would go to {paths.ROOT}/data and figures, the committed results; a run "
+                "at other parameters than the defaults (smoke among them) needs another folder: give "
+                "--output (output=) a folder other than the repository root"
+            )
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = None
     if results_dir is None and results_folder(path, params, output) is None:  # the committed results
@@ -344,12 +355,31 @@ def publish(staging: Path, root: Path | None = None) -> list[Path]:
     return moved
 
 
+def _refuse_executed_copy(path: Path) -> None:
+    """An executed copy still holds papermill's injected-parameters cell, which a run without -p leaves
+    in place: its values would run under the parameters cell's (the defaults') name."""
+    for cell in _read(path)[1].cells:
+        if "injected-parameters" in cell.get("metadata", {}).get("tags", []):
+            raise ValueError(
+                f"notebook {paths.shown(path)} is an executed copy (it holds papermill's injected "
+                "parameters): run the notebook it was made from, with -p for the parameters to change"
+            )
+
+
 def check_output(output, argument: str = "output") -> Path | None:
     """``output`` as the Path of an executed copy (a .ipynb file), or None where it names a folder
     (one that exists, or a path ending in a slash), which holds the copy under the notebook's name;
     anything else is refused, naming ``argument``."""
     if not isinstance(output, (str, os.PathLike)):
         raise TypeError(f"{argument} must be a path (str or os.PathLike), got {checks.shown(output)}")
+    if not os.fspath(output):
+        raise ValueError(f"{argument} must name a .ipynb file or a folder, got an empty string")
+    target = Path(output).absolute()
+    if target == paths.NOTEBOOKS_DIR or target.is_relative_to(paths.NOTEBOOKS_DIR):
+        raise ValueError(
+            f"{argument} must not be in {paths.shown(paths.NOTEBOOKS_DIR)}/, where the tracked notebooks are "
+            f"(an executed copy would replace one), got {str(output)!r}"
+        )
     if Path(output).is_dir() or str(output).endswith(("/", os.sep)):
         return None
     if Path(output).suffix != ".ipynb":

@@ -210,6 +210,7 @@ def _training_variant(name, value):
 # What a parameter may hold beyond its annotated type: one meaning per name across the notebooks.
 # A rule checks one value; a list parameter's rule checks each element.
 PARAMETER_RULES = {
+    "seed": checks.seed,  # what torch.Generator.manual_seed takes
     "device": lambda name, value: resolve_device(value, argument=name),
     "profile": lambda name, value: checks.choice(name, value, PROFILES),
     "executor": _executor,
@@ -351,10 +352,11 @@ def start(name: str, namespace: dict) -> NotebookRun:
     check_parameters(name, current)
     profile = current.get("profile", "cpu")
     changed = changed_parameters(current, defaults)
-    if _INHERITED_RESULTS is not None and Path(_INHERITED_RESULTS).is_relative_to(paths.STAGING_DIR):
+    staged = _INHERITED_RESULTS is not None and Path(_INHERITED_RESULTS).is_relative_to(paths.STAGING_DIR)
+    if staged and not changed:
         why = "default parameters: the committed results, replaced once every cell has run"
         results_dir = paths.ROOT
-    elif _INHERITED_RESULTS is not None:
+    elif _INHERITED_RESULTS is not None and not staged:
         results_dir, why = Path(_INHERITED_RESULTS), "chosen by the runner"
     elif not changed:
         results_dir, why = paths.ROOT, "default parameters: the committed results"

@@ -118,11 +118,77 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
         (["train", "-p", "lr", "0.01", "--set", "lr=0.02"], "-p lr given twice (0.01, then 0.02)"),
         (["advise", "--formats", "nvfp5"], "--formats names 'nvfp5', not a recipe preset"),
         (["advise", "--model", "nosuch"], "--model 'nosuch' is neither a packaged model"),
+        # an executed copy or a smoke run's results in the committed places, a path no file can have
+        (
+            ["run", "02", "--smoke", "--output", ""],
+            "--output must name a .ipynb file or a folder, got an empty",
+        ),
+        (["run", "02", "--smoke", "--output", str(paths.ROOT)], "would go to " + str(paths.ROOT)),
+        (["run", "02", "--smoke", "--output", "notebooks/"], "--output must not be in notebooks/"),
+        (["run", "a" * 300], "unknown notebook 'aaaa"),
+        (["campaign", "a" * 300, "--status"], "unknown notebook 'aaaa"),
+        (["run", "00", "-p", "seed", str(10**23)], "seed must be an int in [0, 9223372036854775807]"),
+        (["train", "-p", "steps", "2", "-p", " steps", "3"], "-p needs a parameter name without spaces"),
+        (["train", "-p", "device", "cuda:99"], "device 'cuda:99'"),
+        (
+            ["train", "-p", "out_dir", "README.md"],
+            "out_dir must be a folder (one to make, or a run's), got the",
+        ),
+        (
+            ["advise", "--formats", "nvfp4,bf16", "--expand", "-7"],
+            "--expand does nothing with --score measured",
+        ),
+        (["advise", "--out", ""], "--out must name a file to write, got an empty string"),
+        (["sweep", "02", "grid.yaml", "-j", "2", "--executor", "serial"], "-j 2 runs points at once and --"),
+        (["report", "--out", "README.md"], "--out must name a folder for the report, got the file README.md"),
+        (["report", "--out", ""], "--out must name a folder for the report, got an empty string"),
+        (["report", "--out", str(paths.ROOT)], "--out must be a folder other than the repository root"),
+        (["report", "--device", "tpu"], "unknown device --device='tpu'"),
+        (["report", "--text", "/no/such.txt"], "--text must name an existing UTF-8 text file"),
+        (["run", "02", "-p", "device", ""], "unknown device device=''"),
     ],
 )
-def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys):
+def test_bad_input_exits_2_with_a_clear_message(argv, message, capsys, monkeypatch):
+    monkeypatch.chdir(paths.ROOT)  # paths typed relative to the checkout, as the docs type them
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["run", "02", "--timeout", "5", "--timeout", "6"], "--timeout given twice; give it once"),
+        (
+            ["advise", "--keep-fraction", "0.5", "--budget", "0.1"],
+            "--budget and --keep-fraction set the same",
+        ),
+        (
+            ["report", "--effective-bits", "5", "--budgets", "6"],
+            "--budgets and --effective-bits set the same",
+        ),
+    ],
+)
+def test_an_option_given_twice_or_beside_its_older_name_is_refused(argv, message, capsys):
+    """argparse keeps the last of two values silently; -p refuses a repeat, and so does every option."""
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_executed_copy_is_refused_by_run(tmp_path, capsys):
+    """An executed copy keeps papermill's injected-parameters cell, which a run without -p leaves in
+    place: its values (smoke, say) would run, and publish, as if they were the defaults."""
+    source = nbformat.read(paths.NOTEBOOKS_DIR / "02_welford_vs_naive_variance.ipynb", as_version=4)
+    injected = nbformat.v4.new_code_cell("smoke = True", metadata={"tags": ["injected-parameters"]})
+    source.cells.insert(1, injected)
+    nbformat.write(source, tmp_path / "02_welford_vs_naive_variance.ipynb")
+    assert cli.main(["run", str(tmp_path / "02_welford_vs_naive_variance.ipynb")]) == 2
+    assert "is an executed copy (it holds papermill's injected parameters)" in capsys.readouterr().err
+
+
+def test_a_campaign_s_output_folder_to_make_keeps_its_trailing_slash(tmp_path, capsys):
+    assert cli.main(["campaign", "03", "--smoke", "--output", f"{tmp_path}/new/", "--status"]) == 0
+    assert f"runs stored in {tmp_path}/new/data/runs" in capsys.readouterr().out
 
 
 def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, capsys):
@@ -212,7 +278,7 @@ def test_smoke_sweeps_never_share_directories_with_full_ones(tiny, tmp_path, cap
     for argv in (["-p", "smoke", "false"], ["-j", "2", "--executor", "serial"]):  # options that disagree
         assert cli.main(["sweep", str(tiny), str(grid), "--smoke", *argv]) == 2, argv
     err = capsys.readouterr().err
-    assert "smoke=True and a point's smoke false disagree" in err and "executor 'serial' one at a time" in err
+    assert "smoke=True and a point's smoke false disagree" in err and "--executor serial one at a time" in err
     record = json.loads((tmp_path / "runs" / "smoke" / "99_tiny" / "a=5" / sweep.METRICS_FILE).read_text())
     assert record["metrics"]["smoke"] is True
     assert not (tmp_path / "runs" / "99_tiny").exists()

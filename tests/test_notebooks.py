@@ -322,4 +322,12 @@ def test_a_headless_run_with_other_parameters_leaves_the_choice_of_results_to_th
     notebooks.run_notebook("04", {"smoke": True}, output=tmp_path / "flag.ipynb")
     notebooks.run_notebook("04", smoke=True, output=tmp_path / "smoke.ipynb")
     notebooks.run_notebook("04", smoke=True)
-    assert seen == [None, str(tmp_path), str(tmp_path), str(paths.RUNS_DIR / "smoke")]
+    monkeypatch.chdir(tmp_path)  # a relative folder: the kernel, which runs in it, gets it absolute
+    notebooks.run_notebook("04", smoke=True, output="relative/")
+    assert seen == [
+        None,
+        str(tmp_path),
+        str(tmp_path),
+        str(paths.RUNS_DIR / "smoke"),
+        str(tmp_path / "relative"),
+    ]

@@ -101,6 +101,10 @@ def test_a_staged_run_at_the_defaults_says_the_committed_results_and_writes_the_
     assert run.results_dir == paths.ROOT and paths.results_root() == staging.resolve()
     assert "results go to data/ and figures/ (default parameters" in capsys.readouterr().out
     assert paths.shown(staging / "data" / "x.csv") == "data/x.csv" and paths.shown(staging) != "."
+    # values other than the defaults (an executed copy's injected smoke = True) never reach data/
+    run = session.start(NAME, dict(session.notebook_defaults(NAME), smoke=True))
+    assert run.results_dir == interactive / "runs" / "interactive" / NAME / "smoke=True"
+    assert paths.results_root() == run.results_dir.resolve()
 
 
 TRAINING = "03_backward_override_training_curves"

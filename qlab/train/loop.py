@@ -74,7 +74,7 @@ def _distributed(config: TrainConfig) -> tuple[int, int, torch.device]:
             f"config.nproc={config.nproc} but {world_size} processes were launched; "
             f"use `qlab train --nproc {config.nproc}` (or torchrun --nproc_per_node {config.nproc})"
         )
-    device = resolve_device(config.device)
+    device = resolve_device(config.device, argument="device")
     if world_size == 1:
         return 0, 1, device
     if not dist.is_initialized():
@@ -559,6 +559,8 @@ def check_out_dir(config) -> None:
     if not config.out_dir:
         return
     out_dir = Path(config.out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir must be a folder (one to make, or a run's), got the file {out_dir}")
     found = [name for name in RUN_FILES if (out_dir / name).is_file()]
     if not found:
         return
