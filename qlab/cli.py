@@ -782,11 +782,13 @@ def _check_report_folder(out) -> None:
     folder = Path(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"--out must name a folder for the report, got the file {out}")
-    if folder.absolute() == paths.ROOT:
+    if folder.resolve() == paths.ROOT:
         raise ValueError(
             f"--out must be a folder other than the repository root ({paths.ROOT}), whose data/ and "
             "figures/ are the committed results"
         )
+    if folder.resolve().is_relative_to(paths.NOTEBOOKS_DIR):
+        raise ValueError(f"--out must not be in notebooks/, where the tracked notebooks are, got {out}")
 
 
 def _cmd_report(args) -> int:

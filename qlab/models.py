@@ -194,8 +194,9 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model")
 
 
-def _cached_hub_snapshot(repo_id: str) -> Path:
-    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache; never goes online."""
+def _cached_hub_snapshot(repo_id: str, what: str = "model") -> Path:
+    """The folder of ``repo_id``'s snapshot in the local Hugging Face cache; never goes online. Errors
+    name ``what`` the id was given as ("model" or "tokenizer")."""
     import huggingface_hub
     from huggingface_hub import constants
 
@@ -204,11 +205,15 @@ def _cached_hub_snapshot(repo_id: str) -> Path:
         with paths.environment(HF_HUB_OFFLINE="1"):
             return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
     except Exception as error:  # LocalEntryNotFoundError, or an id the hub library refuses
+        neither = (
+            f"a packaged model ({', '.join(PACKAGED)}), a checkpoint folder"
+            if what == "model"
+            else "a folder"
+        )
         raise ValueError(
-            f"model {repo_id!r} is neither a packaged model ({', '.join(PACKAGED)}), a checkpoint folder, "
-            f"nor a hub id in the local Hugging Face cache ({cache}); qlab never downloads: "
-            f"on a machine with a network run `hf download {repo_id}` and copy the cache here, or pass the "
-            f"checkpoint's folder ({type(error).__name__})"
+            f"{what} {repo_id!r} is neither {neither}, nor a hub id in the local Hugging Face cache "
+            f"({cache}); qlab never downloads: on a machine with a network run `hf download {repo_id}` and "
+            f"copy the cache here, or pass the {what}'s folder ({type(error).__name__})"
         ) from None
 
 
@@ -342,7 +347,7 @@ def tokenizer_source(name: str | Path) -> Path:
             raise ValueError(
                 f"tokenizer {str(name)!r} must be a folder holding a tokenizer or a cached hub id"
             )
-        folder = _cached_hub_snapshot(str(name))
+        folder = _cached_hub_snapshot(str(name), "tokenizer")
     if not any((folder / file).is_file() for file in _TOKENIZER_FILES):
         raise ValueError(
             f"{str(folder)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): pass "
@@ -521,8 +526,9 @@ def check_token_ids(name: str, batch, model: torch.nn.Module) -> torch.Tensor:
 
 # model types that number positions from padding_idx + 1 (RoBERTa's create_position_ids_from_input_ids)
 _POSITIONS_AFTER_PADDING = frozenset(
-    {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "mpnet", "longformer", "data2vec-text", "ibert"}
-)
+    {"roberta", "xlm-roberta", "xlm-roberta-xl", "roberta-prelayernorm", "camembert", "mpnet", "longformer",
+     "data2vec-text", "ibert", "xmod", "luke", "markuplm"}
+)  # fmt: skip
 
 
 def max_tokens(config) -> int | None:

@@ -1077,10 +1077,8 @@ def _quantize_by_plan(model: nn.Module, plan, keep_high_precision, options) -> l
         raise ValueError(
             "keep_high_precision must be empty with a plan: the plan says which layers stay high"
         )
-    plan.check_layers({
-        name: oriented_weight(rebuild_source(module) if isinstance(module, QuantLinear) else module).numel()
-        for name, module, why in linear_layers(model) if why is None
-    })  # fmt: skip
+    plan.check_layers({name: oriented_weight(module).numel() for name, module, why in linear_layers(model)
+                       if why is None})  # fmt: skip
     base_seed = checks.seed("seed", options.pop("seed", 0))
     layers = [
         (name, module, None if isinstance(module, QuantLinear) else why)

@@ -13,11 +13,13 @@ import contextlib
 import copy
 import dataclasses
 import difflib
+import errno
 import functools
 import math
 import os
 import re
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,23 +282,27 @@ def run_notebook(
     _refuse_executed_copy(path)
     _require_kernel()
     output, results_dir = output_folder(path, params, output, results_dir)
-    if results_dir is not None:  # the kernel runs in the executed copy's folder: a relative path moves
-        results_dir = Path(results_dir).absolute()
-        if results_dir == paths.ROOT:
-            raise ValueError(
-                f"this run's results would go to {paths.ROOT}/data and figures, the committed results; a run "
-                "at other parameters than the defaults (smoke among them) needs another folder: give "
-                "--output (output=) a folder other than the repository root"
-            )
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = None
     if results_dir is None and results_folder(path, params, output) is None:  # the committed results
-        staging = results_dir = paths.STAGING_DIR / f"{path.stem}.{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-    kept = f"\n  executed copy kept at {output}"
-    if staging is not None:
-        kept += f"\n  data/ and figures/ are as they were; what this run wrote is in {paths.shown(staging)}"
+        paths.STAGING_DIR.mkdir(parents=True, exist_ok=True)
+        staging = results_dir = Path(tempfile.mkdtemp(prefix=f"{path.stem}.", dir=paths.STAGING_DIR))
     start = time.perf_counter()
+
+    def kept() -> str:
+        """What a failed run leaves, for its error: the executed copy, and the committed results whole."""
+        text = f"\n  executed copy kept at {output}"
+        if staging is not None:
+            wrote = any(p.is_file() for p in staging.rglob("*"))
+            if not wrote:
+                shutil.rmtree(staging, ignore_errors=True)  # an empty staging folder is no result to keep
+            where = f"what this run wrote is in {paths.shown(staging)}" if wrote else "it wrote none"
+            text += (
+                "\n  the committed CSVs and figures are as they were (training runs stored as they "
+                f"finished stay); {where}"
+            )
+        return text
+
     try:
         # text progress bars; where results go only when chosen here (smoke, a sweep point, the staging
         # of a run at the defaults): otherwise qlab.session.start decides from the parameters, so a run
@@ -322,17 +328,17 @@ def run_notebook(
         DeadKernelError,
     ) as err:  # a cell past --timeout, a kernel killed: this one fails
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise NotebookError(f"notebook {path.name} stopped: {type(err).__name__}: {first}{kept}") from None
+        raise NotebookError(f"notebook {path.name} stopped: {type(err).__name__}: {first}{kept()}") from None
     except PapermillExecutionError as err:
         source = "\n".join("    " + line for line in (err.source or "").splitlines()[:12])
         raise NotebookError(
             f"notebook {path.name} failed in cell In [{err.exec_count}]:\n{source}\n"
-            f"  {err.ename}: {err.evalue}{kept}"
+            f"  {err.ename}: {err.evalue}{kept()}"
         ) from None
     for index, cell in enumerate(executed.cells):
         if _expects_error(cell) and not any(o.get("output_type") == "error" for o in cell.get("outputs", [])):
             raise NotebookError(
-                f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing{kept}"
+                f"notebook {path.name}: cell {index} is tagged raises-exception but raised nothing{kept()}"
             )
     if staging is not None:
         publish(staging)
@@ -342,14 +348,26 @@ def run_notebook(
 
 def publish(staging: Path, root: Path | None = None) -> list[Path]:
     """Move every file under ``staging`` to the same place under ``root`` (default: the repository
-    root), each in one step (``os.replace``), then remove ``staging``; the moved files' new paths."""
-    staging = paths.existing_folder("staging", staging)
+    root), each replacing its target in one step, then remove ``staging``; the moved files' new paths.
+    A missing ``staging`` (the run wrote nothing there) moves nothing. A file on another filesystem is
+    copied beside its target first, so the target is still replaced in one step."""
+    staging = paths._path("staging", staging)
     root = paths.ROOT if root is None else paths.existing_folder("root", root)
+    if not staging.exists():
+        return []
+    staging = paths.existing_folder("staging", staging)
     moved = []
     for source in sorted(p for p in staging.rglob("*") if p.is_file()):
         target = root / source.relative_to(staging)
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(source, target)
+        try:
+            os.replace(source, target)
+        except OSError as error:
+            if error.errno != errno.EXDEV:
+                raise
+            with paths.written_atomically(target) as tmp:  # runs/ on another disk than data/
+                shutil.copy2(source, tmp)
+            source.unlink()
         moved.append(target)
     shutil.rmtree(staging)
     return moved
@@ -374,7 +392,7 @@ def check_output(output, argument: str = "output") -> Path | None:
         raise TypeError(f"{argument} must be a path (str or os.PathLike), got {checks.shown(output)}")
     if not os.fspath(output):
         raise ValueError(f"{argument} must name a .ipynb file or a folder, got an empty string")
-    target = Path(output).absolute()
+    target = Path(output).resolve()
     if target == paths.NOTEBOOKS_DIR or target.is_relative_to(paths.NOTEBOOKS_DIR):
         raise ValueError(
             f"{argument} must not be in {paths.shown(paths.NOTEBOOKS_DIR)}/, where the tracked notebooks are "
@@ -416,8 +434,24 @@ def output_folder(path: Path, parameters: dict, output=None, results_dir=None) -
             base = base / str(profile)  # runs/<profile>/, as qlab figures --profile: never the defaults' copy
         output = base / f"{path.stem}.ipynb"
     elif folder is not None and changed == {"smoke": True}:
-        folder = Path(output).parent  # a chosen copy keeps a smoke run's results beside it
-    return Path(output), results_dir if results_dir is not None else folder
+        folder = Path(output).parent.absolute()  # a chosen copy keeps a smoke run's results beside it
+    folder = results_dir if results_dir is not None else folder
+    if folder is not None:
+        folder = Path(folder).absolute()  # the kernel runs in the executed copy's folder
+        refuse_committed_results(folder, "--output (output=)")
+    return Path(output), folder
+
+
+def refuse_committed_results(folder: Path, argument: str) -> None:
+    """ValueError where ``folder`` (a run's chosen results folder) is the repository root, whose data/
+    and figures/ are the committed results: a run with other values than the defaults (smoke among them)
+    never writes there. Links and ``..`` are resolved first."""
+    if Path(folder).resolve() == paths.ROOT:
+        raise ValueError(
+            f"this run's results would go to {paths.ROOT}/data and figures, the committed results; a run at "
+            f"other parameters than the defaults (smoke among them) needs another folder: give {argument} "
+            "a folder other than the repository root"
+        )
 
 
 def _absolute_paths(params: dict) -> dict:

@@ -277,11 +277,13 @@ def check_values(where: str, values: dict, annotations: dict[str, str]) -> None:
             from qlab.plan import check_reachable
 
             check_reachable(values["formats"], values["budgets"], argument="budgets")
-        if "model_name" in values and "tokenizer" in annotations:  # the report's: what loading checks first
+        source = {"model_name", "tokenizer", "score"}
+        if "tokenizer" in annotations and source & set(values):  # the report's: what loading checks first
             from qlab import advisor, models
 
-            kind = models.check_source(values["model_name"], values.get("tokenizer") or None)
-            advisor.check_score(kind, values.get("score", "measured"))
+            given = {**{k: v for k, v in notebook_defaults(where).items() if k in source}, **values}
+            kind = models.check_source(given["model_name"], given["tokenizer"] or None)
+            advisor.check_score(kind, given["score"])
     except ValueError as error:
         raise ValueError(f"{error} (in the parameters cell of {where})") from None
 
@@ -356,6 +358,7 @@ def start(name: str, namespace: dict) -> NotebookRun:
     if staged and not changed:
         why = "default parameters: the committed results, replaced once every cell has run"
         results_dir = paths.ROOT
+        os.environ[paths.RESULTS_ENV] = _INHERITED_RESULTS  # again, after a call with other values
     elif _INHERITED_RESULTS is not None and not staged:
         results_dir, why = Path(_INHERITED_RESULTS), "chosen by the runner"
     elif not changed:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 
 import numpy as np
 import pandas as pd
@@ -97,7 +98,7 @@ def geometric_mean_interval(values) -> tuple[float, float, float]:
     if not all(math.isfinite(v) and v > 0 for v in values):
         raise ValueError(f"values must be positive and finite for a geometric mean, got {values[:5]}")
     mean, low, high = mean_interval([math.log(v) for v in values])
-    return math.exp(mean), math.exp(low), math.exp(high)
+    return tuple(math.inf if v > math.log(sys.float_info.max) else math.exp(v) for v in (mean, low, high))
 
 
 def _bootstrap_bounds(values: np.ndarray, resamples: int, seed: int) -> tuple[float, float]:

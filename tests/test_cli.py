@@ -125,6 +125,8 @@ def test_failing_notebook_names_cell_and_exception_and_keeps_the_copy(tiny, tmp_
         ),
         (["run", "02", "--smoke", "--output", str(paths.ROOT)], "would go to " + str(paths.ROOT)),
         (["run", "02", "--smoke", "--output", "notebooks/"], "--output must not be in notebooks/"),
+        (["campaign", "03", "--smoke", "--output", "runs/../", "--status"], "the committed results"),
+        (["report", "--out", "notebooks"], "--out must not be in notebooks/"),
         (["run", "a" * 300], "unknown notebook 'aaaa"),
         (["campaign", "a" * 300, "--status"], "unknown notebook 'aaaa"),
         (["run", "00", "-p", "seed", str(10**23)], "seed must be an int in [0, 9223372036854775807]"),

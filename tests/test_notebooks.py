@@ -5,6 +5,7 @@ the same cells, the .ipynb carries no outputs, the first code cell is tagged `pa
 typed, commented values including `smoke: bool = False`, and the kernel is `qlab`.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -219,10 +220,10 @@ def test_a_failed_run_at_the_defaults_leaves_the_committed_results_whole(tmp_pat
     assert result.results is None
     assert (root / "data" / "table.csv").read_text() == "x\n1\n2\n"
     assert (root / "figures" / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert list((root / "runs" / "staging").iterdir()) == []  # moved; the failed one (same pid) replaced
+    assert list((root / "runs" / "staging").iterdir()) == [staged]  # this one moved, the failed one kept
 
 
-def test_publish_moves_every_staged_file_into_place(tmp_path):
+def test_publish_moves_every_staged_file_into_place(tmp_path, monkeypatch):
     staging, root = tmp_path / "staging" / "05.123", tmp_path / "root"
     for name in ("data/a.csv", "data/paper/b.csv", "figures/c.png"):
         (staging / name).parent.mkdir(parents=True, exist_ok=True)
@@ -230,11 +231,31 @@ def test_publish_moves_every_staged_file_into_place(tmp_path):
     (root / "data").mkdir(parents=True)
     (root / "data" / "a.csv").write_text("old")
     (root / "data" / "untouched.csv").write_text("kept")
+    real_replace = os.replace
+
+    def across_disks(source, target):  # runs/ on another filesystem than data/: a rename cannot move it
+        if Path(source).is_relative_to(staging):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", across_disks)
     moved = notebooks.publish(staging, root)
     expected = ["data/a.csv", "data/paper/b.csv", "figures/c.png"]
     assert [p.relative_to(root).as_posix() for p in moved] == expected
     assert all(p.read_text() == f"new {p.relative_to(root).as_posix()}" for p in moved)
     assert (root / "data" / "untouched.csv").read_text() == "kept" and not staging.exists()
+    assert notebooks.publish(tmp_path / "never_made", root) == []  # a run that wrote nothing
+
+
+def test_a_link_or_dotdot_to_the_checkout_is_still_the_checkout(tmp_path):
+    link = tmp_path / "link"
+    link.symlink_to(paths.ROOT)
+    with pytest.raises(ValueError, match="must not be in notebooks/"):
+        notebooks.check_output(link / "notebooks" / "02_welford_vs_naive_variance.ipynb")
+    notebook = notebooks.resolve_notebook("02")
+    for beside in (link, paths.ROOT / "runs" / ".."):
+        with pytest.raises(ValueError, match="would go to .*the committed results"):
+            notebooks.output_folder(notebook, {"smoke": True}, f"{beside}/")
 
 
 @pytest.mark.parametrize("ipynb", NOTEBOOKS, ids=lambda p: p.stem)

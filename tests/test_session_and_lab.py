@@ -105,6 +105,8 @@ def test_a_staged_run_at_the_defaults_says_the_committed_results_and_writes_the_
     run = session.start(NAME, dict(session.notebook_defaults(NAME), smoke=True))
     assert run.results_dir == interactive / "runs" / "interactive" / NAME / "smoke=True"
     assert paths.results_root() == run.results_dir.resolve()
+    session.start(NAME, session.notebook_defaults(NAME))  # edited back: the staging again
+    assert paths.results_root() == staging.resolve()
 
 
 TRAINING = "03_backward_override_training_curves"

@@ -137,6 +137,7 @@ def test_geometric_mean_interval_is_scipy_s_t_interval_of_the_logarithms():
     assert single[0] == pytest.approx(4.0) and math.isnan(single[1])
     with pytest.raises(ValueError, match="positive and finite for a geometric mean"):
         stats.geometric_mean_interval([1.0, 0.0])
+    assert stats.geometric_mean_interval([1e-300, 1e300])[2] == math.inf  # exp past the largest float
 
 
 def test_mean_interval_refuses_empty_and_non_finite():

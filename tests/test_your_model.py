@@ -322,6 +322,9 @@ def test_what_loading_would_refuse_is_refused_from_config_json_alone(tmp_path, n
         notebooks.check_parameters(report, {"model_name": "minilm-l6", "tokenizer": str(tokenizer_only)})
     with pytest.raises(ValueError, match="^tokenizer: .*has no tokenizer"):
         notebooks.check_parameters(report, {"tokenizer": str(encoder.parent)})
+    # one of the three given: the others are the defaults (the packaged smollm2-135m brings its own)
+    with pytest.raises(ValueError, match="tokenizer is for a checkpoint folder or hub id, and the packaged"):
+        notebooks.check_parameters(report, {"tokenizer": str(tokenizer_only)})
 
 
 def test_a_byte_order_mark_is_no_text(tmp_path):
