@@ -734,7 +734,7 @@ def findings_table(data_dir) -> str:
     rows = []
     for path in sorted(folder.glob("[0-9][0-9]_*_claims.csv")):
         notebook = path.name.removesuffix("_claims.csv")
-        claims = {claim.key: claim for claim in file_claims(path, "claims file")}
+        claims = {claim.key: claim for claim in file_claims(path, "data_dir's claims file")}
         for claim in claims.values():
             if claim.headline:
                 verdict = claim.verdict()

@@ -351,9 +351,8 @@ def publish(staging: Path, root: Path | None = None) -> list[Path]:
     root), each replacing its target in one step, then remove ``staging``; the moved files' new paths.
     A missing ``staging`` (the run wrote nothing there) moves nothing. A file on another filesystem is
     copied beside its target first, so the target is still replaced in one step."""
-    staging = paths._path("staging", staging)
     root = paths.ROOT if root is None else paths.existing_folder("root", root)
-    if not staging.exists():
+    if isinstance(staging, (str, os.PathLike)) and os.fspath(staging) and not Path(staging).exists():
         return []
     staging = paths.existing_folder("staging", staging)
     moved = []

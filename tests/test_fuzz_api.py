@@ -1448,7 +1448,8 @@ NOT_GENERATED = {
     "they run notebooks in a Jupyter kernel or rewrite the repository's notebooks (tests/test_cli.py)": """
         notebooks.run_notebook notebooks.sync_notebooks sweep.run_sweep notebooks.output_folder
         notebooks.results_folder notebooks.check_output sweep.sweep_folder
-        notebooks.run_report notebooks.export_html notebooks.kill_kernels notebooks.publish""",
+        notebooks.run_report notebooks.export_html notebooks.kill_kernels notebooks.publish
+        notebooks.refuse_committed_results""",
     "processes and compilers: DDP workers, torch.compile (seconds per call; tests/test_seed_model.py, "
     "tests/test_compile.py)": """
         seed_model.ddp_audit train.loop.compiled_step_model""",
