@@ -533,17 +533,25 @@ def _cpu_kernel_covers(x: torch.Tensor, spec, axis: int, dtype: torch.dtype) -> 
 def _compiled_qdq(x, spec, axis, randomness, generator, scale, dtype, out) -> torch.Tensor:
     """The compiled path, its noise drawn up front; the reference where compiling fails (no compiler,
     an unsupported op, ...), with the draws already spent, so the stream stays the same."""
-    function = compiled.compiled_qdq(spec, axis, dtype)
+    # inductor's C++ loop that writes a 16-bit result leaves a partial last block's elements unwritten
+    # (garbage, under COMPILE_OPTIONS' realize_opcount_threshold): on the CPU the compiled result is
+    # float32, cast eagerly, which is the reference's one rounding to the 16-bit dtype
+    narrow = x.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
+    compiled_dtype = torch.float32 if narrow else dtype
+    function = compiled.compiled_qdq(spec, axis, compiled_dtype)
     if function is None:
         return Q.qdq_unchecked(x, spec, axis, randomness, scale, dtype, out)
     noise = randomness if isinstance(randomness, torch.Tensor) else None
     if spec.rounding == "stochastic" and noise is None:
         noise = stochastic_noise(Q.noise_shape(x, spec, axis), generator, x.device)
     try:
+        if narrow:
+            wide = function(x, scale, noise, None)
+            return wide.to(dtype) if out is None else out.copy_(wide)
         result = function(x, scale, noise, out)
         return result if out is None else out
     except Exception:
-        compiled.give_up(spec, axis, dtype)
+        compiled.give_up(spec, axis, compiled_dtype)
         return Q.qdq_unchecked(x, spec, axis, noise if noise is not None else randomness, scale, dtype, out)
 
 
