@@ -194,7 +194,7 @@ class TensorwiseSpec(QuantSpec):
         scaling.float_format(self.element, "element")
         _check_granularity(self.granularity)
         checks.boolean("pow2", self.pow2)
-        checks.number("eps", self.eps, low=0)
+        checks.number("eps", self.eps, low=0, high=scaling.FLOAT32_MAX)  # a float32 floor
         _check_rounding(self.rounding)
         checks.choice("convention", self.convention, CONVENTIONS)
 
@@ -231,7 +231,7 @@ class BlockwiseSpec(QuantSpec):
         checks.integer("block_size", self.block_size, low=1, high=MAX_BLOCK_SIZE)
         for flag in ("block_2d", "pow2", "pad"):
             checks.boolean(flag, getattr(self, flag))
-        checks.number("eps", self.eps, low=0)
+        checks.number("eps", self.eps, low=0, high=scaling.FLOAT32_MAX)  # a float32 floor
         _check_rounding(self.rounding)
 
     @property
@@ -715,7 +715,8 @@ def from_layout(
 
 def _check_scale(scale, spec, x=None, axis: int = -1):
     """A fixed (delayed-scaling) scale: a positive finite number, or a real tensor on x's device with
-    one value per tensor, or per slice along ``axis`` for a per-slice spec (one value also does)."""
+    one value per tensor, or per slice along ``axis`` for a per-slice spec (one value also does), shaped
+    as x with that axis kept as 1, and never of more dimensions than x."""
     if scale is None:
         return None
     if not spec.accepts_fixed_scale:
@@ -738,6 +739,16 @@ def _check_scale(scale, spec, x=None, axis: int = -1):
                 raise ValueError(
                     f"scale must hold {expected} for x of shape {tuple(x.shape)}, "
                     f"got shape {tuple(scale.shape)}"
+                )
+            if scale.dim() > x.dim():  # x · scale would take the scale's extra dimensions
+                raise ValueError(
+                    f"scale must have at most x's {x.dim()} dimensions, got shape {tuple(scale.shape)}"
+                )
+            kept = tuple(1 if d == axis % x.dim() else n for d, n in enumerate(x.shape)) if x.dim() else ()
+            if scale.numel() == slices > 1 and tuple(scale.shape) != kept:  # a flat one broadcasts wrongly
+                raise ValueError(
+                    f"scale must have shape {kept} for x of shape {tuple(x.shape)} (one value per slice "
+                    f"along axis {axis}, that axis kept as 1), got shape {tuple(scale.shape)}"
                 )
         scale = scale.float()
     else:

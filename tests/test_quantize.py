@@ -1531,3 +1531,25 @@ def test_moved_names_still_work_with_a_warning():
         formats.no_such_name  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
         Q.no_such_name  # noqa: B018
+
+
+@pytest.mark.parametrize("spec_class", [Q.TensorwiseSpec, Q.BlockwiseSpec])
+def test_an_eps_past_float32_is_refused_by_the_spec(spec_class):
+    """eps is a float32 floor under amax: 1e39 passed the spec, then the reference refused it while the
+    C kernel's float eps became inf and its output NaN."""
+    with pytest.raises(ValueError, match=r"eps must be a finite number in \[0, 3.40"):
+        spec_class(eps=1e39)
+
+
+def test_a_per_row_fixed_scale_has_the_kept_axis_shape_and_a_scale_adds_no_dimension():
+    """A flat per-row scale broadcast along the columns of a square x (and failed deep in torch on any
+    other); a (1, 1, 1) scale turned a (4, 32) x into (1, 4, 32). Each row with its own scale is the
+    per-tensor qdq of that row with that scale."""
+    x = torch.ones(4, 4) * torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    scale = torch.tensor([[100.0], [10.0], [1.0], [0.1]])
+    rows = [Q.qdq(x[i : i + 1], "fp8_e4m3", scale=float(scale[i])) for i in range(4)]
+    assert torch.equal(Q.qdq(x, "fp8_e4m3_rowwise", scale=scale), torch.cat(rows))
+    with pytest.raises(ValueError, match=r"scale must have shape \(4, 1\) for x of shape \(4, 4\)"):
+        Q.qdq(x, "fp8_e4m3_rowwise", scale=scale.reshape(-1))
+    with pytest.raises(ValueError, match="scale must have at most x's 2 dimensions"):
+        Q.qdq(torch.randn(4, 32), "fp8_e4m3", scale=torch.ones(1, 1, 1))
