@@ -325,7 +325,7 @@ def stochastic_noise(shape, generator: torch.Generator | None, device=None) -> t
     draws) gives two 15-bit draws: draw i is integer i's low 15 bits, draw ceil(n/2) + i its next 15.
     This is the definition, in torch ops; ``qlab.kernels.stochastic_noise`` gives the same numbers
     faster (a C kernel running the CPU generator itself, a Triton kernel splitting the integers on a
-    GPU). With 15 random bits the probability of rounding up is the exact fraction rounded up to a
+    GPU). With 15 random bits the probability of rounding up is the exact fraction rounded down to a
     multiple of 2^-15, so the bias is below 2^-15 of a grid step; hardware SR units likewise use a
     limited number of random bits.
     """
@@ -370,24 +370,32 @@ def __getattr__(name: str):
 
 
 def _cast_stochastic_float32(x: torch.Tensor, fmt: Format, generator) -> torch.Tensor:
-    """Saturating stochastic rounding of float32: floor(|x|/q + U) · q with U from ``stochastic_noise``.
+    """Saturating stochastic rounding of float32: floor(|x|/q + U) · q with U from ``stochastic_noise``
+    (integer formats: floor(x + U) on the signed value), the floor taken exactly.
 
-    |x|/q is exact (q is a power of two); U has 15 random bits, so P(round up) is the exact
-    fraction to within 2^-15 of a step (the float64 reference draws 53 bits).
+    |x|/q is exact (q is a power of two); U has 15 random bits, so P(round up) is the exact fraction
+    rounded down to a multiple of 2^-15 (the float64 reference draws 53 bits).
     ``generator`` may also be the noise itself (``stochastic_noise``), drawn before compiled code.
     """
     noise = (
         generator if isinstance(generator, torch.Tensor) else stochastic_noise(x.shape, generator, x.device)
     )
     if isinstance(fmt, IntFormat):
-        rounded = torch.minimum(torch.floor(x + noise), torch.floor(x) + 1)
-        return rounded.clamp(fmt.min, fmt.max)
+        return _floor_plus_noise(x, noise).clamp(fmt.min, fmt.max)
     magnitude = x.abs().clamp(max=fmt.max)
     biased_exponent = (magnitude.view(torch.int32) >> 23).clamp(min=128 - fmt.bias)
     quantum = ((biased_exponent - fmt.mantissa_bits) << 23).view(torch.float32)
-    scaled = magnitude / quantum
-    steps = torch.minimum(torch.floor(scaled + noise), torch.floor(scaled) + 1)  # never two steps up
+    steps = _floor_plus_noise(magnitude / quantum, noise)
     return torch.copysign((steps * quantum).clamp(max=fmt.max), x)
+
+
+def _floor_plus_noise(scaled: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """floor(scaled + noise) for float32 scaled and noise in [0, 1), exact: the sum itself would round
+    once scaled needs more than 24 − 15 bits (an fp16 mantissa, an int16), biasing the result."""
+    whole = torch.floor(scaled)
+    fraction = scaled - whole  # exact (Sterbenz) unless -1 < scaled < 0, where scaled + 1 may round
+    up = torch.where(whole == -1, scaled >= -noise, fraction >= 1 - noise)  # 1 - noise is exact
+    return whole + up.to(scaled.dtype)
 
 
 def cast_unchecked(x, fmt, rounding="rne", saturate=True, generator=None):

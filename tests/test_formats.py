@@ -163,6 +163,38 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     assert abs(first.double().mean().item() - 2.3) < 5 * math.sqrt(p * (1 - p) / x.numel())
 
 
+@pytest.mark.parametrize("name", ["int16", "uint16", "int8", "int4", "fp16", "e5m2", "e4m3", "e2m1"])
+def test_fast_stochastic_cast_is_the_exact_floor_of_value_plus_draw(name):
+    # the fast path rounds float32 with 15-bit draws (formats.stochastic_noise); float64 holds
+    # |x|/q + U exactly for every float32 x here, so its floor over the same draws is the exact answer,
+    # bit for bit. An fp16 mantissa (11 bits) or an int16 (16) plus 15 draw bits overflow float32's 24.
+    fmt = formats.get_format(name)
+    assert formats.fast_path_applies(torch.empty(0), fmt, "stochastic")  # bf16 takes float64's path
+    g = torch.Generator().manual_seed(3)
+    n = 50_000
+    if isinstance(fmt, formats.IntFormat):
+        span = float(fmt.max - fmt.min) + 8
+        x = (torch.rand(n, generator=g, dtype=torch.float64) * span + fmt.min - 4).float()
+        x[:400] = torch.linspace(-1, 0, 400)  # the signed floor just below zero
+    else:
+        top = math.log2(fmt.max) + 1
+        exponents = torch.rand(n, generator=g, dtype=torch.float64) * (top + 30) - 30
+        signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
+        x = (signs * torch.exp2(exponents)).float()
+    out = formats.cast(x, fmt, rounding="stochastic", generator=torch.Generator().manual_seed(7))
+    draws = formats.stochastic_noise((n,), torch.Generator().manual_seed(7)).double()
+    x64 = x.double()
+    if isinstance(fmt, formats.IntFormat):
+        expected = torch.floor(x64 + draws).clamp(fmt.min, fmt.max)
+    else:
+        magnitude = x64.abs().clamp(max=fmt.max)
+        exponent = (torch.frexp(magnitude).exponent - 1).clamp(min=1 - fmt.bias)  # subnormals share emin
+        quantum = torch.exp2((exponent - fmt.mantissa_bits).double())
+        steps = torch.floor(magnitude / quantum + draws)
+        expected = torch.copysign((steps * quantum).clamp(max=fmt.max), x64)
+    assert_same_bits(out, expected.float())
+
+
 def test_output_dtype_follows_input_and_nan_is_kept():
     x = torch.tensor([1.3, math.nan], dtype=torch.bfloat16)
     out = formats.cast(x, "e4m3")
