@@ -981,8 +981,9 @@ def qdq(
     The reference, in eager torch ops, and several times slower than ``qlab.kernels.qdq``, which takes
     the same arguments and gives the same bits through the fastest path that covers them (a C kernel
     or torch.compile on the CPU, Triton on a GPU): call that one for speed. ``dtype``: the result's
-    dtype (default x's; float32 keeps dequantized values
-    that a 16-bit dtype cannot hold exactly). Stochastic rounding draws from ``generator``, or
+    dtype (default x's; float32 keeps dequantized values that a 16-bit dtype cannot hold, exactly or
+    at all: beyond its range they are ±inf, as a cast gives, e.g. an fp16 block holding 65504 under
+    MX's ceil, even or rceil mode is 65536). Stochastic rounding draws from ``generator``, or
     ``noise`` gives its draws up front (shape ``noise_shape(x, spec, axis)``; what a compiled model
     passes, see ``qlab.kernels.noise.drawn_noise``). On a non-last axis qdq maps the draws to
     elements in a different order than quantize does (both are valid draws, but not the same ones).

@@ -294,6 +294,22 @@ def test_mx_even_mode_near_float32_max_gives_a_finite_scale():
     assert not torch.isnan(dequantize(q)).any()
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu", "auto"])
+@pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
+def test_mx_fp16_near_its_max_dequantizes_beyond_fp16_to_inf_as_a_cast_does(mode, backend):
+    # amax 65504: FLOOR's byte 2^(15-8) saturates 511.75 to 448 (57344); the other modes give 2^8, and
+    # 65504/256 = 255.875 rounds (torch's float8 cast) to 256, so the block dequantizes to 65536. That
+    # is float32's answer; in fp16, the default dtype, it is inf, as torch's own cast of 65536 is.
+    x = torch.full((32,), 65504.0, dtype=torch.float16)
+    spec = MXSpec("e4m3", mode=mode)
+    wide = kernels.qdq(x, spec, dtype=torch.float32, backend=backend)
+    scale = 2.0**7 if mode == "floor" else 2.0**8
+    element = min(torch.tensor(65504.0 / scale).to(torch.float8_e4m3fn).float().item(), 448.0)
+    assert wide.tolist() == [element * scale] * 32
+    assert_same_bits(kernels.qdq(x, spec, backend=backend), wide.to(torch.float16))
+    assert torch.isinf(kernels.qdq(x, spec, backend=backend)).all() == (mode != "floor")
+
+
 @pytest.mark.parametrize("mode", ["floor", "ceil", "even", "rceil"])
 @pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
 def test_mx_scale_exponent_is_exact_just_below_at_and_above_powers_of_two(element, mode):
