@@ -1029,7 +1029,8 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     "kept" or "skipped"), reason (why a layer was kept, skipped or requantized), in/out features, recipe.
 
     recipe may be a ``qlab.plan.Plan`` (or the path of a saved one): each layer gets its planned format,
-    a layer planned in high precision is kept; the plan must name exactly the model's convertible layers.
+    a layer planned in high precision is kept; the plan must name exactly the model's convertible layers
+    (those quantized before among them, rebuilt or restored as above).
     """
     from qlab import plan as plans
 
@@ -1059,12 +1060,17 @@ def quantize_model(model: nn.Module, recipe="bf16", *, keep_high_precision=(), *
     for name, module, replaced in chosen:  # a kept layer quantized before goes back to high precision
         if not replaced and isinstance(module, QuantLinear):
             set_submodule(model, name, rebuild_source(module))
-    report = conversion_report(layers, chosen, "quantized", recipe=recipe.name)
+    return _requantized(conversion_report(layers, chosen, "quantized", recipe=recipe.name), before)
+
+
+def _requantized(report: list[dict], before: dict[str, str]) -> list[dict]:
+    """``report`` with the layers quantized before (``before``: name → the recipe they had) marked:
+    "requantized" where quantized again, a kept one's reason saying its quantization was removed."""
     for row in report:
         if row["name"] in before and row["action"] == "quantized":
             row["action"], row["reason"] = "requantized", f"was quantized with {before[row['name']]}"
         elif row["name"] in before and row["action"] == "kept":
-            row["reason"] = f"matches a keep pattern; its {before[row['name']]} quantization removed"
+            row["reason"] += f"; its {before[row['name']]} quantization removed"
     return report
 
 
@@ -1077,16 +1083,21 @@ def _quantize_by_plan(model: nn.Module, plan, keep_high_precision, options) -> l
         raise ValueError(
             "keep_high_precision must be empty with a plan: the plan says which layers stay high"
         )
-    plan.check_layers({name: oriented_weight(module).numel() for name, module, why in linear_layers(model)
-                       if why is None})  # fmt: skip
-    base_seed = checks.seed("seed", options.pop("seed", 0))
-    layers = [
+    layers = [  # a layer quantized before is rebuilt from the layer it replaced, as without a plan
         (name, module, None if isinstance(module, QuantLinear) else why)
         for name, module, why in linear_layers(model)
     ]
+    sources = {
+        name: rebuild_source(module) if isinstance(module, QuantLinear) else module
+        for name, module, why in layers
+        if why is None
+    }
+    plan.check_layers({name: oriented_weight(source).numel() for name, source in sources.items()})
+    before = {name: module.recipe.name for name, module, _ in layers if isinstance(module, QuantLinear)}
+    base_seed = checks.seed("seed", options.pop("seed", 0))
     replacements, chosen = {}, []
     for index, (name, module, _) in enumerate(layer for layer in layers if layer[2] is None):
-        source = rebuild_source(module) if isinstance(module, QuantLinear) else module
+        source = sources[name]
         planned = plan.layers[name]
         high = planned == plans.HIGH_PRECISION
         recipe = get_recipe(planned)
@@ -1102,7 +1113,7 @@ def _quantize_by_plan(model: nn.Module, plan, keep_high_precision, options) -> l
             row["recipe"] = plan.layers[row["name"]]
             if row["action"] == "kept":
                 row["reason"] = "the plan keeps it in high precision"
-    return report
+    return _requantized(report, before)
 
 
 def unquantize_model(model: nn.Module) -> list[str]:

@@ -223,6 +223,25 @@ def test_a_plan_round_trips_through_its_file_and_quantizes_each_layer_in_its_for
     assert not any(isinstance(m, QuantLinear) for m in wider.modules())
 
 
+def test_a_plan_on_a_model_quantized_before_rebuilds_each_layer_from_the_one_it_replaced():
+    # the same Parameters end in the same modules as when the plan meets the float model
+    batches = _batches(1)
+    names = [name for name, _, why in linear_layers(_tiny_llama()) if why is None]
+    layers = {name: ("bf16" if index % 3 == 0 else "nvfp4") for index, name in enumerate(names)}
+    fresh, before = _tiny_llama(), _tiny_llama()
+    quantize_model(fresh, plan.Plan(layers=layers))
+    quantize_model(before, "mxfp8")
+    report = {row["name"]: row for row in quantize_model(before, plan.Plan(layers=layers))}
+    for name, planned in layers.items():
+        assert isinstance(before.get_submodule(name), QuantLinear) == (planned != "bf16"), name
+        expected = ("kept", "the plan keeps it in high precision; its mxfp8 quantization removed")
+        if planned != "bf16":
+            expected = ("requantized", "was quantized with mxfp8")
+        assert (report[name]["action"], report[name]["reason"]) == expected
+    with torch.no_grad():
+        assert torch.equal(before(input_ids=batches[0]).logits, fresh(input_ids=batches[0]).logits)
+
+
 def test_a_plan_for_other_layers_or_a_hand_edited_file_is_refused_by_name(tmp_path):
     model = _tiny_llama()
     layers = {name: "mxfp8" for name, _, why in linear_layers(model) if why is None}
