@@ -337,7 +337,7 @@ def time_comparison(key: str) -> str:
             f"{claim.family_size} comparisons; {claim.sign_flip_text()}")
     if claim.resolved():
         return f"{ratio} (resolved: {test})"
-    return f"{ratio} (not resolved: {test}; these repeats detect a ratio of ×{math.exp(claim.detectable):.3f} at 80 % power)"
+    return f"{ratio} (not resolved: {test}; these repeats detect a ratio of ×{math.exp(claim.detectable):.3f} at 80 % power{claim.power_level()})"
 
 
 display(Markdown(claims.render(f"""

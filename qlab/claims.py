@@ -170,7 +170,12 @@ class Claim:
             p = self.p_adjusted if math.isfinite(self.p_adjusted) else self.p
         if not math.isfinite(p):
             return "—"
-        return "< 0.001" if p < 0.001 else f"= {p:.3f}"
+        if p < 0.001:
+            return "< 0.001"
+        shown = f"{p:.3f}"
+        if float(shown) == ALPHA or (float(shown) <= ALPHA) != (p <= ALPHA):  # 0.0496 is not "0.050"
+            shown = f"{p:.4g}"
+        return f"= {shown}"
 
     def sign_flip_text(self) -> str:
         """The exact sign-flip test beside the t-test, and whether the two disagree at α."""
@@ -217,7 +222,7 @@ class Claim:
                 return f"resolved: paired t over {self.n} {self.pairs}, {which}{flips}"
             return (
                 f"not resolved: paired t over {self.n} {self.pairs}, {which}{flips}; these {self.pairs} "
-                f"detect {self.number(self.detectable, False)}{unit} at 80 % power"
+                f"detect {self.number(self.detectable, False)}{unit} at 80 % power{self.power_level()}"
             )
         if self.test == "observed":
             return "a single observation"
@@ -236,6 +241,10 @@ class Claim:
         if self.n:
             return f"mean over {self.n}, 95 % interval" if self.interval() else f"over {self.n}"
         return self.test or "computed"
+
+    def power_level(self) -> str:
+        """The level ``detectable`` is at: after Holm, α over the family's size (its strictest step)."""
+        return f" at Holm's α/{self.family_size}" if self.family_size > 1 else ""
 
     def outcome(self) -> str:
         """The verdict in a few words, for a plain-language answer; ``verdict`` says how it was tested."""
@@ -281,10 +290,11 @@ class Claim:
             "Holm-adjusted)"
         )
         if self.undecided > 0:
+            detectable = f"{self.detectable:.3g}".replace("-", "−")
             text += (
-                f" and {self.undecided:.0f} undecided (these {self.pairs} detect up to "
-                f"{self.detectable:.3g}{unit} at 80 % power, unadjusted α)"
-            ).replace("-", "−")
+                f" and {self.undecided:.0f} undecided (these {self.pairs} detect up to {detectable}{unit} at "
+                "80 % power after Holm)"
+            )
         return text
 
     def resolved(self) -> bool:
@@ -485,13 +495,26 @@ class Claims:
         (and, given ``margin``, its TOST claim ``<family>.<group>.<a>-<b>.same``); Holm over the
         family. ``text`` is formatted with group, a and b. Returns the paired claims' keys."""
         checks.frame_columns("frame", frame, [value, by, between, pair])
-        wide = frame.pivot_table(index=[by, pair], columns=between, values=value).reset_index()
+        repeated = frame[frame.duplicated([by, between, pair], keep=False)]
+        if len(repeated):
+            first = tuple(getattr(v, "item", lambda v=v: v)() for v in repeated.iloc[0][[by, between, pair]])
+            raise ValueError(
+                f"frame holds {len(repeated)} rows that repeat a ({by}, {between}, {pair}), e.g. {first}: "
+                "one value per pair, not averaged"
+            )
+        wide = frame.pivot(index=[by, pair], columns=between, values=value).reset_index()
         keys = []
         for group in dict.fromkeys(frame[by]):
             rows = wide[wide[by] == group].sort_values(pair)
             for a, b in pairs:
-                if a not in rows or b not in rows or rows[[a, b]].isna().any().any():
-                    continue
+                if a not in rows or b not in rows or rows[[a, b]].isna().all().any():
+                    continue  # an arm this group does not have
+                missing = rows[rows[[a, b]].isna().any(axis=1)][pair].tolist()
+                if missing:
+                    raise ValueError(
+                        f"{family}: {by} {group!r} has {a!r} and {b!r} but not both for {pair} {missing}: a "
+                        f"comparison over the other {pair}s would drop a diverged run, not report it"
+                    )
                 key = key_for(family, group, f"{a}-{b}")
                 label = text.format(group=group, a=a, b=b)
                 self.paired(key, rows[a] - rows[b], text=label, family=family, unit=unit, digits=digits,
@@ -509,6 +532,9 @@ class Claims:
             raise ValueError(f"family {family!r} has no paired claims")
         for claim, adjusted in zip(members, stats.holm([c.p for c in members])):
             claim.p_adjusted, claim.family_size = adjusted, len(members)
+            if claim.n >= 2 and math.isfinite(claim.high - claim.low):  # 80 % power at Holm's first step
+                sd = (claim.high - claim.low) / 2 * math.sqrt(claim.n) / stats.t_quantile_975(claim.n - 1)
+                claim.detectable = stats.detectable_effect(sd, claim.n, alpha=ALPHA / len(members))
         if all(math.isfinite(c.p_sign_flip) for c in members):
             for claim, adjusted in zip(members, stats.holm([c.p_sign_flip for c in members])):
                 claim.p_sign_flip_adjusted = adjusted

@@ -8,6 +8,7 @@
     adjusted = holm([0.01, 0.04, 0.03])                 # Holm's step-down adjusted p-values
     equivalent = tost(differences, margin=0.01)         # p of "|true mean| < margin" (two one-sided tests)
     mde = detectable_effect(sd=0.0056, n=5)             # smallest paired mean difference 80 % power finds
+    power = t_test_power(effect=1.0, n=5)               # P(reject) at a true effect of 1 sd (noncentral t)
     share = ratio_interval(gains_a, gains_b)            # mean(a) / mean(b) with Fieller's 95 % interval
 
 The t interval is mean ± t·s/√n with s the sample standard deviation (n − 1) and t the two-sided
@@ -61,42 +62,65 @@ def mean_interval(
     "bootstrap"); (v, nan, nan) for one value. Non-finite values are refused (a diverged run is
     reported, not averaged). ``resamples`` and ``seed`` matter only for a bootstrap of more than 7
     values (fewer are enumerated exactly)."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"values must be a sequence of numbers, got {checks.shown(values)}")
+    values = _real_values("values", values, "for mean_interval")
     method = checks.choice("method", method, METHODS)
     checks.integer("resamples", resamples, low=100)
     checks.integer("seed", seed, low=0)
-    values = list(values)
-    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
-        raise TypeError(f"values must be real numbers, got {values[:5]}")
-    values = [float(v) for v in values]
     if not values:
         raise ValueError("values must hold at least one value for mean_interval, got none")
-    if not all(math.isfinite(v) for v in values):
-        raise ValueError(f"values must be finite for mean_interval, got {values}")
     n = len(values)
     mean = sum(values) / n
     if n == 1:
         return mean, math.nan, math.nan
     if method == "bootstrap":
         low, high = _bootstrap_bounds(np.array(values), resamples, seed)
-        return mean, low, high
+        return _within_range("values", (mean, low, high))
     deviation = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
     half = t_quantile_975(n - 1) * deviation / math.sqrt(n)
-    return mean, mean - half, mean + half
+    return _within_range("values", (mean, mean - half, mean + half))
+
+
+def _real_values(name: str, values, purpose: str = "") -> list[float]:
+    """``values`` (a list, tuple, array or Series of real numbers, not bools) as finite floats; a
+    TypeError or ValueError naming ``name``, the first offending value and its position otherwise."""
+    ordered = not isinstance(values, (str, bytes, set, frozenset, dict)) and hasattr(values, "__iter__")
+    if not ordered or (isinstance(values, np.ndarray) and values.ndim != 1):
+        raise TypeError(
+            f"{name} must be a sequence of numbers (one per seed, in order), got {checks.shown(values)}"
+        )
+    values = list(values)
+    for index, value in enumerate(values):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{name} must be real numbers, got {checks.shown(value)} at position {index}")
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int beyond float's range
+            finite = False
+        if not finite:
+            raise ValueError(
+                f"{name} must be finite{' ' + purpose if purpose else ''} (a diverged run is reported, not "
+                f"averaged), got {checks.shown(value)} at position {index} of {len(values)}"
+            )
+    return [float(value) for value in values]
+
+
+def _within_range(name: str, results: tuple) -> tuple:
+    """``results`` where every one is finite; a ValueError where finite ``name`` overflowed on the way."""
+    if not all(math.isfinite(r) for r in results):
+        raise ValueError(f"{name} are too large to average in float64 (their sums overflow)")
+    return results
 
 
 def geometric_mean_interval(values) -> tuple[float, float, float]:
     """(geometric mean, low, high) of positive ``values``: ``mean_interval`` of their natural logarithms
     (Student-t), exponentiated. For ratios and other quantities on a scale, whose interval must stay
     positive (an outlier ratio ≥ 1 over two batches gets a t interval below zero); (v, nan, nan) for one."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"values must be a sequence of numbers, got {checks.shown(values)}")
-    values = list(values)
-    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
-        raise TypeError(f"values must be real numbers, got {values[:5]}")
-    if not all(math.isfinite(v) and v > 0 for v in values):
-        raise ValueError(f"values must be positive and finite for a geometric mean, got {values[:5]}")
+    values = _real_values("values", values, "for a geometric mean")
+    for index, value in enumerate(values):
+        if value <= 0:
+            raise ValueError(
+                f"values must be positive for a geometric mean, got {value!r} at position {index}"
+            )
     mean, low, high = mean_interval([math.log(v) for v in values])
     return tuple(math.inf if v > math.log(sys.float_info.max) else math.exp(v) for v in (mean, low, high))
 
@@ -126,7 +150,7 @@ def summarize(frame: pd.DataFrame, value: str, by: list[str], method: str = "t")
         raise TypeError(f"value must be a column name, got {checks.shown(value)}")
     checks.frame_columns("frame", frame, {"value": value, "by": by})
     rows = []
-    for key, group in frame.groupby(by, sort=False):
+    for key, group in frame.groupby(by, sort=False, dropna=False):  # a NaN key is a group, not dropped
         mean, low, high = mean_interval(group[value], method)
         key = key if isinstance(key, tuple) else (key,)
         rows.append({**dict(zip(by, key)), "n": len(group), "mean": mean, "low": low, "high": high})
@@ -165,15 +189,15 @@ def paired_differences(frame: pd.DataFrame, value: str, *, baseline: str, by: st
 # --- the standard tests: paired t, Holm, TOST, the detectable effect ------------------------------
 
 
-def _incomplete_beta(a: float, b: float, x: float) -> float:
+def _incomplete_beta(a: float, b: float, x: float, complement: float | None = None) -> float:
     """The regularized incomplete beta function I_x(a, b), by its continued fraction (modified Lentz),
-    to about 1e-14 relative."""
+    to about 1e-14 relative. ``complement``: 1 − x where the caller has it exactly (1.0 − x rounds)."""
     if x <= 0.0:
         return 0.0
     if x >= 1.0:
         return 1.0
     if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side only
-        return 1.0 - _incomplete_beta(b, a, 1.0 - x)
+        return 1.0 - _incomplete_beta(b, a, 1.0 - x if complement is None else complement, x)
     log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
     tiny = 1e-300
     c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
@@ -200,12 +224,13 @@ def t_cdf(t: float, degrees_of_freedom: float) -> float:
     checks.number("degrees_of_freedom", degrees_of_freedom, low=0, open_low=True)
     if math.isinf(t):
         return 1.0 if t > 0 else 0.0
-    if t * t < degrees_of_freedom:  # near the centre: the share between −|t| and |t|, without cancellation
-        centre = 0.5 * _incomplete_beta(0.5, degrees_of_freedom / 2, t * t / (degrees_of_freedom + t * t))
-        return 0.5 + centre if t > 0 else 0.5 - centre
-    tail = 0.5 * _incomplete_beta(
-        degrees_of_freedom / 2, 0.5, degrees_of_freedom / (degrees_of_freedom + t * t)
-    )
+    nu, square = degrees_of_freedom, t * t
+    if square < nu:  # near the centre: 1/2 plus or minus the share between 0 and |t|
+        centre = 0.5 * _incomplete_beta(0.5, nu / 2, square / (nu + square), nu / (nu + square))
+        if t > 0 or centre <= 0.25:  # at most one bit lost to 1/2 − centre
+            return 0.5 + centre if t > 0 else 0.5 - centre
+    # the tail beyond |t| itself: far below the centre, 1/2 − centre would cancel (p-values read this side)
+    tail = 0.5 * _incomplete_beta(nu / 2, 0.5, nu / (nu + square), square / (nu + square))
     return 1.0 - tail if t > 0 else tail
 
 
@@ -216,16 +241,16 @@ def t_quantile(probability: float, degrees_of_freedom: float) -> float:
     checks.number("degrees_of_freedom", degrees_of_freedom, low=0, open_low=True)
     if probability == 0.5:
         return 0.0
-    if probability < 0.5:  # the distribution is symmetric: bisect in the upper tail, where it is exact
-        return -t_quantile(1.0 - probability, degrees_of_freedom)
-    low, high = 0.0, 1.0
-    while t_cdf(high, degrees_of_freedom) < probability:
+    # bisect on the side the probability is on (1 − p would round away a small p's digits)
+    side = 1.0 if probability > 0.5 else -1.0
+    low, high = 0.0, side
+    while (t_cdf(high, degrees_of_freedom) < probability) == (side > 0):
         low, high = high, high * 2
     for _ in range(2000):
         middle = (low + high) / 2
         if middle in (low, high):
             break
-        if t_cdf(middle, degrees_of_freedom) < probability:
+        if (t_cdf(middle, degrees_of_freedom) < probability) == (side > 0):
             low = middle
         else:
             high = middle
@@ -233,15 +258,7 @@ def t_quantile(probability: float, degrees_of_freedom: float) -> float:
 
 
 def _finite_values(name: str, values) -> np.ndarray:
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of numbers, got {checks.shown(values)}")
-    values = list(values)
-    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in values):
-        raise TypeError(f"{name} must be real numbers, got {values[:5]}")
-    array = np.asarray(values, dtype=np.float64)
-    if not np.isfinite(array).all():
-        raise ValueError(f"{name} must be finite, got {values}")
-    return array
+    return np.asarray(_real_values(name, values), dtype=np.float64)
 
 
 def paired_test(differences, alpha: float = 0.05) -> dict:
@@ -277,10 +294,10 @@ EXACT_SIGN_FLIPS_MAX = 20  # up to 2**20 sign patterns enumerated exactly; more 
 
 def sign_flip_test(differences, *, resamples: int = 100_000, seed: int = 0) -> dict:
     """The paired permutation test of H0 "each difference is as likely positive as negative": the share
-    of the 2ⁿ sign patterns whose |mean| is at least the observed |mean| (two-sided; ties within
-    1e-12 of the largest |difference| times n count as at least). Exact for n ≤ 20 pairs; beyond, the
-    share over ``resamples`` seeded patterns with the observed one counted ((k + 1) / (resamples + 1)).
-    Returns n, mean, p, patterns (how many were counted) and exact."""
+    of the 2ⁿ sign patterns whose |mean| is at least the observed |mean| (two-sided; sums within their
+    rounding, 4·n·eps·Σ|d|, of the observed one count as ties, and ties as at least). Exact for n ≤ 20
+    pairs; beyond, the share over ``resamples`` seeded patterns with the observed one counted
+    ((k + 1) / (resamples + 1)). Returns n, mean, p, patterns (how many were counted) and exact."""
     values = _finite_values("differences", differences)
     checks.integer("resamples", resamples, low=100, high=10**7)
     checks.integer("seed", seed, low=0)
@@ -290,7 +307,8 @@ def sign_flip_test(differences, *, resamples: int = 100_000, seed: int = 0) -> d
             "differences must hold at least 1 value (one per seed) for a sign-flip test, got none"
         )
     observed = abs(float(values.sum()))
-    tolerance = 1e-12 * n * float(np.abs(values).max())
+    # a pattern's sum and the observed one each carry at most n·eps·Σ|d| of rounding: ties within that
+    tolerance = 4 * n * np.finfo(np.float64).eps * float(np.abs(values).sum())
     if n <= EXACT_SIGN_FLIPS_MAX:
         sums = np.zeros(1)
         for value in values:  # every pattern's sum, one difference at a time: 2, 4, … 2ⁿ sums
@@ -338,7 +356,7 @@ def tost(differences, margin: float) -> dict:
         p_lower = 0.0 if mean > -margin else 1.0
         p_upper = 0.0 if mean < margin else 1.0
     else:
-        p_lower = 1 - t_cdf((mean + margin) / error, n - 1)
+        p_lower = t_cdf(-(mean + margin) / error, n - 1)  # P(T ≥ z) by symmetry, not 1 − P(T ≤ z)
         p_upper = t_cdf((mean - margin) / error, n - 1)
     return {"n": n, "mean": mean, "sd": sd, "margin": margin, "p_lower": p_lower, "p_upper": p_upper,
             "p": max(p_lower, p_upper)}  # fmt: skip
@@ -376,13 +394,65 @@ def ratio_interval(numerators, denominators, alpha: float = 0.05) -> dict:
 
 def detectable_effect(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
     """The smallest true mean difference a two-sided paired t-test at ``alpha`` detects with probability
-    ``power`` from ``n`` pairs of standard deviation ``sd``: (t_{1−α/2, n−1} + t_{power, n−1}) · sd / √n
-    (the usual approximation of the noncentral t)."""
+    ``power`` from ``n`` pairs of standard deviation ``sd``: the exact noncentral-t power solved for the
+    effect (``t_test_power``; the shortcut (t_{1−α/2} + t_{power}) · sd / √n promises 80 % where
+    2 pairs give 73 %)."""
     checks.number("sd", sd, low=0)
     checks.integer("n", n, low=2)
     checks.number("alpha", alpha, low=0, high=1, open_low=True, open_high=True)
-    checks.number("power", power, low=0, high=1, open_low=True, open_high=True)
-    return (_t_quantile_cached(1 - alpha / 2, n - 1) + _t_quantile_cached(power, n - 1)) * sd / math.sqrt(n)
+    checks.number("power", power, low=alpha, high=1, open_low=True, open_high=True)
+    return _detectable_in_sds(n, alpha, power) * sd
+
+
+@functools.lru_cache(maxsize=1024)
+def _detectable_in_sds(n: int, alpha: float, power: float) -> float:
+    """``detectable_effect`` for sd = 1, by bisection on ``t_test_power`` (it rises with the effect)."""
+    low, high = 0.0, 1.0
+    while t_test_power(high, n, alpha) < power:
+        low, high = high, high * 2
+    for _ in range(200):
+        middle = (low + high) / 2
+        if middle in (low, high) or high - low < 1e-12 * high:
+            break
+        if t_test_power(middle, n, alpha) < power:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+_NODES, _WEIGHTS = np.polynomial.legendre.leggauss(32)
+
+
+def t_test_power(effect: float, n: int, alpha: float = 0.05) -> float:
+    """The probability that a two-sided one-sample (paired) t-test at ``alpha`` rejects from ``n``
+    pairs when the true mean is ``effect`` standard deviations: P(|T| > t_{1−α/2, n−1}) for T
+    noncentral t with n − 1 degrees of freedom and noncentrality effect · √n. Integrated over
+    S = √(χ²_ν/ν): E[Φ(λ − c·S) + Φ(−λ − c·S)], Gauss-Legendre on 64 panels and 16 more where
+    Φ(λ − c·S) turns (about 1e-10)."""
+    checks.number("effect", effect, low=0)
+    checks.integer("n", n, low=2)
+    checks.number("alpha", alpha, low=0, high=1, open_low=True, open_high=True)
+    nu = n - 1
+    critical = _t_quantile_cached(1 - alpha / 2, nu)
+    shift = effect * math.sqrt(n)
+    spread = 1 / math.sqrt(2 * nu)  # S's standard deviation, about
+    start, stop = max(0.0, 1 - 40 * spread), 1 + 40 * spread + 10 / nu
+    # Φ(λ − c·S) turns from 1 to 0 within a few 1/c of S = λ/c: panels there too, for a large c
+    turn = shift / critical + np.arange(-8, 9) / critical
+    edges = np.unique(np.concatenate([np.linspace(start, stop, 65), turn[(turn > start) & (turn < stop)]]))
+    half = np.diff(edges)[:, None] / 2
+    s = (edges[:-1, None] + half) + half * _NODES[None, :]
+    log_density = (
+        math.log(2)
+        + (nu / 2) * math.log(nu / 2)
+        - math.lgamma(nu / 2)
+        + (nu - 1) * np.log(s)
+        - nu * s * s / 2
+    )
+    normal_cdf = np.vectorize(lambda z: 0.5 * math.erfc(-z / math.sqrt(2)))
+    rejects = normal_cdf(shift - critical * s) + normal_cdf(-shift - critical * s)
+    return float(min(1.0, (rejects * np.exp(log_density) * half * _WEIGHTS[None, :]).sum()))
 
 
 def seeds_for_effect(
@@ -390,9 +460,16 @@ def seeds_for_effect(
 ) -> int:
     """The fewest pairs (seeds, ≥ 2) whose ``detectable_effect`` is at most ``effect``; ValueError
     beyond ``most``."""
+    checks.number("sd", sd, low=0)
     checks.number("effect", effect, low=0, open_low=True)
     most = checks.integer("most", most, low=2, high=10**6)  # a search, not an allocation: keep it short
-    for n in range(2, most + 1):
-        if detectable_effect(sd, n, alpha, power) <= effect:
-            return n
-    raise ValueError(f"effect {effect} needs more than {most} seeds at sd {sd}")
+    if detectable_effect(sd, most, alpha, power) > effect:
+        raise ValueError(f"effect {effect} needs more than {most} seeds at sd {sd}")
+    low, high = 1, most  # the effect detectable falls as pairs are added: bisect on n
+    while high - low > 1:
+        middle = (low + high) // 2
+        if detectable_effect(sd, middle, alpha, power) <= effect:
+            high = middle
+        else:
+            low = middle
+    return high

@@ -6,6 +6,7 @@ import shutil
 
 import pandas as pd
 import pytest
+from scipy import stats as scipy_stats
 
 from qlab import claims as claims_module
 from qlab import paths, stats
@@ -36,8 +37,14 @@ def test_paired_claims_state_their_test_and_holm_adjustment():
     assert flips[0] == 2 / 2**5 and [a.p_sign_flip, b.p_sign_flip] == flips
     assert [a.p_sign_flip_adjusted, b.p_sign_flip_adjusted] == pytest.approx(stats.holm(flips), rel=1e-12)
     assert "the two tests disagree (5 seeds cannot give a sign-flip p below 0.0625)" in text
-    detectable = stats.detectable_effect(stats.paired_test(unresolved)["sd"], 5)
-    assert f"these seeds detect {detectable:.4f} nats at 80 % power" in text
+    # the effect these 5 seeds detect at 80 % power where Holm's first step tests at α/2: scipy's
+    # noncentral t gives that power
+    sd = stats.paired_test(unresolved)["sd"]
+    assert b.detectable == pytest.approx(stats.detectable_effect(sd, 5, alpha=0.025), rel=1e-12)
+    critical, shift = scipy_stats.t.ppf(1 - 0.025 / 2, 4), b.detectable / sd * math.sqrt(5)
+    power = scipy_stats.nct.sf(critical, 4, shift) + scipy_stats.nct.cdf(-critical, 4, shift)
+    assert power == pytest.approx(0.8, abs=1e-9)
+    assert f"these seeds detect {b.detectable:.4f} nats at 80 % power at Holm's α/2" in text
     assert "B: +0.0000 (not resolved" in text or "B: −0.0001" in text or "B: +0.0001" in text
 
 
@@ -203,6 +210,44 @@ def test_paired_family_pairs_by_seed_within_each_group_and_corrects_the_family()
     ]
 
 
+def test_paired_family_refuses_a_repeated_pair_and_a_comparison_missing_some_seeds():
+    frame = pd.DataFrame({
+        "recipe": ["r"] * 6 + ["s"] * 3,
+        "override": ["a", "a", "a", "b", "b", "b", "a", "a", "a"],
+        "seed": [0, 1, 2, 0, 1, 2, 0, 1, 2],
+        "loss": [1.0, 2.0, 3.5, 0.5, 1.4, 3.0, 5.0, 6.0, 5.1],
+    })  # fmt: skip
+    claims = Claims(_run())
+    # group s has no b at all: no comparison there, and no error
+    assert claims.paired_family(frame, "loss", family="m", pairs=[("a", "b")], text="t") == ["m.r.a-b"]
+    repeated = pd.concat([frame, frame.iloc[[0]].assign(loss=5.0)])  # averaging would give (1 + 5) / 2
+    with pytest.raises(
+        ValueError, match=r"2 rows that repeat a \(recipe, override, seed\), e.g. \('r', 'a', 0\)"
+    ):
+        claims.paired_family(repeated, "loss", family="d", pairs=[("a", "b")], text="t")
+    diverged = frame.assign(loss=frame.loss.where(frame.index != 4))  # b's seed 1 is NaN
+    with pytest.raises(ValueError, match=r"n: recipe 'r' has 'a' and 'b' but not both for seed \[1\]"):
+        claims.paired_family(diverged, "loss", family="n", pairs=[("a", "b")], text="t")
+    assert "d.r.a-b" not in claims and "n.r.a-b" not in claims
+
+
+def test_a_p_value_beside_alpha_is_not_rounded_onto_it():
+    # p 0.0496 is resolved and p 0.0504 is not; three decimals would print both as 0.050
+    claim = claims_module.Claim("x", "x", 0.1, n=5, test="paired t", p=0.0496)
+    assert claim.p_text() == "= 0.0496" and claim.verdict().startswith("resolved")
+    claim = claims_module.Claim("x", "x", 0.1, n=5, test="paired t", p=0.0504)
+    assert claim.p_text() == "= 0.0504" and claim.verdict().startswith("not resolved")
+    assert claims_module.Claim("x", "x", 0.1, n=5, test="paired t", p=0.0512).p_text() == "= 0.051"
+    assert claims_module.Claim("x", "x", 0.1, n=5, test="paired t", p=0.05).p_text() == "= 0.05"
+
+
+def test_a_tally_writes_minus_signs_in_its_numbers_only():
+    tally = claims_module.Claim("t", "t", 1.0, n=3, test="tally", margin=0.01, detectable=1.2e-5,
+                                equivalent=1.0, undecided=1.0, unit="bits-per-char", digits=0,
+                                pairs="fine-tunes")  # fmt: skip
+    assert "(these fine-tunes detect up to 1.2e−05 bits-per-char at 80 % power after Holm)" in tally.verdict()
+
+
 def test_a_count_is_written_out_whatever_its_size():
     count = claims_module.Claim("rows", "LayerNorm rows", 186880.0, test="computed", digits=0)
     assert count.number(count.value, False) == "186880"
@@ -254,7 +299,7 @@ def test_a_tally_counts_resolved_equivalent_and_undecided_comparisons():
         and "over 3 equivalence tests" in claims["b.same"].verdict()
     )
     detectable = f"{claims['c'].detectable:.3g}".replace("-", "−")
-    assert f"1 undecided (these seeds detect up to {detectable} nats at 80 % power, unadjusted α)" in verdict
+    assert f"1 undecided (these seeds detect up to {detectable} nats at 80 % power after Holm)" in verdict
     assert tally.outcome() == "1 resolved, 1 equivalent, 1 undecided"
     assert claims["a"].outcome() == "resolved over 6 seeds"
     assert claims["c"].outcome() == "not resolved over 6 seeds"

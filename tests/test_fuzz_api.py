@@ -441,6 +441,7 @@ ENTRY_POINTS = {
     ),
     "stats.sign_flip_test": (stats.sign_flip_test, lambda: dict(differences=[0.1, 0.3, -0.1, 0.2])),
     "stats.detectable_effect": (stats.detectable_effect, lambda: dict(sd=1.0, n=5, alpha=0.05, power=0.8)),
+    "stats.t_test_power": (stats.t_test_power, lambda: dict(effect=1.0, n=5, alpha=0.05)),
     "stats.seeds_for_effect": (stats.seeds_for_effect, lambda: dict(sd=1.0, effect=0.5, most=100)),
     "stats.summarize": (
         stats.summarize,

@@ -135,9 +135,71 @@ def test_geometric_mean_interval_is_scipy_s_t_interval_of_the_logarithms():
     assert stats.mean_interval([1.2, 6.2])[1] < -25
     single = stats.geometric_mean_interval([4.0])
     assert single[0] == pytest.approx(4.0) and math.isnan(single[1])
-    with pytest.raises(ValueError, match="positive and finite for a geometric mean"):
+    with pytest.raises(ValueError, match="positive for a geometric mean, got 0.0 at position 1"):
         stats.geometric_mean_interval([1.0, 0.0])
     assert stats.geometric_mean_interval([1e-300, 1e300])[2] == math.inf  # exp past the largest float
+
+
+def test_the_lower_tail_keeps_its_relative_precision_far_from_the_centre():
+    # p-values read t_cdf(−|t|): 1/2 − (share up to |t|) would cancel to 0 there. scipy's t.cdf and
+    # t.ppf are the references; df = 1 has the closed form tan(π(p − 1/2)) = −1/tan(πp)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for t, df in [(-10.0, 1000), (-8.0, 200), (-12.0, 50), (-1.5, 1000), (-0.5, 1000), (-3.0, 2)]:
+        assert stats.t_cdf(t, df) == pytest.approx(scipy_stats.t.cdf(t, df), rel=1e-11), (t, df)
+    differences = np.linspace(1.0, 2.0, 200)  # t = 26: p far below 1e-100
+    expected = 2 * scipy_stats.t.cdf(-abs(scipy_stats.ttest_1samp(differences, 0).statistic), 199)
+    assert 0 < stats.paired_test(differences)["p"] == pytest.approx(expected, rel=1e-9)
+    for p in (1e-12, 1e-6, 0.01):
+        assert stats.t_quantile(p, 1) == pytest.approx(-1 / math.tan(math.pi * p), rel=1e-12)
+
+
+def test_detectable_effect_has_the_noncentral_t_power_it_promises_at_every_n():
+    # scipy's noncentral t: P(|T| > t_{1−α/2}) at the effect; the shortcut t_{1−α/2} + t_{0.8} falls
+    # short with few pairs (2 pairs: 73 %), so 3 pairs no longer detect 3.1 sd (power 0.77)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for n in (2, 3, 4, 5, 8, 15, 40, 300):
+        for alpha in (0.05, 0.05 / 14):
+            effect = stats.detectable_effect(1.0, n, alpha=alpha)
+            critical, shift = scipy_stats.t.ppf(1 - alpha / 2, n - 1), effect * math.sqrt(n)
+            power = scipy_stats.nct.sf(critical, n - 1, shift) + scipy_stats.nct.sf(critical, n - 1, -shift)
+            assert power == pytest.approx(0.8, abs=1e-8), (n, alpha)
+            assert stats.t_test_power(effect, n, alpha) == pytest.approx(power, abs=1e-9)
+    assert stats.detectable_effect(2.0, 5) == 2 * stats.detectable_effect(1.0, 5)
+    assert stats.seeds_for_effect(1.0, 3.1) == 4
+
+
+def test_sign_flip_ties_are_within_the_sums_rounding_only():
+    # 1e-9 apart from a tie is no tie: exact enumeration of the 16 patterns gives 2/16
+    values = [1000.0, 1e-9, 2e-9, 3e-9]
+    assert stats.sign_flip_test(values)["p"] == _enumerated_sign_flip_p(values) == 2 / 16
+    assert stats.sign_flip_test([0.1, 0.2, -0.3])["p"] == 1.0  # 0.1 + 0.2 − 0.3 ≠ 0 in floats: a tie
+
+
+def test_summarize_keeps_a_group_whose_key_is_missing():
+    frame = pd.DataFrame({"recipe": ["a", "a", None, None, "b", "b"], "loss": [1.0, 2, 3, 4, 5, 6]})
+    table = stats.summarize(frame, "loss", ["recipe"])
+    assert table.n.tolist() == [2, 2, 2] and table["mean"].tolist() == [1.5, 3.5, 5.5]
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda: stats.paired_test([1.0] * 10**6 + [math.nan]),
+            ValueError,
+            r"got nan.* at position 1000000 of 1000001",
+        ),
+        (lambda: stats.mean_interval([1e308, 1e308, 1e308]), ValueError, "too large to average"),
+        (lambda: stats.paired_test([10**400, 1]), ValueError, "must be finite.*at position 0"),
+        (lambda: stats.mean_interval(np.array(0.5)), TypeError, "values must be a sequence"),
+        (lambda: stats.ratio_interval({1.0, 2.0}, [1.0, 2.0]), TypeError, "numerators must be a sequence"),
+        (lambda: stats.paired_test({"a": 1.0, "b": 2.0}), TypeError, "differences must be a sequence"),
+    ],
+)
+def test_bad_sequences_get_a_short_error_naming_the_value_and_its_position(call, error, message):
+    with pytest.raises(error, match=message) as raised:
+        call()
+    assert len(str(raised.value)) < 300
 
 
 def test_mean_interval_refuses_empty_and_non_finite():
