@@ -742,7 +742,8 @@ NORM_KINDS = ("LayerNorm", "RMSNorm")  # matched against the end of a module's c
 def norm_input_conditions(model: torch.nn.Module, forward: Callable[[], object]) -> pd.DataFrame:
     """κ = √(1 + mean²/σ²) of every row that each normalisation layer of ``model`` (a module whose class
     name ends in LayerNorm or RMSNorm: nn.LayerNorm, BERT's, LlamaRMSNorm) receives while ``forward()``
-    runs, one row per layer and call: layer, kind, rows, kappa_median, kappa_p99, kappa_max, and
+    runs, one row per layer and call with rows (the input the first tensor argument, positional or
+    keyword): layer, kind, rows, kappa_median, kappa_p99, kappa_max, and
     bf16_textbook_fraction / fp32_textbook_fraction (the share of rows with κ ≥ 2 and κ ≥ 10³, where
     notebook 02 measures E[X²]−E[X]² losing every digit of σ² in bf16 / float32 accumulation).
     Moments in float64, two-pass (relative error ≲ n·2⁻⁵³·κ², far below what is reported). RMSNorm
@@ -754,8 +755,12 @@ def norm_input_conditions(model: torch.nn.Module, forward: Callable[[], object])
     rows, handles = [], []
 
     def record(name, kind):
-        def hook(module, inputs):
-            x = inputs[0].detach()
+        def hook(module, args, kwargs):
+            given = [*args, *kwargs.values()]  # ln(x) or ln(hidden_states=x): the first tensor is the input
+            x = next((value for value in given if isinstance(value, torch.Tensor)), None)
+            if x is None or x.numel() == 0:
+                return  # a call with no rows has no κ
+            x = x.detach()
             x = x.reshape(-1, x.shape[-1]).double()
             mean = x.mean(1, keepdim=True)
             variance = ((x - mean) ** 2).mean(1)
@@ -778,7 +783,7 @@ def norm_input_conditions(model: torch.nn.Module, forward: Callable[[], object])
     for name, module in model.named_modules():
         kind = next((k for k in NORM_KINDS if type(module).__name__.endswith(k)), None)
         if kind is not None:
-            handles.append(module.register_forward_pre_hook(record(name, kind)))
+            handles.append(module.register_forward_pre_hook(record(name, kind), with_kwargs=True))
     if not handles:
         raise ValueError(f"the model has no LayerNorm or RMSNorm module ({type(model).__name__})")
     try:

@@ -173,20 +173,23 @@ def _log2_ratio(amax: np.ndarray, smallest: np.ndarray) -> np.ndarray:
 
 def log2_histogram(tensor: torch.Tensor, low: int = -40, high: int = 20) -> dict[str, float]:
     """Counts of |x| per binade: key "hist/2^k" counts low ≤ k = floor(log2|x|) < high; values below
-    2^low (and zeros) go to "hist/below", at or above 2^high to "hist/above". Exponents from frexp."""
+    2^low (and zeros) go to "hist/below", at or above 2^high (and ±inf) to "hist/above"; NaN is in no
+    bin (the counts then sum to fewer than the elements). Exponents from frexp, in x's own precision
+    (16-bit values read as float32, exactly)."""
     checks.tensor("tensor", tensor, real=True)
     checks.integer("low", low, low=-1100, high=1100)  # float64's binades lie within ±1075
     if checks.integer("high", high, low=-1100, high=1100) <= low:
         raise ValueError(f"high must be greater than low, got low={low}, high={high}")
-    magnitude = tensor.detach().abs().flatten().float()
+    magnitude = tensor.detach().abs().flatten()
+    if magnitude.dtype != torch.float64:
+        magnitude = magnitude.float()  # exact for every other real dtype a probe sees
     exponent = torch.frexp(magnitude).exponent - 1  # floor(log2 |x|) read from the bits
-    nonzero = magnitude > 0
-    counts = torch.bincount(
-        (exponent[nonzero & (exponent >= low) & (exponent < high)] - low).long(), minlength=high - low
-    ).tolist()
+    finite, nonzero = torch.isfinite(magnitude), magnitude > 0  # NaN is neither > 0 nor ≤ 0
+    binned = finite & nonzero & (exponent >= low) & (exponent < high)
+    counts = torch.bincount((exponent[binned] - low).long(), minlength=high - low).tolist()
     values = {f"hist/2^{low + i}": float(c) for i, c in enumerate(counts)}
-    values["hist/below"] = float((~nonzero | (exponent < low)).sum())
-    values["hist/above"] = float((nonzero & (exponent >= high)).sum())
+    values["hist/below"] = float((magnitude == 0).sum() + (finite & nonzero & (exponent < low)).sum())
+    values["hist/above"] = float((torch.isinf(magnitude) | (finite & (exponent >= high))).sum())
     return values
 
 
@@ -950,30 +953,48 @@ class GradientAudit:
 
 def weight_gradients(model: nn.Module, batches, loss_fn, names=None) -> dict[str, torch.Tensor]:
     """The gradient of the mean loss over ``batches`` for each Linear-like layer's weight (float64,
-    as stored: (out, in), or (in, out) for transformers' Conv1D), keyed by layer name. ``names``
-    restricts it to those layers. The model's ``.grad`` are left as they were."""
+    as stored: (out, in), or (in, out) for transformers' Conv1D), keyed by layer name: zeros for a
+    layer the loss does not reach; a frozen layer (weight without requires_grad) is left out, or
+    refused where ``names`` (which restricts it to those layers) asks for it. The model is left as
+    it was: its ``.grad`` and its buffers (BatchNorm's running statistics a forward in train mode moves)."""
     from qlab.nn import linear_layers
 
     checks.module("model", model)
     checks.batches("batches", batches)
     checks.function("loss_fn", loss_fn, "a function (model, batch) → loss")
     layers = {name: module for name, module, _ in linear_layers(model)}
-    chosen = list(layers) if names is None else checks.names("names", names, list(layers))
+    if names is None:
+        chosen = [name for name, layer in layers.items() if layer.weight.requires_grad]
+    else:
+        chosen = checks.names("names", names, list(layers))
+        frozen = [name for name in chosen if not layers[name].weight.requires_grad]
+        if frozen:
+            raise ValueError(f"names must be layers whose weight requires grad; frozen: {frozen}")
     saved = {id(p): p.grad for p in model.parameters()}
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
     try:
         for p in model.parameters():
             p.grad = None
         for batch in batches:
             (loss_fn(model, batch) / len(batches)).backward()
-        return {name: layers[name].weight.grad.detach().double().clone() for name in chosen}
+        return {
+            name: torch.zeros_like(layers[name].weight, dtype=torch.float64)
+            if layers[name].weight.grad is None
+            else layers[name].weight.grad.detach().double().clone()
+            for name in chosen
+        }
     finally:
         for p in model.parameters():
             p.grad = saved[id(p)]
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
 
 
 def gradient_agreement(gradients: dict, reference: dict) -> pd.DataFrame:
     """Per layer, ``cosine`` similarity and ``relative_error`` ‖g − g_ref‖ / ‖g_ref‖ (float64) of
-    ``gradients`` against ``reference`` (the same keys)."""
+    ``gradients`` against ``reference`` (the same keys); NaN where a norm they divide by is 0."""
     for name, value in (("gradients", gradients), ("reference", reference)):
         if not isinstance(value, dict):
             raise TypeError(f"{name} must be a dict of layer name → gradient, got {checks.shown(value)}")
@@ -991,9 +1012,21 @@ def gradient_agreement(gradients: dict, reference: dict) -> pd.DataFrame:
             )
         g = gradients[name].double().flatten()
         g_ref = g_ref.double().flatten()
-        norm = torch.linalg.vector_norm(g_ref)
-        cosine = float(torch.nn.functional.cosine_similarity(g, g_ref, dim=0))
-        error = float(torch.linalg.vector_norm(g - g_ref) / norm) if norm > 0 else math.nan
+        # over the largest |value| first, so no square underflows; no eps floor (F.cosine_similarity's
+        # 1e-8 sent a tiny gradient's cosine to 0)
+        scale, other_scale = (v.abs().max() if v.numel() else 0.0 for v in (g_ref, g))
+        if scale > 0 and other_scale > 0:
+            unit, other_unit = g_ref / scale, g / other_scale
+            cosine = float(
+                other_unit @ unit / (torch.linalg.vector_norm(other_unit) * torch.linalg.vector_norm(unit))
+            )
+        else:
+            cosine = math.nan
+        error = (
+            float(torch.linalg.vector_norm((g - g_ref) / scale) / torch.linalg.vector_norm(g_ref / scale))
+            if scale > 0
+            else math.nan
+        )
         rows.append({"layer": name, "cosine": cosine, "relative_error": error})
     return pd.DataFrame(rows)
 

@@ -17,7 +17,8 @@ Two ways to do it, which must give the same gradients and very different costs:
 
 k is a count (int ≥ 1) or a fraction of the features (float in (0, 1]: k = max(1, round(f·M))).
 With k = M every variant is the dense layer, bit for bit. Ties at the k-th magnitude are broken
-by ``torch.topk`` (lowest index first on CPU).
+by ``torch.topk``, in an order it does not define (on the CPU not lowest index first: three of 40
+equal values kept indices 26, 27 and 28); the hooks and TopKLinear break them alike.
 
 ``variant="max_child"`` (an experiment from a forum thread, not meProp): after the
 three gradients of a Linear (input, weight, bias) are computed densely, only the one with the

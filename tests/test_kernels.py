@@ -501,6 +501,43 @@ def test_layer_norm_kernel_matches_the_float64_reference(stats, affine):
         assert ((g.cpu().double() - r).norm() / r.norm()).item() < 2e-5
 
 
+@pytest.mark.parametrize(
+    "weight, bias, shape",
+    [
+        (torch.randn(16)[::2], torch.randn(8), (8,)),  # a strided weight
+        (torch.full((1,), 2.0).expand(8), torch.randn(24)[::3], (8,)),  # expanded weight, strided bias
+        (torch.randn(4, 2).t(), None, (2, 4)),  # a transposed weight over two dimensions
+        (None, torch.randn(2, 4), (2, 4)),  # bias only, over two dimensions: db keeps its shape
+    ],
+    ids=["strided", "expanded", "transposed", "bias-only-2d"],
+)
+def test_layer_norm_kernel_takes_weights_of_any_layout(weight, bias, shape):
+    # the kernel reads n contiguous values; against autograd through float64 LayerNorm (tolerance as
+    # in the test above: float32 sums in another order)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, *shape, generator=generator)
+    dy = torch.randn(3, *shape, generator=generator)
+    got = _layer_norm_grads(
+        lambda a, w, b: layer_norm(a.to(DEVICE), shape, w if w is None else w.to(DEVICE),
+                                   b if b is None else b.to(DEVICE), backend="triton"),
+        x, weight, bias, dy.to(DEVICE),
+    )  # fmt: skip
+    ref = _layer_norm_grads(
+        lambda a, w, b: numerics.reference_layer_norm(a, shape, w, b),
+        x.double(), None if weight is None else weight.double(), None if bias is None else bias.double(),
+        dy.double(),
+    )  # fmt: skip
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        assert ((g.cpu().double() - r).norm() / r.norm()).item() < 2e-5
+
+
+def test_layer_norm_kernel_refuses_rows_wider_than_one_block():
+    x = torch.zeros(1, kernels.LAYER_NORM_MAX_WIDTH + 1)
+    with pytest.raises(ValueError, match=r"at most 1048576 elements, got rows of 1048577"):
+        layer_norm(x, (x.shape[1],), backend="triton")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_layer_norm_kernel_16_bit_inputs_match_qlab_numerics(dtype):
     # 16-bit in and out, float32 inside: the kernel and qlab.numerics.layer_norm round the same float32

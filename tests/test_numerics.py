@@ -790,6 +790,9 @@ def test_norm_input_conditions_by_hand():
     assert not model[0]._forward_pre_hooks  # hooks removed
     with pytest.raises(ValueError, match="no LayerNorm or RMSNorm"):
         norm_input_conditions(torch.nn.Linear(2, 2), lambda: None)
+    # the input given by keyword is the same rows; a call with no rows adds none
+    by_keyword = norm_input_conditions(model, lambda: (model[0](input=x), model[0](torch.zeros(0, 2))))
+    assert by_keyword.rows.tolist() == [3] and by_keyword.kappa_median.tolist() == [row.kappa_median]
 
 
 def test_stats_layer_norms_replace_every_layer_norm_and_share_its_parameters():

@@ -3,6 +3,7 @@ the recorded gradients against torch's own full backward hooks."""
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -307,6 +308,20 @@ def test_log2_histogram_counts_binades_by_hand():
     assert sum(h.values()) == 6
 
 
+def test_log2_histogram_reads_each_value_in_its_own_precision_and_bins_inf_above():
+    # bins against math.frexp of each value (Python floats are float64): inf at or above, NaN nowhere
+    from qlab.probes import log2_histogram
+
+    wide = torch.tensor([1e300, 1e-300, 1 - 2.0**-30, -(2.0**-1074), 3.0], dtype=torch.float64)
+    h = log2_histogram(wide, low=-1100, high=1100)
+    for value in wide.tolist():
+        assert h[f"hist/2^{math.frexp(abs(value))[1] - 1}"] >= 1, value
+    assert (h["hist/2^996"], h["hist/2^-997"], h["hist/2^-1"], h["hist/2^-1074"]) == (1.0, 1.0, 1.0, 1.0)
+    special = log2_histogram(torch.tensor([math.inf, -math.inf, math.nan, 0.0, 1.0]), low=-2, high=4)
+    assert (special["hist/above"], special["hist/below"], special["hist/2^0"]) == (2.0, 1.0, 1.0)
+    assert special["hist/2^-1"] == 0 and sum(special.values()) == 4  # the NaN is in no bin
+
+
 def test_probe_set_saves_a_tidy_csv(tmp_path, monkeypatch):
     monkeypatch.setenv("QLAB_RESULTS_DIR", str(tmp_path))
     with ProbeSet(small_model(), stats=("amax",), histograms=True) as probes:
@@ -537,6 +552,39 @@ def test_weight_gradients_match_the_closed_form_and_leave_grad_alone():
     assert table.cosine.item() == pytest.approx(2**-0.5) and table.relative_error.item() == pytest.approx(
         2**-0.5
     )
+
+
+def test_gradient_agreement_of_tiny_gradients_is_their_float64_cosine():
+    # F.cosine_similarity floors each norm at 1e-8: a gradient of norm 1e-11 had cosine 4e-5, not 0.99995
+    from qlab.probes import gradient_agreement
+
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    perturbed = reference * (1 + 0.01 * torch.randn(400, generator=generator, dtype=torch.float64))
+    a, b = np.array(perturbed.tolist()), np.array(reference.tolist())
+    exact = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+    for scale in (1.0, 1e-11, 1e-160):
+        table = gradient_agreement({"w": perturbed * scale}, {"w": reference * scale})
+        assert table.cosine.item() == pytest.approx(exact, rel=1e-12), scale
+    zero = gradient_agreement({"w": torch.zeros(3)}, {"w": torch.ones(3)})
+    assert math.isnan(zero.cosine.item()) and zero.relative_error.item() == 1.0
+
+
+def test_weight_gradients_give_zeros_where_the_loss_does_not_reach_and_leave_buffers_alone():
+    from qlab.probes import weight_gradients
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2), nn.Linear(2, 2))
+    model[0].weight.requires_grad_(False)  # frozen
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    batches = [torch.randn(6, 3) for _ in range(2)]
+    grads = weight_gradients(model, batches, lambda m, x: m[2](m[1](m[0](x))).square().mean())  # skips "3"
+    assert sorted(grads) == ["2", "3"] and torch.equal(grads["3"], torch.zeros(2, 2, dtype=torch.float64))
+    assert grads["2"].abs().sum() > 0
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, before[name]), name
+    with pytest.raises(ValueError, match=r"names must be layers whose weight requires grad; frozen: \['0'\]"):
+        weight_gradients(model, batches, lambda m, x: m(x).sum(), names=["0", "2"])
 
 
 # --- gradients caught by tensor hooks, against torch's full backward hooks -----------------------------

@@ -333,9 +333,12 @@ class _TritonLayerNorm(torch.autograd.Function):
         from qlab.kernels import layernorm_triton as K
 
         rows = x.reshape(-1, n).contiguous()
-        y, mean, rstd = K.forward(rows, weight, bias, eps, stats)
+        # the kernel reads weight and bias as n contiguous values (a strided or expanded one would be misread)
+        weight = None if weight is None else weight.contiguous()
+        y, mean, rstd = K.forward(rows, weight, None if bias is None else bias.contiguous(), eps, stats)
         ctx.save_for_backward(rows, weight, mean, rstd)
-        ctx.shape, ctx.bias_dtype = x.shape, None if bias is None else bias.dtype
+        ctx.shape = x.shape
+        ctx.bias_dtype, ctx.bias_shape = (None, None) if bias is None else (bias.dtype, bias.shape)
         return y.reshape(x.shape)
 
     @staticmethod
@@ -346,12 +349,11 @@ class _TritonLayerNorm(torch.autograd.Function):
         rows, weight, mean, rstd = ctx.saved_tensors
         dx, dw, db = K.backward(rows, weight, dy.reshape(rows.shape).contiguous(), mean, rstd)
         dw = None if weight is None else dw.to(weight.dtype).reshape(weight.shape)
-        db = (
-            None
-            if ctx.bias_dtype is None
-            else db.to(ctx.bias_dtype).reshape(weight.shape if weight is not None else rows.shape[1:])
-        )
+        db = None if ctx.bias_dtype is None else db.to(ctx.bias_dtype).reshape(ctx.bias_shape)
         return dx.reshape(ctx.shape), dw, db, None, None, None
+
+
+LAYER_NORM_MAX_WIDTH = 2**20  # Triton's largest block (elements): a row's width, rounded up to a power of 2
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, stats="welford", backend="auto"):
@@ -366,11 +368,17 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, stats="
     from qlab import numerics
 
     shape, _ = numerics.check_layer_norm_args(x, normalized_shape, weight, bias, eps, stats, None)
-    if x.dtype == torch.float64 and backend == "auto":
-        backend = "cpu"  # the kernel accumulates in float32; float64 stays with the reference
+    n = math.prod(shape)
+    if backend == "auto" and (x.dtype == torch.float64 or n > LAYER_NORM_MAX_WIDTH):
+        backend = "cpu"  # the kernel accumulates in float32 and holds a row in one block: the reference
+    if backend == "triton" and n > LAYER_NORM_MAX_WIDTH:
+        raise ValueError(
+            f"backend 'triton': the LayerNorm kernel holds a row in one block of at most "
+            f"{LAYER_NORM_MAX_WIDTH} elements, got rows of {n} (backend 'auto' runs the reference)"
+        )
     if _resolve(x, backend) in ("cpu", "reference"):
         return numerics.layer_norm(x, normalized_shape, weight, bias, eps, stats=stats)
-    return _TritonLayerNorm.apply(x, weight, bias, math.prod(shape), float(eps), stats)
+    return _TritonLayerNorm.apply(x, weight, bias, n, float(eps), stats)
 
 
 def nvfp4_qdq(
