@@ -111,4 +111,4 @@ for part in $parts; do
 done
 # The benchmarks appended their rows to this copy's benchmarks/results/, and a campaign its runs to
 # data/paper/runs/: bring them back in one file (unpack it over the checkout: tar xzf OUTDIR/results.tgz).
-tar czf "$out/results.tgz" benchmarks/results $(test -d data/paper/runs && echo data/paper/runs)
+tar czf "$out/results.tgz" --exclude="data/paper/runs/.*" benchmarks/results $(test -d data/paper/runs && echo data/paper/runs)

@@ -25,6 +25,9 @@ the same CSVs, claims and figures as one run that trained everything.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -75,6 +78,9 @@ def config_fields(config) -> dict:
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig, got {checks.shown(config)}")
     return {name: value for name, value in vars(config).items() if name not in _UNKEYED_FIELDS}
+
+
+_KEY = re.compile(f"[0-9a-f]{{{_KEY_LENGTH}}}")  # a stored run's folder name
 
 
 def _digest(content: dict) -> str:
@@ -188,6 +194,7 @@ def write_run(store: Path, config, record: dict) -> Path:
             "torch": record["torch"],
             "seconds": round(record["seconds"], 3),
             "task_seconds": round(record.get("task_seconds", record["seconds"]), 3),
+            "runs_at_once": record.get("runs_at_once", 1),  # what task_seconds was measured beside
             "parameters": record["parameters"],
             "sha256": {name: _sha256(tmp / name) for name in ("metrics.csv", "fidelity.csv")},
         }
@@ -198,11 +205,68 @@ def write_run(store: Path, config, record: dict) -> Path:
         old = store / f".{key}.{os.getpid()}.old"
         if final.exists():  # the same run again (a retried one): moved aside, so a kill leaves one whole
             os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError as error:  # another process stored the same run in between: a whole one is kept
+            if error.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            _checked(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(store / f".{key}.{os.getpid()}.old", ignore_errors=True)
     return final
+
+
+def _remove_stale_temporaries(store: Path) -> None:
+    """Remove the temporary folders (``.<key>.<pid>.tmp``/``.old``) of writers that are no longer
+    running: what a run killed while being written leaves."""
+    for folder in Path(store).glob(".*.*.*"):
+        parts = folder.name.split(".")
+        if len(parts) != 4 or parts[3] not in ("tmp", "old") or not parts[2].isdigit():
+            continue
+        if not _alive(int(parts[2])):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+@contextlib.contextmanager
+def _store_lock(store: Path):
+    """Hold ``store``'s campaign lock for the block, or refuse: two campaigns on one store would train
+    every missing run twice. Also checks, before any run starts, that the store can be written."""
+    store = Path(store)
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        handle = open(store / ".campaign.lock", "a+")
+    except OSError as error:
+        raise ValueError(f"the store {paths.shown(store)} cannot be written: {error.strerror}") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(
+                f"another campaign is running on {paths.shown(store)}: wait for it, or give this one "
+                "another list"
+            ) from None
+        try:
+            probe = store / f".probe.{os.getpid()}.tmp"
+            probe.mkdir(exist_ok=True)
+            probe.rmdir()
+        except OSError as error:
+            raise ValueError(f"the store {paths.shown(store)} cannot be written: {error.strerror}") from None
+        _remove_stale_temporaries(store)
+        try:
+            yield
+        finally:
+            (store / ".campaign.lock").unlink(missing_ok=True)  # still held: the store is left as found
 
 
 def _checked(folder: Path) -> tuple[dict, object]:
@@ -213,20 +277,26 @@ def _checked(folder: Path) -> tuple[dict, object]:
     shown = paths.shown(folder)
     again = "delete the folder to run it again"
     try:
-        description = json.loads((folder / "run.json").read_text())
+        description = json.loads((folder / "run.json").read_text(), parse_constant=_no_constant)
         config = TrainConfig(**description["config"], device=description["device"])
         kind = description["device_kind"]
-        float(description["seconds"]), int(description["parameters"])
+        for name in ("seconds", "task_seconds"):
+            if name in description:  # a time divides budgets and estimates: a positive number of seconds
+                checks.number(name, description[name], low=0, open_low=True)
+        int(description["parameters"])
+        if "runs_at_once" in description:
+            checks.integer("runs_at_once", description["runs_at_once"], low=1)
         hashes = dict(description["sha256"])
+        key = run_key(config, kind)
     except FileNotFoundError:
         raise StoreError(f"stored run {shown}: run.json is missing ({again})") from None
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise StoreError(
             f"stored run {shown}: run.json is corrupt ({type(err).__name__}: {err}); {again}"
         ) from None
-    if run_key(config, kind) != folder.name:
+    if key != folder.name:
         raise StoreError(
-            f"stored run {shown}: its configuration hashes to {run_key(config, kind)}, not to its folder's "
+            f"stored run {shown}: its configuration hashes to {key}, not to its folder's "
             f"name (a file edited by hand, or copied under another name); {again}"
         )
     for name in ("metrics.csv", "fidelity.csv"):
@@ -236,6 +306,10 @@ def _checked(folder: Path) -> tuple[dict, object]:
                 f"edited file); {again}"
             )
     return description, config
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def read_run(folder: Path) -> StoredRun:
@@ -263,8 +337,8 @@ def _index(store: Path) -> tuple[dict[str, list[tuple[Path, dict]]], int]:
     if not Path(store).is_dir():
         return found, 0
     for folder in sorted(Path(store).iterdir()):
-        if folder.name.startswith(".") or not folder.is_dir():
-            continue  # a temporary folder of a run killed while being written
+        if not _KEY.fullmatch(folder.name) or not folder.is_dir():
+            continue  # a temporary folder of a run being written, or nothing of the store's
         try:
             numerics = json.loads((folder / "run.json").read_text()).get("numerics", NUMERICS_VERSION)
         except (OSError, ValueError, AttributeError):
@@ -286,6 +360,7 @@ class Progress:
     kinds: Counter  # device kind -> runs of the list stored from it
     retired: int  # stored runs of another numerics version, which no list uses
     seconds: dict  # device kind -> mean wall time of one stored run, seconds
+    at_once: dict  # device kind -> the most runs at once its stored runs ran beside (where recorded)
 
     @property
     def done(self) -> int:
@@ -326,7 +401,12 @@ def progress(run_list, store: Path | None = None) -> Progress:
             if f is not None and kinds_of[f]["device_kind"] == kind
         ]
         seconds[kind] = sum(times) / len(times)
-    return Progress(run_list, chosen, kinds, retired, seconds)
+    at_once = {}
+    for f in chosen:
+        if f is not None and "runs_at_once" in kinds_of[f]:
+            kind = kinds_of[f]["device_kind"]
+            at_once[kind] = max(at_once.get(kind, 1), int(kinds_of[f]["runs_at_once"]))
+    return Progress(run_list, chosen, kinds, retired, seconds, at_once)
 
 
 # --- what a notebook calls --------------------------------------------------------------------------
@@ -355,8 +435,9 @@ def results(
     if before.done:
         print(f"{before.done} of {len(run_list)} runs read from {paths.shown(store)} (stored earlier)")
     if missing:
-        _train(run_list, missing, store, executor=executor, max_workers=max_workers, address=address,
-               estimate=_estimate(before, planned_kind(run_list, executor, max_workers)))  # fmt: skip
+        with _store_lock(store):
+            _train(run_list, missing, store, executor=executor, max_workers=max_workers, address=address,
+                   estimate=_estimate(before, planned_kind(run_list, executor, max_workers)))  # fmt: skip
     after = progress(run_list, store)
     if not after.complete:  # a run stored under another numerics version or key: should not happen
         raise StoreError(
@@ -419,8 +500,11 @@ def _train(
     # the same torch threads whatever the executor (serial included), so the same device kind and bits
     threads = None if executor == "ray" else plan("processes", max_workers, None, runs_per_gpu)[1]
 
+    workers = plan(executor, max_workers, None, runs_per_gpu)[0]
+
     def store_one(position: int, record: dict) -> None:
-        write_run(store, run_list.configs[indices[position]], record)
+        runs_at_once = min(workers, len(indices))
+        write_run(store, run_list.configs[indices[position]], {**record, "runs_at_once": runs_at_once})
 
     run_many(
         [task(train_for_store, run_list.configs[i]) for i in indices],
@@ -466,13 +550,14 @@ def run_campaign(
     say=print,
 ) -> Progress:
     """Run missing runs of ``run_list`` into the store: at most ``max_runs``, and no more than fit in
-    ``budget_s`` seconds (a new wave starts only when the measured time of one run still fits). Runs go
-    out in waves of ``workers`` × the rounds that fit; the first wave, with no time measured yet, is one
-    round. A run's time is the mean wall time of the stored runs of this machine's device kind, plus
+    ``budget_s`` seconds (a new wave starts only when the measured time of one run still fits). With a
+    budget, runs go out one round (``workers`` runs) at a time, each round's wall time checking the
+    estimate before the next; without one, all at once. A run's time is the mean wall time of the
+    stored runs of this machine's device kind (none stored: the first wave is one run per worker), plus
     the pool's start-up (``qlab.runs.POOL_START_S``) before the first wave. Refuses, before any run
-    starts, to add runs of another device kind than those stored unless ``allow_mixed_devices``.
-    Returns where the list stands afterwards."""
-    from qlab.runs import POOL_START_S, RunsFailed, plan
+    starts, to add runs of another device kind than those stored unless ``allow_mixed_devices``, and
+    a store another campaign holds or that cannot be written. Returns where the list stands afterwards."""
+    from qlab.runs import plan
 
     if budget_s is not None:
         checks.number("budget_s", budget_s, low=0)
@@ -484,12 +569,25 @@ def run_campaign(
     store = store_dir(run_list) if store is None else Path(store)
     workers = plan(executor, max_workers, None, runs_per_gpu)[0]
     kind = planned_kind(run_list, executor, max_workers, runs_per_gpu)
-    started, ran = time.monotonic(), 0
+    started = time.monotonic()
     state = progress(run_list, store)
     _check_kinds(state, allow_mixed_devices)
     _check_this_machine(state, kind, allow_mixed_devices)
     say(_status_line(state, store))
+    if not state.missing:
+        return state
+    with _store_lock(store):
+        return _run_waves(run_list, state, store, started, budget_s, max_runs, executor, max_workers,
+                          runs_per_gpu, address, workers, kind, say)  # fmt: skip
+
+
+def _run_waves(run_list, state, store, started, budget_s, max_runs, executor, max_workers, runs_per_gpu,
+               address, workers, kind, say) -> Progress:  # fmt: skip
+    """``run_campaign``'s waves, holding the store's lock."""
+    from qlab.runs import POOL_START_S, RunsFailed
+
     done_at_start = state.done
+    state, ran = progress(run_list, store), 0  # as it is now this campaign holds the store
     per_round = None  # wall seconds per round of workers measured in this invocation (pool start-up included)
     while state.missing and (max_runs is None or ran < max_runs):
         left = None if budget_s is None else budget_s - (time.monotonic() - started)
@@ -507,7 +605,9 @@ def run_campaign(
                 if rounds < 1:
                     say(f"{left:.0f} s left, one run takes about {estimate:.0f} s: no new run started")
                     break
-                count = min(count, rounds * workers)
+                # one round at a time: the stored times may come from another number of runs at once,
+                # and this wave's own time per round then checks the estimate before the next
+                count = min(count, workers)
                 say(
                     f"one run takes about {estimate:.0f} s ({measured_by}"
                     + (f", after {start_up:.0f} s to start the workers" if start_up else "")
@@ -530,12 +630,11 @@ def run_campaign(
 
 
 def _estimate(state: Progress, kind: str | None = None) -> float | None:
-    """Seconds one run takes: the mean wall time of the stored runs of device kind ``kind`` (of all
-    stored runs when ``kind`` is None or has none); None before any."""
-    if kind in state.seconds:
-        return state.seconds[kind]
-    if not state.done:
-        return None
+    """Seconds one run takes: the mean wall time of the stored runs of device kind ``kind`` (None when
+    that kind has none: another kind's times say nothing of this one's), or of all stored runs when
+    ``kind`` is None; None before any."""
+    if kind is not None or not state.done:
+        return state.seconds.get(kind)
     total = sum(state.seconds[name] * count for name, count in state.kinds.items())
     return total / state.done
 
@@ -585,7 +684,15 @@ def status(run_list, store: Path | None = None, workers: int | None = None, outp
         lines.append(f"  complete: `{render_command(run_list, output)}` renders it from the store")
     elif state.done:
         hours = left * _estimate(state) / 3600
-        at_once = f" ÷ {workers} at once = {hours / workers:.2f} h of device time" if workers else ""
+        main_kind = state.kinds.most_common(1)[0][0]
+        recorded = state.at_once.get(main_kind)
+        at_once = recorded or workers  # as the stored runs ran; else as this machine would run them
+        at_once = (
+            f" ÷ {at_once} at once{' as stored' if recorded else ' here'} = {hours / at_once:.2f} h of "
+            "device time"
+            if at_once
+            else ""
+        )
         lines.append(f"  {left} runs left: {hours:.2f} run-hours at the measured rate{at_once}")
     else:
         lines.append(f"  {left} runs left; none measured yet")

@@ -4,9 +4,12 @@ References: the in-memory result of ``qlab.train.train`` (a stored run must read
 sha256 computed here of the JSON text the key is documented to hash, and one uninterrupted notebook run
 (a campaign split over three invocations with a SIGKILL must give the same bytes)."""
 
+import dataclasses
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -103,6 +106,11 @@ def test_another_numerics_version_retires_every_stored_run(stored, monkeypatch):
     assert state.done == 0 and state.retired == 1
 
 
+def _edit_run_json(folder: Path, **fields) -> None:
+    description = json.loads((folder / "run.json").read_text())
+    (folder / "run.json").write_text(json.dumps({**description, **fields}))
+
+
 def _copy_store(stored, tmp_path) -> tuple[Path, Path]:
     _, _, store, folder = stored
     copy = tmp_path / "store"
@@ -124,9 +132,21 @@ def _copy_store(stored, tmp_path) -> tuple[Path, Path]:
             ),
             "hashes to .*, not to its folder's name",
         ),
+        (lambda f: _edit_run_json(f, task_seconds="abc"), "run.json is corrupt.*task_seconds"),
+        (lambda f: _edit_run_json(f, task_seconds=0), "run.json is corrupt.*task_seconds"),
+        (lambda f: _edit_run_json(f, seconds=-5), "run.json is corrupt.*seconds"),
+        (lambda f: _edit_run_json(f, device_kind=5), "run.json is corrupt.*device_kind"),
+        (lambda f: _edit_run_json(f, runs_at_once=0), "run.json is corrupt.*runs_at_once"),
+        (
+            lambda f: (f / "run.json").write_text(
+                re.sub(r'"task_seconds": [0-9.]+', '"task_seconds": NaN', (f / "run.json").read_text())
+            ),
+            "run.json is corrupt.*NaN is not a number JSON allows",
+        ),
     ],
-    ids=["garbled json", "no json", "edited csv", "missing csv", "renamed folder", "edited config"],
-)
+    ids=["garbled json", "no json", "edited csv", "missing csv", "renamed folder", "edited config",
+         "text time", "zero time", "negative time", "number kind", "zero at once", "NaN time"],
+)  # fmt: skip
 def test_a_damaged_stored_run_is_refused_with_its_path_before_anything_runs(
     stored, tmp_path, monkeypatch, damage, message
 ):
@@ -448,6 +468,95 @@ def test_runs_of_another_device_kind_are_refused_before_any_run_starts(stored, t
             ValueError, match=r"another device kind \(1 from GPU A\).*1 missing runs would run"
         ):
             call(listed, store=store)
+
+
+def test_a_budget_runs_one_round_at_a_time_timed_by_this_machine_s_kind_only(stored, tmp_path, monkeypatch):
+    # stored times of another kind (a GPU's 0.001 s) say nothing of this machine's: the first wave is
+    # one run per worker, and every budgeted wave after it one round, checked against its own time
+    config = stored[0]
+    store = tmp_path / "store"
+    record = campaign.train_for_store(config)
+    campaign.write_run(
+        store, config, {**record, "device_kind": "GPU A", "seconds": 0.001, "task_seconds": 0.001}
+    )
+    waves = []
+    monkeypatch.setattr(campaign, "_train", lambda run_list, indices, *a, **k: waves.append(list(indices)))
+    monkeypatch.setattr(campaign, "progress", _progress_after(campaign.progress, waves))
+    listed = _tiny_list(*(config.replace(seed=s) for s in range(9)))
+    said = []
+    campaign.run_campaign(listed, budget_s=3600, executor="processes", max_workers=2, store=store,
+                          allow_mixed_devices=True, say=said.append)  # fmt: skip
+    assert [len(wave) for wave in waves] == [2, 2, 2, 2]  # 8 missing, 2 workers
+    assert "no run of this list timed yet: starting 2 (one per worker)" in said[1]
+
+
+def _progress_after(progress, waves):
+    """``campaign.progress`` that counts the runs of ``waves`` (recorded by a stand-in _train) as stored."""
+
+    def counted(run_list, store=None):
+        state = progress(run_list, store)
+        done = {i for wave in waves for i in wave}
+        chosen = [
+            folder if folder is not None or i not in done else Path("x")
+            for i, folder in enumerate(state.chosen)
+        ]
+        return dataclasses.replace(state, chosen=chosen)
+
+    return counted
+
+
+def test_a_second_campaign_on_a_store_is_refused_and_a_killed_writer_s_temporaries_go(stored, tmp_path):
+    config = stored[0]
+    store, copy = _copy_store(stored, tmp_path)
+    stale = store / f".{copy.name}.999999999.tmp"  # no such pid
+    stale.mkdir()
+    (store / "old_runs").mkdir()  # not a run folder: not the store's business
+    listed = _tiny_list(config, config.replace(seed=2))
+    with campaign._store_lock(store):
+        with pytest.raises(ValueError, match="another campaign is running on .*store"):
+            campaign.run_campaign(listed, store=store, say=lambda line: None)
+        assert not stale.exists()
+    state = campaign.run_campaign(listed, executor="serial", store=store, say=lambda line: None)
+    assert state.complete
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith(".")) == []  # the lock went too
+
+
+def test_an_unwritable_store_is_refused_before_any_run(stored, tmp_path, monkeypatch):
+    config = stored[0]
+    store = tmp_path / "file"
+    store.write_text("")
+    monkeypatch.setattr(campaign, "_train", lambda *a, **k: pytest.fail("a run started"))
+    with pytest.raises(ValueError, match="cannot be written"):
+        campaign.run_campaign(_tiny_list(config), store=store / "runs", say=lambda line: None)
+
+
+def test_a_run_stored_by_another_process_in_between_is_kept(stored, tmp_path, monkeypatch):
+    # two writers of one run: the second rename meets the first's folder (ENOTEMPTY) and keeps it
+    config, _, _, folder = stored
+    store, copy = _copy_store(stored, tmp_path)
+    record = {**campaign.train_for_store(config), "device_kind": campaign.read_run(copy).device_kind}
+    rename = os.rename
+
+    def racing(source, target):
+        if str(target).endswith(".old"):
+            return None  # the other writer's folder appears at once: nothing moved aside
+        if Path(target) == copy and Path(source).name.endswith(".tmp"):
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", str(target))
+        return rename(source, target)
+
+    monkeypatch.setattr(campaign.os, "rename", racing)
+    assert campaign.write_run(store, config, record) == copy
+    assert sorted(p.name for p in store.iterdir()) == [copy.name]
+
+
+def test_status_divides_by_the_runs_at_once_the_stored_runs_ran_beside(stored, tmp_path):
+    config = stored[0]
+    store = tmp_path / "store"
+    record = {**campaign.train_for_store(config), "device_kind": "GPU A", "task_seconds": 600.0}
+    campaign.write_run(store, config, {**record, "runs_at_once": 8})
+    listed = _tiny_list(*(config.replace(seed=s) for s in range(17)))
+    text = campaign.status(listed, store, workers=2)  # asked from a 2-worker machine
+    assert "16 runs left: 2.67 run-hours at the measured rate ÷ 8 at once as stored = 0.33 h" in text
 
 
 def test_serial_and_processes_store_the_same_device_kind(tmp_path):

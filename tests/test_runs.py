@@ -307,3 +307,34 @@ def test_a_warm_pool_whose_worker_died_while_idle_is_started_afresh():
         os.kill(pid, signal.SIGKILL)
     time.sleep(1.0)  # the pool notices its dead worker and marks itself broken
     assert run_many([task(run_helpers.threads)] * 2, max_workers=2, progress=False) == first
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_stops_when_its_parent_is_killed():
+    # a pool worker whose campaign is SIGKILLed (the OOM killer, kill -9) idled on forever, holding its
+    # memory and, on a GPU, its CUDA context: the worker asks to get SIGTERM when its parent dies
+    import subprocess
+
+    worker = (
+        "import os, time; from qlab.runs import _stop_with_parent; _stop_with_parent(); "
+        "print(os.getpid(), flush=True); time.sleep(120)"
+    )
+    parent = (
+        "import subprocess, sys, time; "
+        f"child = subprocess.Popen([sys.executable, '-c', {worker!r}], stdout=sys.stdout); time.sleep(120)"
+    )
+    middle = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    child = int(middle.stdout.readline())
+    middle.kill()
+    middle.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return  # exited, not yet reaped by whoever adopted it
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the worker outlived its killed parent")
