@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -225,7 +226,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer, is_first_microbatch):
-        scales, rolls = layer.forward_scales()
+        scales, rolls = layer.forward_scales(ctx)
         x_op, w_op = layer.gemm_operands("fprop", x, weight, scales)
         y = _matmul("fprop", x_op, w_op)
         if bias is not None:
@@ -282,6 +283,7 @@ class _LinearFunction(torch.autograd.Function):
             db = _bias_grad(dy, ctx.dtypes[2])
         if quantized:  # all-reduced only after a training-mode forward, as the forward's are
             layer.record_amaxes({"grad_output": dy}, reduce=ctx.training)
+        layer.backward_done(ctx)
         return dx, dw, db, None, None
 
 
@@ -319,6 +321,14 @@ def _along_axis_0(codes, scales, spec, shape, dtype) -> Q.QTensor:
     """A per-tensor quantized tensor (codes in the tensor's own layout, one scale) as a QTensor to be
     contracted along axis 0: what ``quantize`` along axis 0 gives for the same codes and scale."""
     return Q.QTensor(codes=codes, scales=scales, spec=spec, axis=0, shape=shape, dtype=dtype)
+
+
+_MOST_PENDING_FORWARDS = 64  # the training forwards without grad (no node) a layer remembers
+
+
+def _same_scales(first: dict, second: dict) -> bool:
+    """Whether two forwards' delayed-scaling scales are the same tensors or the same values."""
+    return all(first[role] is second[role] or torch.equal(first[role], second[role]) for role in first)
 
 
 def _recomputing() -> bool:
@@ -382,8 +392,10 @@ class QuantLinear(QlabLinear):
     """Drop-in nn.Linear whose three GEMMs follow a ``Recipe`` (see qlab.recipe); inputs (..., in_features).
 
     fuse_wgrad_accumulation: write wgrad into fp32 ``weight.main_grad`` (created as zeros if
-    missing) instead of returning it; ``forward(x, is_first_microbatch=True)`` overwrites instead
-    of accumulating. delay_wgrad: defer the wgrad GEMM until ``backward_dw()``. seed: the
+    missing) instead of returning it; after ``forward(x, is_first_microbatch=True)`` the step's first
+    wgrad into that weight's main_grad overwrites it and every later one accumulates (a module called
+    twice, or layers sharing the weight, deliver all their parts; an empty micro-batch writes its zero
+    sum). delay_wgrad: defer the wgrad GEMM until ``backward_dw()``. seed: the
     generator for stochastic rounding. gemm: "auto", "emulated" or "scaled_mm" (module docstring).
     See the module docstring for the None/dummy contract and for torch.compile.
 
@@ -414,8 +426,9 @@ class QuantLinear(QlabLinear):
     def _configure(
         self, recipe="bf16", fuse_wgrad_accumulation=False, delay_wgrad=False, seed=0, gemm="auto"
     ):
-        self.recipe: Recipe = get_recipe(recipe)
-        self.gemm = check_gemm(gemm, self.recipe)
+        recipe = get_recipe(recipe)
+        self.gemm = check_gemm(gemm, recipe)
+        self._recipe: Recipe = recipe
         self.fuse_wgrad_accumulation = checks.boolean("fuse_wgrad_accumulation", fuse_wgrad_accumulation)
         self.delay_wgrad = checks.boolean("delay_wgrad", delay_wgrad)
         if self.weight_layout == "in_out" and (self.fuse_wgrad_accumulation or self.delay_wgrad):
@@ -429,7 +442,10 @@ class QuantLinear(QlabLinear):
         self._noise_source = register_noise_source(self._generator)
         self._deferred: list = []
         self._dummy: torch.Tensor | None = None
-        self._forward_scales: dict | None = None  # the last training forward's (delayed scaling)
+        # delayed scaling: (a weak reference to its autograd node, or None, and its scales) of each
+        # training forward whose backward is still to come
+        self._pending_scales: list = []
+        self._grad_enabled = True
         self.scalers: dict[str, DelayedScaling] = {}
         self._codes_serve_both_axes = _codes_serve_both_axes(self.recipe)
         for role in ROLES:  # Hadamard matrices built now, not while torch.compile traces
@@ -449,7 +465,26 @@ class QuantLinear(QlabLinear):
                         self.recipe.margin,
                     )
 
+    @property
+    def recipe(self) -> Recipe:
+        """The layer's recipe. Assigning one configures the layer afresh for it (its scalers, generators
+        and deferred GEMMs start over; seed, gemm and the wgrad options are kept), as a new layer would."""
+        return self._recipe
+
+    @recipe.setter
+    def recipe(self, recipe) -> None:
+        self._configure(recipe, self.fuse_wgrad_accumulation, self.delay_wgrad, self.seed, self.gemm)
+
+    def __getstate__(self):
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {**state, "_pending_scales": []}  # weak references to autograd nodes do not pickle
+
     def __setstate__(self, state):
+        if "recipe" in state:  # pickled before the recipe became a property
+            state["_recipe"] = state.pop("recipe")
+        if "_forward_scales" in state:  # pickled before forwards awaiting backward were listed
+            del state["_forward_scales"]
+            state["_pending_scales"], state["_grad_enabled"] = [], True
         super().__setstate__(state)
         self._noise_source = register_noise_source(self._generator)  # a copy draws from its own generators
         self._codes_serve_both_axes = _codes_serve_both_axes(self.recipe)  # also for layers pickled before it
@@ -528,7 +563,14 @@ class QuantLinear(QlabLinear):
             checks.boolean("is_first_microbatch", is_first_microbatch)
         weight, bias = oriented_weight(self), self.bias
         checks.same_device("input x", x, "the weight", weight)
+        resets = bool(is_first_microbatch) and self.fuse_wgrad_accumulation and torch.is_grad_enabled()
+        if resets and not _recomputing():  # the step's first wgrad into main_grad overwrites it, whichever
+            self.weight._qlab_main_grad_resets = True  # use of the weight (or layer sharing it) comes first
         if x.numel() == 0:  # no values to quantize: nn.Linear's empty result, still in the graph
+            if self.fuse_wgrad_accumulation or self.delay_wgrad:  # no wgrad, and .grad left alone
+                if resets:
+                    self._write_main_grad(None, None)  # this micro-batch's (empty) sum
+                weight = weight.detach()
             return torch.nn.functional.linear(x, weight, bias)
         if torch.is_autocast_enabled(x.device.type):  # like nn.Linear: operands in the autocast dtype
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -539,6 +581,8 @@ class QuantLinear(QlabLinear):
                 f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
                 f"cast one of them (QuantLinear does not mix dtypes silently)"
             )
+        if self.recipe.delayed:  # (an eager island) inside the autograd Function grad mode is always off
+            self._grad_enabled = torch.is_grad_enabled()
         linear = _LinearFunction.apply if self.compiles else _eager_island()
         with torch.autocast(x.device.type, enabled=False):
             y = linear(x.reshape(-1, self.in_features), weight, bias, self, is_first_microbatch)
@@ -602,25 +646,56 @@ class QuantLinear(QlabLinear):
                     f"state['scalers'][{role!r}]['scale'] must be finite and positive (a normal float32), "
                     f"got {scale.tolist()}"
                 )
-        self._generators.update(restored)  # every part checked before any is applied
+        self._generators = restored  # every part checked first; a device it lacks starts from the seed
         for role, saved in scalers.items():  # float32, as DelayedScaling keeps them
             self.scalers[role].history = saved["history"].float().clone()
             self.scalers[role].scale = saved["scale"].float().clone()
 
     # --- what _LinearFunction calls ---
 
-    def forward_scales(self) -> tuple[dict | None, bool]:
+    def forward_scales(self, node=None) -> tuple[dict | None, bool]:
         """(delayed scaling's scales for this forward — None for current scaling —, whether this forward
         records amaxes). A recomputation inside backward (activation checkpointing) reuses the original
-        forward's scales and records nothing; ``model.eval()`` reads the scales without rolling them."""
+        forward's scales and records nothing; ``model.eval()`` reads the scales without rolling them.
+        ``node``: the forward's autograd context (``backward_done`` is told when its backward ran). A
+        recomputation that cannot tell which forward it repeats — this layer ran several training
+        forwards with different scales whose backward is still to come — raises RuntimeError."""
         if not self.recipe.delayed:
             return None, self.training
-        if self._forward_scales is not None and _recomputing():
-            return self._forward_scales, False
+        if _recomputing():
+            pending = self._pending()
+            distinct = [scales for i, scales in enumerate(pending) if all(
+                not _same_scales(scales, other) for other in pending[:i])]  # fmt: skip
+            if len(distinct) > 1:
+                raise RuntimeError(
+                    f"delayed scaling under activation checkpointing: this layer ran {len(pending)} "
+                    f"training forwards with {len(distinct)} different scales before this backward, and "
+                    "a recomputation cannot tell which one it repeats; give each use its own layer, or "
+                    "use current scaling"
+                )
+            if distinct:
+                return distinct[0], False
         scales = {role: scaler.scale for role, scaler in self.scalers.items()}
         if self.training:
-            self._forward_scales = scales
+            # a forward in the graph is known by its node, which dies with a graph dropped unused; one
+            # run without grad (reentrant checkpointing's first pass) only by its scales
+            in_graph = self._grad_enabled and node is not None
+            self._pending_scales.append((weakref.ref(node) if in_graph else None, scales))
+            del self._pending_scales[:-_MOST_PENDING_FORWARDS]
         return scales, self.training
+
+    def _pending(self) -> list[dict]:
+        """The scales of the training forwards whose backward is still to come."""
+        self._pending_scales = [(ref, kept) for ref, kept in self._pending_scales if ref is None or ref()]
+        return [scales for _, scales in self._pending_scales]
+
+    def backward_done(self, node) -> None:
+        """The backward of the forward whose autograd context is ``node`` ran: its scales (or the
+        recomputed forward's, the same) are no longer ones a recomputation could repeat."""
+        for i, (_, scales) in enumerate(self._pending_scales):
+            if scales is node.scales:
+                del self._pending_scales[i]
+                return
 
     def gemm_operands(
         self,
@@ -687,19 +762,19 @@ class QuantLinear(QlabLinear):
         gives autograd for the weight (the wgrad, None or a zero dummy)."""
         flagged = hasattr(self.weight, "grad_added_to_main_grad")
         if self.delay_wgrad:
-            self._deferred.append((dy, x, bool(is_first_microbatch)))
+            self._deferred.append((dy, x))
             return self._dummy_wgrad() if self.fuse_wgrad_accumulation and flagged else None
         if self.fuse_wgrad_accumulation:
-            self._write_main_grad(dy, x, overwrite=bool(is_first_microbatch))
+            self._write_main_grad(dy, x)
             return self._dummy_wgrad() if flagged else None
         return _matmul("wgrad", dy, x).to(self.weight.dtype)
 
     def backward_dw(self) -> None:
         """Run the wgrad GEMMs deferred by ``delay_wgrad`` (in backward order), delivered per the table."""
         deferred, self._deferred = self._deferred, []
-        for dy, x, overwrite in deferred:
+        for dy, x in deferred:
             if self.fuse_wgrad_accumulation:
-                self._write_main_grad(dy, x, overwrite)
+                self._write_main_grad(dy, x)
                 continue
             wgrad = _matmul("wgrad", dy, x).to(self.weight.dtype)
             if self.weight.grad is None:
@@ -779,13 +854,20 @@ class QuantLinear(QlabLinear):
             self._dummy = torch.zeros_like(self.weight, memory_format=torch.contiguous_format)
         return self._dummy.zero_()  # autograd may have stolen it as .grad; it is meaningless there
 
-    def _write_main_grad(self, dy, x, overwrite: bool) -> None:
-        """main_grad = dyᵀ·x (overwrite) or main_grad += dyᵀ·x (emulated: one GEMM into main_grad,
-        no temporary)."""
+    def _write_main_grad(self, dy, x) -> None:
+        """main_grad = dyᵀ·x where a forward with is_first_microbatch=True asked for the step's first
+        write (the weight's flag, consumed here), else main_grad += dyᵀ·x (emulated: one GEMM into
+        main_grad, no temporary). dy None: an empty micro-batch's zero sum."""
         weight = self.weight
+        overwrite = getattr(weight, "_qlab_main_grad_resets", False)
+        weight._qlab_main_grad_resets = False
         if getattr(weight, "main_grad", None) is None:
             weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        _wgrad_into(weight.main_grad, dy, x, accumulate=not overwrite)
+        elif dy is None:
+            if overwrite:
+                weight.main_grad.zero_()
+        if dy is not None:
+            _wgrad_into(weight.main_grad, dy, x, accumulate=not overwrite)
         if hasattr(weight, "grad_added_to_main_grad"):
             weight.grad_added_to_main_grad = True
 

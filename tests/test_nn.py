@@ -524,6 +524,82 @@ def test_fused_wgrad_accumulates_into_existing_main_grad_without_first_microbatc
     assert_same_bits(layer.weight.main_grad, expected)
 
 
+def test_fused_wgrad_of_a_weight_used_twice_in_the_first_micro_batch_is_its_whole_gradient():
+    # is_first_microbatch=True resets main_grad once per step: a module called twice, or two layers
+    # sharing one weight, each deliver their part (the second used to overwrite the first's)
+    x, weight, bias, dy = make_data(seed=13)
+    square, inputs = weight[:, : weight.shape[0]], x[:, : weight.shape[0]]
+    plain = make_layer("bf16", square, bias)
+    fused = make_layer("bf16", square, bias, fuse_wgrad_accumulation=True)
+    fused.weight.main_grad = torch.full(square.shape, GARBAGE)
+
+    def twice(first, second, **flag):
+        return second(torch.tanh(first(inputs, **flag)), **flag)
+
+    (twice(plain, plain) * dy).sum().backward()
+    (twice(fused, fused, is_first_microbatch=True) * dy).sum().backward()
+    torch.testing.assert_close(fused.weight.main_grad, plain.weight.grad, rtol=1e-6, atol=0)
+    shared = make_layer("bf16", square, bias, fuse_wgrad_accumulation=True)
+    shared.weight = fused.weight  # tied: one Parameter, two layers
+    fused.weight.main_grad.fill_(GARBAGE)
+    (twice(fused, shared, is_first_microbatch=True) * dy).sum().backward()
+    torch.testing.assert_close(fused.weight.main_grad, plain.weight.grad, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_an_empty_first_micro_batch_resets_main_grad_and_leaves_grad_alone(delay):
+    # an MoE expert that gets no tokens: its micro-batch sum is zero, and the step starts there
+    x, weight, bias, dy = make_data(seed=14)
+    layer = make_layer("fp8_tensorwise", weight, bias, fuse_wgrad_accumulation=True, delay_wgrad=delay)
+    layer.weight.main_grad = torch.full(weight.shape, GARBAGE)
+    layer(x[:0], is_first_microbatch=True).sum().backward()
+    layer(x, is_first_microbatch=False).backward(dy)
+    layer.backward_dw()
+    assert_same_bits(layer.weight.main_grad, reference_wgrad("fp8_tensorwise", x, dy))
+    assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_delayed_scaling_layer_used_twice_in_a_checkpointed_segment_refuses_to_guess(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    x, weight, bias, _ = make_data(seed=15)
+    layer = make_layer("fp8_delayed", weight[:, : weight.shape[0]], bias)  # square: used twice in a row
+    once = x[:, : weight.shape[0]].clone().requires_grad_(True)
+    checkpoint(layer, once, use_reentrant=reentrant).sum().backward()  # one use per segment: fine
+    layer.zero_grad()
+    twice = (x[:, : weight.shape[0]] * 100).requires_grad_(True)  # a larger amax: the scale rolls after use 1
+    with pytest.raises(RuntimeError, match="ran 2 training forwards with 2 different scales"):
+        checkpoint(lambda t: layer(torch.tanh(layer(t))), twice, use_reentrant=reentrant).sum().backward()
+
+
+def test_load_quant_state_replaces_the_generators_a_state_saved_before_any_draw_lacks():
+    # rolled back to a state saved before the first stochastic-rounding draw, the layer replays its
+    # first step
+    x, weight, bias, dy = make_data(seed=16)
+    layer = make_layer("nvfp4", weight, bias)
+    saved = layer.quant_state()
+    layer(x).backward(dy)
+    first = layer.weight.grad.clone()
+    layer.zero_grad()
+    layer.load_quant_state(saved)
+    layer(x).backward(dy)
+    assert_same_bits(layer.weight.grad, first)
+
+
+def test_assigning_a_recipe_configures_the_layer_as_a_new_one():
+    x, weight, bias, dy = make_data(seed=17)
+    changed, fresh = make_layer("bf16", weight, bias), make_layer("fp8_delayed", weight, bias)
+    changed.recipe = get_recipe("fp8_delayed")
+    assert sorted(changed.scalers) == ["grad_output", "input", "weight"]
+    for layer in (changed, fresh):
+        layer(x).backward(dy)
+    assert_same_bits(changed.weight.grad, fresh.weight.grad)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        changed.recipe = "fp9"
+    assert changed.recipe.name == "fp8_delayed"
+
+
 def test_fused_wgrad_creates_a_float32_main_grad_for_bf16_weights():
     """main_grad holds the float32 GEMM result, not one rounded to the weight's bf16."""
     x, weight, bias, dy = make_data(seed=12, dtype=torch.bfloat16)
