@@ -547,12 +547,19 @@ def held_out_check(model: nn.Module, chosen, table: pd.DataFrame, batches: Seque
     return frame.assign(p_holm=stats.holm(frame.p.tolist()))
 
 
+# where and how a model was loaded, not what it is: a copy in another folder, another transformers
+# version or a bf16 load is the same model
+CONFIG_KEYS_NOT_HASHED = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
 def config_hash(model: nn.Module) -> str:
-    """sha256 of the model's Hugging Face config (its JSON, sorted keys), else of its layer shapes."""
+    """sha256 of the model's Hugging Face config (its JSON, sorted keys, without
+    ``CONFIG_KEYS_NOT_HASHED``), else of its layer shapes."""
     checks.module("model", model)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+        content = {k: v for k, v in config.to_dict().items() if k not in CONFIG_KEYS_NOT_HASHED}
+        text = json.dumps(content, sort_keys=True, default=str)
     else:
         text = json.dumps({name: list(shape) for name, shape in _layer_shapes(model).items()})
     return hashlib.sha256(text.encode()).hexdigest()

@@ -34,6 +34,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -180,13 +181,29 @@ def cheapest_bits(table: pd.DataFrame) -> float:
     return float(by_layer.bits.min().sum() / by_layer.elements.first().sum())
 
 
+def _bit_capacity(effective_bits: float, table: pd.DataFrame) -> int:
+    """The most bits a plan over ``table``'s layers may spend at ``effective_bits``: the largest integer
+    B with B / Σ elements ≤ effective_bits as a float division (how a plan's mean is computed, so a
+    budget equal to a reachable mean admits that plan), capped at every layer's most bits."""
+    by_layer = table.groupby("layer", sort=False)
+    total, most = int(by_layer.elements.first().sum()), int(by_layer.bits.max().sum())
+    if effective_bits >= most / total:
+        return most
+    capacity = math.floor(Fraction(effective_bits) * total)
+    while (capacity + 1) / total <= effective_bits:
+        capacity += 1
+    while capacity > 0 and capacity / total > effective_bits:
+        capacity -= 1
+    return capacity
+
+
 def check_budget(table: pd.DataFrame, effective_bits: float, *, argument: str = "effective_bits") -> float:
     """``effective_bits`` if some assignment of ``table`` fits it, else ValueError naming the smallest
     budget that does (run before any score is measured); messages call the budget ``argument``."""
     table = _check_layout(table)
     checks.number(argument, effective_bits, low=0, open_low=True)
     by_layer = table.groupby("layer", sort=False)
-    if int(by_layer.bits.min().sum()) > math.floor(effective_bits * int(by_layer.elements.first().sum())):
+    if int(by_layer.bits.min().sum()) > _bit_capacity(effective_bits, table):
         raise ValueError(
             f"{argument} {effective_bits:g} is below the {cheapest_bits(table):.4g} bits per element "
             f"that the cheapest format of every layer needs: no plan fits"
@@ -210,41 +227,40 @@ def slug(model: str, dtype: str = "float32") -> str:
 
 def solve(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:
     """{layer: format} minimising the summed score with Σ bits ≤ effective_bits · Σ elements, each layer
-    given exactly one of its rows' formats. Exact: a 0/1 integer program solved by HiGHS at relative
-    gap 0, its bit constraint checked in integers. ValueError when no assignment fits the budget."""
+    given exactly one of its rows' formats: a 0/1 integer program solved by HiGHS at relative gap 0
+    (its absolute gap, 10⁻⁶ of the largest |score|, is the one tolerance), its bit constraint checked
+    in integers; an answer over the budget by the solver's feasibility tolerance is cut off exactly
+    (that one assignment excluded) and the program solved again. ValueError when no assignment fits."""
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     table = _check_scores(table).reset_index(drop=True)
     layers = list(dict.fromkeys(table.layer))
-    elements = table.groupby("layer", sort=False).elements.first()
-    total_elements = int(elements.sum())
     check_budget(table, effective_bits)
-    capacity = math.floor(effective_bits * total_elements)  # integer bits the plan may spend
+    capacity = _bit_capacity(effective_bits, table)  # integer bits the plan may spend
     one_each = np.zeros((len(layers), len(table)))
     for column, layer in enumerate(table.layer):
         one_each[layers.index(layer), column] = 1
     bits = table.bits.to_numpy(dtype=np.int64)
-    scale = float(total_elements)  # the bit row in bits per element keeps HiGHS's tolerances meaningful
-    slack = 0
-    for _ in range(8):
-        result = milp(
-            c=table.score.to_numpy(dtype=float),
-            integrality=np.ones(len(table)),
-            bounds=Bounds(0, 1),
-            constraints=[
-                LinearConstraint(one_each, 1, 1),
-                LinearConstraint((bits / scale)[None, :], -np.inf, (capacity - slack) / scale),
-            ],
-            options={"mip_rel_gap": 0.0, "presolve": True},
-        )
+    scores = table.score.to_numpy(dtype=float)
+    largest = float(np.abs(scores).max()) or 1.0  # HiGHS's absolute gap is 1e-6: scores of order 1
+    constraints = [
+        LinearConstraint(one_each, 1, 1),
+        LinearConstraint(bits[None, :].astype(float), -np.inf, capacity),
+    ]
+    for _ in range(MAX_CUTS):
+        result = milp(c=scores / largest, integrality=np.ones(len(table)), bounds=Bounds(0, 1),
+                      constraints=constraints, options={"mip_rel_gap": 0.0, "presolve": True})  # fmt: skip
         if result.x is None:
             raise ValueError(f"no plan fits effective_bits={effective_bits:g} (HiGHS: {result.message})")
         chosen = np.round(result.x).astype(bool)
-        spent = int(bits[chosen].sum())
-        if spent <= capacity:
+        if int(bits[chosen].sum()) <= capacity:
             return dict(zip(table.layer[chosen], table.format[chosen]))
-        slack += spent - capacity  # over by the solver's tolerance: ask for that much less
-    raise RuntimeError("HiGHS kept returning plans over the bit budget")
+        # over by the solver's tolerance: exclude exactly this assignment (its layers' choices)
+        constraints.append(LinearConstraint(chosen[None, :].astype(float), -np.inf, len(layers) - 1))
+    raise RuntimeError(f"HiGHS returned {MAX_CUTS} plans over the bit budget in a row")
+
+
+MAX_CUTS = 100  # over-budget answers cut off before solve gives up
 
 
 def stability(table: pd.DataFrame, *, effective_bits: float, draws: int = 200, seed: int = 0) -> pd.DataFrame:
@@ -330,7 +346,7 @@ def ends_first(table: pd.DataFrame, *, effective_bits: float) -> dict[str, str]:
     rows = {layer: table[table.layer == layer] for layer in layers}
     assignment = {layer: rows[layer].loc[rows[layer].bits.idxmin(), "format"] for layer in layers}
     spent = sum(int(rows[layer].bits.min()) for layer in layers)
-    capacity = math.floor(effective_bits * int(table.groupby("layer", sort=False).elements.first().sum()))
+    capacity = _bit_capacity(effective_bits, table)
     order = [layers[i // 2] if i % 2 == 0 else layers[-1 - i // 2] for i in range(len(layers))]
     for layer in dict.fromkeys(order):
         best = rows[layer].loc[rows[layer].bits.idxmax()]
@@ -416,23 +432,42 @@ class Plan:
     def load(cls, path) -> Plan:
         """A plan written by ``save``; a file that is not one is a ValueError naming what is wrong."""
         path = Path(path)
+        if path.is_dir():
+            raise ValueError(f"plan file {str(path)!r} is a folder; give the plan's .json file")
         if not path.is_file():
             raise ValueError(f"plan file {str(path)!r} does not exist")
         try:
             content = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise ValueError(f"plan file {str(path)!r} is not JSON: {error}") from None
-        if not isinstance(content, dict) or content.pop("plan_version", None) != PLAN_VERSION:
+        version = content.pop("plan_version", None) if isinstance(content, dict) else None
+        if type(version) is not type(PLAN_VERSION) or version != PLAN_VERSION:
             raise ValueError(f"plan file {str(path)!r} is not a qlab plan (plan_version {PLAN_VERSION})")
         known = {f.name for f in dataclasses.fields(cls)}
         if set(content) - known:
             raise ValueError(f"plan file {str(path)!r} has unknown fields {sorted(set(content) - known)}")
-        return cls(**content)
+        if "layers" not in content:
+            raise ValueError(f"plan file {str(path)!r} has no layers")
+        try:
+            plan = cls(**content)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"plan file {str(path)!r}: {error}") from None
+        if plan.formats and not set(plan.layers.values()) <= set(plan.formats):
+            odd = sorted(set(plan.layers.values()) - set(plan.formats))
+            raise ValueError(f"plan file {str(path)!r} gives layers {odd}, formats it was not chosen from")
+        if plan.reached_bits > plan.effective_bits:  # NaN (not stated) compares False
+            raise ValueError(
+                f"plan file {str(path)!r} reaches {plan.reached_bits:g} bits per weight, over the "
+                f"{plan.effective_bits:g} it was chosen for (a hand-edited file)"
+            )
+        return plan
 
     def check_layers(self, have: Sequence[str] | dict[str, int]) -> None:
         """ValueError naming the plan's layers not in ``have`` (a model's convertible layers) and the
         layers in ``have`` the plan gives no format; given each layer's weight elements (a dict), also
         those whose size is not the one the plan was made for."""
+        if isinstance(have, str | bytes) or not isinstance(have, dict | Sequence | set):
+            raise TypeError(f"have must be a dict or a list of layer names, got {checks.shown(have)}")
         sizes = have if isinstance(have, dict) else {}
         have = list(have)
         missing = [name for name in self.layers if name not in have]

@@ -117,6 +117,45 @@ def test_the_solver_finds_what_enumeration_finds():
         assert plan.effective_bits_of(table, chosen) <= budget
 
 
+LLM_SHAPES = [(4096, 14336), (14336, 4096), (49152, 576), (192, 576), (576, 1536), (4096, 4096), (8, 4096)]
+
+
+def test_the_solver_finds_what_enumeration_finds_at_model_sizes_and_budgets_met_exactly():
+    # billions of bits, budgets equal to reachable means (and one bit either side), scores of order 1
+    # and of order 1e-7 (approximated scores): HiGHS's tolerances once let plans over the budget
+    # through (then a RuntimeError) and stopped 1e-6 short of the optimum; enumeration in exact integers
+    rng = random.Random(4)
+    for case in range(40):
+        formats = rng.sample(["nvfp4", "mxfp4", "mxfp8", "fp8_blockwise", "int8_per_token", "bf16"], 3)
+        scale = rng.choice([1.0, 1e-7])
+        rows = []
+        for layer in range(rng.randint(2, 6)):
+            out, inner = rng.choice(LLM_SHAPES)
+            for name in formats:
+                score = 0.0 if name == "bf16" else rng.uniform(-0.2, 1) * scale
+                rows.append(dict(layer=f"l{layer}", format=name, elements=out * inner,
+                                 bits=plan.weight_bits(name, out, inner), score=score))  # fmt: skip
+        table = pd.DataFrame(rows)
+        total = int(table.groupby("layer").elements.first().sum())
+        options = [table[table.layer == layer].to_dict("records") for layer in dict.fromkeys(table.layer)]
+        assignments = [
+            (sum(r["bits"] for r in c), sum(r["score"] for r in c)) for c in itertools.product(*options)
+        ]
+        reachable = sorted({bits for bits, _ in assignments})
+        for bits in rng.sample(reachable, min(3, len(reachable))):
+            for budget in (bits / total, (bits + 1) / total, (bits - 1) / total):
+                fitting = [score for spent, score in assignments if spent / total <= budget]
+                if not fitting:
+                    with pytest.raises(ValueError, match="no plan fits"):
+                        plan.solve(table, effective_bits=budget)
+                    continue
+                chosen = plan.solve(table, effective_bits=budget)
+                assert plan.effective_bits_of(table, chosen) <= budget, (case, budget)
+                picked = table[[chosen[layer] == name for layer, name in zip(table.layer, table.format)]]
+                # HiGHS stops within 1e-6 of the scores' largest magnitude (its absolute gap, scaled)
+                assert picked.score.sum() == pytest.approx(min(fitting), abs=1e-6 * scale), (case, budget)
+
+
 def test_a_budget_below_every_layers_cheapest_format_is_refused():
     table = _random_table(random.Random(1), layers=3, formats=2)
     lowest = plan.cheapest_bits(table)
@@ -262,6 +301,44 @@ def test_a_plan_for_other_layers_or_a_hand_edited_file_is_refused_by_name(tmp_pa
         plan.Plan.load(path)
     with pytest.raises(ValueError, match="does not exist"):
         plan.Plan.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda c: c.update(layers={"a": "bf16", "b": "bf16"}),
+            r"gives layers \['bf16'\], formats it was not",
+        ),
+        (lambda c: c.update(reached_bits=99.0), "reaches 99 bits per weight, over the 6"),
+        (lambda c: c.update(plan_version=True), "is not a qlab plan"),
+        (lambda c: c.pop("layers"), "has no layers"),
+        (lambda c: c["elements"].update(a=4096.0), r"elements\['a'\] must be an int"),
+        (lambda c: c.update(layers=["a", "b"]), "layers must be a non-empty dict"),
+    ],
+    ids=["formats", "reached", "version", "no layers", "float elements", "list layers"],
+)
+def test_a_hand_edited_plan_file_is_refused_naming_the_file(tmp_path, edit, message):
+    saved = plan.Plan(layers={"a": "mxfp8", "b": "nvfp4"}, formats=("nvfp4", "mxfp8"), effective_bits=6.0,
+                      reached_bits=5.44, elements={"a": 4096, "b": 4096})  # fmt: skip
+    path = saved.save(tmp_path / "plan.json")
+    content = json.loads(path.read_text())
+    edit(content)
+    path.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message) as raised:
+        plan.Plan.load(path)
+    assert str(path) in str(raised.value)
+    with pytest.raises(ValueError, match="is a folder"):
+        plan.Plan.load(tmp_path)
+    with pytest.raises(TypeError, match="have must be a dict or a list of layer names, got 'ab'"):
+        plan.Plan(layers={"a": "mxfp8", "b": "nvfp4"}).check_layers("ab")
+
+
+def test_a_budget_of_any_size_is_a_plan_or_a_clear_refusal():
+    table = _random_table(random.Random(2), layers=3, formats=2)
+    assert plan.solve(table, effective_bits=1e308) == plan.solve(table, effective_bits=16.5)
+    lowest = plan.cheapest_bits(table)  # a float mean: the plan that reaches it must fit it
+    assert plan.effective_bits_of(table, plan.solve(table, effective_bits=lowest)) == lowest
 
 
 @pytest.mark.parametrize(
