@@ -40,10 +40,17 @@ STABILITY_DRAWS = 100  # bootstrap draws behind qlab advise's undecided layers
 
 
 def causal_lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of a Hugging Face causal LM on token ids (batch, tokens)."""
+    """Next-token cross-entropy of a Hugging Face causal LM on token ids (batch, tokens); TypeError for a
+    model that returns no loss (an encoder: score it with ``hidden_state_error(model, batches)``)."""
     checks.module("model", model)
     batch = models.check_token_ids("batch", batch, model)
-    return model(input_ids=batch, labels=batch).loss
+    loss = getattr(model(input_ids=batch, labels=batch), "loss", None)
+    if loss is None:
+        raise TypeError(
+            f"model ({type(model).__name__}) returns no loss for labels, as an encoder does: pass "
+            "loss_fn=advisor.hidden_state_error(model, batches), the error of its hidden states"
+        )
+    return loss
 
 
 @contextmanager

@@ -451,3 +451,15 @@ def test_notebook_06_takes_a_checkpoint_folder_and_refuses_what_is_not_a_llama_s
         run_notebook(
             "06", {"model_name": str(tmp_path / "nowhere")}, smoke=True, output=tmp_path / "06.ipynb"
         )
+
+
+def test_causal_lm_loss_on_an_encoder_names_the_loss_to_use_instead():
+    # load_any gives an encoder's base model (BertModel), which returns no loss for labels
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(transformers.BertConfig(hidden_size=32, num_attention_heads=2, **SIZES))
+    batches = [torch.randint(0, 64, (2, 8))]
+    with pytest.raises(TypeError, match=r"BertModel\) returns no loss.*hidden_state_error"):
+        advisor.measured_scores(encoder, batches, ["nvfp4", "bf16"])
+    table = advisor.measured_scores(encoder, batches, ["nvfp4", "bf16"],
+                                    loss_fn=advisor.hidden_state_error(encoder, batches))  # fmt: skip
+    assert len(table) == 2 * len([1 for _, _, why in linear_layers(encoder) if why is None])
