@@ -678,7 +678,7 @@ class QuantLinear(QlabLinear):
         scales = {role: scaler.scale for role, scaler in self.scalers.items()}
         if self.training:
             # a forward in the graph is known by its node, which dies with a graph dropped unused; one
-            # run without grad (reentrant checkpointing's first pass) only by its scales
+            # run without grad (the forward reentrant checkpointing recomputes later) only by its scales
             in_graph = self._grad_enabled and node is not None
             self._pending_scales.append((weakref.ref(node) if in_graph else None, scales))
             del self._pending_scales[:-_MOST_PENDING_FORWARDS]
