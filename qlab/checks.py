@@ -16,7 +16,7 @@ import fnmatch
 import math
 import numbers
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import yaml
@@ -110,7 +110,9 @@ class _YamlLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
-            if isinstance(key, str | int | float | bool) and key in seen:
+            if not isinstance(key, Hashable):
+                continue  # a list or mapping as a key: PyYAML's own ConstructorError refuses it
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice (line {key_node.start_mark.line + 1})",
                     key_node.start_mark,

@@ -215,8 +215,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "refused); repeatable",
     )  # fmt: skip
     sw.add_argument(
-        "-j", "--jobs", "--max-workers", type=int, default=1, help="points at once (worker processes)"
-    )
+        "-j", "--jobs", "--max-workers", type=int,
+        help="points at once (default 1; --executor processes|ray: a worker per core / the cluster's)",
+    )  # fmt: skip
     sw.add_argument(
         "--executor",
         choices=("serial", "processes", "ray"),
@@ -607,8 +608,9 @@ def _campaign_complete(path: Path, args, output: Path) -> bool:
 def _cmd_sweep(args) -> int:
     from qlab import checks
 
-    checks.integer("-j", args.jobs, low=1)
-    if args.executor == "serial" and args.jobs > 1:
+    if args.jobs is not None:
+        checks.integer("-j", args.jobs, low=1)
+    if args.executor == "serial" and args.jobs is not None and args.jobs > 1:
         raise ValueError(f"-j {args.jobs} runs points at once and --executor serial one at a time; give one")
     parameters = _parameters(args)
     sweep.load_grid(args.grid, argument="grid")  # its errors name the argument typed, not run_sweep's
@@ -623,12 +625,14 @@ def _cmd_sweep(args) -> int:
         timeout=args.timeout,
     )
     counts = {status: sum(o.status == status for o in outcomes) for status in ("ok", "skipped", "failed")}
-    folder = paths.shown(sweep.sweep_folder(args.notebook, args.smoke))
+    root = Path(outcomes[0].folder).parent if outcomes else sweep.sweep_folder(args.notebook, args.smoke)
     print(f"sweep: {counts['ok']} ran, {counts['skipped']} already complete, {counts['failed']} failed; "
-          f"each point in {folder}/<its parameters>/")  # fmt: skip
+          f"each point in {paths.shown(root)}/<its parameters>/")  # fmt: skip
     for outcome in outcomes:
         if outcome.status == "failed":
-            print(f"  FAILED {outcome.slug}: {outcome.detail}", file=sys.stderr)
+            error_file = Path(outcome.folder) / sweep.ERROR_FILE
+            where = f" (in full: {paths.shown(error_file)})" if error_file.is_file() else ""
+            print(f"  FAILED {outcome.slug}: {outcome.detail}{where}", file=sys.stderr)
     return 1 if counts["failed"] else 0
 
 

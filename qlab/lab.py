@@ -10,8 +10,9 @@ the committed notebooks except where the user changed their code.
 - a save writes the tracked ``.py``/``.ipynb`` without outputs, execution counts or the metadata a
   kernel or the browser adds (``language_info``, cell execution times, ...), and writes the copy
   *with* outputs beside that parameter set's results,
-  ``runs/interactive/<name>/<changed parameters>/<name>.ipynb`` (``defaults`` for the committed
-  values), so a run with other parameters never overwrites another's outputs;
+  ``runs/interactive/<name>/<changed parameters>/[<profile>/]<name>.ipynb`` (``defaults`` for the
+  committed values; a profile other than "cpu" in a folder of its own), so a run with other parameters
+  never overwrites another's outputs;
 - an untouched notebook opens unmodified: the served notebook already holds the ``language_info``
   the kernel will report, which JupyterLab would otherwise add (and call a change) on connecting;
 - the ``parameters`` cell keeps its committed values: an interactive edit (``smoke = True``) runs
@@ -73,6 +74,20 @@ def _check_content(content) -> None:
     cells = content.get("cells", [])
     if not isinstance(cells, list) or not all(isinstance(cell, dict) for cell in cells):
         raise ValueError(f"content['cells'] must be a list of cells (dicts), got {checks.shown(cells)}")
+    for index, cell in enumerate(cells):
+        metadata, source = cell.get("metadata", {}), cell.get("source", "")
+        if not isinstance(metadata, dict) or not isinstance(metadata.get("tags", []), list):
+            raise ValueError(
+                f"content['cells'][{index}]['metadata'] must be a dict whose tags are a list, "
+                f"got {checks.shown(metadata)}"
+            )
+        if not isinstance(source, str) and not (
+            isinstance(source, list) and all(isinstance(line, str) for line in source)
+        ):
+            raise ValueError(
+                f"content['cells'][{index}]['source'] must be text (a str or a list of str), "
+                f"got {checks.shown(source)}"
+            )
 
 
 def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool = False) -> dict:
@@ -101,8 +116,8 @@ def clean_for_saving(content: dict, notebook_name: str, *, keep_parameters: bool
 
 
 def executed_copy(name: str, content: dict) -> Path:
-    """Where a save of notebook ``name`` keeps its executed copy: in ``session.interactive_dir`` for
-    the parameters cell's values as ``content`` holds them (a cell that is not literal assignments,
+    """Where a save of notebook ``name`` keeps its executed copy: ``session.saved_copy`` for the
+    parameters cell's values as ``content`` holds them (a cell that is not literal assignments,
     mid-edit, goes to ``unparsed-parameters``)."""
     from qlab import session
 
@@ -115,9 +130,9 @@ def executed_copy(name: str, content: dict) -> Path:
         values = session.parameter_values(_source(cell) if cell is not None else "")
         defaults = session.notebook_defaults(name)
         changed = session.changed_parameters({k: v for k, v in values.items() if k in defaults}, defaults)
-    except ValueError:
+        return session.saved_copy(name, changed, values.get("profile", defaults.get("profile", "cpu")))
+    except (ValueError, TypeError):  # a profile mid-edit (5, "a/b") is not a folder name either
         return paths.RUNS_DIR / session.INTERACTIVE_DIR / name / "unparsed-parameters" / f"{name}.ipynb"
-    return session.interactive_dir(name, changed) / f"{name}.ipynb"
 
 
 def _base_manager():

@@ -205,11 +205,13 @@ def environment(**values: str):
 
 def point_slug(parameters: dict) -> str:
     """A readable, filesystem-safe, deterministic directory name for a set of notebook parameters:
-    ``a=1__b=x`` (a sweep point's folder, an interactive run's results folder)."""
+    ``a=1__b=x`` (a sweep point's folder, an interactive run's results folder), at most 120 characters.
+    Characters other than letters, digits and ``._=+-`` become ``-``; where they did, or where the name
+    was shortened, a hash of the full text follows, so ``b=x y`` and ``b=x-y`` never share a folder."""
     if not isinstance(parameters, dict):
         raise TypeError(f"parameters must be a dict of name -> value, got {checks.shown(parameters)}")
     text = "__".join(f"{name}={value}" for name, value in parameters.items())
     slug = re.sub(r"[^A-Za-z0-9._=+-]", "-", text)
-    if len(slug) > 120:
+    if slug != text or len(slug) > 120:
         slug = slug[:100] + "--" + hashlib.sha1(text.encode()).hexdigest()[:12]
     return slug

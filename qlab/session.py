@@ -89,7 +89,7 @@ def parameter_values(source: str) -> dict:
             raise ValueError(f"source must assign literals to names, got {ast.unparse(statement)!r}")
         try:
             values[target.id] = ast.literal_eval(statement.value)
-        except ValueError:
+        except (ValueError, TypeError, RecursionError):  # TypeError: an unhashable key, {[1]: 2}
             raise ValueError(
                 f"source must assign literals to names, got {ast.unparse(statement)!r}"
             ) from None
@@ -316,6 +316,16 @@ def changed_parameters(values: dict, defaults: dict) -> dict:
     }
 
 
+def saved_copy(name: str, changed: dict, profile: str = "cpu") -> Path:
+    """Where a save in ``qlab lab`` keeps notebook ``name``'s executed copy for these changed parameters:
+    ``interactive_dir(name, changed)/<name>.ipynb``, under a folder of the profile's own when it is not
+    "cpu" (a paper-profile run's outputs never replace the cpu run's)."""
+    folder = interactive_dir(name, changed)
+    if profile != "cpu":
+        folder = folder / paths.result_name("profile", profile, "profile name")
+    return folder / f"{name}.ipynb"
+
+
 def interactive_dir(name: str, changed: dict) -> Path:
     """Where an interactive run of notebook ``name`` with these changed parameters keeps what it
     writes: ``runs/interactive/<name>/<changed parameters>`` (``defaults`` when none changed)."""
@@ -383,6 +393,6 @@ def start(name: str, namespace: dict) -> NotebookRun:
         (paths.data_dir() / f"{name}_machine.json").write_text(text)
     print(f"{name}: results go to {where} ({why}); device {device}")
     if os.environ.get(paths.LAB_ENV) == "1":  # JupyterLab through qlab lab: a save writes an executed copy
-        saved = paths.shown(interactive_dir(name, changed) / f"{name}.ipynb")
+        saved = paths.shown(saved_copy(name, changed, profile))
         print(f"{name}: a save keeps this notebook with its outputs at {saved} (the tracked file, without)")
     return NotebookRun(name, current, changed, results_dir, device)

@@ -2,9 +2,11 @@
 
 Each point runs in ``runs/<notebook>/<point-slug>/`` (``runs/smoke/...`` for smoke sweeps) with its
 own data/ and figures/ and, once it has finished, a ``metrics.json`` (parameters, seconds, and
-every ``data/*.json`` the notebook wrote through ``qlab.results.save_metrics``). A point with a
-metrics.json is complete and is skipped by the next invocation; a failing point leaves
-``error.txt`` instead and is retried next time. Nothing a completed point wrote is ever deleted.
+every metric the notebook wrote through ``qlab.results.save_metrics``, into ``data/`` or its profile's
+``data/<profile>/``). A point with a metrics.json for its parameters is complete and is skipped by
+the next invocation; a failing point leaves ``error.txt`` instead and is retried next time. Nothing a
+completed point wrote is ever deleted. ``smoke`` set by the grid or as a fixed parameter is the same
+as ``smoke=True``: the points go to ``runs/smoke/<notebook>/``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,11 +69,37 @@ class PointOutcome:
     slug: str
     status: str  # "ok", "skipped" (already complete) or "failed"
     detail: str = ""
+    folder: str = ""  # the point's folder (a failed point's error.txt is there)
+
+
+def _collected_metrics(data: Path) -> dict:
+    """Every metric in the ``*.json`` files ``save_metrics`` wrote to the folder ``data`` (not the
+    ``*_machine.json`` records), as one flat dict; a metric name two files give is kept from each, as
+    ``<file stem>.<name>``."""
+    per_file = {}
+    for metrics_file in sorted(Path(data).glob("*.json")):
+        if not metrics_file.name.endswith("_machine.json"):
+            per_file[metrics_file.stem] = json.loads(metrics_file.read_text(encoding="utf-8"))
+    names = [name for metrics in per_file.values() for name in metrics]
+    collected = {}
+    for stem, metrics in per_file.items():
+        for name, value in metrics.items():
+            collected[f"{stem}.{name}" if names.count(name) > 1 else name] = value
+    return collected
+
+
+def _failure_detail(message: str) -> str:
+    """One line for a failed point: the message's first, and for a failed notebook cell the exception
+    it raised (its ``  Name: text`` line; the cell's source lines are indented further)."""
+    lines = message.splitlines() or [""]
+    raised = next((line.strip() for line in lines[1:] if re.match(r"  [A-Za-z_][\w.]*: ", line)), "")
+    return f"{lines[0]} {raised}".strip()
 
 
 def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, timeout: int) -> PointOutcome:
     directory = Path(directory)
     start = time.perf_counter()
+    profile = parameters.get("profile", "cpu")
     try:
         run_notebook(
             notebook,
@@ -80,13 +109,11 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
             results_dir=directory,
             timeout=timeout,
         )
-        collected = {}
-        for metrics_file in sorted((directory / "data").glob("*.json")):
-            collected.update(json.loads(metrics_file.read_text()))
+        collected = _collected_metrics(directory / "data" / ("" if profile == "cpu" else str(profile)))
     except Exception as err:  # reported at the end of the sweep; other points go on
         message = f"{type(err).__name__}: {err}"
         (directory / ERROR_FILE).write_text(message + "\n")
-        return PointOutcome(directory.name, "failed", message.splitlines()[0])
+        return PointOutcome(directory.name, "failed", _failure_detail(message), str(directory))
     record = {
         "parameters": parameters,
         "smoke": smoke,
@@ -96,7 +123,26 @@ def _run_point(notebook: str, parameters: dict, directory: str, smoke: bool, tim
     with paths.written_atomically(directory / METRICS_FILE) as tmp:
         tmp.write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n")
     (directory / ERROR_FILE).unlink(missing_ok=True)
-    return PointOutcome(directory.name, "ok")
+    return PointOutcome(directory.name, "ok", folder=str(directory))
+
+
+def _check_completed(directory: Path, parameters: dict) -> None:
+    """ValueError where ``directory`` holds a completed point whose parameters are not ``parameters``
+    (a folder from another version's naming, or moved by hand): it is never taken for this point's."""
+    record_path = directory / METRICS_FILE
+    if not record_path.is_file():
+        return
+    try:
+        stored = json.loads(record_path.read_text(encoding="utf-8"))["parameters"]
+    except (ValueError, KeyError, TypeError) as err:
+        where = paths.shown(record_path)
+        raise ValueError(f"{where} is not a sweep point's record ({err}); move it away") from None
+    expected = json.loads(json.dumps(parameters, sort_keys=True, default=str))
+    if stored != expected:
+        raise ValueError(
+            f"{paths.shown(directory)} holds the completed point {stored}, not {expected}; move it away "
+            "to run this point there"
+        )
 
 
 def sweep_folder(notebook: str | os.PathLike, smoke: bool = False) -> Path:
@@ -111,7 +157,7 @@ def run_sweep(
     grid_file: str | os.PathLike,
     *,
     parameters: dict | None = None,
-    jobs: int = 1,
+    jobs: int | None = None,
     executor: str | None = None,
     address: str | None = None,
     smoke: bool = False,
@@ -121,18 +167,23 @@ def run_sweep(
     """Run every point of the grid not yet complete; return one outcome per point, in grid order.
 
     ``executor`` (``qlab.runs``): "serial", "processes" or "ray" (``address``: a running cluster's;
-    its nodes must share this file system). None: serial for ``jobs == 1``, else ``jobs`` processes.
-    ``parameters``: set at every point beside the grid's (a name in both is refused), and so named in
-    every point's folder. Every parameter name is checked against the notebook before anything runs.
+    its nodes must share this file system). None: serial unless ``jobs`` > 1, then ``jobs`` processes.
+    ``jobs``: points at once; None: one for serial, else ``qlab.runs``' default (a worker per core, or
+    the cluster's). ``parameters``: set at every point beside the grid's (a name in both is refused),
+    and so named in every point's folder. Every parameter is checked against the notebook, and a
+    folder holding another point's results is refused, before anything runs.
     """
     from qlab.runs import EXECUTORS, RunsFailed, check_address, run_many, task
 
-    checks.integer("jobs", jobs, low=1)
+    if jobs is not None:
+        checks.integer("jobs", jobs, low=1)
     checks.integer("timeout", timeout, low=1)
+    checks.boolean("smoke", smoke)
+    checks.boolean("progress", progress)
     if executor is None:
-        executor = "serial" if jobs == 1 else "processes"
+        executor = "serial" if jobs in (None, 1) else "processes"
     checks.choice("executor", executor, EXECUTORS)
-    if executor == "serial" and jobs > 1:
+    if executor == "serial" and jobs is not None and jobs > 1:
         raise ValueError(
             f"jobs {jobs} runs points at once and executor 'serial' one at a time; give one of them"
         )
@@ -161,23 +212,34 @@ def run_sweep(
         raise ValueError(f"grid {grid_file} lists the same point more than once: {', '.join(repeated)}")
     if smoke and any(point.get("smoke", True) is not True for point in points):
         raise ValueError("smoke=True and a point's smoke false disagree; give smoke once")
+    smoke_given = [point.get("smoke") is True for point in points]
+    if any(smoke_given) and not all(smoke_given):
+        raise ValueError(
+            f"grid {grid_file} runs some points with smoke true and others without; a smoke sweep and a "
+            "full one keep their points apart: run them as two sweeps"
+        )
+    if all(smoke_given):  # smoke given as a parameter is --smoke: the same folders, the same runs
+        smoke = True
+        points = [{name: value for name, value in point.items() if name != "smoke"} for point in points]
     root = sweep_folder(path, smoke)
+    directories = [root / point_slug(params) for params in points]
+    for params, directory in zip(points, directories):
+        _check_completed(directory, params)
     outcomes, pending = [], []
-    for params in points:
-        directory = root / point_slug(params)
+    for params, directory in zip(points, directories):
         if (directory / METRICS_FILE).exists():
-            outcomes.append(PointOutcome(directory.name, "skipped"))
+            outcomes.append(PointOutcome(directory.name, "skipped", folder=str(directory)))
         else:
             directory.mkdir(parents=True, exist_ok=True)
             pending.append(task(_run_point, str(path), params, str(directory), smoke, timeout))
-    workers = None if jobs == 1 and executor != "serial" else jobs
-    try:
-        done = run_many(pending, executor=executor, max_workers=workers, address=address,
+    try:  # metrics.json is a point's record of completion: no run cache besides it
+        done = run_many(pending, executor=executor, max_workers=jobs, address=address, cache=False,
                         progress=progress, desc=f"sweep {path.stem}")  # fmt: skip
     except RunsFailed as failed:  # a worker died: its point failed, every finished one is kept
         reasons = {index: error.strip().splitlines()[-1] for index, _, error in failed.failures}
         done = [
-            result or PointOutcome(Path(pending[i].args[2]).name, "failed", reasons.get(i, ""))
+            result
+            or PointOutcome(Path(pending[i].args[2]).name, "failed", reasons.get(i, ""), pending[i].args[2])
             for i, result in enumerate(failed.results)
         ]
     outcomes += done

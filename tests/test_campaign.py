@@ -243,7 +243,8 @@ NB03 = "03_backward_override_training_curves"
             "cpu",
             None,
             "qlab run 03 -p recipes '[nvfp4, mxfp8]'",
-            f"runs/interactive/{NB03}/recipes=--nvfp4----mxfp8--/data/runs",  # paths.point_slug
+            # paths.point_slug: the characters replaced, a hash of the values follows
+            f"runs/interactive/{NB03}/recipes=--nvfp4----mxfp8----f42294c1d0ba/data/runs",
         ),
         (
             {"smoke": True},

@@ -193,14 +193,21 @@ def test_a_campaign_s_output_folder_to_make_keeps_its_trailing_slash(tmp_path, c
     assert f"runs stored in {tmp_path}/new/data/runs" in capsys.readouterr().out
 
 
-def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, capsys):
+def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv(
+        "QLAB_RUN_CACHE", "1"
+    )  # a notebook's training runs may come from the cache; points never
     grid = tmp_path / "grid.yaml"
     grid.write_text("a: [1, 2, 3]\nfail: [false, true]\nlabel: sweep\n")
     assert cli.main(["sweep", str(tiny), str(grid), "-j", "2"]) == 1
     out = capsys.readouterr()
     assert "3 ran, 0 already complete, 3 failed" in out.out
-    assert "FAILED a=2__fail=True__label=sweep: " in out.err
     root = tmp_path / "runs" / "99_tiny"
+    failed = root / "a=2__fail=True__label=sweep"
+    assert (  # the cell's exception, and where the whole message is
+        f"FAILED a=2__fail=True__label=sweep: NotebookError: notebook 99_tiny.ipynb failed in cell In [3]: "
+        f"RuntimeError: boom at a=2 (in full: {failed / sweep.ERROR_FILE})" in out.err
+    )
     done = root / "a=2__fail=False__label=sweep"
     record = json.loads((done / sweep.METRICS_FILE).read_text())
     assert record["parameters"] == {"a": 2, "fail": False, "label": "sweep"}
@@ -209,9 +216,11 @@ def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, c
     assert "boom at a=3" in (root / "a=3__fail=True__label=sweep" / sweep.ERROR_FILE).read_text()
     before = (done / sweep.METRICS_FILE).stat().st_mtime_ns
 
+    (failed / sweep.ERROR_FILE).unlink()
     assert cli.main(["sweep", str(tiny), str(grid)]) == 1  # failing points are retried, the rest skipped
     assert "0 ran, 3 already complete, 3 failed" in capsys.readouterr().out
     assert (done / sweep.METRICS_FILE).stat().st_mtime_ns == before
+    assert "boom at a=2" in (failed / sweep.ERROR_FILE).read_text()  # run again, not an outcome kept
 
 
 @pytest.mark.parametrize(
@@ -222,6 +231,7 @@ def test_sweep_is_resumable_and_never_deletes_completed_points(tiny, tmp_path, c
         ("a: []\n", "empty list of values"),
         ("b: [1]\n", "unknown parameter(s) b"),
         ("a: [1]\na: [2]\n", "the key 'a' is given twice (line 2)"),  # never the last one silently
+        ("? [1, 2]\n: [3]\n", "found unhashable key"),
     ],
 )
 def test_sweep_rejects_bad_grids_before_running_anything(tiny, tmp_path, text, message, capsys):
@@ -243,11 +253,93 @@ def test_sweep_names_its_grid_argument_when_the_file_is_missing_or_unreadable(ti
 
 
 def test_grid_points_product_and_slugs():
+    import hashlib
+
     points = sweep.grid_points({"a": [1, 2], "b": ["x", "y z"]})
     assert points == [{"a": 1, "b": "x"}, {"a": 1, "b": "y z"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y z"}]
-    assert sweep.point_slug(points[1]) == "a=1__b=y-z"
+    assert sweep.point_slug(points[0]) == "a=1__b=x"  # nothing replaced: the text itself
+    # a replaced character: the text's hash follows, so "y z", "y/z" and "y-z" keep three folders
+    assert sweep.point_slug(points[1]) == "a=1__b=y-z--" + hashlib.sha1(b"a=1__b=y z").hexdigest()[:12]
+    slugs = {sweep.point_slug({"a": 1, "b": b}) for b in ("y z", "y/z", "y-z")}
+    assert len(slugs) == 3 and "a=1__b=y-z" in slugs
     long = sweep.point_slug({"name": "v" * 300})
     assert len(long) <= 120 and long != sweep.point_slug({"name": "v" * 301})
+
+
+def test_sweep_refuses_a_folder_holding_another_points_results(tiny, tmp_path, monkeypatch):
+    """A completed point is skipped only where its record names this point's parameters."""
+    monkeypatch.setattr(sweep, "run_notebook", lambda *a, **k: pytest.fail("a notebook started"))
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [1, 2]\n")
+    other = tmp_path / "runs" / "99_tiny" / "a=2"
+    other.mkdir(parents=True)
+    (other / sweep.METRICS_FILE).write_text(json.dumps({"parameters": {"a": 7}, "metrics": {}}))
+    with pytest.raises(
+        ValueError, match=r"runs/99_tiny/a=2 holds the completed point \{'a': 7\}, not \{'a': 2\}"
+    ):
+        sweep.run_sweep(str(tiny), grid, progress=False)
+    assert not (tmp_path / "runs" / "99_tiny" / "a=1").exists()  # refused before any folder is made
+
+
+def test_sweep_collects_the_metrics_of_its_profile_and_keeps_both_of_a_name_given_twice(
+    tmp_path, monkeypatch
+):
+    from qlab import results
+
+    def notebook(notebook, parameters, *, smoke, output, results_dir, timeout):  # what the kernel does
+        profile = parameters.get("profile", "cpu")
+        with paths.environment(QLAB_RESULTS_DIR=str(results_dir), QLAB_PROFILE=profile):
+            results.save_metrics("train", loss=2.31, steps=100)
+            results.save_metrics("val", loss=2.57)
+            (paths.data_dir() / "nb_machine.json").write_text('{"cpu": "x"}')
+
+    monkeypatch.setattr(paths, "RUNS_DIR", tmp_path / "runs")
+    monkeypatch.setattr(sweep, "run_notebook", notebook)
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("profile: [cpu, paper]\n")
+    outcomes = sweep.run_sweep("07", grid, progress=False)
+    assert [o.status for o in outcomes] == ["ok", "ok"]
+    for outcome in outcomes:
+        record = json.loads((Path(outcome.folder) / sweep.METRICS_FILE).read_text())
+        assert record["metrics"] == {"train.loss": 2.31, "steps": 100, "val.loss": 2.57}, outcome.slug
+
+
+def test_smoke_given_as_a_parameter_is_a_smoke_sweep(tiny, tmp_path, capsys):
+    """-p smoke true, a grid's smoke: [true] and --smoke are one sweep: the same folders, run once."""
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [5]\n")
+    assert cli.main(["sweep", str(tiny), str(grid), "--smoke"]) == 0
+    assert cli.main(["sweep", str(tiny), str(grid), "-p", "smoke", "true"]) == 0
+    assert "0 ran, 1 already complete, 0 failed" in capsys.readouterr().out
+    grid.write_text("a: [5]\nsmoke: [true]\n")
+    assert sweep.run_sweep(str(tiny), grid, progress=False)[0].status == "skipped"
+    record = json.loads((tmp_path / "runs" / "smoke" / "99_tiny" / "a=5" / sweep.METRICS_FILE).read_text())
+    assert record["smoke"] is True and record["parameters"] == {"a": 5}
+    assert not (tmp_path / "runs" / "99_tiny").exists()
+    grid.write_text("a: [5]\nsmoke: [true, false]\n")
+    with pytest.raises(ValueError, match="some points with smoke true and others without"):
+        sweep.run_sweep(str(tiny), grid, progress=False)
+
+
+def test_sweep_checks_its_flags_and_passes_the_workers_asked_for(tiny, tmp_path, monkeypatch):
+    from qlab import runs
+
+    grid = tmp_path / "grid.yaml"
+    grid.write_text("a: [1]\n")
+    for name in ("smoke", "progress"):
+        with pytest.raises(TypeError, match=f"{name} must be a bool"):
+            sweep.run_sweep(str(tiny), grid, **{name: "yes"})
+    assert not (tmp_path / "runs").exists()
+    asked = []
+    monkeypatch.setattr(runs, "run_many", lambda tasks, **options: asked.append(options) or [])
+    for jobs, executor in ((1, "processes"), (None, "processes"), (None, None), (3, None)):
+        sweep.run_sweep(str(tiny), grid, jobs=jobs, executor=executor, progress=False)
+    assert [(o["executor"], o["max_workers"], o["cache"]) for o in asked] == [
+        ("processes", 1, False),  # -j 1 is one worker, whatever the executor
+        ("processes", None, False),  # qlab.runs' default: a worker per core
+        ("serial", None, False),
+        ("processes", 3, False),
+    ]
 
 
 def test_float_parameters_accept_exponent_notation_and_ints(tiny):
@@ -445,7 +537,7 @@ def test_sweep_on_a_ray_cluster_keeps_every_point_a_killed_worker_did_not_touch(
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"a: [1, 2, 3]\npid_dir: {pids}\n")
     root = tmp_path / "runs" / "99_tiny"
-    finished = [root / f"a={a}__pid_dir={str(pids).replace('/', '-')}" / sweep.METRICS_FILE for a in (1, 2)]
+    finished = [root / sweep.point_slug({"a": a, "pid_dir": str(pids)}) / sweep.METRICS_FILE for a in (1, 2)]
 
     def kill_the_third_point_once_the_others_finished():
         deadline = time.monotonic() + 900

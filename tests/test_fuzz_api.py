@@ -734,6 +734,10 @@ ENTRY_POINTS = {
         session.interactive_dir,
         lambda: dict(name=NOTEBOOK, changed={"smoke": True, "seed": 3}),
     ),
+    "session.saved_copy": (
+        session.saved_copy,
+        lambda: dict(name=NOTEBOOK, changed={"seed": 3}, profile="paper"),
+    ),
     "lab.tracked_notebook": (lab.tracked_notebook, lambda: dict(path=f"notebooks/{NOTEBOOK}.py")),
     "lab.clean_for_saving": (
         lab.clean_for_saving,

@@ -436,3 +436,42 @@ def test_the_parameters_cell_reads_the_same_without_jupytext(monkeypatch):
     run_helpers.hide_module(monkeypatch, "jupytext")
     for name in names:
         assert session.parameter_values(session.parameters_source(name)) == with_jupytext[name], name
+
+
+def test_a_paper_profile_save_keeps_its_copy_apart_from_the_cpu_runs_copy():
+    """The executed copy of a save follows the profile as ``qlab run`` does: a paper-profile save never
+    replaces the outputs of the cpu run with the same other parameters."""
+    name = "07_recipe_ablations"
+    source = session.parameters_source(name)
+    assert 'profile: str = "cpu"' in source
+
+    def content(text):
+        return {"cells": [{"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": text}]}
+
+    cpu = lab.executed_copy(name, content(source))
+    paper = lab.executed_copy(name, content(source.replace('profile: str = "cpu"', 'profile: str = "paper"')))
+    folder = paths.RUNS_DIR / session.INTERACTIVE_DIR / name / "defaults"
+    assert (cpu, paper) == (folder / f"{name}.ipynb", folder / "paper" / f"{name}.ipynb")
+    assert paper == session.saved_copy(name, {}, "paper")
+
+
+@pytest.mark.parametrize("extra", ["extra = {[1]: 2}", "extra = {1, []}", "profile = 5"])
+def test_a_save_mid_edit_of_any_literal_keeps_its_copy_as_unparsed(extra):
+    """An unhashable literal (TypeError from ast.literal_eval) is a cell mid-edit like any other."""
+    name = "07_recipe_ablations"
+    cell = {"cell_type": "code", "metadata": {"tags": ["parameters"]}, "source": f"{extra}\n"}
+    copy = lab.executed_copy(name, {"cells": [cell]})
+    assert copy == paths.RUNS_DIR / session.INTERACTIVE_DIR / name / "unparsed-parameters" / f"{name}.ipynb"
+
+
+@pytest.mark.parametrize(
+    "cell, message",
+    [
+        ({"metadata": None, "source": ""}, r"content\['cells'\]\[0\]\['metadata'\] must be a dict"),
+        ({"metadata": {"tags": None}, "source": ""}, "whose tags are a list"),
+        ({"metadata": {}, "source": [1]}, r"\['source'\] must be text"),
+    ],
+)
+def test_a_malformed_cell_is_refused_by_its_place_in_the_content(cell, message):
+    with pytest.raises(ValueError, match=message):
+        lab.executed_copy("07_recipe_ablations", {"cells": [cell]})
