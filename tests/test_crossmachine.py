@@ -3,6 +3,7 @@
 import json
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -178,3 +179,137 @@ def test_a_folder_without_its_machine_record_is_refused(tmp_path):
 def test_unknown_notebooks_are_refused():
     with pytest.raises(ValueError, match="notebook"):
         crossmachine.final_losses("05_topk_sparse_backprop", paths.ROOT / "data")
+
+
+def seeded(values: dict) -> pd.DataFrame:
+    """Runs from {config: {seed: val_loss}}: seeds need not be 0, 1, 2, ... nor the same for every config."""
+    return pd.DataFrame(
+        [{"config": c, "seed": s, "val_loss": v} for c, losses in values.items() for s, v in losses.items()]
+    )
+
+
+T_975_1 = math.tan(math.pi * 0.475)  # Student t, 97.5 % quantile, df 1 (Cauchy): tan(π(p − ½)), 12.706
+
+
+def test_comparisons_pair_each_comparison_on_the_seeds_its_own_configs_ran():
+    # nvfp4 lacks seed 2 on the second machine: train.nvfp4 rests on seeds 0 and 1, train.bf16 on all three
+    first = seeded({"fp32": {0: 0.0, 1: 0.0, 2: 0.0}, "bf16": {0: 0.5, 1: 1.0, 2: 2.0},
+                    "nvfp4": {0: 1.0, 1: 2.0, 2: 3.0}})  # fmt: skip
+    second = seeded({"fp32": {0: 0.0, 1: 0.0, 2: 0.0}, "bf16": {0: 0.5, 1: 1.0, 2: 2.0},
+                     "nvfp4": {0: 1.0, 1: 3.0}})  # fmt: skip
+    result = crossmachine.comparisons("07_recipe_ablations", first, second, "a", "b").set_index("key")
+    assert result.n["train.bf16"] == 3 and result.n["train.nvfp4"] == 2
+    assert result.a_mean["train.bf16"] == pytest.approx(np.mean([0.5, 1.0, 2.0]))
+    assert result.a_mean["train.nvfp4"] == pytest.approx(1.5)  # (1 + 2) / 2
+    assert result.b_mean["train.nvfp4"] == pytest.approx(2.0)  # (1 + 3) / 2
+    half = T_975_1 * np.std([1.0, 2.0], ddof=1) / math.sqrt(2)
+    assert result.a_low["train.nvfp4"] == pytest.approx(1.5 - half)
+    # per-seed shifts 0 and 1: mean 0.5, sd √½
+    assert result["shift"]["train.nvfp4"] == pytest.approx(0.5)
+    assert result.shift_low["train.nvfp4"] == pytest.approx(
+        0.5 - T_975_1 * np.std([0.0, 1.0], ddof=1) / math.sqrt(2)
+    )
+
+
+def test_a_comparison_whose_configs_share_no_seed_is_refused_by_name():
+    first = seeded({"fp32": {0: 0.0, 1: 0.0}, "nvfp4": {0: 1.0, 1: 2.0}})
+    second = seeded({"fp32": {5: 0.0, 6: 0.0}, "nvfp4": {0: 1.0, 1: 2.0}})
+    with pytest.raises(ValueError, match=r"train\.nvfp4.*got 0.*fp32 lacks seeds \[0, 1\] on machine 'b'"):
+        crossmachine.comparisons("07_recipe_ablations", first, second, "a", "b")
+    one = seeded({"fp32": {0: 0.0, 1: 0.0}, "nvfp4": {0: 1.0}})  # a single pair: no paired interval
+    with pytest.raises(ValueError, match=r"train\.nvfp4.*at least 2 seeds.*got 1"):
+        crossmachine.comparisons("07_recipe_ablations", first, one, "a", "b")
+
+
+def test_a_diverged_run_is_refused_and_not_taken_for_a_missing_one():
+    first = seeded({"fp32": {0: 0.0, 1: 0.0, 2: 0.0}, "nvfp4": {0: 1.0, 1: 2.0, 2: 3.0}})
+    second = seeded({"fp32": {0: 0.0, 1: 0.0, 2: 0.0}, "nvfp4": {0: 1.0, 1: 2.0, 2: math.nan}})
+    with pytest.raises(ValueError, match=r"second \(machine 'b'\).*train\.nvfp4.*diverged.*seed 2"):
+        crossmachine.comparisons("07_recipe_ablations", first, second, "a", "b")
+    with pytest.raises(ValueError, match=r"train\.nvfp4.*diverged.*seed 2"):
+        crossmachine.difference_spread("07_recipe_ablations", second)
+
+
+def test_difference_spread_pairs_the_seeds_both_configs_ran_and_refuses_a_pair_without_two():
+    partial = seeded({"fp32": {0: 2.0, 1: 3.0, 2: 4.0}, "nvfp4": {0: 2.1, 2: 4.4}})  # nvfp4 lacks seed 1
+    row = crossmachine.difference_spread("07_recipe_ablations", partial).iloc[0]
+    sd = np.std([2.1 - 2.0, 4.4 - 4.0], ddof=1)
+    assert row.n == 2 and row.sd == pytest.approx(sd) and row.error == pytest.approx(sd / math.sqrt(2))
+    apart = seeded({"fp32": {0: 0.0}, "nvfp4": {1: 1.0}})
+    with pytest.raises(ValueError, match=r"train\.nvfp4 \(nvfp4 − fp32\).*got 0"):
+        crossmachine.difference_spread("07_recipe_ablations", apart)
+
+
+def claim_rows() -> pd.DataFrame:
+    return pd.DataFrame([
+        {"key": "train.nvfp4", "test": "paired t", "value": 0.01, "low": 0.004, "high": 0.016,
+         "low_90": math.nan, "high_90": math.nan, "n": 5, "p": 0.001, "p_adjusted": 0.001,
+         "margin": math.nan},
+    ])  # fmt: skip
+
+
+def test_survival_refuses_claims_without_a_margin_and_measured_keys_twice_or_not_str():
+    measured = pd.DataFrame({"key": ["train.nvfp4"], "shift": [0.0], "shift_low": [0.0], "shift_high": [0.0]})
+    with pytest.raises(ValueError, match="'margin' is not a column of the committed"):
+        crossmachine.survival(claim_rows().drop(columns=["margin"]), measured)
+    with pytest.raises(ValueError, match="measured holds the key 'train.nvfp4' 2 times"):
+        crossmachine.survival(claim_rows(), pd.concat([measured, measured], ignore_index=True))
+    with pytest.raises(TypeError, match="measured key must hold comparison keys"):
+        crossmachine.survival(claim_rows(), measured.assign(key=[7]))
+    with pytest.raises(TypeError, match="committed key must hold comparison keys"):
+        crossmachine.survival(claim_rows().assign(key=[math.nan]), measured)
+
+
+def test_every_function_taking_runs_refuses_a_run_given_twice_or_text_losses():
+    twice = pd.concat([runs({"fp32": [1.0, 2.0], "nvfp4": [2.0, 3.0]}), runs({"fp32": [5.0]})])
+    clean = runs({"fp32": [1.0, 2.0], "nvfp4": [2.0, 3.0]})
+    calls = {
+        "runs": lambda frame: crossmachine.seed_spread(frame),
+        "moved": lambda frame: crossmachine.run_shifts(frame, clean),
+        "reference": lambda frame: crossmachine.run_shifts(clean, frame),
+        "second": lambda frame: crossmachine.comparisons("07_recipe_ablations", clean, frame, "a", "b"),
+    }
+    for argument, call in calls.items():
+        with pytest.raises(ValueError, match=f"{argument} holds config 'fp32' seed 0 2 times"):
+            call(twice)
+        with pytest.raises(TypeError, match=f"{argument} val_loss must hold real numbers.*'x'"):
+            call(clean.assign(val_loss=["x", "y", "z", "w"]))
+    with pytest.raises(ValueError, match="runs holds config 'fp32' seed 0 2 times"):
+        crossmachine.difference_spread("07_recipe_ablations", twice)
+    # one row per run both hold: 4, not the 6 a merge on a run given twice would make
+    assert len(crossmachine.run_shifts(clean, clean)) == 4
+
+
+def test_final_losses_refuse_a_run_given_twice_naming_the_file(tmp_path):
+    training = runs({"fp32": [2.0, 2.1], "nvfp4": [2.5, 2.6]}).rename(columns={"config": "variant"})
+    pd.concat([training, training.iloc[[3]]]).to_csv(
+        tmp_path / "07_recipe_ablations_training.csv", index=False
+    )
+    with pytest.raises(ValueError, match=r"07_recipe_ablations_training\.csv.*'nvfp4' seed 1 2 times"):
+        crossmachine.final_losses("07_recipe_ablations", tmp_path)
+
+
+def test_a_machine_name_that_would_overwrite_a_result_column_is_refused():
+    first = runs({"fp32": [0.0, 0.0, 0.0], "nvfp4": [1.0, 2.0, 3.0]})
+    with pytest.raises(ValueError, match="first_name 'shift' would name the columns"):
+        crossmachine.comparisons("07_recipe_ablations", first, first, "shift", "b")
+    with pytest.raises(ValueError, match="second_name 'shift' would name the columns"):
+        crossmachine.comparisons("07_recipe_ablations", first, first, "a", "shift")
+    result = crossmachine.comparisons("07_recipe_ablations", first, first, "shifted", "b")
+    assert result["shift"].iloc[0] == 0 and result.shifted_mean.iloc[0] == pytest.approx(2.0)
+
+
+def test_final_losses_read_names_verbatim_and_refuse_a_run_without_one(tmp_path):
+    # an override written "None" is a name (pandas alone reads it as missing and drops those runs)
+    rows = [(step, loss if step == 2 else "", recipe, override, seed)
+            for recipe, override, base in (("fp32", "none", 2.0), ("nvfp4", "None", 2.5))
+            for seed in (0, 1) for step, loss in ((1, ""), (2, base + 0.1 * seed))]  # fmt: skip
+    text = "step,val_loss,recipe,override,seed\n" + "".join(",".join(map(str, row)) + "\n" for row in rows)
+    (tmp_path / "03_backward_override_training_curves_curves.csv").write_text(text)
+    frame = crossmachine.final_losses("03_backward_override_training_curves", tmp_path)
+    got = {(row.config, row.seed): row.val_loss for row in frame.itertuples()}
+    assert got == {("fp32", 0): 2.0, ("fp32", 1): 2.1, ("nvfp4/None", 0): 2.5, ("nvfp4/None", 1): 2.6}
+    # the header, four lines of fp32, then nvfp4's first: line 6
+    (tmp_path / "03_backward_override_training_curves_curves.csv").write_text(text.replace(",None,", ",,", 1))
+    with pytest.raises(ValueError, match="line 6 has no override"):
+        crossmachine.final_losses("03_backward_override_training_curves", tmp_path)
