@@ -102,7 +102,7 @@ class GradientMask:
         checks.choice("mode", mode, MODES)
         check_k(k)  # against the feature count at each call
         self.k, self.mode = k, mode
-        patterns = [modules] if isinstance(modules, (str, type)) else list(modules)
+        patterns = _module_selectors(modules)
         keep = checks.patterns("keep", keep)
         candidates = {
             name: module
@@ -139,7 +139,8 @@ class GradientMask:
             return None  # k = all: the gradient passes untouched
         mask = topk_mask(dy, self.k, self.mode)
         self.fractions.append(mask.float().mean().item())
-        return (dy * mask,) + tuple(grad_output[1:])
+        # dropped entries become zeros, as in TopKLinear: dy · mask would turn a dropped ±inf into NaN
+        return (torch.where(mask, dy, 0),) + tuple(grad_output[1:])
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -151,6 +152,25 @@ class GradientMask:
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+def _module_selectors(modules) -> list:
+    """GradientMask's ``modules``: one name pattern (str) or nn.Module subclass, or a list, tuple or set
+    of them, as a list; ``re:`` patterns must compile."""
+    wanted = "a name pattern (str), an nn.Module subclass, or a list of them"
+    if isinstance(modules, (str, type)):
+        modules = [modules]
+    if not isinstance(modules, (list, tuple, set, frozenset)):
+        raise TypeError(f"modules must be {wanted}, got {checks.shown(modules)}")
+    for entry in modules:
+        if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, nn.Module))):
+            hint = "; give its class" if isinstance(entry, nn.Module) else ""
+            raise TypeError(
+                f"each entry of modules must be a name pattern (str) or an nn.Module subclass, "
+                f"got {checks.shown(entry)}{hint}"
+            )
+    checks.patterns("modules", [entry for entry in modules if isinstance(entry, str)])
+    return list(modules)
 
 
 def mask_gradients(
@@ -207,15 +227,19 @@ class _TopKLinearFunction(torch.autograd.Function):
             keep = dy.abs().topk(ctx.count, dim=1).indices
             rows = torch.arange(dy.shape[0], device=dy.device).repeat_interleave(ctx.count)
             values = dy.gather(1, keep).reshape(-1)
+            # torch.sparse sums in the tensor's own dtype: a 16-bit dtype would lose the sum over the rows
+            # (4096 ones summed in bf16 stop at 256), so 16-bit products run in float32 and are rounded
+            # once at the end, as the other paths' dense GEMMs accumulate; float32 and float64 run as they are
+            wide = torch.float32 if dy.dtype in (torch.bfloat16, torch.float16) else dy.dtype
             sparse_dy = torch.sparse_coo_tensor(
-                torch.stack([rows, keep.reshape(-1)]), values, dy.shape, check_invariants=False
+                torch.stack([rows, keep.reshape(-1)]), values.to(wide), dy.shape, check_invariants=False
             ).coalesce()
             if need_x:
-                dx = torch.sparse.mm(sparse_dy, weight)
+                dx = torch.sparse.mm(sparse_dy, weight.to(wide)).to(dy.dtype)
             if need_w:
-                dw = torch.sparse.mm(sparse_dy.t(), x)
+                dw = torch.sparse.mm(sparse_dy.t(), x.to(wide)).to(dy.dtype)
             if need_b and ctx.has_bias:
-                db = torch.sparse.sum(sparse_dy, dim=0).to_dense()
+                db = torch.sparse.sum(sparse_dy, dim=0).to_dense().to(dy.dtype)
         dx = None if dx is None else dx.to(x_saved.dtype)
         dw = None if dw is None else dw.to(w_saved.dtype)
         db = None if db is None else db.to(ctx.bias_dtype)
@@ -269,6 +293,11 @@ class TopKLinear(QlabLinear):
                 f"TopKLinear expects input of shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
         weight = oriented_weight(self)
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"input dtype {x.dtype} does not match the weight's {weight.dtype}; "
+                f"cast one of them (TopKLinear does not mix dtypes silently)"
+            )
         if self.count == self.out_features and self.variant == "topk":
             return F.linear(x, weight, self.bias)  # k = all: exactly the dense layer
         y = _TopKLinearFunction.apply(
@@ -280,7 +309,25 @@ class TopKLinear(QlabLinear):
 def sparsify_model(model: nn.Module, k, *, mode: str = "shared", variant: str = "topk", keep=()) -> list[str]:
     """Replace every nn.Linear (in place) by a TopKLinear sharing its Parameters, except names matching
     the fnmatch patterns in ``keep``; return the replaced names. A Linear registered under several
-    names becomes one shared TopKLinear. Nothing is replaced if any layer refuses k."""
+    names becomes one shared TopKLinear. Nothing is replaced if any layer refuses k. A model that already
+    holds TopKLinear layers is refused (their k cannot change here): ``qlab.nn.plain_linears(model,
+    TopKLinear)`` restores them to the dense layers around the same Parameters, which can then be
+    sparsified with another k."""
+    checks.module("model", model)
+    sparsified = [
+        repr(name) if name else "the model itself"
+        for name, module in model.named_modules()
+        if isinstance(module, TopKLinear)
+    ]
+    if sparsified:
+        shown = ", ".join(sparsified[:5]) + (
+            f" and {len(sparsified) - 5} more" if len(sparsified) > 5 else ""
+        )
+        raise ValueError(
+            f"the model is already sparsified (TopKLinear: {shown}); sparsify_model replaces nn.Linear "
+            f"layers only and would leave their k as it is. To change k, restore the dense layers first "
+            f"with qlab.nn.plain_linears(model, TopKLinear) (same Parameters), then sparsify again"
+        )
     chosen = replace_linears(
         model, lambda linear, i: TopKLinear.from_linear(linear, k, mode=mode, variant=variant), keep=keep
     )

@@ -768,3 +768,107 @@ def test_a_gradient_mask_that_keeps_every_module_says_so_not_that_nothing_matche
         GradientMask(model, 0.5, keep=["*"])
     with pytest.raises(ValueError, match="match no module of the model"):
         GradientMask(model, 0.5, modules=[torch.nn.Conv1d])
+
+
+# --- 10. 16-bit row mode, infinite gradient entries, argument errors ----------------------------------------
+
+
+@pytest.mark.parametrize("dtype, unit", [(torch.bfloat16, 2**-8), (torch.float16, 2**-11)])
+def test_row_mode_in_16_bits_over_4096_tokens_is_as_accurate_as_hook_masking(dtype, unit):
+    """Each dx, dW, db entry sums up to 4096 products: float32 accumulation rounded once to ``dtype``
+    puts every entry within the unit roundoff ``unit`` (2⁻⁸ bf16, 2⁻¹¹ fp16) of the float64 value, so
+    the norm-wise relative error is at most ``unit`` (float32's own rounding, ~1e-7·√4096 relative, is
+    far below it). The hook path's dense 16-bit GEMMs meet the same bound; sums kept in 16 bits do not
+    (4096 ones summed in bf16 stop at 256)."""
+    N, inputs, M, k = 4096, 16, 12, 3
+    generator = torch.Generator().manual_seed(21)
+    # each row's magnitudes are 1 + j/16 for a permutation j of 0..11: exact in 16 bits, no ties, and
+    # the row's k largest are where j ≥ M − k
+    ranks = torch.rand(N, M, generator=generator).argsort(dim=1)
+    sign = torch.where(torch.rand(N, M, generator=generator) < 0.5, -1.0, 1.0)
+    dy = (sign * (1 + ranks / 16)).to(dtype)
+    mask = ranks >= M - k
+    x = torch.randn(N, inputs, generator=generator).to(dtype)
+    reference = _linear(inputs, M, seed=5).to(dtype)
+    expected = _reference64(x, reference.weight, reference.bias, torch.where(mask, dy.double(), 0.0))
+
+    sparse_grads = _grads(_topk_copy(reference, k, "row").to(dtype), x, dy)
+    hooked_model = nn.Sequential(copy.deepcopy(reference))
+    with mask_gradients(hooked_model, k, mode="row"):
+        hooked = _grads(hooked_model, x, dy)
+    for grads in (sparse_grads, hooked):
+        for got, want in zip(grads, expected):
+            assert got.dtype == dtype
+            assert ((got.double() - want).norm() / want.norm()).item() <= unit
+
+
+@pytest.mark.parametrize("mode", ["shared", "row"])
+def test_a_dropped_infinite_gradient_entry_becomes_zero_not_nan(mode):
+    # one token, k = 2: three infinite entries compete for two places, so one of them is dropped
+    dy = torch.tensor([[math.inf, 0.5, -math.inf, 2.0, math.inf, -1.0]])
+    x = torch.tensor([[1.0, -2.0, 3.0]])
+    reference = _linear(3, 6, seed=7)
+    hooked_model = nn.Sequential(copy.deepcopy(reference))
+    with mask_gradients(hooked_model, 2, mode=mode):
+        hooked = _grads(hooked_model, x, dy)
+    gathered = _grads(_topk_copy(reference, 2, mode), x, dy)
+    for _, dw, db in (hooked, gathered):
+        # one token: db is the masked dy itself, two of its three infinities (signs kept) and zeros
+        kept = db.isinf()
+        assert not db.isnan().any() and int(kept.sum()) == 2
+        assert (kept <= dy[0].isinf()).all() and torch.equal(db[kept], dy[0][kept])
+        assert (db[~kept] == 0).all()
+        # dW row m is db[m]·x: ±inf where kept (x has no zero), zero where dropped
+        assert not dw.isnan().any() and dw[kept].isinf().all() and (dw[~kept] == 0).all()
+    assert torch.equal(hooked[2], gathered[2]) and torch.equal(hooked[1], gathered[1])
+
+
+@pytest.mark.parametrize("k", [2, 4])  # a top-k layer and k = all (exactly the dense layer)
+def test_topk_linear_refuses_an_input_dtype_other_than_the_weights(k):
+    layer = TopKLinear(8, 4, k=k)
+    with pytest.raises(
+        TypeError, match=r"input dtype torch\.float64 does not match the weight's torch\.float32"
+    ):
+        layer(torch.randn(3, 8, dtype=torch.float64))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast mixes dtypes on purpose
+        y = layer(torch.randn(3, 8, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "modules, error, words",
+    [
+        ([5], TypeError, r"each entry of modules must be .* got 5 \(int\)"),
+        (None, TypeError, r"modules must be .* got None \(NoneType\)"),
+        (5, TypeError, r"modules must be .* got 5 \(int\)"),
+        ([nn.Linear(2, 2)], TypeError, r"nn\.Module subclass, got Linear.*give its class"),
+        ([nn.Linear, 3.0], TypeError, r"got 3\.0 \(float\)"),
+        ([int], TypeError, r"nn\.Module subclass, got <class 'int'>"),
+        (["re:("], ValueError, r"modules pattern 're:\(' is not a regular expression"),
+    ],
+)
+def test_gradient_mask_refuses_module_selectors_that_are_neither_patterns_nor_classes(modules, error, words):
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(error, match=words):
+        GradientMask(model, 2, modules=modules)
+    assert not model[0]._backward_pre_hooks
+
+
+def test_sparsify_model_refuses_a_model_already_sparsified_and_changes_nothing():
+    from qlab.nn import plain_linears
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    assert sparsify_model(model, 2) == ["0", "2"]
+    layers = list(model)
+    for keep in ([], ["2"]):
+        with pytest.raises(ValueError, match=r"already sparsified \(TopKLinear: '0', '2'\).*plain_linears"):
+            sparsify_model(model, 3, keep=keep)
+    assert list(model) == layers and [model[0].count, model[2].count] == [2, 2]
+    # what the message says to do: back to the dense layers (the same Parameters), then another k
+    weight = model[0].weight
+    assert plain_linears(model, TopKLinear) == ["0", "2"] and type(model[0]) is nn.Linear
+    assert sparsify_model(model, 3) == ["0", "2"]
+    assert [model[0].count, model[2].count] == [3, 3] and model[0].weight is weight
+    with pytest.raises(ValueError, match="already sparsified .TopKLinear: the model itself"):
+        sparsify_model(TopKLinear(4, 4, k=2), 1)

@@ -127,7 +127,13 @@ class Vocabulary:
         return table[code_points]
 
     def decode(self, ids) -> str:
-        return "".join(self.characters[int(i)] for i in ids)
+        """The text of ``ids``: an integer tensor or numpy array (any shape, read in order) or a list,
+        tuple or range of ints, each in [0, len(self))."""
+        ids, size = _id_list(ids), len(self.characters)
+        if ids and (min(ids) < 0 or max(ids) >= size):
+            wrong = next(i for i in ids if not 0 <= i < size)
+            raise ValueError(f"ids must lie in [0, {size}) (the vocabulary's ids), got id {wrong}")
+        return "".join(self.characters[i] for i in ids)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -139,6 +145,25 @@ class Vocabulary:
     @classmethod
     def load(cls, path: str | Path) -> Vocabulary:
         return cls(json.loads(Path(path).read_text(encoding="utf-8"))["characters"])
+
+
+def _id_list(ids) -> list[int]:
+    """``Vocabulary.decode``'s ids as a list of Python ints: integer tensors and arrays (not bool) are
+    flattened, lists, tuples and ranges must hold ints (not bools); floats and strings are refused."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise TypeError(f"ids must be an integer tensor, got dtype {ids.dtype}")
+        return ids.flatten().tolist()
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
+        return ids.ravel().tolist()
+    if isinstance(ids, (list, tuple, range)):
+        for i in ids:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                raise TypeError(f"ids must hold ints, got {checks.shown(i)}")
+        return [int(i) for i in ids]
+    raise TypeError(f"ids must be an integer tensor or array or a list of ints, got {checks.shown(ids)}")
 
 
 @dataclass(frozen=True)
@@ -189,7 +214,8 @@ class ImageSet:
 
 
 def digits(seed: int = 0, val_fraction: float = 0.2) -> ImageSet:
-    """scikit-learn's bundled digits, pixels scaled by 1/16, split by a permutation seeded with ``seed``."""
+    """scikit-learn's bundled digits, pixels scaled by 1/16, split by a permutation seeded with ``seed``:
+    round(val_fraction · 1797) validation images, the rest for training; neither may be empty."""
     checks.seed("seed", seed)
     checks.number("val_fraction", val_fraction, low=0, high=1, open_low=True, open_high=True)
     return _digits(int(seed), float(val_fraction))
@@ -203,6 +229,11 @@ def _digits(seed: int, val_fraction: float) -> ImageSet:
     y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
     n_val = int(round(val_fraction * len(y)))
+    if not 0 < n_val < len(y):
+        raise ValueError(
+            f"val_fraction {val_fraction} splits the {len(y)} digits into {len(y) - n_val} training and "
+            f"{n_val} validation images; both splits need at least one image"
+        )
     val, train = order[:n_val], order[n_val:]
     return ImageSet(x[train], y[train], x[val], y[val])
 

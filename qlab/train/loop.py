@@ -254,7 +254,13 @@ def compiled_step_model(model: nn.Module, mode: str = "default") -> nn.Module:
 
 
 class Batches:
-    """Stateless batches: ``train(step, micro, rank)`` depends only on (seed, step), never on history."""
+    """Stateless batches: ``train(step, micro, rank)`` depends only on (seed, step), never on history.
+
+    A Shakespeare item is a window of context + 1 tokens of a split's stream (inputs and the targets one
+    token on), starting at a position drawn uniformly from 0 .. len − context − 2: the last possible
+    start, len − context − 1, is never drawn (the seeded draws of every run depend on that range), so
+    each split needs at least context + 2 tokens. Step s draws from a generator seeded with
+    (seed · 1000003 + s) mod 2⁶⁴."""
 
     def __init__(self, config: TrainConfig):
         _check_config(config)
@@ -263,6 +269,13 @@ class Batches:
             corpus = D.shakespeare()
             self.vocabulary = corpus.vocabulary
             self.train_data, self.val_data = corpus.train, corpus.val
+            for split, stream in (("train", self.train_data), ("validation", self.val_data)):
+                if len(stream) < config.context + 2:
+                    raise ValueError(
+                        f"context {config.context} needs a split of at least context + 2 = "
+                        f"{config.context + 2} tokens (windows of context + 1 tokens), but the {split} split "
+                        f"holds {len(stream)} tokens; choose a shorter context"
+                    )
         else:
             images = D.digits(0)  # one split for every seed: seed bands measure training, not the split
             self.vocabulary = None
@@ -286,7 +299,8 @@ class Batches:
     def global_indices(self, step: int) -> torch.Tensor:
         """Step ``step``'s whole batch, shaped (grad_accum, nproc, micro_batch)."""
         c = self.config
-        generator = torch.Generator().manual_seed(c.seed * 1_000_003 + step)
+        # reduced mod 2⁶⁴, the seeds a generator takes: the same seed below 2⁶⁴, and no overflow above
+        generator = torch.Generator().manual_seed((c.seed * 1_000_003 + step) % 2**64)
         indices = torch.randint(self._population("train"), (c.batch_size,), generator=generator)
         return indices.view(c.grad_accum, c.nproc, c.micro_batch)
 

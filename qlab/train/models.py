@@ -20,9 +20,10 @@ from qlab import checks
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, width: int, heads: int):
+        checks.integer("width", width, low=1)
+        if width % checks.integer("heads", heads, low=1):
+            raise ValueError(f"width {width} must be divisible by heads {heads}")
         super().__init__()
-        if width % heads:
-            raise ValueError(f"width {width} is not divisible by heads {heads}")
         self.heads = heads
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
@@ -94,12 +95,27 @@ class CharGPT(nn.Module):
             self.head.weight = self.token_embedding.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(
+                f"CharGPT expects ids as an int64 tensor (batch, tokens), got {checks.shown(ids)}"
+            )
         if ids.dim() != 2 or ids.dtype != torch.long:
             raise TypeError(
                 f"CharGPT expects int64 ids of shape (batch, tokens), got {ids.dtype} {tuple(ids.shape)}"
             )
         if ids.shape[1] > self.context:
             raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than the context {self.context}")
+        # checked on the CPU only: on a GPU, reading min and max back would synchronize the device every
+        # step and break CUDA graph capture (there the embedding's device-side assert reports a bad id);
+        # nor while torch.compile traces, where reading a value back is a graph break
+        if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
+            vocab_size = self.token_embedding.num_embeddings
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab_size:
+                raise ValueError(
+                    f"CharGPT ids must lie in [0, {vocab_size}) (the vocabulary's ids), "
+                    f"got ids from {low} to {high}"
+                )
         positions = torch.arange(ids.shape[1], device=ids.device)
         x = self.token_embedding(ids) + self.position_embedding(positions)
         for block in self.blocks:
