@@ -13,6 +13,7 @@ transform is meant to act on wgrad, whose reduction runs over tokens).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -147,20 +148,34 @@ def gemm_errors(
     """Relative Frobenius error of y, dx and dW from a QuantLinear with ``recipe`` (stochastic rounding
     seeded by ``seed``) against float64 products of the same float32 operands.
 
-    x: (tokens, in), weight: (out, in), grad_output: (tokens, out); floating-point tensors.
+    x: (tokens, in), weight: (out, in), grad_output: (tokens, out); floating-point tensors. A GEMM whose
+    exact product is zero (an all-zero x or grad_output) has error 0 where its output is zero too, and
+    inf where it is not.
     """
     got = gemm_outputs(recipe, x, weight, grad_output, seed=seed)
     # contiguous: the float64 products then sum in one order whatever the operands' strides
     x64, w64, dy64 = (t.double().contiguous() for t in (x, weight, grad_output))
     exact = {"fprop": x64 @ w64.T, "dgrad": dy64 @ w64, "wgrad": dy64.T @ x64}
-    return {gemm: float((got[gemm].double() - exact[gemm]).norm() / exact[gemm].norm()) for gemm in GEMMS}
+    return {gemm: _relative_error(got[gemm].double(), exact[gemm]) for gemm in GEMMS}
+
+
+def _relative_error(got: torch.Tensor, exact: torch.Tensor) -> float:
+    """‖got − exact‖ / ‖exact‖ (float64); for a zero ``exact``: 0 if ``got`` is zero as well, inf if
+    not (NaN stays NaN)."""
+    difference, size = (got - exact).norm(), exact.norm()
+    if size == 0:
+        if difference == 0:
+            return 0.0
+        return math.nan if torch.isnan(difference) else math.inf
+    return float(difference / size)
 
 
 def gemm_outputs(
     recipe: str | Recipe, x: torch.Tensor, weight: torch.Tensor, grad_output: torch.Tensor, *, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """{"fprop": y, "dgrad": dx, "wgrad": dW} of one QuantLinear forward and backward with ``recipe``
-    (its stochastic rounding seeded by ``seed``), float32; shapes as for ``gemm_errors``."""
+    (its stochastic rounding seeded by ``seed``), float32; shapes as for ``gemm_errors``. A preset name
+    or dict is taken without the environment's backward override, as everywhere in this module."""
     from qlab.nn import QuantLinear
 
     x = checks.tensor("x", x, floating=True)
@@ -180,7 +195,7 @@ def gemm_outputs(
         raise ValueError(
             f"x and weight must hold values, got shapes {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    layer = QuantLinear(weight.shape[1], weight.shape[0], bias=False, recipe=recipe, seed=seed)
+    layer = QuantLinear(weight.shape[1], weight.shape[0], bias=False, recipe=_recipe(recipe), seed=seed)
     with torch.no_grad():
         layer.weight.copy_(weight)
     # contiguous copies: the GEMMs then run in one order whatever the operands' strides
@@ -200,11 +215,11 @@ def synthetic_operands(tokens: int = 256, features: int = 256, out: int = 256, *
     checks.seed("seed", seed)
     checks.allocatable("tokens × features × out", (max(tokens, out), features + out))
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, features, generator=generator)
+    x = torch.randn(tokens, features, generator=generator, dtype=torch.float32)
     x[:, torch.randperm(features, generator=generator)[:4]] *= 20.0
-    weight = torch.randn(out, features, generator=generator) / features**0.5
-    token_scale = torch.exp(torch.randn(tokens, 1, generator=generator) * 1.15)
-    grad_output = torch.randn(tokens, out, generator=generator) * token_scale * 1e-3
+    weight = torch.randn(out, features, generator=generator, dtype=torch.float32) / features**0.5
+    token_scale = torch.exp(torch.randn(tokens, 1, generator=generator, dtype=torch.float32) * 1.15)
+    grad_output = torch.randn(tokens, out, generator=generator, dtype=torch.float32) * token_scale * 1e-3
     return x, weight, grad_output
 
 
@@ -212,7 +227,11 @@ def capture_operands(model: torch.nn.Module, forward_backward, *, skip=(), only=
     """Every ``nn.Linear``'s GEMM operands in one training step: {name: (x, weight, grad_output)},
     float32 2-D copies (tokens flattened) of what the layer saw in ``forward_backward()`` (a callable
     that runs the model forward and backward once). Layers named in ``skip`` are left out; ``only``
-    (names) keeps just those, each of which must be a Linear of the model."""
+    (names) keeps just those, each of which must be a Linear of the model.
+
+    A layer called more than once (a shared layer) gives its calls' inputs and output gradients
+    concatenated along tokens, in call order, each gradient beside its own call's input: dW = dyᵀ·x
+    still holds. A layer that received no output gradient (no backward reached it) is left out."""
     checks.module("model", model)
     if not callable(forward_backward):
         raise TypeError(f"forward_backward must be a callable, got {checks.shown(forward_backward)}")
@@ -220,28 +239,45 @@ def capture_operands(model: torch.nn.Module, forward_backward, *, skip=(), only=
     skip = set(checks.names("skip", skip, linears))
     if only is not None:
         only = set(checks.names("only", only, linears))
-    captured, handles = {}, []
+    # per layer, in call order: for each call, its input and the output gradients it received
+    calls: dict[str, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {}
+    handles = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name not in skip and (only is None or name in only):
-
-            def keep_input(module, inputs, name=name):
-                captured[name] = [inputs[0].detach().reshape(-1, module.in_features).float().clone()]
-
-            def keep_grad(module, grad_input, grad_output, name=name):
-                captured[name].append(
-                    grad_output[0].detach().reshape(-1, module.out_features).float().clone()
-                )
-
-            handles.append(module.register_forward_pre_hook(keep_input))
-            handles.append(module.register_full_backward_hook(keep_grad))
+            handles.append(module.register_forward_hook(_capture_hook(name, calls), with_kwargs=True))
     try:
         forward_backward()
     finally:
         for handle in handles:
             handle.remove()
     modules = dict(model.named_modules())
-    return {
-        name: (parts[0], modules[name].weight.detach().float().clone(), parts[1])
-        for name, parts in captured.items()
-        if len(parts) == 2
-    }
+    captured = {}
+    for name, layer_calls in calls.items():
+        pairs = [(x, grad) for x, grads in layer_calls for grad in grads]
+        if pairs:
+            x = pairs[0][0] if len(pairs) == 1 else torch.cat([x for x, _ in pairs])
+            dy = pairs[0][1] if len(pairs) == 1 else torch.cat([grad for _, grad in pairs])
+            captured[name] = (x, modules[name].weight.detach().float().clone(), dy)
+    return captured
+
+
+def _capture_hook(name: str, calls: dict):
+    """A forward hook of the Linear ``name`` that records, into ``calls[name]``, each call's input and,
+    through a hook on its output, the gradient backward brings to that output."""
+
+    def hook(module, args, kwargs, output):
+        x = args[0] if args else kwargs.get("input")
+        if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
+            raise ValueError(
+                f"capture_operands: the Linear {name!r} was called without a tensor input (positional or "
+                f"input=...) or gave no tensor output; got args {checks.shown(args)}, keyword arguments "
+                f"{sorted(kwargs)}"
+            )
+        grads: list[torch.Tensor] = []
+        calls.setdefault(name, []).append((x.detach().reshape(-1, module.in_features).float().clone(), grads))
+        if output.requires_grad:
+            output.register_hook(
+                lambda grad: grads.append(grad.detach().reshape(-1, module.out_features).float().clone())
+            )
+
+    return hook

@@ -56,12 +56,12 @@ def _amaxes(name: str, value) -> torch.Tensor:
 
 def _one_value(name: str, value, other_name: str, other: torch.Tensor) -> torch.Tensor:
     """A per-tensor companion (a global scale, an encode factor) of ``other``: one real value on its
-    device, not a tensor that would broadcast against it."""
+    device, returned 0-d so that it cannot broadcast ``other`` to a larger shape (a (1, 1) tensor would)."""
     _amaxes(name, value)
     if value.numel() != 1:
         raise ValueError(f"{name} must hold one value (per tensor), got shape {tuple(value.shape)}")
     checks.same_device(name, value, other_name, other)
-    return value
+    return value.reshape(())
 
 
 def _divide(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
@@ -124,9 +124,11 @@ def int_affine_parameters(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) for asymmetric quantization of values in [lo, hi].
 
-    The range is widened to include 0 so that zero is exact; scale = (hi − lo) / (qmax − qmin)
-    (1 for an empty or non-finite range); zero_point = qmin − round(lo / scale) with round-half-even,
-    clamped to [qmin, qmax], as float32 holding an integer. q = clamp(round(x / scale) + zero_point).
+    The range is widened to include 0 so that zero is exact; scale = (hi − lo) / (qmax − qmin), each
+    step rounded to float32 (1 for an empty or non-finite range, or a scale beyond float32);
+    zero_point = qmin − round(lo / scale) with round-half-even, clamped to [qmin, qmax], as float32
+    holding an integer. q = clamp(round(x / scale) + zero_point). A finite range wider than the
+    largest float32 (lo = −3e38, hi = 3e38) keeps its scale: its width is taken halved, where it fits.
     """
     _amaxes("lo", lo), _amaxes("hi", hi)
     if lo.shape != hi.shape:
@@ -138,6 +140,11 @@ def int_affine_parameters(
     lo = torch.clamp(lo.float(), max=0.0)
     hi = torch.clamp(hi.float(), min=0.0)
     scale = divide_by(hi - lo, qmax - qmin)
+    # hi − lo overflows float32 for a finite range wider than its largest value. Halving is exact at
+    # those magnitudes and commutes with rounding, so 2·fl(fl(hi/2 − lo/2) / (qmax − qmin)) is the
+    # float32 scale of the same formula with an unbounded exponent.
+    wide = torch.isinf(scale) & torch.isfinite(lo) & torch.isfinite(hi)
+    scale = torch.where(wide, divide_by(hi * 0.5 - lo * 0.5, qmax - qmin) * 2.0, scale)
     usable = torch.isfinite(scale) & (scale > 0)
     scale = torch.where(usable, scale, 1.0)
     zero_point = torch.where(usable, qmin - torch.round(lo / scale), float(qmin))
@@ -192,16 +199,33 @@ class DelayedScaling:
         self.algorithm = checks.choice("algorithm", algorithm, AMAX_ALGORITHMS)
         self.margin = checks.integer("margin", margin, low=0, high=127)
         self.history = torch.zeros(history_len, dtype=torch.float32)
-        self.scale = torch.tensor(1.0)
+        self.scale = torch.tensor(1.0, dtype=torch.float32)
         self._step_amax: torch.Tensor | None = None
 
     def observe(self, amax: torch.Tensor) -> None:
+        """Record one amax of this step: a number ≥ 0 (inf allowed), or a real one-element tensor.
+
+        A tensor on the CPU must hold a value ≥ 0; a NaN or inf (what a step that overflowed measures)
+        is taken, and ``step`` then keeps the previous scale. A tensor on another device is not read
+        back (that would synchronize the device at every observation), nor one being traced by
+        torch.compile: there a negative value goes unchecked.
+        """
         if not isinstance(amax, torch.Tensor):
             checks.number("amax", amax, low=0, finite=False)
-        elif amax.numel() != 1:
-            raise ValueError(
-                f"amax must be one value (a 0-d or one-element tensor), got shape {tuple(amax.shape)}"
-            )
+        else:
+            if amax.device.type != "meta":
+                checks.tensor("amax", amax, real=True)
+            elif amax.dtype == torch.bool or amax.is_complex():  # meta: a shape without values, as traced
+                raise TypeError(
+                    f"amax must hold real numbers (a floating or integer dtype), got {amax.dtype}"
+                )
+            if amax.numel() != 1:
+                raise ValueError(
+                    f"amax must be one value (a 0-d or one-element tensor), got shape {tuple(amax.shape)}"
+                )
+            on_cpu = amax.device.type == "cpu" and not torch.compiler.is_compiling()
+            if on_cpu and amax.detach().reshape(()).item() < 0:
+                raise ValueError(f"amax must be ≥ 0 (an absolute maximum), got {amax.item()!r}")
         amax = torch.as_tensor(amax, dtype=torch.float32).detach().reshape(())
         if self._step_amax is not None and amax.device != self._step_amax.device:
             amax = amax.to(self._step_amax.device)
@@ -324,7 +348,7 @@ def nvfp4_block_scales(block_amax: torch.Tensor, global_scale: torch.Tensor | No
     """
     block_amax = _amaxes("block_amax", block_amax).float()
     if global_scale is not None:
-        _one_value("global_scale", global_scale, "block_amax", block_amax)
+        global_scale = _one_value("global_scale", global_scale, "block_amax", block_amax)
     scale = divide_by(block_amax, NVFP4_ELEMENT_MAX)
     if global_scale is not None:
         scale = scale / global_scale
@@ -365,7 +389,7 @@ def nvfp4_element_inverse(block_scales: torch.Tensor, decode: torch.Tensor | Non
     with S_dec = fl(1/S_enc) (``decode`` None: 1). A zero block scale gives FLT_MAX (0 · FLT_MAX = 0)."""
     _amaxes("block_scales", block_scales)
     if decode is not None:
-        _one_value("decode", decode, "block_scales", block_scales)
+        decode = _one_value("decode", decode, "block_scales", block_scales)
     denominator = block_scales if decode is None else block_scales * decode
     return torch.clamp(reciprocal(denominator), max=FLOAT32_MAX)
 
@@ -383,7 +407,7 @@ def nvfp4_dequantize_multiplier(block_scales: torch.Tensor, amax: torch.Tensor |
     _amaxes("block_scales", block_scales)
     if amax is None:
         return block_scales
-    _one_value("amax", amax, "block_scales", block_scales)
+    amax = _one_value("amax", amax, "block_scales", block_scales)
     encode = nvfp4_encode_scale(amax)
     with_amax = (block_scales * amax) * _RCP_2688
     consistent = block_scales * reciprocal(encode)

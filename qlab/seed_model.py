@@ -194,6 +194,24 @@ class SeedTransformer(nn.Module):
         self.head = nn.Linear(width, vocab)
 
     def forward(self, ids):
+        """ids: int64 or int32 token ids of shape (batch, tokens ≤ the model's tokens), each in [0, vocab)."""
+        checks.tensor("ids", ids, dtypes=(torch.int64, torch.int32))
+        if ids.dim() != 2:
+            raise ValueError(f"ids must have shape (batch, tokens), got shape {tuple(ids.shape)}")
+        tokens, vocab = self.position.shape[0], self.embed.num_embeddings
+        if ids.shape[1] > tokens:
+            raise ValueError(
+                f"ids must hold at most {tokens} tokens (the model's tokens), got {ids.shape[1]}"
+            )
+        # the range is read back on the CPU only: on a GPU that would synchronize the device every step
+        # (there the embedding's device-side assert reports a bad id), and while torch.compile traces it
+        # would break the graph
+        if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= vocab:
+                raise ValueError(
+                    f"ids must lie in [0, {vocab}) (the vocabulary), got ids from {low} to {high}"
+                )
         x = self.embed(ids) + self.position[: ids.shape[1]]
         for block in self.blocks:
             x = block(x)
@@ -283,14 +301,19 @@ def train(
             checks.number(name, value, low=0, high=high, open_low=True)
     checks.seed("seed", seed)
     if not isinstance(watch, str):
-        raise TypeError(f"watch must be a module name (str), got {checks.shown(watch)}")
+        raise TypeError(f"watch must be the name of a SeedLinear layer (str), got {checks.shown(watch)}")
     # heads=4: SeedTransformer's default, which train keeps
     _check_sizes(vocab=vocab, width=width, depth=depth, heads=4, tokens=tokens, batch=batch)
     model = SeedTransformer(vocab=vocab, width=width, depth=depth, tokens=tokens, mode=mode, seed=seed)
-    names = [name for name, _ in model.named_modules() if name]
+    # the probe and the gradient norms are those of a SeedLinear: no other module has them
+    names = [name for name, module in model.named_modules() if isinstance(module, SeedLinear)]
     if watch not in names:
+        listed = (
+            ", ".join(names) if len(names) <= 16 else f"blocks.<i>.qkv, .proj, .fc1 or .fc2 for i < {depth}"
+        )
         raise ValueError(
-            f"watch {watch!r} is no module of the model; closest names: {checks.closest(watch, names)}"
+            f"watch must name a SeedLinear layer of the model ({listed}), got {watch!r}; closest: "
+            f"{', '.join(checks.closest(watch, names))}"
         )
     linears = [m for m in model.modules() if isinstance(m, SeedLinear)]
     for layer in linears:

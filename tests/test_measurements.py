@@ -84,5 +84,6 @@ def test_clipping_is_only_for_block_formats():
 
 
 def test_laplace_is_finite_even_when_the_uniform_draw_is_zero(monkeypatch):
-    monkeypatch.setattr(torch, "rand", lambda shape, generator=None: torch.zeros(shape))
+    zeros = lambda shape, generator=None, dtype=None: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    monkeypatch.setattr(torch, "rand", zeros)
     assert torch.isfinite(synthetic.activations("laplace", (4,), torch.Generator())).all()
