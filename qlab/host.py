@@ -15,24 +15,34 @@ from qlab import checks, paths
 
 
 def resolve_device(name: str | torch.device = "auto", *, argument: str = "name") -> torch.device:
-    """``"auto"``: CUDA when torch sees a GPU, else the CPU; otherwise the named device, checked
-    (errors name ``argument``)."""
+    """``"auto"``: CUDA when torch sees a GPU, else the CPU; otherwise ``"cpu"``, ``"cuda"`` or
+    ``"cuda:N"`` (a GPU torch sees: N below ``torch.cuda.device_count()``), checked; any other device
+    type (mps, xpu, meta, ...) or a CPU index other than 0 is refused; ``"cpu:0"`` comes back as
+    ``cpu`` (errors name ``argument``)."""
+    accepted = "'auto', 'cpu', 'cuda' or 'cuda:N'"
     if isinstance(name, torch.device):
         name = str(name)
     if not isinstance(name, str):
-        raise TypeError(
-            f"{argument} must be a device: 'auto', 'cpu', 'cuda' or 'cuda:N', got {checks.shown(name)}"
-        )
+        raise TypeError(f"{argument} must be a device: {accepted}, got {checks.shown(name)}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise ValueError(
-            f"unknown device {argument}={name!r}; expected 'auto', 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
+        raise ValueError(f"unknown device {argument}={name!r}; expected {accepted}") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cpu" and device.index not in (None, 0)):
+        shown = "the CPU is 'cpu'" if device.type == "cpu" else f"device type {device.type!r}"
+        raise ValueError(f"{argument} must be a device qlab runs on: {accepted}, got {name!r} ({shown})")
+    if device.type == "cpu":
+        return torch.device("cpu")  # 'cpu:0' is the one CPU device, named as everywhere else
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{argument} {name!r} was asked for, but torch sees no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise ValueError(
+            f"{argument} must be {accepted} with N below the {count} CUDA device{'s' * (count != 1)} torch "
+            f"sees (cuda:0 … cuda:{count - 1}), got {name!r}"
+        )
     return device
 
 

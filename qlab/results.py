@@ -25,7 +25,14 @@ class SavedPath(type(Path())):
 
 
 def save_csv(df: pd.DataFrame, name: str) -> Path:
-    """Write ``df`` to ``data/<name>.csv`` (floats with 10 significant digits); return the path."""
+    """Write ``df`` to ``data/<name>.csv``; return the path.
+
+    Only the float columns are formatted: 10 significant digits, -0.0 written as 0 (pandas calls the
+    two equal, so equal frames give equal bytes). A float inside an object or categorical column (a
+    column mixing numbers and text) is written as Python's repr, all its digits. The index is not
+    written: call ``df.reset_index()`` first to keep a named index (the groups of a
+    ``groupby(...).mean()``) as columns.
+    """
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
     paths.result_name("name", name, "file stem")
@@ -38,8 +45,20 @@ def write_csv(df: pd.DataFrame, path: str | os.PathLike) -> Path:
         raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
     path = paths.writable_file("path", path, "CSV file")
     with paths.written_atomically(path) as tmp:
-        df.to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
+        _signed_zeros_cleared(df).to_csv(tmp, index=False, float_format="%.10g", lineterminator="\n")
     return path
+
+
+def _signed_zeros_cleared(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with -0.0 made 0.0 in its float columns (x + 0.0 does it and changes no other value);
+    ``df`` itself is left as it is. Columns are addressed by position: names may repeat."""
+    floats = [i for i, dtype in enumerate(df.dtypes) if dtype.kind == "f"]
+    if not floats:
+        return df
+    cleared = df.copy(deep=False)
+    for i in floats:
+        cleared.isetitem(i, df.iloc[:, i] + 0.0)
+    return cleared
 
 
 def read_csv(path: str | os.PathLike, columns=(), *, name: str = "path", what: str = "CSV file", **options):
@@ -89,19 +108,39 @@ def save_metrics(name: str, **metrics) -> Path:
 
 def markdown_table(df: pd.DataFrame, float_format: str = "{:.4g}") -> str:
     """``df`` as a GitHub-flavoured markdown table (header, then one row per row; the index is not
-    written; floats through ``float_format``; ``|`` in cells escaped), for a notebook's
-    ``IPython.display.Markdown`` or the README."""
+    written; floats through ``float_format``, a format with one replacement field such as "{:.3g}";
+    ``|`` in cells escaped, line breaks made spaces), for a notebook's ``IPython.display.Markdown`` or
+    the README."""
     if not isinstance(df, pd.DataFrame):
         raise TypeError(f"df must be a pandas DataFrame, got {checks.shown(df)}")
     if not isinstance(float_format, str) or "{" not in float_format:
         raise TypeError(
             f"float_format must be a format string like '{{:.4g}}', got {checks.shown(float_format)}"
         )
+    _check_float_format(float_format)
 
     def cell(value) -> str:
         text = float_format.format(value) if isinstance(value, float) else str(value)
-        return text.replace("|", "\\|").replace("\n", " ")
+        for ending in ("\r\n", "\r", "\n"):  # CommonMark's line endings: each would end the row
+            text = text.replace(ending, " ")
+        return text.replace("|", "\\|")
 
     lines = ["| " + " | ".join(cell(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
     return "\n".join(lines)
+
+
+def _check_float_format(float_format: str) -> None:
+    """``float_format`` must format a float, and two different floats differently (a format of
+    literal text only, such as "{{:.3f}}", would print the same text in every cell)."""
+    expected = "a format with one replacement field for the float, such as '{:.4g}'"
+    try:
+        shown = [float_format.format(value) for value in (1.5, 3.5)]
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"float_format must be {expected}, got {float_format!r} ({type(error).__name__}: {error})"
+        ) from None
+    if shown[0] == shown[1]:
+        raise ValueError(
+            f"float_format must be {expected}, got {float_format!r}: it writes {shown[0]!r} for any float"
+        )

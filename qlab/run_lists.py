@@ -38,6 +38,14 @@ def _backward_override_runs(parameters: dict, device: str) -> RunList:
     override with their own backward, for seeds 0 … seeds−1 (seed-major order)."""
     from qlab.train import TrainConfig
 
+    for argument in ("recipes", "recipe_backward_only", "overrides"):
+        _each_once(argument, parameters[argument])
+    both = [recipe for recipe in parameters["recipes"] if recipe in parameters["recipe_backward_only"]]
+    if both:
+        raise ValueError(
+            f"recipe {both[0]!r} is in both recipes and recipe_backward_only; give it in one: recipes trains "
+            "it with every override, recipe_backward_only with its own backward only"
+        )
     p = dict(parameters)
     if p["profile"] == "paper":  # the 1.0M-parameter CharGPT (5 blocks × 128), 3000 steps, ≥ 5 seeds
         p.update(seeds=max(p["seeds"], 5), steps=3000, layers=5, width=128, context=128, batch_size=32)
@@ -59,6 +67,18 @@ def _backward_override_runs(parameters: dict, device: str) -> RunList:
         + [(recipe, mode) for recipe in p["recipes"] for mode in modes]
         + [(recipe, None) for recipe in p["recipe_backward_only"]]
     )
+    sources = (
+        ["the FP32 baseline", "the BF16 baseline"]
+        + [f"recipes × overrides ({recipe!r})" for recipe in p["recipes"] for _ in modes]
+        + [f"recipe_backward_only ({recipe!r})" for recipe in p["recipe_backward_only"]]
+    )
+    for index, (recipe, mode) in enumerate(configurations):
+        if (recipe, mode) in configurations[:index]:
+            first = sources[configurations.index((recipe, mode))]
+            raise ValueError(
+                f"recipe {recipe!r} with override {mode or 'none'!r} is trained by {first} and again by "
+                f"{sources[index]}; give each configuration once"
+            )
     labels, configs = [], []
     for seed in range(p["seeds"]):
         for recipe, mode in configurations:
@@ -72,6 +92,12 @@ def _recipe_ablation_runs(parameters: dict, device: str) -> RunList:
     from qlab import ablation
     from qlab.train import TrainConfig
 
+    _each_once("train_variants", parameters["train_variants"])
+    if "fp32" in parameters["train_variants"]:
+        raise ValueError(
+            "train_variants must not list 'fp32': the run list trains the FP32 baseline beside every "
+            f"variant; got {parameters['train_variants']!r}"
+        )
     p = dict(parameters)
     if p["profile"] == "paper":  # the 1.0M-parameter CharGPT (5 blocks × 128), 3000 steps, ≥ 5 seeds
         p.update(seeds=max(p["seeds"], 5), train_steps=3000, capture_steps=1000, sr_draws=64)
@@ -143,4 +169,31 @@ def run_list(notebook: str, parameters: dict, device: str) -> RunList:
         raise ValueError("device must be resolved ('cpu', 'cuda'), got 'auto': see qlab.host.resolve_device")
     device = str(resolve_device(device, argument="device"))
     listed = RUN_LISTS[notebook](parameters, device)
+    _runs_once(listed)
     return RunList(listed.notebook, listed.parameters, listed.labels, listed.configs, dict(parameters))
+
+
+def _each_once(argument: str, values) -> None:
+    """A list parameter must name each entry once: a repeated entry is a configuration trained, and
+    its seeds counted, twice."""
+    for index, value in enumerate(values):
+        if value in values[:index]:
+            first = values.index(value)
+            raise ValueError(
+                f"{argument} lists {value!r} twice (entries {first} and {index}); give each once"
+            )
+
+
+def _runs_once(listed: RunList) -> None:
+    """No two runs of a list may share a label or train the same configuration under two labels."""
+    labels: dict = {}
+    configs: dict = {}  # by repr: a TrainConfig holds lists, so it does not hash
+    for label, config in zip(listed.labels, listed.configs):
+        key, shown = tuple(sorted(label.items())), repr(config)
+        other = labels.get(key, configs.get(shown))
+        if other is not None:
+            raise ValueError(
+                f"the runs of {listed.notebook} would train {other} and {label} as one configuration; "
+                "give each configuration once"
+            )
+        labels[key] = configs[shown] = label
