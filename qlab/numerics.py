@@ -44,9 +44,12 @@ LAYER_NORM_WELFORD_CHUNK = 16
 # --------------------------------------------------------------------------------------------
 
 
+_MOMENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # float8 has no arithmetic
+
+
 def _require_float_tensor(x, what: str = "x") -> None:
     checks.tensor(what, x)
-    if not x.is_floating_point():
+    if x.dtype not in _MOMENT_DTYPES:
         raise TypeError(
             f"{what} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}"
         )
@@ -72,8 +75,8 @@ def _rows(x: torch.Tensor, dims: int) -> tuple[torch.Tensor, tuple[int, ...]]:
 def _resolve_acc_dtype(x: torch.Tensor, acc_dtype) -> torch.dtype:
     if acc_dtype is None:
         return x.dtype
-    if not isinstance(acc_dtype, torch.dtype) or not acc_dtype.is_floating_point:
-        raise TypeError(f"acc_dtype must be a floating torch.dtype, got {acc_dtype!r}")
+    if acc_dtype not in _MOMENT_DTYPES:
+        raise TypeError(f"acc_dtype must be float16, bfloat16, float32 or float64, got {acc_dtype!r}")
     return acc_dtype
 
 
@@ -160,11 +163,18 @@ _SEQUENTIAL = {"textbook": _textbook, "two_pass": _two_pass, "welford": _welford
 
 def _chan_merge(na, nb, ma, mb, sa, sb):
     """Chan et al.: n = nA+nB, δ = M_B − M_A, M = M_A + δ·nB/n, S = S_A + S_B + δ²·nA·nB/n.
-    Counts are exact integer tensors; the two count ratios are rounded once to the moments' dtype."""
+    Counts are exact integer tensors; the two count ratios are rounded once to the moments' dtype. In
+    float16, nA·nB/n passes 65504 once n reaches 262,016: there δ²·nA·nB/n is formed in float32 and
+    rounded once (inf in float16 would make a constant row's S NaN)."""
     n = na + nb
     delta = mb - ma
     mean = ma + delta * _ratio(nb, n, ma.dtype)
-    m2 = sa + sb + delta * delta * _ratio(na * nb, n, ma.dtype)
+    weight = _ratio(na * nb, n, ma.dtype)
+    term = delta * delta * weight
+    if ma.dtype == torch.float16:
+        wide = delta.float() * delta.float() * _ratio(na * nb, n, torch.float32)
+        term = torch.where(torch.isinf(weight), wide.to(ma.dtype), term)
+    m2 = sa + sb + term
     return n, mean, m2
 
 
@@ -308,12 +318,21 @@ def _rows_as_floats(x: torch.Tensor, dims: int) -> tuple[list[list[float]], tupl
 
 def exact_moments(x: torch.Tensor, *, dims: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and biased variance over the last ``dims`` dims, computed in exact rational arithmetic
-    and each correctly rounded to float64 (relative error ≤ 2^-53)."""
+    and each correctly rounded to float64 (relative error ≤ 2^-53; a variance beyond float64's range is
+    inf, as torch.var gives)."""
     rows, lead = _rows_as_floats(x, dims)
     exact = [_exact_row_moments(r) for r in rows]
-    mean = torch.tensor([float(m) for m, _ in exact], dtype=torch.float64).reshape(lead)
-    var = torch.tensor([float(v) for _, v in exact], dtype=torch.float64).reshape(lead)
+    mean = torch.tensor([_float64(m) for m, _ in exact], dtype=torch.float64).reshape(lead)
+    var = torch.tensor([_float64(v) for _, v in exact], dtype=torch.float64).reshape(lead)
     return mean, var
+
+
+def _float64(value: Fraction) -> float:
+    """``value`` correctly rounded to float64, ±inf beyond its range (float() raises OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def rows_with_condition_number(
@@ -573,9 +592,10 @@ def use_stats_layer_norms(model: torch.nn.Module, stats: str, acc_dtype=None) ->
     replaced = []
     for name, module in list(model.named_modules()):
         if type(module) is torch.nn.LayerNorm:
+            affine = {"elementwise_affine": module.elementwise_affine, "bias": module.bias is not None}
             swapped = StatsLayerNorm(module.normalized_shape, module.eps, stats=stats, acc_dtype=acc_dtype,
-                                     elementwise_affine=False)  # fmt: skip
-            swapped.weight, swapped.bias = module.weight, module.bias
+                                     device="meta", **affine)  # fmt: skip
+            swapped.weight, swapped.bias = module.weight, module.bias  # the module's own Parameters
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, swapped)
             replaced.append(name)
@@ -761,7 +781,8 @@ def norm_input_conditions(model: torch.nn.Module, forward: Callable[[], object])
             if x is None or x.numel() == 0:
                 return  # a call with no rows has no κ
             x = x.detach()
-            x = x.reshape(-1, x.shape[-1]).double()
+            width = math.prod(getattr(module, "normalized_shape", None) or x.shape[-1:])  # a LayerNorm's
+            x = x.reshape(-1, width).double()  # rows over its normalized dims; an RMSNorm's over the last
             mean = x.mean(1, keepdim=True)
             variance = ((x - mean) ** 2).mean(1)
             kappa = torch.where(variance > 0, torch.sqrt(1 + mean[:, 0] ** 2 / variance), math.inf)

@@ -82,7 +82,14 @@ def register_noise_source(generator_for: Callable[[torch.device], torch.Generato
 
 
 def _noise_kernel(after: torch.Tensor, counts: list[int], source: torch.Tensor) -> list[torch.Tensor]:
-    generator = _NOISE_SOURCES[int(source)]()(after.device)
+    method = _NOISE_SOURCES.get(int(source))
+    generator_for = None if method is None else method()  # None: its object was garbage-collected
+    if generator_for is None:
+        raise ValueError(
+            f"source {int(source)} is not a registered noise source: give the key register_noise_source "
+            "returned, while the object whose generators it names is alive"
+        )
+    generator = generator_for(after.device)
     return [stochastic_noise((count,), generator, after.device) for count in counts]
 
 
@@ -111,5 +118,12 @@ def drawn_noise(source: torch.Tensor, shapes: list, after: torch.Tensor) -> list
     which PyTorch neither deduplicates nor reorders against its input (it is tagged
     nondeterministic_seeded), so a compiled model consumes the same stream and gives the same bits.
     """
+    if not isinstance(shapes, (list, tuple)):
+        raise TypeError(f"shapes must be a list of shapes (tuples of ints), got {checks.shown(shapes)}")
+    for shape in shapes:  # a traced shape holds SymInts: checked as ints, with no value to compare
+        if not isinstance(shape, (tuple, list, torch.Size)) or not all(
+            isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) for n in shape
+        ):
+            raise TypeError(f"each shape must be a tuple of ints, got {checks.shown(shape)}")
     flat = _noise_op(after, [math.prod(shape) for shape in shapes], source)
     return [noise.reshape(tuple(shape)) for noise, shape in zip(flat, shapes)]
