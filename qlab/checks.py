@@ -238,6 +238,21 @@ def allocatable(name: str, shape: Sequence[int], element_size: int = 4) -> None:
         )
 
 
+def token_ids_in_range(name: str, ids: torch.Tensor, vocab: int) -> None:
+    """ValueError unless every id of ``ids`` lies in [0, ``vocab``). Read back on the CPU only: on a GPU it
+    would synchronize the device every step (there the embedding's device-side assert reports a bad id),
+    and while torch.compile traces it would break the graph."""
+    import torch
+
+    if ids.device.type != "cpu" or not ids.numel() or torch.compiler.is_compiling():
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"{name} must lie in [0, {vocab}) (the vocabulary's ids), got ids from {low} to {high}"
+        )
+
+
 def all_finite(x: torch.Tensor) -> bool:
     """Whether every element of the floating tensor x is finite, read back from one min/max reduction:
     torch's min and max propagate NaN and reach ±inf, so they tell without the bool copy of x that

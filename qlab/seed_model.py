@@ -203,15 +203,7 @@ class SeedTransformer(nn.Module):
             raise ValueError(
                 f"ids must hold at most {tokens} tokens (the model's tokens), got {ids.shape[1]}"
             )
-        # the range is read back on the CPU only: on a GPU that would synchronize the device every step
-        # (there the embedding's device-side assert reports a bad id), and while torch.compile traces it
-        # would break the graph
-        if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= vocab:
-                raise ValueError(
-                    f"ids must lie in [0, {vocab}) (the vocabulary), got ids from {low} to {high}"
-                )
+        checks.token_ids_in_range("ids", ids, vocab)
         x = self.embed(ids) + self.position[: ids.shape[1]]
         for block in self.blocks:
             x = block(x)

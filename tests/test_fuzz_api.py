@@ -1417,7 +1417,8 @@ NOT_GENERATED = {
         checks.generator checks.seed checks.tensor checks.same_device checks.allocatable
         checks.all_finite checks.holds_nan checks.floating_dtype checks.module checks.matches
         checks.patterns checks.batches checks.frame_columns checks.names checks.closest
-        checks.patterns_match checks.yaml_value checks.yaml_text checks.given_once session.check_values
+        checks.patterns_match checks.token_ids_in_range checks.yaml_value checks.yaml_text checks.given_once
+        session.check_values
         session.check_parameters
         paths.existing_file paths.existing_folder paths.writable_file paths.result_name
         models.check_token_ids""",

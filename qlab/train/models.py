@@ -105,17 +105,7 @@ class CharGPT(nn.Module):
             )
         if ids.shape[1] > self.context:
             raise ValueError(f"sequence of {ids.shape[1]} tokens is longer than the context {self.context}")
-        # checked on the CPU only: on a GPU, reading min and max back would synchronize the device every
-        # step and break CUDA graph capture (there the embedding's device-side assert reports a bad id);
-        # nor while torch.compile traces, where reading a value back is a graph break
-        if ids.device.type == "cpu" and ids.numel() and not torch.compiler.is_compiling():
-            vocab_size = self.token_embedding.num_embeddings
-            low, high = int(ids.min()), int(ids.max())
-            if low < 0 or high >= vocab_size:
-                raise ValueError(
-                    f"CharGPT ids must lie in [0, {vocab_size}) (the vocabulary's ids), "
-                    f"got ids from {low} to {high}"
-                )
+        checks.token_ids_in_range("CharGPT ids", ids, self.token_embedding.num_embeddings)
         positions = torch.arange(ids.shape[1], device=ids.device)
         x = self.token_embedding(ids) + self.position_embedding(positions)
         for block in self.blocks:
